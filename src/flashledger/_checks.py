@@ -1,0 +1,93 @@
+"""Input validation shared by every entry point: clear errors, never a crash later on."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+__all__ = [
+    "check_block",
+    "check_finite",
+    "check_float_tensor",
+    "check_qkv",
+]
+
+
+def check_float_tensor(name: str, x: Any) -> torch.Tensor:
+    """``x`` must be a floating-point tensor."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(
+            f"{name} must have a floating dtype (float16, bfloat16, float32, float64), got {x.dtype}"
+        )
+    return x
+
+
+def check_finite(name: str, x: torch.Tensor, *, allow_neg_inf: bool = False) -> None:
+    """Raise ``ValueError`` naming the first offending element of ``x``."""
+    bad = torch.isnan(x) | (torch.isinf(x) if not allow_neg_inf else (x == math.inf))
+    if bool(bad.any()):
+        idx = tuple(int(i) for i in torch.nonzero(bad)[0].tolist())
+        what = "NaN or +inf" if allow_neg_inf else "NaN or inf"
+        allowed = "finite values or -inf" if allow_neg_inf else "finite values"
+        raise ValueError(
+            f"{name} contains {what} at index {idx} (value {x[idx].item()}); allowed: {allowed}"
+        )
+
+
+def check_block(name: str, value: Any) -> int:
+    """A tile size: an integer >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer >= 1, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value}")
+    return value
+
+
+def check_qkv(q: Any, k: Any, v: Any) -> None:
+    """Shapes ``(L, d)``, ``(H, L, d)`` or ``(B, H, L, d)``; K/V heads divide Q heads."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_float_tensor(name, x)
+        if x.ndim not in (2, 3, 4):
+            raise ValueError(
+                f"{name} must have shape (L, d), (H, L, d) or (B, H, L, d), got {tuple(x.shape)}"
+            )
+    if not (q.ndim == k.ndim == v.ndim):
+        raise ValueError(
+            "q, k and v must have the same number of dimensions, got "
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if not (q.device == k.device == v.device):
+        raise ValueError(
+            f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}"
+        )
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"q and k must share the head dim d: q {tuple(q.shape)}, k {tuple(k.shape)}"
+        )
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(
+            "k and v must agree on every dim but the last (heads and key length): "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if q.ndim == 4 and q.shape[0] != k.shape[0]:
+        raise ValueError(
+            f"q and k must share the batch dim: q {tuple(q.shape)}, k {tuple(k.shape)}"
+        )
+    if q.ndim >= 3:
+        hq, hkv = q.shape[-3], k.shape[-3]
+        if hkv < 1 or hq % hkv != 0:
+            raise ValueError(
+                f"the number of query heads ({hq}) must be a multiple of the number of key/value "
+                f"heads ({hkv}) (GQA/MQA)"
+            )
+    if q.shape[-1] < 1 or v.shape[-1] < 1:
+        raise ValueError(f"head dims must be >= 1: q {tuple(q.shape)}, v {tuple(v.shape)}")
+    if k.shape[-2] < 1 or q.shape[-2] < 1:
+        raise ValueError(f"sequence lengths must be >= 1: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    check_finite("q", q)
+    check_finite("k", k)
+    check_finite("v", v)

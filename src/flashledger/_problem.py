@@ -1,0 +1,291 @@
+"""One attention problem, validated and laid out for the loops.
+
+Both the dense reference and the blocked loop start here, so every option is
+checked once, with the same messages. Tensors are viewed in the internal 5-D
+layout ``(B, Hkv, G, L, d)`` (``G = Hq // Hkv``; K and V have ``G = 1``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._checks import check_finite, check_float_tensor, check_qkv
+from .conventions import Conventions, get_conventions
+from .dropout import dropout_keep
+from .masks import BoundMask, Geometry, Mask, _SequenceBounds, as_mask
+from .scores import ScoreMod
+
+__all__ = ["Placement", "Problem", "build_problem"]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where this call's rows and keys sit in a longer sequence (split-KV, ring attention).
+
+    Query row ``r`` of the call is global row ``q_offset + r``; key ``c`` is
+    global key ``k_offset + c``; masks, ALiBi, bias and dropout use global
+    positions and the global lengths ``lq_total`` / ``lk_total``.
+    """
+
+    q_offset: int = 0
+    k_offset: int = 0
+    lq_total: int | None = None
+    lk_total: int | None = None
+
+
+@dataclass
+class Problem:
+    """Everything a loop needs, validated. Shapes in the comments."""
+
+    q: torch.Tensor  # (B, Hkv, G, Lq, d) accumulation dtype
+    k: torch.Tensor  # (B, Hkv, 1, Lk, d)
+    v: torch.Tensor  # (B, Hkv, 1, Lk, d_v)
+    ndim: int  # caller's rank: 2, 3 or 4
+    out_dtype: torch.dtype
+    conventions: Conventions
+    geo: Geometry
+    mask: BoundMask | None
+    smod: ScoreMod
+    dropout_p: float
+    seed: int
+    has_bias: bool
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.q.dtype
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int, int, int, int]:
+        """``(B, Hq, Hkv, G, Lq, Lk, d, d_v)``."""
+        b, hkv, g, lq, d = self.q.shape
+        return b, hkv * g, hkv, g, lq, self.k.shape[-2], d, self.v.shape[-1]
+
+    # -- layout -----------------------------------------------------------------------
+    def user_q(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, Hkv, G, L, *)`` -> the caller's layout of a query-side tensor."""
+        b, hkv, g = x.shape[:3]
+        y = x.reshape(b, hkv * g, *x.shape[3:])
+        return _drop_leading(y, self.ndim, rows_only=x.ndim == 4)
+
+    def user_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, Hkv, G, L)`` row statistics -> ``(..., L)`` in the caller's layout."""
+        return self.user_q(x)
+
+    def user_k(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, Hkv, 1, L, *)`` or ``(B, Hkv, L, *)`` -> the caller's layout of a key-side tensor."""
+        y = x.squeeze(2) if x.ndim == 5 else x
+        return _drop_leading(y, self.ndim, rows_only=False)
+
+    def to_internal_q(self, x: torch.Tensor) -> torch.Tensor:
+        """A caller-layout query-side tensor ``(..., L, X)`` -> ``(B, Hkv, G, L, X)``."""
+        b, hq, hkv, g = self.shape[:4]
+        y = _add_leading(x, 4)
+        return y.reshape(b, hkv, g, *y.shape[2:])
+
+    def to_internal_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Caller-layout rows ``(..., L)`` -> ``(B, Hkv, G, L)``."""
+        b, hq, hkv, g = self.shape[:4]
+        y = _add_leading(x, 3)
+        return y.reshape(b, hkv, g, y.shape[-1])
+
+    # -- per-tile ingredients ---------------------------------------------------------
+    def keep_tile(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor | None:
+        """Dropout keep mask of a tile, bool ``(B, Hkv, G, bq, bk)``, or None without dropout."""
+        if self.dropout_p == 0.0:
+            return None
+        b, hq, hkv, g = self.shape[:4]
+        dev = self.geo.device
+        bi = torch.arange(b, device=dev).view(b, 1, 1, 1, 1)
+        hi = torch.arange(hq, device=dev).view(1, hkv, g, 1, 1)
+        i = torch.arange(q0, q1, device=dev).view(-1, 1) + self.geo.q_offset
+        j = torch.arange(k0, k1, device=dev).view(1, -1) + self.geo.k_offset
+        return dropout_keep(self.seed, self.dropout_p, self.conventions.dropout_keep, bi, hi, i, j)
+
+    def mask_tile(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        """Visibility of a tile, bool broadcastable to ``(B, Hkv, G, bq, bk)``."""
+        assert self.mask is not None
+        vis = self.mask.block(q0, q1, k0, k1)  # (Bm, Hm, bq, bk)
+        b, hq, hkv, g = self.shape[:4]
+        if vis.shape[1] == 1:
+            return vis.unsqueeze(2)
+        return vis.reshape(vis.shape[0], hkv, g, *vis.shape[2:])
+
+    @property
+    def keep_scale(self) -> float:
+        return 1.0 / (1.0 - self.dropout_p)
+
+
+def _drop_leading(y: torch.Tensor, ndim: int, *, rows_only: bool) -> torch.Tensor:
+    # y is (B, H, L, *) or (B, H, L) for rows
+    target = ndim - 1 if rows_only else ndim
+    while y.ndim > target:
+        y = y.squeeze(0)
+    return y
+
+
+def _add_leading(x: torch.Tensor, ndim: int) -> torch.Tensor:
+    while x.ndim < ndim:
+        x = x.unsqueeze(0)
+    return x
+
+
+def _check_cu(name: str, cu: Any, total: int) -> torch.Tensor:
+    if not isinstance(cu, torch.Tensor):
+        cu = torch.as_tensor(cu)
+    if cu.ndim != 1 or cu.numel() < 2 or cu.is_floating_point() or cu.dtype == torch.bool:
+        raise ValueError(
+            f"{name} must be a 1-D integer tensor of cumulative lengths [0, ..., total], got {cu!r}"
+        )
+    c = cu.to(torch.int64).cpu()
+    if int(c[0]) != 0:
+        raise ValueError(f"{name} must start at 0, got {c.tolist()}")
+    if bool((c[1:] < c[:-1]).any()):
+        raise ValueError(f"{name} must be non-decreasing, got {c.tolist()}")
+    if int(c[-1]) != total:
+        raise ValueError(f"{name} must end at the packed length {total}, got {c.tolist()}")
+    return c
+
+
+def build_problem(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Mask | torch.Tensor | None = None,
+    scale: float | None = None,
+    conventions: Conventions | str | None = None,
+    dropout_p: float = 0.0,
+    seed: int = 0,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    placement: Placement | None = None,
+    acc_dtype: torch.dtype | None = None,
+) -> Problem:
+    """Validate every input and option and lay the problem out for a loop."""
+    check_qkv(q, k, v)
+    conv = get_conventions(conventions)
+    ndim = q.ndim
+    q4 = _add_leading(q, 4)
+    k4 = _add_leading(k, 4)
+    v4 = _add_leading(v, 4)
+    b, hq, lq, d = q4.shape
+    hkv, lk = k4.shape[1], k4.shape[2]
+    g = hq // hkv
+    if acc_dtype is None:
+        acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    # -- options --
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number (default 1/sqrt(d)), got {scale!r}")
+    if (
+        isinstance(dropout_p, bool)
+        or not isinstance(dropout_p, (int, float))
+        or not (0.0 <= dropout_p < 1.0)
+    ):
+        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+    if softcap is not None and (
+        isinstance(softcap, bool)
+        or not isinstance(softcap, (int, float))
+        or not math.isfinite(softcap)
+        or softcap <= 0
+    ):
+        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
+    if alibi_slopes is not None:
+        check_float_tensor("alibi_slopes", alibi_slopes)
+        ok = alibi_slopes.shape == (hq,) or alibi_slopes.shape == (b, hq)
+        if not ok:
+            raise ValueError(
+                f"alibi_slopes must have shape (H,) = ({hq},) or (B, H) = ({b}, {hq}), "
+                f"got {tuple(alibi_slopes.shape)}"
+            )
+        check_finite("alibi_slopes", alibi_slopes)
+    place = placement or Placement()
+    lq_total = place.lq_total if place.lq_total is not None else lq
+    lk_total = place.lk_total if place.lk_total is not None else lk
+    if not (
+        place.q_offset >= 0
+        and place.q_offset + lq <= lq_total
+        and place.k_offset >= 0
+        and place.k_offset + lk <= lk_total
+    ):
+        raise ValueError(f"placement {place} does not fit the call's lengths Lq={lq}, Lk={lk}")
+    if bias is not None:
+        check_float_tensor("bias", bias)
+        bb = _add_leading(bias, 4)
+        want = (b, hq, lq_total, lk_total)
+        if bias.ndim > 4 or any(s not in (1, w) for s, w in zip(bb.shape, want)):
+            raise ValueError(
+                f"bias of shape {tuple(bias.shape)} is not broadcastable to (B, H, Lq, Lk) = {want}"
+            )
+        check_finite("bias", bias, allow_neg_inf=True)
+    # -- variable length --
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
+    cq = ck = None
+    if cu_seqlens_q is not None:
+        if b != 1:
+            raise ValueError(
+                "with cu_seqlens, sequences are packed along the length axis: q must be "
+                f"(total_q, d) or (H, total_q, d), got {tuple(q.shape)}"
+            )
+        if placement is not None:
+            raise ValueError("cu_seqlens cannot be combined with a placement")
+        cq = _check_cu("cu_seqlens_q", cu_seqlens_q, lq)
+        ck = _check_cu("cu_seqlens_k", cu_seqlens_k, lk)
+        if cq.numel() != ck.numel():
+            raise ValueError(
+                f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, "
+                f"got {cq.numel() - 1} and {ck.numel() - 1}"
+            )
+    geo = Geometry.build(
+        lq=lq,
+        lk=lk,
+        batch=b,
+        heads=hq,
+        causal_align=conv.causal_align,
+        device=q.device,
+        q_offset=place.q_offset,
+        k_offset=place.k_offset,
+        lq_total=lq_total,
+        lk_total=lk_total,
+        cu_seqlens_q=cq,
+        cu_seqlens_k=ck,
+    )
+    m = as_mask(mask)
+    if geo.varlen:
+        m = _SequenceBounds() if m is None else (_SequenceBounds() & m)
+    bound = m.bind(geo) if m is not None else None
+    smod = ScoreMod.build(
+        scale=float(scale),
+        geo=geo,
+        hkv=hkv,
+        g=g,
+        softcap=None if softcap is None else float(softcap),
+        alibi_slopes=alibi_slopes,
+        bias=bias,
+        dtype=acc_dtype,
+    )
+    return Problem(
+        q=q4.to(acc_dtype).reshape(b, hkv, g, lq, d),
+        k=k4.to(acc_dtype).unsqueeze(2),
+        v=v4.to(acc_dtype).unsqueeze(2),
+        ndim=ndim,
+        out_dtype=q.dtype,
+        conventions=conv,
+        geo=geo,
+        mask=bound,
+        smod=smod,
+        dropout_p=float(dropout_p),
+        seed=seed,
+        has_bias=bias is not None,
+    )

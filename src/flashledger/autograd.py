@@ -1,0 +1,94 @@
+"""``flash_attention``: the blocked loop as a differentiable PyTorch op.
+
+The forward saves ``q, k, v, o`` and one LSE per row; the backward is
+``blocked_backward`` (it rebuilds each probability block from the LSE). A
+gradient flowing into the returned LSE is propagated when the conventions say
+the LSE is differentiable (``SEED`` and ``FLEX_ATTENTION``) and ignored
+otherwise (flash-attn, SDPA). Passes ``torch.autograd.gradcheck`` in float64.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .blocked import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, LoopOrder, blocked_backward, blocked_forward
+from .conventions import SEED, Conventions, get_conventions
+from .masks import Mask
+
+__all__ = ["flash_attention"]
+
+
+class _FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        bias: torch.Tensor | None,
+        opts: dict[str, Any],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        res = blocked_forward(q, k, v, bias=bias, **opts)
+        ctx.save_for_backward(q, k, v, bias, res.o, res.lse)
+        ctx.opts = opts
+        return res.o, res.lse
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, do: torch.Tensor, dlse: torch.Tensor | None
+    ) -> tuple[Any, ...]:
+        q, k, v, bias, o, lse = ctx.saved_tensors
+        opts = ctx.opts
+        use_dlse = get_conventions(opts["conventions"]).lse_differentiable and dlse is not None
+        res = blocked_backward(
+            q, k, v, o, lse, do.contiguous(), dlse=dlse if use_dlse else None, bias=bias, **opts
+        )
+        dbias = res.dbias if bias is not None and ctx.needs_input_grad[3] else None
+        return res.dq, res.dk, res.dv, dbias, None
+
+
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Mask | torch.Tensor | None = None,
+    scale: float | None = None,
+    conventions: Conventions | str = SEED,
+    dropout_p: float = 0.0,
+    seed: int = 0,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    block_q: int = DEFAULT_BLOCK_Q,
+    block_k: int = DEFAULT_BLOCK_K,
+    loop_order: LoopOrder = "fa2",
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention ``softmax(f(q kᵀ)) v`` computed blockwise, differentiable.
+
+    q ``(..., Lq, d)``, k ``(..., Lk, d)``, v ``(..., Lk, d_v)``; returns ``o``
+    ``(..., Lq, d_v)`` (and ``lse`` ``(..., Lq)`` with ``return_lse=True``).
+    Options as for ``blocked_forward``; ``bias`` receives a gradient when it
+    requires one.
+    """
+    opts: dict[str, Any] = dict(
+        mask=mask,
+        scale=scale,
+        conventions=conventions,
+        dropout_p=dropout_p,
+        seed=seed,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        block_q=block_q,
+        block_k=block_k,
+        loop_order=loop_order,
+    )
+    o, lse = _FlashAttention.apply(q, k, v, bias, opts)
+    return (o, lse) if return_lse else o

@@ -1,0 +1,254 @@
+"""The ledger: what the blocked loop did, step by step, and what it counted.
+
+Counters are always kept (they cost a few integer additions per tile).
+Records, one per tile step, are built only when tracing is on; they hold the
+tensors the loop actually computed, in the caller's layout (leading
+``(B, H)`` dims dropped when the inputs had none).
+
+Renderers: ``str(ledger)`` (plain text table), ``ledger.to_dict()`` (JSON-ready,
+infinities as the strings ``"inf"``/``"-inf"``), ``ledger._repr_html_()`` for
+notebooks.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import torch
+
+from .masks import TILE_KINDS
+
+__all__ = ["BackwardTileStep", "Counters", "ForwardTileStep", "Ledger", "jsonable"]
+
+
+@dataclass
+class Counters:
+    """Totals over batch and heads for one pass (forward or backward)."""
+
+    qk_dots_visible: int = 0
+    """QK dot products for visible (query, key) pairs in the tiles run."""
+    qk_dots_computed: int = 0
+    """QK dot products actually computed: the whole area of every tile run (partial tiles
+    compute masked entries too)."""
+    exps: int = 0
+    """Exponentials evaluated (probabilities and rescale factors, masked entries included)."""
+    tiles_run: int = 0
+    tiles_skipped: int = 0
+    """Tiles with no visible pair: never loaded, never computed."""
+    tiles_full: int = 0
+    """Tiles run without evaluating the mask."""
+    tiles_partial: int = 0
+    """Tiles run with the mask evaluated inside."""
+    dropped: int = 0
+    """Visible (query, key) entries zeroed by dropout."""
+    elements_read: int = 0
+    """Slow-memory (HBM) elements read under the schedule run (see blocked.py)."""
+    elements_written: int = 0
+    """Slow-memory (HBM) elements written under the schedule run."""
+
+    def to_dict(self) -> dict[str, int]:
+        return {f.name: int(getattr(self, f.name)) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class ForwardTileStep:
+    """One forward tile step: query tile ``q_tile`` against key tile ``k_tile``.
+
+    Tensor fields are ``None`` unless the loop was traced. Row statistics are
+    ``(..., bq)``; ``s``/``p`` ``(..., bq, bk)``; ``acc``/``o`` ``(..., bq, d_v)``.
+    """
+
+    index: int
+    q_tile: int
+    k_tile: int
+    q_range: tuple[int, int]
+    k_range: tuple[int, int]
+    kind: str  # "full" | "partial"
+    s: torch.Tensor | None = None  # scores of the tile (masked entries -inf)
+    block_max: torch.Tensor | None = None  # rowmax of s
+    m_before: torch.Tensor | None = None
+    m_after: torch.Tensor | None = None
+    alpha: torch.Tensor | None = None  # exp(m_before - m_after), 0 for an empty state
+    ell: torch.Tensor | None = None
+    acc: torch.Tensor | None = None  # unnormalised accumulator (FA2 order); None in FA1 order
+    o: torch.Tensor | None = None  # output of the keys read so far
+    p: torch.Tensor | None = None  # exp(s - m_after)
+    keep: torch.Tensor | None = None  # dropout keep mask of the tile
+
+
+@dataclass(frozen=True)
+class BackwardTileStep:
+    """One backward tile step: key tile ``k_tile`` against query tile ``q_tile``.
+
+    ``p`` is the rebuilt probability block ``exp(s - lse)``; ``ds`` the score
+    gradient; ``dq``/``dk``/``dv`` this step's contributions.
+    """
+
+    index: int
+    q_tile: int
+    k_tile: int
+    q_range: tuple[int, int]
+    k_range: tuple[int, int]
+    kind: str
+    s: torch.Tensor | None = None
+    p: torch.Tensor | None = None
+    dp: torch.Tensor | None = None
+    ds: torch.Tensor | None = None
+    dq: torch.Tensor | None = None  # (..., bq, d)
+    dk: torch.Tensor | None = None  # (..., bk, d)
+    dv: torch.Tensor | None = None  # (..., bk, d_v)
+    keep: torch.Tensor | None = None
+
+
+@dataclass
+class Ledger:
+    """Records of one pass (``"forward"`` or ``"backward"``) and its counters."""
+
+    pass_name: str
+    block_q: int
+    block_k: int
+    loop_order: str
+    tiles_q: int
+    tiles_k: int
+    counters: Counters = field(default_factory=Counters)
+    records: list[ForwardTileStep | BackwardTileStep] = field(default_factory=list)
+    tile_kinds: list[list[str]] = field(default_factory=list)
+    """``tile_kinds[i][j]``: ``"empty"``, ``"partial"`` or ``"full"`` for every tile."""
+    lead: int = 0
+    """Leading (batch, head) dims of the record tensors: 0, 1 or 2."""
+
+    # -- plumbing used by the loop --------------------------------------------------
+    def set_tile_classes(self, classes: torch.Tensor | None) -> None:
+        if classes is None:
+            self.tile_kinds = [["full"] * self.tiles_k for _ in range(self.tiles_q)]
+        else:
+            self.tile_kinds = [[TILE_KINDS[int(c)] for c in row] for row in classes.tolist()]
+
+    # -- renderers --------------------------------------------------------------------
+    def rows(self) -> list[dict[str, Any]]:
+        """One summary dict per record (first batch and head when there are several)."""
+        out = []
+        for r in self.records:
+            row: dict[str, Any] = {
+                "step": r.index + 1,
+                "tile": f"Q{r.q_tile} x K{r.k_tile}",
+                "queries": f"{r.q_range[0]}..{r.q_range[1] - 1}",
+                "keys": f"{r.k_range[0]}..{r.k_range[1] - 1}",
+                "kind": r.kind,
+            }
+            if isinstance(r, ForwardTileStep):
+                row.update(
+                    block_max=_first(r.block_max, self.lead),
+                    m=_first(r.m_after, self.lead),
+                    alpha=_first(r.alpha, self.lead),
+                    ell=_first(r.ell, self.lead),
+                )
+            else:
+                row.update(p=_first(r.p, self.lead))
+            out.append(row)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: configuration, counters, tile kinds and every record's fields."""
+        return {
+            "pass": self.pass_name,
+            "block_q": self.block_q,
+            "block_k": self.block_k,
+            "loop_order": self.loop_order,
+            "tiles_q": self.tiles_q,
+            "tiles_k": self.tiles_k,
+            "counters": self.counters.to_dict(),
+            "tile_kinds": self.tile_kinds,
+            "records": [jsonable(asdict(r)) for r in self.records],
+        }
+
+    def __str__(self) -> str:
+        c = self.counters
+        head = (
+            f"{self.pass_name} ledger: tiles {self.block_q}x{self.block_k}, "
+            f"{self.loop_order} order, {c.tiles_run} run ({c.tiles_full} full, "
+            f"{c.tiles_partial} partial), {c.tiles_skipped} skipped; QK dots: "
+            f"{c.qk_dots_visible} visible, {c.qk_dots_computed} computed; exps {c.exps}; "
+            f"HBM elements read {c.elements_read}, written {c.elements_written}"
+        )
+        rows = self.rows()
+        if not rows:
+            return head
+        cols = list(rows[0])
+        cells = [[_fmt(r[k]) for k in cols] for r in rows]
+        widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(cols)]
+        lines = [head, "  ".join(k.ljust(w) for k, w in zip(cols, widths))]
+        lines += ["  ".join(v.ljust(w) for v, w in zip(c, widths)) for c in cells]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        c = self.counters
+        parts = [
+            f"<p><b>{html.escape(self.pass_name)} ledger</b>: tiles {self.block_q}&times;"
+            f"{self.block_k}, {html.escape(self.loop_order)} order</p>",
+            "<table><tr>"
+            + "".join(f"<th>{k}</th>" for k in c.to_dict())
+            + "</tr><tr>"
+            + "".join(f"<td>{v}</td>" for v in c.to_dict().values())
+            + "</tr></table>",
+        ]
+        rows = self.rows()
+        if rows:
+            cols = list(rows[0])
+            parts.append(
+                "<table><tr>"
+                + "".join(f"<th>{html.escape(k)}</th>" for k in cols)
+                + "</tr>"
+                + "".join(
+                    "<tr>" + "".join(f"<td>{html.escape(_fmt(r[k]))}</td>" for k in cols) + "</tr>"
+                    for r in rows
+                )
+                + "</table>"
+            )
+        return "\n".join(parts)
+
+
+def _first(x: torch.Tensor | None, lead: int) -> list[Any] | None:
+    """The first batch element's first head (``lead`` leading dims dropped), as lists."""
+    if x is None:
+        return None
+    y = x
+    for _ in range(lead):
+        y = y[0]
+    return y.tolist()  # type: ignore[no-any-return]
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return _fnum(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_fmt(x) for x in v) + "]"
+    return str(v)
+
+
+def _fnum(x: float) -> str:
+    if math.isinf(x):
+        return "-inf" if x < 0 else "inf"
+    return f"{x:.6g}"
+
+
+def jsonable(x: Any) -> Any:
+    """Tensors to nested lists; ±inf to ``"inf"``/``"-inf"``; NaN to ``"nan"``."""
+    if isinstance(x, torch.Tensor):
+        return jsonable(x.detach().cpu().tolist())
+    if isinstance(x, float):
+        if math.isnan(x):
+            return "nan"
+        if math.isinf(x):
+            return "inf" if x > 0 else "-inf"
+        return x
+    if isinstance(x, dict):
+        return {k: jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    return x

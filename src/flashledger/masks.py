@@ -1,0 +1,464 @@
+"""Masks that know their tiles.
+
+A mask says which (query, key) pairs may attend (``True`` = attend). Every
+mask here can
+
+- give its dense boolean matrix (``mask.dense(Lq, Lk)``), and
+- classify each ``block_q x block_k`` tile as ``EMPTY`` (no visible pair: the
+  tile is skipped), ``PARTIAL`` (the mask is evaluated inside the tile) or
+  ``FULL`` (every pair visible: the mask is never evaluated).
+
+Structured masks (causal, sliding window, key padding, variable-length
+sequence bounds) are *interval* masks: query row ``i`` sees exactly the keys
+``lo[i] <= j <= hi[i]``. Their tiles are classified in closed form from the
+intervals, without evaluating a single pair. Dense masks are classified by
+reducing the boolean matrix. ``a & b`` intersects two masks.
+
+Positions are global: a call may cover query rows ``[q_offset, q_offset+Lq)``
+and keys ``[k_offset, k_offset+Lk)`` of a longer sequence (split-KV, ring
+attention), and causal alignment uses the global lengths.
+
+Conventions (flash-attn semantics):
+
+- ``Causal(align="top_left")``: key j visible to query i iff ``j <= i``;
+  ``"bottom_right"``: iff ``j <= i + Lk - Lq``; ``align=None`` takes the
+  conventions' ``causal_align``.
+- ``SlidingWindow(left, right)``: iff ``c - left <= j <= c + right`` with
+  ``c = i`` (top-left) or ``c = i + Lk - Lq`` (bottom-right); ``None`` or -1
+  means unbounded on that side; ``SlidingWindow(None, 0)`` is causal.
+- ``KeyPadding(lengths)``: batch ``b`` sees keys ``j < lengths[b]``.
+- ``DenseMask(t)``: any bool tensor broadcastable to ``(B, H, Lq, Lk)``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+__all__ = [
+    "EMPTY",
+    "FULL",
+    "PARTIAL",
+    "Causal",
+    "DenseMask",
+    "Geometry",
+    "KeyPadding",
+    "Mask",
+    "SlidingWindow",
+    "as_mask",
+]
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+TILE_KINDS = {EMPTY: "empty", PARTIAL: "partial", FULL: "full"}
+Align = Literal["top_left", "bottom_right"]
+_BIG = 1 << 60
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Where a call's rows and keys sit, and what each row could see at most.
+
+    All index tensors are int64 on the call's device. ``k_lo``/``k_hi`` bound
+    row ``i``'s keys to its own sequence (``[0, Lk_total)`` without variable
+    length); ``off_tl``/``off_br`` are the per-row offsets ``c - i`` of the
+    top-left / bottom-right diagonal.
+    """
+
+    lq: int  # rows in this call
+    lk: int  # keys in this call
+    batch: int
+    heads: int  # query heads
+    q_offset: int  # global index of row 0
+    k_offset: int  # global index of key 0
+    lq_total: int
+    lk_total: int
+    causal_align: Align
+    device: torch.device
+    k_lo: torch.Tensor  # (Lq,) first key of the row's sequence (global)
+    k_hi: torch.Tensor  # (Lq,) one past its last key (global)
+    off_tl: torch.Tensor  # (Lq,) top-left diagonal offset
+    off_br: torch.Tensor  # (Lq,) bottom-right diagonal offset
+    varlen: bool = False
+
+    @staticmethod
+    def build(
+        *,
+        lq: int,
+        lk: int,
+        batch: int = 1,
+        heads: int = 1,
+        causal_align: Align = "top_left",
+        device: torch.device | str | None = None,
+        q_offset: int = 0,
+        k_offset: int = 0,
+        lq_total: int | None = None,
+        lk_total: int | None = None,
+        cu_seqlens_q: torch.Tensor | None = None,
+        cu_seqlens_k: torch.Tensor | None = None,
+    ) -> Geometry:
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        lq_total = lq if lq_total is None else lq_total
+        lk_total = lk if lk_total is None else lk_total
+        rows = torch.arange(q_offset, q_offset + lq, device=dev)  # (Lq,) global rows
+        if cu_seqlens_q is None:
+            zeros = torch.zeros(lq, dtype=torch.int64, device=dev)
+            return Geometry(
+                lq,
+                lk,
+                batch,
+                heads,
+                q_offset,
+                k_offset,
+                lq_total,
+                lk_total,
+                causal_align,
+                dev,
+                k_lo=zeros,
+                k_hi=zeros + lk_total,
+                off_tl=zeros,
+                off_br=zeros + (lk_total - lq_total),
+            )
+        assert cu_seqlens_k is not None
+        cq = cu_seqlens_q.to(device=dev, dtype=torch.int64)
+        ck = cu_seqlens_k.to(device=dev, dtype=torch.int64)
+        seq = torch.searchsorted(cq, rows, right=True) - 1  # (Lq,) sequence of each row
+        return Geometry(
+            lq,
+            lk,
+            batch,
+            heads,
+            q_offset,
+            k_offset,
+            lq_total,
+            lk_total,
+            causal_align,
+            dev,
+            k_lo=ck[seq],
+            k_hi=ck[seq + 1],
+            off_tl=ck[seq] - cq[seq],
+            off_br=ck[seq + 1] - cq[seq + 1],
+            varlen=True,
+        )
+
+    def rows(self) -> torch.Tensor:
+        """Global query indices of this call, ``(Lq,)``."""
+        return torch.arange(self.q_offset, self.q_offset + self.lq, device=self.device)
+
+    def diagonal(self, align: Align | None) -> torch.Tensor:
+        """Per-row diagonal key position ``c`` for the alignment, ``(Lq,)``."""
+        a = align or self.causal_align
+        return self.rows() + (self.off_tl if a == "top_left" else self.off_br)
+
+
+class BoundMask(ABC):
+    """A mask evaluated against one call's geometry."""
+
+    geo: Geometry
+
+    @abstractmethod
+    def block(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        """Visibility of local rows ``[q0, q1)`` x local keys ``[k0, k1)``: bool ``(Bm, Hm, bq, bk)``."""
+        ...
+
+    @abstractmethod
+    def tile_classes(self, block_q: int, block_k: int) -> torch.Tensor:
+        """``(Tq, Tk)`` int8 tensor of ``EMPTY``/``PARTIAL``/``FULL``."""
+        ...
+
+    def dense(self) -> torch.Tensor:
+        """The whole visibility matrix, bool ``(Bm, Hm, Lq, Lk)``."""
+        return self.block(0, self.geo.lq, 0, self.geo.lk)
+
+
+class IntervalBound(BoundMask):
+    """Row ``i`` sees global keys ``lo[i] <= j <= hi[i]`` (``lo``, ``hi``: ``(Bm, Lq)``)."""
+
+    def __init__(self, geo: Geometry, lo: torch.Tensor, hi: torch.Tensor) -> None:
+        self.geo = geo
+        self.lo = torch.maximum(lo, geo.k_lo)  # (Bm, Lq)
+        self.hi = torch.minimum(hi, geo.k_hi - 1)  # (Bm, Lq)
+
+    def block(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        j = torch.arange(k0, k1, device=self.geo.device) + self.geo.k_offset  # (bk,)
+        lo = self.lo[:, q0:q1, None]  # (Bm, bq, 1)
+        hi = self.hi[:, q0:q1, None]
+        return ((j >= lo) & (j <= hi)).unsqueeze(1)  # (Bm, 1, bq, bk)
+
+    def tile_classes(self, block_q: int, block_k: int) -> torch.Tensor:
+        g = self.geo
+        tq, tk = -(-g.lq // block_q), -(-g.lk // block_k)
+        pad = tq * block_q - g.lq
+        k0 = torch.arange(tk, device=g.device) * block_k + g.k_offset  # (Tk,) global first key
+        k1 = torch.clamp(k0 + block_k, max=g.k_offset + g.lk) - 1  # (Tk,) global last key
+        # FULL: every row (every batch) covers the whole tile.
+        lo_f = torch.nn.functional.pad(self.lo, (0, pad), value=-_BIG)
+        hi_f = torch.nn.functional.pad(self.hi, (0, pad), value=_BIG)
+        max_lo = lo_f.view(-1, tq, block_q).amax(dim=(0, 2))  # (Tq,)
+        min_hi = hi_f.view(-1, tq, block_q).amin(dim=(0, 2))  # (Tq,)
+        full = (max_lo[:, None] <= k0[None, :]) & (min_hi[:, None] >= k1[None, :])  # (Tq, Tk)
+        # EMPTY: no row's interval meets the tile. Rows mark the tile span they hit.
+        lo_l = self.lo - g.k_offset  # (Bm, Lq) local
+        hi_l = self.hi - g.k_offset
+        hit = (lo_l <= hi_l) & (hi_l >= 0) & (lo_l <= g.lk - 1)  # (Bm, Lq)
+        first = torch.clamp(lo_l, min=0) // block_k  # (Bm, Lq)
+        last = torch.clamp(hi_l, max=g.lk - 1) // block_k
+        qtile = (torch.arange(g.lq, device=g.device) // block_q).expand_as(first)  # (Bm, Lq)
+        diff = torch.zeros(tq, tk + 1, dtype=torch.int64, device=g.device)
+        flat = diff.view(-1)
+        w = hit.to(torch.int64)
+        flat.index_add_(0, (qtile * (tk + 1) + first.clamp(0, tk)).reshape(-1), w.reshape(-1))
+        flat.index_add_(0, (qtile * (tk + 1) + (last + 1).clamp(0, tk)).reshape(-1), -w.reshape(-1))
+        nonempty = diff.cumsum(dim=1)[:, :tk] > 0  # (Tq, Tk)
+        out = torch.full((tq, tk), PARTIAL, dtype=torch.int8, device=g.device)
+        out[~nonempty] = EMPTY
+        out[full & nonempty] = FULL
+        return out.cpu()
+
+
+class DenseBound(BoundMask):
+    """A bool tensor ``(Bm, Hm, Lq_total, Lk_total)`` sliced to the call."""
+
+    def __init__(self, geo: Geometry, t: torch.Tensor) -> None:
+        self.geo = geo
+        self.t = t[..., geo.q_offset : geo.q_offset + geo.lq, geo.k_offset : geo.k_offset + geo.lk]
+
+    def block(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        return self.t[..., q0:q1, k0:k1]
+
+    def tile_classes(self, block_q: int, block_k: int) -> torch.Tensor:
+        return _classes_from_dense(self.t, block_q, block_k)
+
+
+class AndBound(BoundMask):
+    """Intersection of two bound masks, at least one of them not an interval mask."""
+
+    def __init__(self, a: BoundMask, b: BoundMask) -> None:
+        self.geo = a.geo
+        self.a, self.b = a, b
+
+    def block(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        return self.a.block(q0, q1, k0, k1) & self.b.block(q0, q1, k0, k1)
+
+    def tile_classes(self, block_q: int, block_k: int) -> torch.Tensor:
+        ca = self.a.tile_classes(block_q, block_k)
+        cb = self.b.tile_classes(block_q, block_k)
+        out = torch.minimum(ca, cb)  # EMPTY wins; FULL only if both FULL
+        # Two partial (or partial and full) tiles may still intersect to empty or full.
+        for tq_, tk_ in torch.nonzero(out == PARTIAL).tolist():
+            q0, k0 = tq_ * block_q, tk_ * block_k
+            vis = self.block(q0, min(q0 + block_q, self.geo.lq), k0, min(k0 + block_k, self.geo.lk))
+            if not bool(vis.any()):
+                out[tq_, tk_] = EMPTY
+            elif bool(vis.all()) and _covers(vis, self.geo):
+                out[tq_, tk_] = FULL
+        return out
+
+
+def _covers(vis: torch.Tensor, geo: Geometry) -> bool:
+    """A tile is full only if it is full for every batch and head (broadcast dims count)."""
+    return vis.shape[0] in (1, geo.batch) and vis.shape[1] in (1, geo.heads)
+
+
+def _classes_from_dense(t: torch.Tensor, block_q: int, block_k: int) -> torch.Tensor:
+    lq, lk = t.shape[-2], t.shape[-1]
+    tq, tk = -(-lq // block_q), -(-lk // block_k)
+    x = t.reshape(-1, lq, lk)  # (BH, Lq, Lk)
+    pad = (0, tk * block_k - lk, 0, tq * block_q - lq)
+    anyv = torch.nn.functional.pad(x, pad, value=False)
+    allv = torch.nn.functional.pad(x, pad, value=True)
+    anyv = anyv.view(-1, tq, block_q, tk, block_k).any(dim=4).any(dim=2).any(dim=0)  # (Tq, Tk)
+    allv = allv.view(-1, tq, block_q, tk, block_k).all(dim=4).all(dim=2).all(dim=0)
+    out = torch.full((tq, tk), PARTIAL, dtype=torch.int8)
+    out[~anyv.cpu()] = EMPTY
+    out[(anyv & allv).cpu()] = FULL
+    return out
+
+
+class Mask(ABC):
+    """Base class: which (query, key) pairs may attend. Combine with ``&``."""
+
+    @abstractmethod
+    def bind(self, geo: Geometry) -> BoundMask:
+        """Evaluate against one call's geometry."""
+        ...
+
+    def __and__(self, other: Mask | torch.Tensor) -> Mask:
+        return And(self, as_mask(other))
+
+    def __rand__(self, other: Mask | torch.Tensor) -> Mask:
+        return And(as_mask(other), self)
+
+    def dense(
+        self,
+        lq: int,
+        lk: int,
+        *,
+        batch: int = 1,
+        heads: int = 1,
+        causal_align: Align = "top_left",
+    ) -> torch.Tensor:
+        """Bool visibility matrix ``(Lq, Lk)``, or ``(B, H, Lq, Lk)`` when it varies."""
+        geo = Geometry.build(lq=lq, lk=lk, batch=batch, heads=heads, causal_align=causal_align)
+        d = self.bind(geo).dense()
+        return d[0, 0] if d.shape[0] == 1 and d.shape[1] == 1 else d
+
+    def tile_classes(
+        self, lq: int, lk: int, block_q: int, block_k: int, *, causal_align: Align = "top_left"
+    ) -> torch.Tensor:
+        """``(Tq, Tk)`` int8 tile classes (0 empty, 1 partial, 2 full) for a square layout."""
+        geo = Geometry.build(lq=lq, lk=lk, causal_align=causal_align)
+        return self.bind(geo).tile_classes(block_q, block_k)
+
+
+def _check_align(align: str | None) -> None:
+    if align not in (None, "top_left", "bottom_right"):
+        raise ValueError(f"align must be None, 'top_left' or 'bottom_right', got {align!r}")
+
+
+@dataclass(frozen=True)
+class Causal(Mask):
+    """Key j visible to query i iff ``j <= c(i)`` (see the module docstring for ``c``)."""
+
+    align: Align | None = None
+
+    def __post_init__(self) -> None:
+        _check_align(self.align)
+
+    def bind(self, geo: Geometry) -> BoundMask:
+        hi = geo.diagonal(self.align)[None, :]  # (1, Lq)
+        return IntervalBound(geo, geo.k_lo[None, :], hi)
+
+
+@dataclass(frozen=True)
+class SlidingWindow(Mask):
+    """Keys ``c - left <= j <= c + right`` (inclusive); ``None`` or -1 = unbounded side."""
+
+    left: int | None
+    right: int | None = 0
+    align: Align | None = None
+
+    def __post_init__(self) -> None:
+        _check_align(self.align)
+        for name in ("left", "right"):
+            val = getattr(self, name)
+            if val is None:
+                continue
+            if isinstance(val, bool) or not isinstance(val, int) or val < -1:
+                raise ValueError(
+                    f"SlidingWindow.{name} must be an integer >= 0, or -1/None for unbounded; "
+                    f"got {val!r}"
+                )
+
+    def bind(self, geo: Geometry) -> BoundMask:
+        c = geo.diagonal(self.align)  # (Lq,)
+        lo = geo.k_lo if self.left in (None, -1) else c - int(self.left)  # type: ignore[arg-type]
+        hi = geo.k_hi - 1 if self.right in (None, -1) else c + int(self.right)  # type: ignore[arg-type]
+        return IntervalBound(geo, lo[None, :], hi[None, :])
+
+
+class KeyPadding(Mask):
+    """Batch element ``b`` sees keys ``j < lengths[b]`` (``lengths``: ``(B,)`` ints)."""
+
+    def __init__(self, lengths: torch.Tensor | list[int] | tuple[int, ...]) -> None:
+        t = torch.as_tensor(lengths)
+        if t.ndim != 1 or t.numel() < 1 or t.is_floating_point() or t.dtype == torch.bool:
+            raise ValueError(
+                f"KeyPadding lengths must be a 1-D integer sequence of shape (B,), got {lengths!r}"
+            )
+        if bool((t < 0).any()):
+            raise ValueError(f"KeyPadding lengths must be >= 0, got {t.tolist()}")
+        self.lengths = t.to(torch.int64)
+
+    def __repr__(self) -> str:
+        return f"KeyPadding({self.lengths.tolist()})"
+
+    def bind(self, geo: Geometry) -> BoundMask:
+        if geo.varlen:
+            raise ValueError(
+                "KeyPadding cannot be combined with cu_seqlens (variable length already bounds keys)"
+            )
+        n = self.lengths.numel()
+        if n not in (1, geo.batch):
+            raise ValueError(
+                f"KeyPadding lengths has {n} entries; it needs one per batch element ({geo.batch})"
+            )
+        lengths = self.lengths.to(geo.device)
+        hi = (lengths - 1)[:, None].expand(n, geo.lq)  # (B, Lq)
+        return IntervalBound(geo, geo.k_lo[None, :].expand(n, geo.lq), hi)
+
+
+class DenseMask(Mask):
+    """An explicit bool mask broadcastable to ``(B, H, Lq, Lk)`` (True = attend)."""
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+            got = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise TypeError(f"DenseMask needs a bool tensor (True = attend), got {got}")
+        if mask.ndim < 2 or mask.ndim > 4:
+            raise ValueError(
+                "DenseMask must have shape (Lq, Lk), (H, Lq, Lk) or (B, H, Lq, Lk), "
+                f"got {tuple(mask.shape)}"
+            )
+        self.mask = mask
+
+    def __repr__(self) -> str:
+        return f"DenseMask(shape={tuple(self.mask.shape)})"
+
+    def bind(self, geo: Geometry) -> BoundMask:
+        t = self.mask
+        while t.ndim < 4:
+            t = t.unsqueeze(0)
+        want = (geo.batch, geo.heads, geo.lq_total, geo.lk_total)
+        ok = (
+            all(s in (1, w) for s, w in zip(t.shape[:2], want[:2]))
+            and tuple(t.shape[2:]) == want[2:]
+        )
+        if not ok:
+            raise ValueError(
+                f"mask of shape {tuple(self.mask.shape)} does not fit (B, H, Lq, Lk) = {want}: "
+                "the last two dims must equal (Lq, Lk) and the others be 1 or equal"
+            )
+        return DenseBound(geo, t.to(geo.device))
+
+
+class _SequenceBounds(Mask):
+    """Variable length: a row sees only the keys of its own sequence."""
+
+    def bind(self, geo: Geometry) -> BoundMask:
+        return IntervalBound(geo, geo.k_lo[None, :], geo.k_hi[None, :] - 1)
+
+    def __repr__(self) -> str:
+        return "SequenceBounds()"
+
+
+class And(Mask):
+    """``a & b``: visible iff visible in both."""
+
+    def __init__(self, a: Mask, b: Mask) -> None:
+        self.a, self.b = a, b
+
+    def __repr__(self) -> str:
+        return f"({self.a!r} & {self.b!r})"
+
+    def bind(self, geo: Geometry) -> BoundMask:
+        ba, bb = self.a.bind(geo), self.b.bind(geo)
+        if isinstance(ba, IntervalBound) and isinstance(bb, IntervalBound):
+            lo = torch.maximum(ba.lo, bb.lo)
+            hi = torch.minimum(ba.hi, bb.hi)
+            return IntervalBound(geo, lo, hi)
+        return AndBound(ba, bb)
+
+
+def as_mask(mask: Mask | torch.Tensor | None) -> Mask | None:
+    """Accept a ``Mask``, a bool tensor (True = attend) or ``None``."""
+    if mask is None or isinstance(mask, Mask):
+        return mask
+    if isinstance(mask, torch.Tensor):
+        return DenseMask(mask)
+    raise TypeError(
+        "mask must be None, a flashledger Mask (Causal, SlidingWindow, KeyPadding, DenseMask) "
+        f"or a bool tensor, got {type(mask).__name__}"
+    )

@@ -1,0 +1,326 @@
+"""The running state of one output row, its update, and the one merge.
+
+For each new key block ``B`` of a row (the seed's section 01)::
+
+    m'  = max(m, max_j s_j)              running maximum
+    α   = exp(m - m')                    rescale factor for the old state
+    ℓ'  = α ℓ + Σ_j exp(s_j - m')        running denominator
+    a'  = α a + Σ_j exp(s_j - m') v_j    running weighted sum of values
+    o'  = a' / ℓ'                        output of the prefix read so far
+
+Start: ``m = -inf``, ``ℓ = 0``, ``a = 0``. An empty state has scale 0:
+``exp(-inf - (-inf))`` is never evaluated (where ``m' = -inf`` it is replaced
+by 0 before subtracting, so every exponential of a masked score is exp(-inf) = 0).
+
+=========  ==========  ===================  ==============================
+symbol     variable    shape                meaning
+=========  ==========  ===================  ==============================
+m          ``m``       (..., rows)          running max of the scores read
+ℓ          ``ell``     (..., rows)          Σ exp(s - m) over keys read
+a          ``acc``     (..., rows, d_v)     Σ exp(s - m) v over keys read
+α          ``alpha``   (..., rows)          exp(m_old - m_new), 0 if empty
+P̃          ``p``       (..., rows, cols)    exp(s - m_new) of this block
+λ (LSE)    ``lse``     (..., rows)          m + log ℓ (-inf for an empty row)
+=========  ==========  ===================  ==============================
+
+``merge`` combines two partial states of the same rows over disjoint key sets;
+it is the only merge in flashledger: split-KV and ring attention call it, and
+a partial result ``(o, lse)`` is the state ``(m=lse, ℓ=1, a=o)``.
+
+Run ``python -m flashledger.online`` for the seed's six-score demo.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "OnlineSoftmax",
+    "OnlineState",
+    "OnlineStep",
+    "blockwise_softmax_average",
+    "finalize",
+    "merge",
+    "merge_partials",
+    "rescale_factor",
+    "state_from_partial",
+    "step",
+]
+
+
+@dataclass(frozen=True)
+class OnlineState:
+    """Running state of some rows: ``m``, ``ell`` ``(..., rows)``, ``acc`` ``(..., rows, d_v)``."""
+
+    m: torch.Tensor
+    ell: torch.Tensor
+    acc: torch.Tensor
+
+    @staticmethod
+    def empty(
+        rows: Sequence[int], d_v: int, *, dtype: torch.dtype, device: torch.device | str | None
+    ) -> OnlineState:
+        m = torch.full(tuple(rows), -math.inf, dtype=dtype, device=device)  # (..., rows)
+        ell = torch.zeros(tuple(rows), dtype=dtype, device=device)  # (..., rows)
+        acc = torch.zeros((*rows, d_v), dtype=dtype, device=device)  # (..., rows, d_v)
+        return OnlineState(m, ell, acc)
+
+
+def _finite_or_zero(m: torch.Tensor) -> torch.Tensor:
+    """``m`` with -inf replaced by 0: the subtrahend of an empty state's exponentials."""
+    return torch.where(torch.isneginf(m), torch.zeros((), dtype=m.dtype, device=m.device), m)
+
+
+def rescale_factor(m_old: torch.Tensor, m_new: torch.Tensor) -> torch.Tensor:
+    """``α = exp(m_old - m_new)``, exactly 0 where the old state is empty (``m_old = -inf``)."""
+    return torch.exp(m_old - _finite_or_zero(m_new))
+
+
+def step(
+    state: OnlineState,
+    s: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    keep: torch.Tensor | None = None,
+    keep_scale: float = 1.0,
+) -> tuple[OnlineState, torch.Tensor, torch.Tensor]:
+    """Read one key block: scores ``s`` ``(..., rows, cols)``, values ``v`` ``(..., cols, d_v)``.
+
+    ``keep`` (bool, broadcastable to ``s``) applies dropout to the weights of
+    the values only: ``ℓ`` sums the undropped ``P̃``. Returns
+    ``(new_state, alpha, p)``.
+    """
+    m_new = torch.maximum(state.m, s.amax(dim=-1))  # (..., rows)
+    alpha = rescale_factor(state.m, m_new)  # (..., rows)
+    p = torch.exp(s - _finite_or_zero(m_new).unsqueeze(-1))  # (..., rows, cols)
+    ell = alpha * state.ell + p.sum(dim=-1)  # (..., rows)
+    pv = p if keep is None else p * keep * keep_scale  # (..., rows, cols)
+    acc = alpha.unsqueeze(-1) * state.acc + pv @ v  # (..., rows, d_v)
+    return OnlineState(m_new, ell, acc), alpha, p
+
+
+def step_normalized(
+    m: torch.Tensor,
+    ell: torch.Tensor,
+    o: torch.Tensor,
+    s: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    keep: torch.Tensor | None = None,
+    keep_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashAttention-1's form of ``step``: the stored output ``o`` is kept normalised.
+
+    ``o' = (α ℓ o + P̃ V) / ℓ'`` (0 while ``ℓ' = 0``). Returns ``(m', ℓ', o', alpha, p)``.
+    """
+    m_new = torch.maximum(m, s.amax(dim=-1))  # (..., rows)
+    alpha = rescale_factor(m, m_new)  # (..., rows)
+    p = torch.exp(s - _finite_or_zero(m_new).unsqueeze(-1))  # (..., rows, cols)
+    ell_new = alpha * ell + p.sum(dim=-1)  # (..., rows)
+    pv = p if keep is None else p * keep * keep_scale
+    num = (alpha * ell).unsqueeze(-1) * o + pv @ v  # (..., rows, d_v)
+    o_new = num / torch.where(ell_new > 0, ell_new, torch.ones_like(ell_new)).unsqueeze(-1)
+    return m_new, ell_new, o_new, alpha, p
+
+
+def finalize(state: OnlineState) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(o, lse)`` of a state: ``o = acc / ℓ``, ``lse = m + log ℓ``; an empty row gives
+    ``o = 0`` and ``lse = -inf`` (conventions replace that LSE later)."""
+    empty = state.ell == 0  # (..., rows)
+    ell = torch.where(empty, torch.ones_like(state.ell), state.ell)
+    o = state.acc / ell.unsqueeze(-1)  # (..., rows, d_v)
+    lse = torch.where(empty, torch.full_like(state.m, -math.inf), state.m + torch.log(ell))
+    return o, lse
+
+
+def merge(a: OnlineState, b: OnlineState) -> OnlineState:
+    """Combine two partial states of the same rows over disjoint key sets.
+
+    ``m = max(m_a, m_b)``; each side is rescaled by ``exp(m_side - m)`` (0 for an
+    empty side). Never produces NaN, even when both sides are empty.
+    """
+    m = torch.maximum(a.m, b.m)  # (..., rows)
+    alpha_a = rescale_factor(a.m, m)  # (..., rows)
+    alpha_b = rescale_factor(b.m, m)
+    ell = alpha_a * a.ell + alpha_b * b.ell
+    acc = alpha_a.unsqueeze(-1) * a.acc + alpha_b.unsqueeze(-1) * b.acc  # (..., rows, d_v)
+    return OnlineState(m, ell, acc)
+
+
+def state_from_partial(o: torch.Tensor, lse: torch.Tensor) -> OnlineState:
+    """A partial result as a state: ``m = lse``, ``ℓ = 1``, ``a = o`` (``ℓ = 0`` where lse = -inf)."""
+    empty = torch.isneginf(lse)
+    return OnlineState(lse, (~empty).to(o.dtype), torch.where(empty.unsqueeze(-1), 0.0, o))
+
+
+def merge_partials(
+    o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two partial ``(o, lse)`` results (internal LSE: -inf for a row with no key)."""
+    return finalize(merge(state_from_partial(o_a, lse_a), state_from_partial(o_b, lse_b)))
+
+
+@dataclass(frozen=True)
+class OnlineStep:
+    """One block read by ``OnlineSoftmax``: what the seed's ledger table shows."""
+
+    index: int  # 0-based block number
+    positions: tuple[int, int]  # key positions [start, stop) of this block
+    scores: torch.Tensor  # (..., cols)
+    block_max: torch.Tensor  # (...,)
+    m_before: torch.Tensor  # (...,)
+    m_after: torch.Tensor  # (...,)
+    alpha: torch.Tensor  # (...,)
+    ell: torch.Tensor  # (...,)
+    acc: torch.Tensor  # (..., d_v)
+    output: torch.Tensor  # (..., d_v) prefix output acc / ell
+
+
+class OnlineSoftmax:
+    """Step through the online softmax of one row (or many rows), block by block.
+
+    >>> import torch
+    >>> osm = OnlineSoftmax(d_v=1)
+    >>> _ = osm.update(torch.tensor([1.0, 2.0]), torch.tensor([[1.0], [0.0]]))
+    >>> round(float(osm.m), 3)
+    2.0
+
+    ``rows`` is the leading shape of the state (``()`` for one row);
+    accumulation dtype defaults to float64.
+    """
+
+    def __init__(
+        self,
+        d_v: int,
+        *,
+        rows: Sequence[int] = (),
+        dtype: torch.dtype = torch.float64,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if isinstance(d_v, bool) or not isinstance(d_v, int) or d_v < 1:
+            raise ValueError(f"OnlineSoftmax: d_v must be an integer >= 1, got {d_v!r}")
+        self.d_v = d_v
+        self.rows = tuple(rows)
+        self.dtype = dtype
+        # the loop's layout: a singleton query axis per row, (*rows, 1) and (*rows, 1, d_v)
+        self._state = OnlineState.empty((*self.rows, 1), d_v, dtype=dtype, device=device)
+        self.steps: list[OnlineStep] = []
+        self._read = 0
+
+    @property
+    def state(self) -> OnlineState:
+        """The running state, ``m``/``ell`` ``(*rows,)`` and ``acc`` ``(*rows, d_v)``."""
+        st = self._state
+        return OnlineState(st.m.squeeze(-1), st.ell.squeeze(-1), st.acc.squeeze(-2))
+
+    @property
+    def m(self) -> torch.Tensor:
+        return self.state.m
+
+    @property
+    def ell(self) -> torch.Tensor:
+        return self.state.ell
+
+    @property
+    def acc(self) -> torch.Tensor:
+        return self.state.acc
+
+    def output(self) -> torch.Tensor:
+        """Output of the prefix read so far, ``(*rows, d_v)`` (0 before any key)."""
+        return finalize(self.state)[0]
+
+    def lse(self) -> torch.Tensor:
+        """Log-sum-exp of the scores read so far (-inf before any key)."""
+        return finalize(self.state)[1]
+
+    def update(self, scores: torch.Tensor, values: torch.Tensor) -> OnlineStep:
+        """Read one block: ``scores`` ``(..., cols)``, ``values`` ``(cols, d_v)`` or ``(..., cols, d_v)``."""
+        s = torch.as_tensor(scores, dtype=self.dtype)
+        v = torch.as_tensor(values, dtype=self.dtype)
+        if s.ndim < 1 or tuple(s.shape[:-1]) != self.rows or s.shape[-1] < 1:
+            raise ValueError(
+                f"scores must have shape (*rows, cols) with rows={self.rows} and cols >= 1, "
+                f"got {tuple(s.shape)}"
+            )
+        if v.ndim < 2 or v.shape[-1] != self.d_v or v.shape[-2] != s.shape[-1]:
+            raise ValueError(
+                f"values must have shape (cols, d_v) = ({s.shape[-1]}, {self.d_v}), "
+                f"got {tuple(v.shape)}"
+            )
+        if bool(torch.isnan(s).any()) or bool((s == math.inf).any()):
+            raise ValueError("scores must not contain NaN or +inf (-inf marks a masked key)")
+        before = self.state.m
+        self._state, alpha, _ = step(self._state, s.unsqueeze(-2), v)
+        rec = OnlineStep(
+            index=len(self.steps),
+            positions=(self._read, self._read + s.shape[-1]),
+            scores=s,
+            block_max=s.amax(dim=-1),
+            m_before=before,
+            m_after=self.state.m,
+            alpha=alpha.squeeze(-1),
+            ell=self.state.ell,
+            acc=self.state.acc,
+            output=self.output(),
+        )
+        self._read += s.shape[-1]
+        self.steps.append(rec)
+        return rec
+
+    @classmethod
+    def run(cls, scores: torch.Tensor, values: torch.Tensor, *, block: int) -> OnlineSoftmax:
+        """Read a whole row ``scores`` ``(..., L)`` with ``values`` ``(L, d_v)`` in blocks of ``block``."""
+        s = torch.as_tensor(scores, dtype=torch.float64)
+        v = torch.as_tensor(values, dtype=torch.float64)
+        if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+            raise ValueError(f"block must be an integer >= 1, got {block!r}")
+        osm = cls(v.shape[-1], rows=tuple(s.shape[:-1]))
+        for start in range(0, s.shape[-1], block):
+            osm.update(s[..., start : start + block], v[..., start : start + block, :])
+        return osm
+
+
+def softmax_output(scores: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """The full-row reference: ``softmax(scores) @ values`` in one go, ``(..., d_v)``."""
+    s = torch.as_tensor(scores, dtype=torch.float64)
+    v = torch.as_tensor(values, dtype=torch.float64)
+    p = torch.softmax(s, dim=-1)  # (..., L)
+    return (p.unsqueeze(-2) @ v).squeeze(-2)
+
+
+def blockwise_softmax_average(
+    scores: torch.Tensor, values: torch.Tensor, *, block: int
+) -> torch.Tensor:
+    """The wrong answer: softmax inside each block, then the mean of the block outputs."""
+    s = torch.as_tensor(scores, dtype=torch.float64)
+    v = torch.as_tensor(values, dtype=torch.float64)
+    outs = [
+        softmax_output(s[..., a : a + block], v[..., a : a + block, :])
+        for a in range(0, s.shape[-1], block)
+    ]
+    return torch.stack(outs).mean(dim=0)
+
+
+def _demo() -> None:
+    from .examples import SIX_SCORES, SIX_VALUES
+
+    osm = OnlineSoftmax.run(SIX_SCORES, SIX_VALUES, block=2)
+    print("block  scores            block max  running max  alpha      ell        prefix output")
+    for st in osm.steps:
+        sc = ", ".join(f"{x:g}" for x in st.scores.tolist())
+        out = ", ".join(f"{x:.6f}" for x in st.output.tolist())
+        print(
+            f"{st.index + 1:<6} [{sc:<15}] {float(st.block_max):<10g} {float(st.m_after):<12g} "
+            f"{float(st.alpha):<10.6f} {float(st.ell):<10.6f} [{out}]"
+        )
+    ref = softmax_output(SIX_SCORES, SIX_VALUES)
+    diff = float((osm.output() - ref).abs().max())
+    print(f"full-row reference: {[round(x, 6) for x in ref.tolist()]}  max |diff| = {diff:.3g}")
+
+
+if __name__ == "__main__":
+    _demo()

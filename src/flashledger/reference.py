@@ -1,0 +1,268 @@
+"""The dense reference: the oracle every other path is checked against.
+
+Written to be read. It materialises the whole score matrix (``Lq x Lk`` per
+head), computes in float64 by default, and its backward is the closed form,
+not autograd::
+
+    S  = f(scale · Q Kᵀ)  with masked entries -inf      (B, H, Lq, Lk)
+    λ  = log Σ_j exp(S_ij)                               (B, H, Lq)   the LSE
+    P  = exp(S - λ)                                      (B, H, Lq, Lk)
+    O  = (P ⊙ M / (1 - p)) V                             (B, H, Lq, d_v)
+    D  = rowsum(dO ⊙ O)                                  (B, H, Lq)
+    dP = dO Vᵀ                                           (B, H, Lq, Lk)
+    dS = P ⊙ (M ⊙ dP / (1 - p) - D + dλ)                 (B, H, Lq, Lk)
+    dQ = f'(dS) K,   dK = f'(dS)ᵀ Q,   dV = (P ⊙ M / (1 - p))ᵀ dO
+
+``f`` is the score transform (scale, softcap, ALiBi, bias; see scores.py), ``M``
+the dropout keep mask and ``dλ`` an optional gradient on the LSE. A query row
+with no visible key has ``O = 0``, zero gradients and the LSE of the chosen
+conventions (-inf by default): it is handled separately, so ``-inf - (-inf)``
+is never evaluated.
+
+Tensors are laid out as ``(B, Hkv, G, L, *)`` internally (GQA without copies);
+results come back in the caller's layout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ._problem import Placement, Problem, build_problem
+from .conventions import SEED, Conventions
+from .masks import Mask
+
+__all__ = ["ReferenceBackward", "ReferenceForward", "reference_backward", "reference_forward"]
+
+
+@dataclass(frozen=True)
+class ReferenceForward:
+    """Dense forward: ``o`` ``(..., Lq, d_v)``, ``lse`` ``(..., Lq)``, ``p`` and ``s`` ``(..., Lq, Lk)``."""
+
+    o: torch.Tensor
+    lse: torch.Tensor
+    p: torch.Tensor  # probabilities before dropout (masked entries 0)
+    s: torch.Tensor  # final scores (masked entries -inf)
+    keep: torch.Tensor | None  # dropout keep mask (True = kept), or None without dropout
+
+
+@dataclass(frozen=True)
+class ReferenceBackward:
+    """Dense backward: ``dq``, ``dk``, ``dv`` like q, k, v; ``dbias`` like bias; ``D`` ``(..., Lq)``."""
+
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    dbias: torch.Tensor | None
+    D: torch.Tensor
+
+
+def _dense_scores(pb: Problem) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """All scores at once: ``S`` ``(B, Hkv, G, Lq, Lk)`` with masked entries -inf, and softcap's t."""
+    b, hq, hkv, g, lq, lk, d, dv = pb.shape
+    qk = pb.q @ pb.k.transpose(-1, -2)  # (B, Hkv, G, Lq, Lk)
+    s, t = pb.smod.tile(qk, 0, lq, 0, lk)
+    if pb.mask is not None:
+        s = s.masked_fill(~pb.mask_tile(0, lq, 0, lk), -math.inf)
+    return s, t
+
+
+def _softmax_rows(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row softmax with fully-masked rows handled apart: ``(P, lse)``, lse -inf on empty rows."""
+    m = s.amax(dim=-1, keepdim=True)  # (..., Lq, 1)
+    empty = torch.isneginf(m)  # rows with no visible key
+    e = torch.exp(s - torch.where(empty, 0.0, m))  # (..., Lq, Lk), 0 on masked entries
+    ell = e.sum(dim=-1, keepdim=True)  # (..., Lq, 1)
+    p = e / torch.where(empty, 1.0, ell)
+    lse = torch.where(empty, -math.inf, m + torch.log(ell)).squeeze(-1)  # (..., Lq)
+    return p, lse
+
+
+def _conventional_lse(lse: torch.Tensor, conventions: Conventions) -> torch.Tensor:
+    """Replace the -inf LSE of fully-masked rows with the conventions' value."""
+    if conventions.masked_row_lse == -math.inf:
+        return lse
+    return torch.where(torch.isneginf(lse), conventions.masked_row_lse, lse)
+
+
+def reference_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Mask | torch.Tensor | None = None,
+    scale: float | None = None,
+    conventions: Conventions | str = SEED,
+    dropout_p: float = 0.0,
+    seed: int = 0,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    placement: Placement | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> ReferenceForward:
+    """Dense attention forward in ``dtype`` (default float64).
+
+    q ``(..., Lq, d)``, k ``(..., Lk, d)``, v ``(..., Lk, d_v)`` with ``...`` =
+    ``()``, ``(H,)`` or ``(B, H)``; scale defaults to ``1/sqrt(d)``.
+    """
+    pb = build_problem(
+        q,
+        k,
+        v,
+        mask=mask,
+        scale=scale,
+        conventions=conventions,
+        dropout_p=dropout_p,
+        seed=seed,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        bias=bias,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        placement=placement,
+        acc_dtype=dtype,
+    )
+    lq, lk = pb.shape[4], pb.shape[5]
+    s, _ = _dense_scores(pb)  # (B, Hkv, G, Lq, Lk)
+    p, lse = _softmax_rows(s)
+    keep = pb.keep_tile(0, lq, 0, lk)
+    pd = p if keep is None else p * keep * pb.keep_scale  # (B, Hkv, G, Lq, Lk)
+    o = pd @ pb.v  # (B, Hkv, G, Lq, d_v)
+    return ReferenceForward(
+        o=pb.user_q(o),
+        lse=pb.user_rows(_conventional_lse(lse, pb.conventions)),
+        p=pb.user_q(p),
+        s=pb.user_q(s),
+        keep=None if keep is None else pb.user_q(keep.expand_as(p)),
+    )
+
+
+def reference_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    do: torch.Tensor,
+    *,
+    dlse: torch.Tensor | None = None,
+    mask: Mask | torch.Tensor | None = None,
+    scale: float | None = None,
+    conventions: Conventions | str = SEED,
+    dropout_p: float = 0.0,
+    seed: int = 0,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    placement: Placement | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> ReferenceBackward:
+    """Closed-form dense backward in ``dtype`` (default float64).
+
+    ``o`` and ``do`` ``(..., Lq, d_v)``; ``lse`` ``(..., Lq)`` is checked for
+    shape only (the reference recomputes ``P`` from the scores); ``dlse``
+    ``(..., Lq)`` is an optional gradient on the LSE.
+    """
+    pb = build_problem(
+        q,
+        k,
+        v,
+        mask=mask,
+        scale=scale,
+        conventions=conventions,
+        dropout_p=dropout_p,
+        seed=seed,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        bias=bias,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        placement=placement,
+        acc_dtype=dtype,
+    )
+    o5, do5, dlse5 = _backward_inputs(pb, o, lse, do, dlse)
+    lq, lk = pb.shape[4], pb.shape[5]
+    s, t = _dense_scores(pb)  # (B, Hkv, G, Lq, Lk)
+    p, _ = _softmax_rows(s)
+    keep = pb.keep_tile(0, lq, 0, lk)
+    D = (do5 * o5).sum(dim=-1)  # (B, Hkv, G, Lq)
+    dp = do5 @ pb.v.transpose(-1, -2)  # (B, Hkv, G, Lq, Lk)
+    if keep is None:
+        pd = p
+    else:
+        pd = p * keep * pb.keep_scale
+        dp = dp * keep * pb.keep_scale
+    inner = dp - D.unsqueeze(-1)
+    if dlse5 is not None:
+        inner = inner + dlse5.unsqueeze(-1)
+    ds = p * inner  # (B, Hkv, G, Lq, Lk)
+    dqk = pb.smod.grad_qk(ds, t)  # (B, Hkv, G, Lq, Lk)
+    dq = dqk @ pb.k  # (B, Hkv, G, Lq, d)
+    dk = (dqk.transpose(-1, -2) @ pb.q).sum(dim=2, keepdim=True)  # (B, Hkv, 1, Lk, d)
+    dv = (pd.transpose(-1, -2) @ do5).sum(dim=2, keepdim=True)  # (B, Hkv, 1, Lk, d_v)
+    dbias = None
+    if bias is not None:
+        dbias = reduce_to_bias(pb.user_q(ds), bias)
+    return ReferenceBackward(
+        dq=pb.user_q(dq), dk=pb.user_k(dk), dv=pb.user_k(dv), dbias=dbias, D=pb.user_rows(D)
+    )
+
+
+def _backward_inputs(
+    pb: Problem,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    do: torch.Tensor,
+    dlse: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Check ``o``, ``lse``, ``do``, ``dlse`` against the problem and lay them out internally."""
+    b, hq, hkv, g, lq, lk, d, dv = pb.shape
+    want_o = (*_lead(pb), lq, dv)
+    for name, x in (("o", o), ("do", do)):
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor")
+        if tuple(x.shape) != want_o:
+            raise ValueError(f"{name} must have shape {want_o}, got {tuple(x.shape)}")
+    want_l = (*_lead(pb), lq)
+    for name, x in (("lse", lse), ("dlse", dlse)):
+        if x is None:
+            continue
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor")
+        if tuple(x.shape) != want_l:
+            raise ValueError(f"{name} must have shape {want_l}, got {tuple(x.shape)}")
+    if bool(torch.isnan(lse).any()):
+        raise ValueError("lse contains NaN; allowed: finite values or ±inf on fully-masked rows")
+    for name, x in (("o", o), ("do", do), ("dlse", dlse)):
+        if x is not None and not bool(torch.isfinite(x).all()):
+            raise ValueError(f"{name} contains NaN or inf; allowed: finite values")
+    dt = pb.dtype
+    o5 = pb.to_internal_q(o.to(dt))
+    do5 = pb.to_internal_q(do.to(dt))
+    dlse5 = None if dlse is None else pb.to_internal_rows(dlse.to(dt))
+    return o5, do5, dlse5
+
+
+def _lead(pb: Problem) -> tuple[int, ...]:
+    b, hq = pb.shape[0], pb.shape[1]
+    return {2: (), 3: (hq,), 4: (b, hq)}[pb.ndim]
+
+
+def reduce_to_bias(ds: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Sum a full ``(..., Lq, Lk)`` gradient down to ``bias``'s broadcast shape."""
+    g = ds
+    while g.ndim < bias.ndim:
+        g = g.unsqueeze(0)
+    while g.ndim > bias.ndim:
+        g = g.sum(dim=0)
+    dims = [i for i, (gs, bs) in enumerate(zip(g.shape, bias.shape)) if bs == 1 and gs != 1]
+    if dims:
+        g = g.sum(dim=dims, keepdim=True)
+    return g.to(bias.dtype)

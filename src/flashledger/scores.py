@@ -1,0 +1,125 @@
+"""The score transform ``s = f(q k^T)`` and its derivative.
+
+Order (flash-attn): ``s = scale * q k^T``; softcap ``s = c * tanh(s / c)``;
+then ALiBi ``- slope * |i + Lk - Lq - j|`` (bottom-right aligned, per
+sequence with variable length) and an additive ``bias``; masks last
+(masked entries become ``-inf``).
+
+Backward: with ``dS`` the gradient of the final scores, ``dBias = dS`` and
+the gradient of ``q k^T`` is ``scale * (1 - t^2) * dS`` with
+``t = tanh(scale * q k^T / c)`` (just ``scale * dS`` without softcap).
+
+Tensors are in the loop's internal 5-D layout ``(B, Hkv, G, rows, cols)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .masks import Geometry
+
+__all__ = ["ScoreMod", "alibi_slopes"]
+
+
+def alibi_slopes(heads: int, *, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The standard ALiBi slope schedule for ``heads`` heads, ``(H,)``.
+
+    For a power of two ``n``: ``2^(-8 k / n)``, k = 1..n; otherwise the
+    schedule of the nearest lower power of two, then every other slope of the
+    next power of two (Press et al.).
+    """
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+        raise ValueError(f"alibi_slopes: heads must be an integer >= 1, got {heads!r}")
+
+    def pow2(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (k + 1) for k in range(n)]
+
+    n = 1 << (heads.bit_length() - 1)
+    slopes = pow2(n)
+    if n < heads:
+        slopes += pow2(2 * n)[0::2][: heads - n]
+    return torch.tensor(slopes, dtype=dtype)
+
+
+def to5d(x: torch.Tensor, hkv: int, g: int) -> torch.Tensor:
+    """View ``(B|1, H|1, ...)`` as ``(B|1, Hkv|1, G|1, ...)``; ``H`` must be ``Hkv * G`` or 1."""
+    if x.shape[1] == 1:
+        return x.unsqueeze(2)
+    return x.view(x.shape[0], hkv, g, *x.shape[2:])
+
+
+@dataclass
+class ScoreMod:
+    """Score transform bound to one call (all tensors already validated)."""
+
+    scale: float
+    geo: Geometry
+    hkv: int
+    g: int
+    softcap: float | None = None
+    slopes: torch.Tensor | None = None  # (B|1, Hkv, G, 1, 1)
+    bias: torch.Tensor | None = None  # (B|1, Hkv|1, G|1, Lq_total|1, Lk_total|1)
+
+    @staticmethod
+    def build(
+        *,
+        scale: float,
+        geo: Geometry,
+        hkv: int,
+        g: int,
+        softcap: float | None,
+        alibi_slopes: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+    ) -> ScoreMod:
+        slopes = None
+        if alibi_slopes is not None:
+            s = alibi_slopes.to(device=geo.device, dtype=dtype)
+            s = s.view(1, -1) if s.ndim == 1 else s  # (B|1, H)
+            slopes = to5d(s[:, :, None, None], hkv, g)
+        b5 = None
+        if bias is not None:
+            b = bias.to(device=geo.device, dtype=dtype)
+            while b.ndim < 4:
+                b = b.unsqueeze(0)
+            b5 = to5d(b, hkv, g)
+        return ScoreMod(scale, geo, hkv, g, softcap, slopes, b5)
+
+    def tile(
+        self, qk: torch.Tensor, q0: int, q1: int, k0: int, k1: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Final scores of a tile from ``qk = q k^T`` (modified in place); returns ``(s, t)``.
+
+        ``t = tanh(scale * qk / c)`` is kept for the backward when softcap is on.
+        """
+        s = qk.mul_(self.scale)  # (B, Hkv, G, bq, bk)
+        t = None
+        if self.softcap is not None:
+            t = s.div_(self.softcap).tanh_()
+            s = t * self.softcap
+        if self.slopes is not None:
+            geo = self.geo
+            c = (geo.rows()[q0:q1] + geo.off_br[q0:q1])[:, None]  # (bq, 1)
+            j = torch.arange(k0, k1, device=geo.device)[None, :] + geo.k_offset  # (1, bk)
+            dist = (c - j).abs().to(s.dtype)  # (bq, bk)
+            s = s - self.slopes * dist
+        if self.bias is not None:
+            s = s + self.bias_tile(q0, q1, k0, k1)
+        return s, t
+
+    def bias_tile(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        assert self.bias is not None
+        geo = self.geo
+        b = self.bias
+        rq = slice(geo.q_offset + q0, geo.q_offset + q1) if b.shape[-2] != 1 else slice(None)
+        rk = slice(geo.k_offset + k0, geo.k_offset + k1) if b.shape[-1] != 1 else slice(None)
+        return b[..., rq, rk]
+
+    def grad_qk(self, ds: torch.Tensor, t: torch.Tensor | None) -> torch.Tensor:
+        """Gradient with respect to ``q k^T`` from the gradient of the final scores."""
+        if t is None:
+            return ds * self.scale
+        return ds * (self.scale * (1.0 - t * t))
