@@ -20,7 +20,7 @@ run: $(STAMP)
 browser-deps:
 	@command -v chromium >/dev/null 2>&1 || test -x /usr/bin/chromium || \
 	  { echo "installing Debian's chromium for the browser tests"; \
-	    (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null || \
+	    (apt-get update -qq && apt-get install -y -qq chromium fonts-wqy-microhei) >/dev/null || \
 	    { echo "could not install chromium: run 'apt-get install chromium' as root"; exit 1; }; }
 
 test: $(STAMP) browser-deps

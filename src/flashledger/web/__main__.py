@@ -1,0 +1,30 @@
+"""``python -m flashledger.web [--host H] [--port P] [--open]``: run the explorer."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the options and serve until interrupted; exit status 2 on bad input."""
+    parser = argparse.ArgumentParser(
+        prog="python -m flashledger.web", description="Run flashledger's explorer."
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="interface (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port, 0..65535 (default 8000)")
+    parser.add_argument("--open", action="store_true", help="open the page in a browser")
+    args = parser.parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port must be in 0..65535, got {args.port}")
+    try:
+        from flashledger.web.app import serve
+    except ImportError as exc:
+        print(f"flashledger: {exc}", file=sys.stderr)
+        return 2
+    serve(host=args.host, port=args.port, open_browser=args.open)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,453 @@
+"""What the explorer shows, computed by flashledger's own loops.
+
+Every figure comes from the engine: ``OnlineSoftmax`` for the one-row ledger,
+``blocked_forward``/``blocked_backward`` (traced) for the tile stepper,
+``reference_*`` for the oracle, ``accounting`` for storage and traffic. The
+only computation written here is the independent PyTorch autograd check of
+section 04: naive attention in float64, differentiated by autograd.
+
+All inputs arrive validated and size-capped (see ``schemas.py``); tensors are
+float64 unless a measurement asks for float32.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from flashledger import accounting, examples
+from flashledger.blocked import blocked_backward, blocked_forward
+from flashledger.conventions import PRESETS, get_conventions
+from flashledger.ledger import BackwardTileStep, ForwardTileStep
+from flashledger.masks import Causal, DenseMask, Mask, SlidingWindow
+from flashledger.online import OnlineSoftmax, blockwise_softmax_average, softmax_output
+from flashledger.reference import reference_backward, reference_forward
+
+from . import schemas as sc
+
+__all__ = [
+    "backward_steps",
+    "conventions_table",
+    "examples_payload",
+    "ledger_steps",
+    "measure",
+    "storage",
+]
+
+F64 = torch.float64
+AUTOGRAD_RTOL = 1e-10
+"""The autograd check passes when max |blocked - autograd| <= AUTOGRAD_RTOL * max(1, max |grad|)."""
+_MEASURE_LOCK = threading.Lock()
+"""One measurement at a time, so that two timings never share the cores."""
+
+
+def _t(rows: list[list[float]] | list[float]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=F64)
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b|, with equal infinities counted as equal (0 for empty tensors)."""
+    same = a == b  # also True for matching infinities
+    diff = torch.where(same, torch.zeros((), dtype=a.dtype), (a - b).abs())
+    return float(diff.max()) if diff.numel() else 0.0
+
+
+def _tiles(n: int, b: int) -> list[list[int]]:
+    return [[s, min(s + b, n)] for s in range(0, n, b)]
+
+
+# ----------------------------------------------------------------------------- examples
+
+
+def examples_payload() -> sc.ExamplesResponse:
+    """The seed's data sets, the presets and the input limits, for the page's defaults."""
+    five = examples.five_position_example()
+    return sc.ExamplesResponse(
+        ledger={
+            "scores": examples.SIX_SCORES.tolist(),
+            "values": examples.SIX_VALUES.tolist(),
+            "block_size": examples.SIX_BLOCK,
+        },
+        backward={
+            "q": examples.FIVE_Q.tolist(),
+            "k": examples.FIVE_K.tolist(),
+            "v": examples.FIVE_V.tolist(),
+            "g": examples.FIVE_G.tolist(),
+            "block_q": int(five["block_q"]),
+            "block_k": int(five["block_k"]),
+            "mask": "causal_top_left",
+            "conventions": "seed",
+        },
+        presets=[
+            {
+                "name": c.name,
+                "description": c.description,
+                "masked_row_lse": c.masked_row_lse,
+                "causal_align": c.causal_align,
+                "dropout_keep": c.dropout_keep,
+                "lse_differentiable": c.lse_differentiable,
+            }
+            for c in PRESETS.values()
+        ],
+        limits=sc.LIMITS,
+    )
+
+
+# ----------------------------------------------------------------------------- section 02
+
+
+def ledger_steps(req: sc.LedgerRequest) -> sc.LedgerResponse:
+    """Read one row block by block with ``OnlineSoftmax``; every step against the full row."""
+    scores = _t(req.scores) + req.shift  # (n,)
+    values = _t(req.values)  # (n, d_v)
+    bs = req.block_size
+    osm = OnlineSoftmax.run(scores, values, block=bs)
+    p = torch.softmax(scores, dim=-1)  # (n,)
+    o = softmax_output(scores, values)  # (d_v,)
+    steps = [
+        sc.LedgerStep(
+            index=st.index,
+            start=st.positions[0],
+            stop=st.positions[1],
+            scores=st.scores.tolist(),
+            block_max=float(st.block_max),
+            m_before=float(st.m_before),
+            m=float(st.m_after),
+            alpha=float(st.alpha),
+            ell=float(st.ell),
+            acc=st.acc.tolist(),
+            o=st.output.tolist(),
+            max_diff=_max_diff(st.output, o),
+        )
+        for st in osm.steps
+    ]
+    blocks = _tiles(len(req.scores), bs)
+    softmaxes = [torch.softmax(scores[a:b], dim=-1) for a, b in blocks]  # each (b - a,)
+    outputs = [softmax_output(scores[a:b], values[a:b]) for a, b in blocks]  # each (d_v,)
+    average = blockwise_softmax_average(scores, values, block=bs)  # (d_v,)
+    return sc.LedgerResponse(
+        n=len(req.scores),
+        d_v=values.shape[1],
+        block_size=bs,
+        shift=req.shift,
+        scores=scores.tolist(),
+        values=values.tolist(),
+        blocks=blocks,
+        p=p.tolist(),
+        o=o.tolist(),
+        lse=float(torch.logsumexp(scores, dim=-1)),
+        steps=steps,
+        per_block=sc.PerBlockAverage(
+            softmax=[x.tolist() for x in softmaxes],
+            outputs=[x.tolist() for x in outputs],
+            average=average.tolist(),
+            max_diff=_max_diff(average, o),
+        ),
+    )
+
+
+# ----------------------------------------------------------------------------- masks
+
+
+def build_mask(spec: sc.MaskSpec) -> Mask | None:
+    """The engine's mask for a request's mask spec (``None`` = no mask)."""
+    if spec.kind == "none":
+        return None
+    if spec.kind == "causal":
+        return Causal()
+    if spec.kind == "causal_top_left":
+        return Causal(align="top_left")
+    if spec.kind == "causal_bottom_right":
+        return Causal(align="bottom_right")
+    if spec.kind == "sliding_window":
+        return SlidingWindow(spec.left, spec.right, align=spec.align)
+    assert spec.dense is not None  # kind == "custom", checked by the request model
+    return DenseMask(torch.tensor(spec.dense, dtype=torch.bool))
+
+
+def _dense(mask: Mask | None, lq: int, lk: int, align: Any) -> torch.Tensor:
+    """Visibility ``(Lq, Lk)`` (True = attend) as the loop sees it under ``align``."""
+    if mask is None:
+        return torch.ones(lq, lk, dtype=torch.bool)
+    return mask.dense(lq, lk, causal_align=align)
+
+
+def _options(req: sc.AttentionProblem, mask: Mask | None) -> dict[str, Any]:
+    """Keyword options shared by every engine call of one request."""
+    return {
+        "mask": mask,
+        "conventions": req.conventions,
+        "dropout_p": req.dropout_p,
+        "seed": req.seed,
+        "softcap": req.softcap,
+        "alibi_slopes": _t([req.alibi_slope]) if req.alibi else None,
+    }
+
+
+# ----------------------------------------------------------------------------- section 04
+
+
+def _naive_autograd(
+    req: sc.BackwardRequest,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    visible: torch.Tensor,
+    keep: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV of ``L = Σ O ⊙ G`` for naive float64 attention, by PyTorch autograd.
+
+    Written from the definitions, independently of flashledger's score code:
+    ``S = scale·QKᵀ``, softcap ``c·tanh(S/c)``, ALiBi ``-slope·|i + Lk - Lq - j|``,
+    masked entries ``-inf``; a row with no visible key is given the constant
+    scores 0 before the softmax and its probabilities are multiplied by 0.
+    """
+    qa, ka, va = (x.clone().requires_grad_(True) for x in (q, k, v))
+    lq, lk = q.shape[0], k.shape[0]
+    s = (qa @ ka.T) / math.sqrt(q.shape[1])  # (Lq, Lk)
+    if req.softcap is not None:
+        s = req.softcap * torch.tanh(s / req.softcap)
+    if req.alibi:
+        i = torch.arange(lq, dtype=F64)[:, None]  # (Lq, 1)
+        j = torch.arange(lk, dtype=F64)[None, :]  # (1, Lk)
+        s = s - req.alibi_slope * (i + lk - lq - j).abs()
+    has_key = visible.any(dim=-1, keepdim=True)  # (Lq, 1)
+    s = s.masked_fill(~visible, -math.inf)
+    s = torch.where(has_key, s, torch.zeros((), dtype=F64))  # (Lq, Lk)
+    p = torch.softmax(s, dim=-1) * has_key  # (Lq, Lk)
+    if keep is not None:
+        p = p * keep / (1.0 - req.dropout_p)
+    o = p @ va  # (Lq, d_v)
+    (o * g).sum().backward()
+    assert qa.grad is not None and ka.grad is not None and va.grad is not None
+    return qa.grad, ka.grad, va.grad
+
+
+def _rows(x: torch.Tensor | None) -> list[Any]:
+    """A traced tensor as nested lists (every traced record carries its tensors)."""
+    if x is None:
+        raise RuntimeError("a traced ledger record is missing a tensor")
+    return x.tolist()  # type: ignore[no-any-return]
+
+
+def _backward_step(r: ForwardTileStep | BackwardTileStep) -> sc.BackwardStep:
+    if not isinstance(r, BackwardTileStep):
+        raise RuntimeError(f"the backward ledger holds a {type(r).__name__}")
+    return sc.BackwardStep(
+        index=r.index,
+        q_tile=r.q_tile,
+        k_tile=r.k_tile,
+        q_range=list(r.q_range),
+        k_range=list(r.k_range),
+        kind=r.kind,  # type: ignore[arg-type]
+        p=_rows(r.p),
+        ds=_rows(r.ds),
+        dq=_rows(r.dq),
+        dk=_rows(r.dk),
+        dv=_rows(r.dv),
+    )
+
+
+def backward_steps(req: sc.BackwardRequest) -> sc.BackwardResponse:
+    """Blocked forward, then the traced blocked backward, against the reference and autograd."""
+    q, k, v, g = _t(req.q), _t(req.k), _t(req.v), _t(req.g)  # (Lq, d) (Lk, d) (Lk, d_v) (Lq, d_v)
+    lq, lk, d, dv = q.shape[0], k.shape[0], q.shape[1], v.shape[1]
+    mask = build_mask(req.mask)
+    opts = _options(req, mask)
+    tiles: dict[str, Any] = {"block_q": req.block_q, "block_k": req.block_k}
+    fwd = blocked_forward(q, k, v, **opts, **tiles)
+    ref = reference_forward(q, k, v, **opts)
+    bwd = blocked_backward(q, k, v, fwd.o, fwd.lse, g, **opts, **tiles, trace=True)
+    refb = reference_backward(q, k, v, ref.o, ref.lse, g, **opts)
+    visible = _dense(mask, lq, lk, get_conventions(req.conventions).causal_align)  # (Lq, Lk)
+    auto = _naive_autograd(req, q, k, v, g, visible, ref.keep)
+
+    grads = (bwd.dq, bwd.dk, bwd.dv)
+    ref_grads = (refb.dq, refb.dk, refb.dv)
+    grad_diff = max(_max_diff(a, b) for a, b in zip(grads, ref_grads))
+    auto_diff = max(_max_diff(a, b) for a, b in zip(grads, auto))
+    scale_of = max(1.0, *(float(x.abs().max()) for x in auto))
+    steps = [_backward_step(r) for r in bwd.ledger.records]
+    return sc.BackwardResponse(
+        lq=lq,
+        lk=lk,
+        d=d,
+        d_v=dv,
+        scale=1.0 / math.sqrt(d),
+        conventions=req.conventions,
+        o=fwd.o.tolist(),
+        lse=fwd.lse.tolist(),
+        D=bwd.D.tolist(),
+        ref_o=ref.o.tolist(),
+        ref_lse=ref.lse.tolist(),
+        forward_max_diff=_max_diff(fwd.o, ref.o),
+        p=ref.p.tolist(),
+        mask=visible.tolist(),
+        keep=None if ref.keep is None else ref.keep.tolist(),
+        fully_masked_rows=[i for i in range(lq) if not bool(visible[i].any())],
+        q_tiles=_tiles(lq, req.block_q),
+        k_tiles=_tiles(lk, req.block_k),
+        tile_kinds=bwd.ledger.tile_kinds,  # type: ignore[arg-type]
+        steps=steps,
+        grads=sc.Gradients(dq=bwd.dq.tolist(), dk=bwd.dk.tolist(), dv=bwd.dv.tolist()),
+        reference=sc.Gradients(dq=refb.dq.tolist(), dk=refb.dk.tolist(), dv=refb.dv.tolist()),
+        grad_max_diff=grad_diff,
+        tolerance=AUTOGRAD_RTOL * scale_of,
+        autograd=sc.AutogradCheck(
+            max_diff=auto_diff,
+            tolerance=AUTOGRAD_RTOL * scale_of,
+            ok=auto_diff <= AUTOGRAD_RTOL * scale_of,
+        ),
+        counters=bwd.ledger.counters.to_dict(),
+        forward_counters=fwd.ledger.counters.to_dict(),
+    )
+
+
+# ----------------------------------------------------------------------------- section 06
+
+
+def conventions_table(req: sc.ConventionsRequest) -> sc.ConventionsResponse:
+    """The same problem under every preset: each row's O and LSE, blocked vs reference."""
+    q, k, v = _t(req.q), _t(req.k), _t(req.v)
+    lq, lk = q.shape[0], k.shape[0]
+    mask = build_mask(req.mask)
+    results = []
+    for conv in PRESETS.values():
+        opts = _options(req, mask) | {"conventions": conv}
+        fwd = blocked_forward(q, k, v, **opts, block_q=req.block_q, block_k=req.block_k)
+        ref = reference_forward(q, k, v, **opts)
+        visible = _dense(mask, lq, lk, conv.causal_align)  # (Lq, Lk)
+        rows = [
+            sc.ConventionRow(
+                row=i,
+                fully_masked=not bool(visible[i].any()),
+                o=fwd.o[i].tolist(),
+                lse=float(fwd.lse[i]),
+                ref_lse=float(ref.lse[i]),
+                max_diff=_max_diff(fwd.o[i], ref.o[i]),
+            )
+            for i in range(lq)
+        ]
+        results.append(
+            sc.ConventionResult(
+                name=conv.name,
+                description=conv.description,
+                masked_row_lse=conv.masked_row_lse,
+                causal_align=conv.causal_align,
+                dropout_keep=conv.dropout_keep,
+                lse_differentiable=conv.lse_differentiable,
+                rows=rows,
+            )
+        )
+    return sc.ConventionsResponse(presets=results)
+
+
+# ----------------------------------------------------------------------------- section 05
+
+_DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def storage(req: sc.StorageRequest) -> sc.StorageResponse:
+    """The storage and work ledger and the memory-traffic model of ``flashledger.accounting``."""
+    mask = build_mask(req.mask)
+    sizes: dict[str, Any] = {
+        "lq": req.lq,
+        "lk": req.lk,
+        "d": req.d,
+        "block_q": req.block_q,
+        "block_k": req.block_k,
+        "mask": mask,
+        "dtype": _DTYPES[req.dtype],
+    }
+    ledger = accounting.storage_and_work(**sizes).to_dict()
+    traffic: dict[str, dict[str, Any]] = {
+        schedule: accounting.memory_traffic(**sizes, schedule=schedule).to_dict()
+        for schedule in accounting.SCHEDULES
+    }
+    tq, tk = -(-req.lq // req.block_q), -(-req.lk // req.block_k)
+    kinds: list[list[sc.TileKind]] | None = None
+    if tq <= 32 and tk <= 32:
+        names: dict[int, sc.TileKind] = {0: "empty", 1: "partial", 2: "full"}
+        if mask is None:
+            kinds = [["full"] * tk for _ in range(tq)]
+        else:
+            classes = mask.tile_classes(req.lq, req.lk, req.block_q, req.block_k)
+            kinds = [[names[int(c)] for c in row] for row in classes.tolist()]
+    return sc.StorageResponse(ledger=ledger, traffic=traffic, tile_kinds=kinds)
+
+
+# ----------------------------------------------------------------------------- section 03
+
+
+def _median_ms(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def measure(req: sc.MeasureRequest) -> sc.MeasureResponse:
+    """Time the untraced blocked loop and the dense reference on this machine (CPU)."""
+    dt = torch.float64 if req.dtype == "float64" else torch.float32
+    gen = torch.Generator().manual_seed(0)
+    shape = (1, req.length, req.d)  # (H, L, d)
+    q, k, v, g = (torch.randn(shape, generator=gen, dtype=dt) for _ in range(4))
+    mask = Causal() if req.causal else None
+    tiles: dict[str, Any] = {"block_q": req.block, "block_k": req.block}
+    with _MEASURE_LOCK:
+        fwd = blocked_forward(q, k, v, mask=mask, **tiles)  # warm-up and the result compared
+        ref = reference_forward(q, k, v, mask=mask, dtype=dt)
+        bwd = blocked_backward(q, k, v, fwd.o, fwd.lse, g, mask=mask, **tiles)
+        refb = reference_backward(q, k, v, ref.o, ref.lse, g, mask=mask, dtype=dt)
+        times = {
+            "blocked_forward": _median_ms(
+                lambda: blocked_forward(q, k, v, mask=mask, **tiles), req.repeats
+            ),
+            "blocked_backward": _median_ms(
+                lambda: blocked_backward(q, k, v, fwd.o, fwd.lse, g, mask=mask, **tiles),
+                req.repeats,
+            ),
+            "reference_forward": _median_ms(
+                lambda: reference_forward(q, k, v, mask=mask, dtype=dt), req.repeats
+            ),
+            "reference_backward": _median_ms(
+                lambda: reference_backward(q, k, v, ref.o, ref.lse, g, mask=mask, dtype=dt),
+                req.repeats,
+            ),
+        }
+    itemsize = torch.finfo(dt).bits // 8
+    return sc.MeasureResponse(
+        device=f"CPU ({platform.machine() or 'unknown'})",
+        threads=torch.get_num_threads(),
+        torch_version=torch.__version__,
+        length=req.length,
+        d=req.d,
+        block=req.block,
+        causal=req.causal,
+        dtype=req.dtype,
+        repeats=req.repeats,
+        times_ms=times,
+        forward_max_diff=_max_diff(fwd.o.to(F64), ref.o.to(F64)),
+        grad_max_diff=max(
+            _max_diff(a.to(F64), b.to(F64))
+            for a, b in ((bwd.dq, refb.dq), (bwd.dk, refb.dk), (bwd.dv, refb.dv))
+        ),
+        full_p_bytes=req.length * req.length * itemsize,
+        lse_bytes=req.length * itemsize,
+        counters=fwd.ledger.counters.to_dict(),
+    )

@@ -1,0 +1,161 @@
+// Number formatting and small DOM utilities shared by every section.
+//
+// Numbers arrive as float64 (JSON numbers; ±Infinity as the strings
+// "Infinity"/"-Infinity", decoded in api.js). They are shown with 6
+// significant digits; the full value is in the title attribute and in
+// data-value, so nothing is lost by rounding for display.
+
+const MINUS = "\u2212";
+
+/** Display text of one float64: 6 significant digits, ±∞ as symbols, proper minus sign. */
+export function fmtNumber(x, digits = 6) {
+  if (x === Infinity) return "+\u221e";
+  if (x === -Infinity) return MINUS + "\u221e";
+  if (typeof x !== "number" || Number.isNaN(x)) return "\u2014";
+  if (x === 0) return "0";
+  const ax = Math.abs(x);
+  let s;
+  if (ax < 1e-4 || ax >= 1e6) {
+    const [mant, exp] = x.toExponential(digits - 1).split("e");
+    s = `${trimZeros(mant)}e${exp.replace("+", "")}`;
+  } else {
+    s = trimZeros(x.toPrecision(digits));
+  }
+  return s.replace("-", MINUS);
+}
+
+function trimZeros(s) {
+  return s.includes(".") ? s.replace(/\.?0+$/, "") : s;
+}
+
+/** Full-precision text of one float64 (shortest round-trip form). */
+export function fullNumber(x) {
+  if (x === Infinity) return "+inf";
+  if (x === -Infinity) return "-inf";
+  return String(x);
+}
+
+/** Create an element: h("td", {class: "num"}, child, ...). Strings become text nodes. */
+export function h(tag, attrs = {}, ...children) {
+  const el = document.createElement(tag);
+  for (const [key, value] of Object.entries(attrs)) {
+    if (value === null || value === undefined || value === false) continue;
+    if (key.startsWith("on")) el.addEventListener(key.slice(2), value);
+    else if (key === "dataset") Object.assign(el.dataset, value);
+    else el.setAttribute(key, value === true ? "" : value);
+  }
+  append(el, children);
+  return el;
+}
+
+const SVG_NS = "http://www.w3.org/2000/svg";
+
+/** Create an SVG element with attributes and children. */
+export function s(tag, attrs = {}, ...children) {
+  const el = document.createElementNS(SVG_NS, tag);
+  for (const [key, value] of Object.entries(attrs)) {
+    if (value === null || value === undefined || value === false) continue;
+    el.setAttribute(key, value);
+  }
+  append(el, children);
+  return el;
+}
+
+function append(el, children) {
+  for (const child of children.flat(Infinity)) {
+    if (child === null || child === undefined || child === false) continue;
+    el.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+}
+
+/** A number as <span class="num" title="full value" data-value="full value">6 digits</span>. */
+export function num(x, cls = "") {
+  return h(
+    "span",
+    { class: `num ${cls}`.trim(), title: fullNumber(x), dataset: { value: fullNumber(x) } },
+    fmtNumber(x),
+  );
+}
+
+/** A vector as [a, b, ...] with each entry a num(). */
+export function vec(xs) {
+  const parts = [];
+  xs.forEach((x, i) => {
+    if (i) parts.push(", ");
+    parts.push(num(x));
+  });
+  return h("span", { class: "vec" }, "[", parts, "]");
+}
+
+/** Replace the children of el. */
+export function fill(el, ...children) {
+  el.replaceChildren();
+  append(el, children);
+  return el;
+}
+
+/** Largest |a - b| over two equally shaped nested arrays. */
+export function maxAbsDiff(a, b) {
+  if (Array.isArray(a)) return a.reduce((m, x, i) => Math.max(m, maxAbsDiff(x, b[i])), 0);
+  if (a === b) return 0;
+  return Math.abs(a - b);
+}
+
+/**
+ * Parse a matrix typed by a person: one row per line ("0.2, -0.3") or the
+ * bracket form "[[.2,-.3],[.5,.1]]". Returns {rows} or {error} (an i18n key
+ * plus the values it names).
+ */
+export function parseMatrix(text) {
+  const trimmed = text.trim();
+  if (!trimmed) return { error: ["err.empty", {}] };
+  const lines = trimmed.startsWith("[")
+    ? trimmed.replace(/\[/g, "").split("]")
+    : trimmed.split(/\n|;/);
+  const rows = [];
+  for (const line of lines) {
+    const body = line.replace(/^[\s,]+|[\s,]+$/g, "");
+    if (!body) continue;
+    const parsed = parseVector(body);
+    if (parsed.error) {
+      const [key, vars] = parsed.error;
+      return { error: [key, { ...vars, row: rows.length }] };
+    }
+    rows.push(parsed.values);
+  }
+  if (!rows.length) return { error: ["err.empty", {}] };
+  return { rows };
+}
+
+const NUMBER_RE = /^[+-]?(\d+\.?\d*|\.\d+)(e[+-]?\d+)?$/i;
+
+/** Parse "1, 2, -1" (commas or spaces) into numbers, or {error}. */
+export function parseVector(text) {
+  const tokens = text
+    .replace(/[[\]]/g, " ")
+    .split(/[\s,]+/)
+    .filter((tok) => tok.length);
+  if (!tokens.length) return { error: ["err.empty", {}] };
+  const values = [];
+  for (const [i, raw] of tokens.entries()) {
+    const tok = raw.replace("\u2212", "-");
+    if (!NUMBER_RE.test(tok)) return { error: ["err.notNumber", { token: raw, index: i }] };
+    const x = Number(tok);
+    if (!Number.isFinite(x)) return { error: ["err.notFinite", { token: raw, index: i }] };
+    values.push(x);
+  }
+  return { values };
+}
+
+/** Text of a matrix for a textarea: one row per line. */
+export function matrixText(rows) {
+  return rows.map((row) => row.map((x) => String(x)).join(", ")).join("\n");
+}
+
+/** An integer count with thin-space thousands separators; full value in the title. */
+export function count(n) {
+  const text = Math.round(n)
+    .toString()
+    .replace(/\B(?=(\d{3})+(?!\d))/g, "\u2009");
+  return h("span", { class: "num", title: String(n), dataset: { value: String(n) } }, text);
+}

@@ -1,0 +1,188 @@
+// Section 02: one row of scores read block by block by flashledger.OnlineSoftmax.
+// The server computes every step; the page steps through them.
+
+import { latest, post } from "./api.js";
+import { fill, h, num, parseMatrix, parseVector, vec } from "./fmt.js";
+import { t } from "./i18n.js";
+import { get, set, subscribe } from "./state.js";
+import { bindInput, clearErrors, parseIntField, readout, showErrors, showFieldError, stepper } from "./widgets.js";
+
+const INPUT_KEYS = ["scores", "values", "bs", "shift"];
+let section;
+let data = null;
+let bus;
+let stepCtl;
+const sequence = latest();
+
+export function init(ctx) {
+  bus = ctx.bus;
+  section = document.getElementById("sec-ledger");
+  const bindings = [
+    bindInput(document.getElementById("f-scores"), "scores"),
+    bindInput(document.getElementById("f-values"), "values"),
+    bindInput(document.getElementById("f-block"), "bs"),
+    bindInput(document.getElementById("f-shift"), "shift"),
+    bindInput(document.getElementById("f-avg"), "avg"),
+  ];
+  stepCtl = stepper(
+    document.getElementById("ledger-stepper"),
+    "step",
+    () => (data ? data.steps.length : 0),
+    (step, total) => `${t("s2.blocksRead")}: ${step} / ${total}`,
+  );
+  subscribe((changes) => {
+    if (INPUT_KEYS.some((key) => key in changes)) {
+      for (const b of bindings) b.sync();
+      compute();
+    } else if ("step" in changes || "avg" in changes) {
+      render();
+    }
+  });
+  render();
+  compute();
+}
+
+export function shown() {}
+
+/** The data of the last successful run and the current step (for section 01). */
+export function snapshot() {
+  return data ? { data, step: stepCtl.current() } : null;
+}
+
+async function compute() {
+  const scores = parseVector(get("scores"));
+  if (scores.error) {
+    const [key, vars] = scores.error;
+    return showFieldError(section, "scores", t(key, { ...vars, row: 0 }));
+  }
+  const values = parseMatrix(get("values"));
+  if (values.error) {
+    const [key, vars] = values.error;
+    return showFieldError(section, "values", t(key, vars));
+  }
+  const blockSize = parseIntField(get("bs"));
+  if (blockSize === null) return showFieldError(section, "block_size", t("err.integer"));
+  const shift = Number(get("shift") || "0");
+  if (!Number.isFinite(shift)) return showFieldError(section, "shift", t("err.notNumber", { row: 0, index: 0, token: get("shift") }));
+  const answer = await sequence(
+    post("/api/ledger", { scores: scores.values, values: values.rows, block_size: blockSize, shift }),
+  );
+  if (answer === null) return;
+  if (!answer.ok) {
+    return showErrors(section, document.getElementById("ledger-error"), answer);
+  }
+  clearErrors(section);
+  data = answer.data;
+  const step = parseInt(get("step"), 10) || 0;
+  if (step > data.steps.length) set({ step: String(data.steps.length) });
+  render();
+}
+
+export function render() {
+  stepCtl.render();
+  const readouts = document.getElementById("ledger-readouts");
+  const table = document.getElementById("ledger-table");
+  const row = document.getElementById("ledger-row");
+  if (!data) {
+    for (const el of [readouts, table, row, document.getElementById("ledger-avg-table"), document.getElementById("ledger-avg-readouts")]) fill(el);
+    bus.dispatchEvent(new Event("ledger"));
+    return;
+  }
+  const step = stepCtl.current();
+  const last = step > 0 ? data.steps[step - 1] : null;
+  const nothing = () => h("span", { class: "muted" }, t("common.dash"));
+  fill(
+    readouts,
+    readout("blocks-read", "s2.blocksRead", h("span", { class: "num" }, `${step} / ${data.steps.length}`)),
+    readout("m", "s2.m", num(last ? last.m : -Infinity)),
+    readout("ell", "s2.ell", num(last ? last.ell : 0)),
+    readout("diff", "s2.diff", last ? num(last.max_diff) : nothing(), last && step === data.steps.length ? "good" : ""),
+    readout("prefix", "s2.prefix", last ? vec(last.o) : nothing(), "wide"),
+    readout("reference", "s2.reference", vec(data.o), "wide"),
+  );
+  renderLedgerTable(table, step);
+  renderRowTable(row, last);
+  renderAverage();
+  bus.dispatchEvent(new Event("ledger"));
+}
+
+function renderLedgerTable(table, step) {
+  const head = h(
+    "thead",
+    {},
+    h(
+      "tr",
+      {},
+      ["s2.thBlock", "s2.thScores", "s2.thBlockMax", "s2.thRunMax", "s2.thAlpha", "s2.thEll", "s2.thAcc"].map((key, i) =>
+        h("th", { class: i >= 2 ? "num-col" : "" }, t(key)),
+      ),
+    ),
+  );
+  const body = h("tbody");
+  data.steps.forEach((st, i) => {
+    const read = i < step;
+    const cls = i === step - 1 ? "current" : read ? "" : "future";
+    const cells = read
+      ? [
+          h("td", { class: "num-col" }, num(st.block_max)),
+          h("td", { class: "num-col" }, num(st.m)),
+          h("td", { class: "num-col" }, num(st.alpha)),
+          h("td", { class: "num-col" }, num(st.ell)),
+          h("td", { class: "num-col" }, vec(st.acc)),
+        ]
+      : [h("td", { colspan: 5, class: "muted" }, t("s2.unread"))];
+    body.append(
+      h(
+        "tr",
+        { class: cls, "data-block": i },
+        h("td", {}, `${i + 1}`, h("span", { class: "muted small" }, ` [${st.start}, ${st.stop})`)),
+        h("td", {}, vec(st.scores)),
+        cells,
+      ),
+    );
+  });
+  fill(table, head, body);
+}
+
+function renderRowTable(table, last) {
+  const stop = last ? last.stop : 0;
+  const head = h(
+    "thead",
+    {},
+    h("tr", {}, ["s2.thPos", "s2.thScore", "s2.thV", "s2.thProb", "s2.thRead"].map((key, i) => h("th", { class: i === 3 ? "num-col" : "" }, t(key)))),
+  );
+  const body = h("tbody");
+  data.scores.forEach((score, j) => {
+    body.append(
+      h(
+        "tr",
+        { class: j < stop ? "read" : "future" },
+        h("td", {}, String(j)),
+        h("td", {}, num(score)),
+        h("td", {}, vec(data.values[j])),
+        h("td", { class: "num-col" }, num(data.p[j]), h("span", { class: "pbar", style: `width:${(60 * data.p[j]).toFixed(1)}px` })),
+        h("td", {}, j < stop ? "\u2713" : ""),
+      ),
+    );
+  });
+  fill(table, head, body);
+}
+
+function renderAverage() {
+  const show = get("avg") === "1";
+  document.getElementById("ledger-avg").hidden = !show;
+  if (!show) return;
+  const pb = data.per_block;
+  const head = h("thead", {}, h("tr", {}, ["s2.thBlock", "s2.thScores", "s2.thSoftmaxIn", "s2.thBlockOut"].map((key) => h("th", {}, t(key)))));
+  const body = h("tbody");
+  data.steps.forEach((st, i) => {
+    body.append(h("tr", {}, h("td", {}, String(i + 1)), h("td", {}, vec(st.scores)), h("td", {}, vec(pb.softmax[i])), h("td", {}, vec(pb.outputs[i]))));
+  });
+  fill(document.getElementById("ledger-avg-table"), head, body);
+  fill(
+    document.getElementById("ledger-avg-readouts"),
+    readout("avg", "s2.avg", vec(pb.average), "wide"),
+    readout("reference-avg", "s2.reference", vec(data.o), "wide"),
+    readout("avg-diff", "s2.avgDiff", num(pb.max_diff), "bad"),
+  );
+}

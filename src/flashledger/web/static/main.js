@@ -1,0 +1,124 @@
+// Entry point: state from the URL, the tabs, the language switch, and the six sections.
+
+import { getJson } from "./api.js";
+import * as backward from "./backward.js";
+import * as conventions from "./conventions.js";
+import { matrixText } from "./fmt.js";
+import * as gpu from "./gpu.js";
+import { setLanguage } from "./i18n.js";
+import * as ledger from "./ledger.js";
+import * as running from "./running.js";
+import { get, initState, set, subscribe } from "./state.js";
+import * as storage from "./storage.js";
+
+const SECTIONS = ["running", "ledger", "gpu", "backward", "storage", "conventions"];
+const MODULES = [running, ledger, gpu, backward, storage, conventions];
+
+/** Defaults of every URL key; the seed's data comes from /api/examples. */
+function defaultsFrom(examples) {
+  const lg = examples.ledger;
+  const bw = examples.backward;
+  return {
+    lang: "en",
+    sec: "running",
+    // section 02
+    scores: lg.scores.map(String).join(", "),
+    values: matrixText(lg.values),
+    bs: String(lg.block_size),
+    shift: "0",
+    step: "0",
+    avg: "0",
+    // sections 03 and 04
+    q: matrixText(bw.q),
+    k: matrixText(bw.k),
+    v: matrixText(bw.v),
+    g: matrixText(bw.g),
+    bq: String(bw.block_q),
+    bk: String(bw.block_k),
+    mask: bw.mask,
+    wl: "1",
+    wr: "0",
+    cm: "",
+    conv: bw.conventions,
+    p: "0",
+    seed: "0",
+    cap: "",
+    alibi: "0",
+    slope: "0.5",
+    bstep: "0",
+    ml: "128",
+    md: "16",
+    mb: "32",
+    mdt: "float64",
+    mc: "1",
+    // section 05
+    slq: "5",
+    slk: "5",
+    sd: "2",
+    sbq: "2",
+    sbk: "2",
+    smask: "causal_top_left",
+    swl: "1",
+    swr: "0",
+    sdt: "float64",
+    // section 06
+    clk: "3",
+    cmask: "causal",
+  };
+}
+
+function showSection(name) {
+  const sec = SECTIONS.includes(name) ? name : "running";
+  for (const el of document.querySelectorAll("main > section")) {
+    el.hidden = el.dataset.section !== sec;
+  }
+  for (const btn of document.querySelectorAll("#tabs button")) {
+    btn.classList.toggle("active", btn.dataset.sec === sec);
+    btn.setAttribute("aria-current", btn.dataset.sec === sec ? "page" : "false");
+  }
+  for (const mod of MODULES) mod.shown?.(sec);
+}
+
+async function boot() {
+  const answer = await getJson("/api/examples");
+  if (!answer.ok) {
+    document.getElementById("main").textContent = answer.detail;
+    return;
+  }
+  const examples = answer.data;
+  initState(defaultsFrom(examples));
+  setLanguage(get("lang"));
+
+  const bus = new EventTarget();
+  const ctx = { examples, bus };
+  for (const mod of MODULES) mod.init(ctx);
+
+  for (const btn of document.querySelectorAll("#tabs button")) {
+    btn.addEventListener("click", () => set({ sec: btn.dataset.sec }));
+  }
+  for (const btn of document.querySelectorAll("#lang-switch button")) {
+    btn.addEventListener("click", () => set({ lang: btn.dataset.lang }));
+  }
+  const markLanguage = () => {
+    for (const btn of document.querySelectorAll("#lang-switch button")) {
+      btn.classList.toggle("active", btn.dataset.lang === get("lang"));
+      btn.setAttribute("aria-pressed", String(btn.dataset.lang === get("lang")));
+    }
+  };
+  markLanguage();
+  subscribe((changes) => {
+    if ("lang" in changes) {
+      setLanguage(get("lang"));
+      markLanguage();
+      for (const mod of MODULES) mod.render();
+    }
+    if ("sec" in changes) {
+      showSection(get("sec"));
+      window.scrollTo({ top: 0 });
+    }
+  });
+  showSection(get("sec"));
+  document.body.dataset.ready = "1";
+}
+
+boot();

@@ -1,0 +1,501 @@
+"""The explorer's JSON API: every endpoint, the seed's figures, and every kind of bad input.
+
+Bad input must give 422 (413 for an oversized body) with a readable one-line
+``detail`` and an ``errors`` list naming the field; never a 500.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("fastapi", reason="the web extra is not installed")
+
+from fastapi.testclient import TestClient
+
+from flashledger import PRESETS, examples
+from flashledger.web import require_web_extra
+from flashledger.web.__main__ import main as web_main
+from flashledger.web.app import create_app, serve
+
+
+@pytest.fixture(scope="module")
+def client() -> TestClient:
+    return TestClient(create_app(), raise_server_exceptions=False)
+
+
+def _seed_ledger(**changes: Any) -> dict[str, Any]:
+    body = {
+        "scores": examples.SIX_SCORES.tolist(),
+        "values": examples.SIX_VALUES.tolist(),
+        "block_size": 2,
+        "shift": 0.0,
+    }
+    body.update(changes)
+    return body
+
+
+def _seed_backward(**changes: Any) -> dict[str, Any]:
+    ex = examples.five_position_example()
+    body: dict[str, Any] = {
+        "q": ex["q"].tolist(),
+        "k": ex["k"].tolist(),
+        "v": ex["v"].tolist(),
+        "g": ex["g"].tolist(),
+        "block_q": 2,
+        "block_k": 2,
+        "mask": {"kind": "causal_top_left"},
+    }
+    body.update(changes)
+    return body
+
+
+def _masked_row_dense(row: int = 2, n: int = 5) -> list[list[bool]]:
+    """Causal top-left with query ``row`` seeing no key."""
+    return [[i != row and j <= i for j in range(n)] for i in range(n)]
+
+
+def _ok(response: Any) -> dict[str, Any]:
+    assert response.status_code == 200, f"status {response.status_code}: {response.text[:400]}"
+    assert "NaN" not in response.text, "a NaN reached the response"
+    return response.json()  # type: ignore[no-any-return]
+
+
+def _worst(a: list[Any], b: list[Any]) -> tuple[float, tuple[int, ...]]:
+    """Largest |a - b| over equally shaped nested lists, and where it is."""
+    ta, tb = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    assert ta.shape == tb.shape, f"shape {tuple(ta.shape)} != {tuple(tb.shape)}"
+    diff = (ta - tb).abs()
+    idx = tuple(int(i) for i in torch.nonzero(diff == diff.max())[0].tolist())
+    return float(diff.max()), idx
+
+
+# ----------------------------------------------------------------------------- examples and page
+
+
+def test_examples_are_the_seed_data(client: TestClient) -> None:
+    data = _ok(client.get("/api/examples"))
+    assert data["ledger"]["scores"] == [1.0, 2.0, -1.0, 3.0, 0.0, 2.5]
+    assert data["ledger"]["values"] == examples.SIX_VALUES.tolist()
+    assert data["backward"]["q"] == examples.FIVE_Q.tolist()
+    assert data["backward"]["g"] == examples.FIVE_G.tolist()
+    assert [p["name"] for p in data["presets"]] == list(PRESETS)
+    assert data["limits"]["max_trace_len"] == 64
+    assert data["limits"]["max_body_bytes"] == 192 * 1024
+
+
+def test_page_is_self_contained(client: TestClient) -> None:
+    page = client.get("/")
+    assert page.status_code == 200
+    html = page.text
+    assert html.count("<math") >= 4, "the formulas must be served as MathML"
+    assert "<!--formula:" not in html, "a formula marker was left unrendered"
+    for attr in ('src="http', "src='http", 'href="http', "href='http", "//cdn"):
+        assert attr not in html, f"the page refers to an outside resource ({attr})"
+    csp = page.headers["content-security-policy"]
+    assert "default-src 'self'" in csp and "connect-src 'self'" in csp
+    for name in ("main.js", "ledger.js", "backward.js", "gpu.js", "storage.js", "style.css"):
+        res = client.get(f"/static/{name}")
+        assert res.status_code == 200, f"/static/{name}: {res.status_code}"
+        assert "http://" not in res.text and "https://" not in res.text, f"{name} refers outside"
+
+
+def test_docs_and_openapi(client: TestClient) -> None:
+    docs = client.get("/docs")
+    assert docs.status_code == 200 and "/static/apidocs.js" in docs.text
+    assert "cdn" not in docs.text.lower()
+    spec = _ok(client.get("/openapi.json"))
+    paths = set(spec["paths"])
+    want = {
+        "/api/examples",
+        "/api/ledger",
+        "/api/backward",
+        "/api/storage",
+        "/api/conventions",
+        "/api/measure",
+    }
+    assert want <= paths, f"missing from OpenAPI: {sorted(want - paths)}"
+
+
+# ----------------------------------------------------------------------------- section 02
+
+
+def test_ledger_seed_figures(client: TestClient) -> None:
+    raw = client.post("/api/ledger", json=_seed_ledger())
+    data = _ok(raw)
+    steps = data["steps"]
+    assert [s["start"] for s in steps] == [0, 2, 4] and [s["stop"] for s in steps] == [2, 4, 6]
+    assert [s["m"] for s in steps] == [2.0, 3.0, 3.0]
+    assert steps[0]["m_before"] == "-Infinity", "the initial m is -inf, sent as a string"
+    assert steps[0]["alpha"] == 0.0, "the first block's old-state scale must be 0"
+    assert steps[1]["alpha"] == pytest.approx(math.exp(-1.0), abs=1e-15)
+    assert steps[-1]["m"] == 3.0
+    assert steps[-1]["max_diff"] < 1e-12, f"final prefix output off by {steps[-1]['max_diff']}"
+    assert steps[0]["max_diff"] > 0.1, "after one block the prefix must not equal the full row"
+    s = examples.SIX_SCORES
+    for st_ in steps:
+        ell = float(torch.exp(s[: st_["stop"]] - st_["m"]).sum())
+        assert st_["ell"] == pytest.approx(ell, abs=1e-14), f"ell of block {st_['index']}"
+    assert sum(data["p"]) == pytest.approx(1.0, abs=1e-15)
+    assert data["lse"] == pytest.approx(float(torch.logsumexp(s, 0)), abs=1e-14)
+    off = data["per_block"]["max_diff"]
+    assert off > 0.05, f"the per-block softmax average should be visibly wrong, off by {off}"
+
+
+def test_ledger_shift_changes_max_not_output(client: TestClient) -> None:
+    base = _ok(client.post("/api/ledger", json=_seed_ledger()))
+    shifted = _ok(client.post("/api/ledger", json=_seed_ledger(shift=10.0)))
+    assert shifted["steps"][-1]["m"] == 13.0
+    worst, idx = _worst(shifted["o"], base["o"])
+    assert worst < 1e-12, f"shift changed the output by {worst} at {idx}"
+    worst, idx = _worst(shifted["p"], base["p"])
+    assert worst < 1e-12, f"shift changed the probabilities by {worst} at {idx}"
+
+
+@pytest.mark.parametrize("block", [1, 3, 4, 6])
+def test_ledger_block_sizes(client: TestClient, block: int) -> None:
+    data = _ok(client.post("/api/ledger", json=_seed_ledger(block_size=block)))
+    assert len(data["steps"]) == -(-6 // block)
+    assert data["steps"][-1]["m"] == 3.0
+    assert data["steps"][-1]["max_diff"] < 1e-12
+
+
+# ----------------------------------------------------------------------------- section 04
+
+
+def test_backward_seed_figures(client: TestClient) -> None:
+    data = _ok(client.post("/api/backward", json=_seed_backward()))
+    assert data["forward_max_diff"] < 1e-12, f"forward off by {data['forward_max_diff']}"
+    assert data["grad_max_diff"] < 1e-12, f"gradients off by {data['grad_max_diff']}"
+    assert data["autograd"]["ok"] and data["autograd"]["max_diff"] < 1e-12, data["autograd"]
+    c = data["counters"]
+    assert (c["qk_dots_visible"], c["qk_dots_computed"]) == (15, 17), c
+    assert (c["tiles_run"], c["tiles_skipped"]) == (6, 3), c
+    assert data["forward_counters"]["qk_dots_visible"] == 15
+    assert len(data["steps"]) == 6
+    assert data["tile_kinds"] == [
+        ["partial", "empty", "empty"],
+        ["full", "partial", "empty"],
+        ["full", "full", "full"],
+    ]
+    assert data["fully_masked_rows"] == []
+    # adding the tiles' contributions in loop order gives the final gradients (the page does this)
+    acc = {name: torch.zeros(5, 2, dtype=torch.float64) for name in ("dq", "dk", "dv")}
+    for step in data["steps"]:
+        q0, q1 = step["q_range"]
+        k0, k1 = step["k_range"]
+        acc["dq"][q0:q1] += torch.tensor(step["dq"], dtype=torch.float64)
+        acc["dk"][k0:k1] += torch.tensor(step["dk"], dtype=torch.float64)
+        acc["dv"][k0:k1] += torch.tensor(step["dv"], dtype=torch.float64)
+    for name in ("dq", "dk", "dv"):
+        worst, idx = _worst(acc[name].tolist(), data["reference"][name])
+        assert worst < 1e-12, f"accumulated {name} off the reference by {worst} at {idx}"
+    # every rebuilt probability equals the reference P
+    for step in data["steps"]:
+        q0, q1 = step["q_range"]
+        k0, k1 = step["k_range"]
+        ref = [row[k0:k1] for row in data["p"][q0:q1]]
+        worst, idx = _worst(step["p"], ref)
+        assert worst < 1e-12, f"step {step['index']}: rebuilt P off by {worst} at {idx}"
+
+
+@pytest.mark.parametrize(
+    ("preset", "lse"), [("seed", "-Infinity"), ("flash_attn_2", "Infinity"), ("sdpa_cpu", 0.0)]
+)
+def test_backward_fully_masked_row(client: TestClient, preset: str, lse: Any) -> None:
+    body = _seed_backward(
+        mask={"kind": "custom", "dense": _masked_row_dense(2)}, conventions=preset
+    )
+    data = _ok(client.post("/api/backward", json=body))
+    assert data["fully_masked_rows"] == [2]
+    assert data["lse"][2] == lse, f"{preset}: LSE of the empty row is {data['lse'][2]!r}"
+    assert data["o"][2] == [0.0, 0.0]
+    assert data["grads"]["dq"][2] == [0.0, 0.0]
+    assert data["grad_max_diff"] < 1e-12 and data["autograd"]["ok"], data["autograd"]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"dropout_p": 0.3, "seed": 7},
+        {"softcap": 0.5},
+        {"alibi": True, "alibi_slope": 0.75},
+        {"mask": {"kind": "sliding_window", "left": 1, "right": 0}},
+        {"mask": {"kind": "causal"}, "conventions": "flash_attn_2", "block_q": 3, "block_k": 1},
+        {"mask": {"kind": "none"}, "block_q": 5, "block_k": 5},
+    ],
+    ids=["dropout", "softcap", "alibi", "window", "fa2-causal", "no-mask"],
+)
+def test_backward_options_match_reference_and_autograd(
+    client: TestClient, options: dict[str, Any]
+) -> None:
+    data = _ok(client.post("/api/backward", json=_seed_backward(**options)))
+    assert data["grad_max_diff"] < 1e-12, f"{options}: gradients off by {data['grad_max_diff']}"
+    assert data["forward_max_diff"] < 1e-12, f"{options}: forward off by {data['forward_max_diff']}"
+    assert data["autograd"]["ok"], f"{options}: autograd check {data['autograd']}"
+    if "dropout_p" in options:
+        dropped = sum(not x for row in data["keep"] for x in row)
+        assert dropped > 0 and data["counters"]["dropped"] > 0, "dropout dropped nothing"
+
+
+# ----------------------------------------------------------------------------- sections 05, 06, 03
+
+
+def test_storage_seed_figures(client: TestClient) -> None:
+    data = _ok(
+        client.post(
+            "/api/storage",
+            json={"lq": 5, "lk": 5, "d": 2, "block_q": 2, "block_k": 2, "mask": {"kind": "causal"}},
+        )
+    )
+    ledger = data["ledger"]
+    figures = {
+        key: ledger[key]
+        for key in (
+            "full_p_elements",
+            "lse_elements",
+            "temp_block_capacity",
+            "qk_dots_forward",
+            "qk_dots_backward",
+            "qk_dots_computed",
+            "tiles_run",
+            "tiles_skipped",
+        )
+    }
+    assert figures == {
+        "full_p_elements": 25,
+        "lse_elements": 5,
+        "temp_block_capacity": 4,
+        "qk_dots_forward": 15,
+        "qk_dots_backward": 15,
+        "qk_dots_computed": 17,
+        "tiles_run": 6,
+        "tiles_skipped": 3,
+    }
+    assert set(data["traffic"]) == {"standard", "fa1", "fa2"}
+    assert data["traffic"]["fa2"]["forward"]["elements_read"] > 0
+    assert sum(row.count("empty") for row in data["tile_kinds"]) == 3
+
+
+def test_storage_big_grid_is_not_drawn(client: TestClient) -> None:
+    data = _ok(
+        client.post("/api/storage", json={"lq": 4096, "lk": 4096, "block_q": 64, "block_k": 64})
+    )
+    assert data["tile_kinds"] is None
+    assert data["ledger"]["tiles_run"] + data["ledger"]["tiles_skipped"] == 64 * 64
+
+
+def test_conventions_table(client: TestClient) -> None:
+    ex = examples.five_position_example()
+    body = {
+        "q": ex["q"].tolist(),
+        "k": ex["k"][:3].tolist(),
+        "v": ex["v"][:3].tolist(),
+        "mask": {"kind": "causal"},
+    }
+    data = _ok(client.post("/api/conventions", json=body))
+    by_name = {p["name"]: p for p in data["presets"]}
+    assert set(by_name) == set(PRESETS)
+    masked = {
+        name: [r["row"] for r in p["rows"] if r["fully_masked"]] for name, p in by_name.items()
+    }
+    assert masked["seed"] == [] and masked["sdpa_cpu"] == []
+    assert masked["flash_attn_2"] == [0, 1] and masked["flash_attn_3"] == [0, 1]
+    assert [by_name["flash_attn_2"]["rows"][i]["lse"] for i in (0, 1)] == ["Infinity"] * 2
+    assert [by_name["flash_attn_3"]["rows"][i]["lse"] for i in (0, 1)] == ["-Infinity"] * 2
+    for name, preset in by_name.items():
+        for row in preset["rows"]:
+            assert row["max_diff"] < 1e-12, f"{name} row {row['row']}: O off by {row['max_diff']}"
+            if row["fully_masked"]:
+                assert row["o"] == [0.0, 0.0], f"{name} row {row['row']}: O = {row['o']}"
+
+
+def test_measure_small_run(client: TestClient) -> None:
+    data = _ok(client.post("/api/measure", json={"length": 24, "d": 4, "block": 8, "repeats": 1}))
+    assert set(data["times_ms"]) == {
+        "blocked_forward",
+        "blocked_backward",
+        "reference_forward",
+        "reference_backward",
+    }
+    assert all(t > 0 for t in data["times_ms"].values()), data["times_ms"]
+    assert data["forward_max_diff"] < 1e-12 and data["grad_max_diff"] < 1e-12
+    assert data["full_p_bytes"] == 24 * 24 * 8 and data["lse_bytes"] == 24 * 8
+
+
+# ----------------------------------------------------------------------------- rejected input
+
+_BAD: list[tuple[str, str, Any, str, str]] = [
+    # (id, path, body, field named, text in the message)
+    ("scores-text", "/api/ledger", _seed_ledger(scores="1, 2"), "scores", "scores"),
+    ("scores-word", "/api/ledger", _seed_ledger(scores=[1, "x", 3]), "scores", "scores[1]"),
+    ("scores-empty", "/api/ledger", _seed_ledger(scores=[], values=[]), "scores", "at least 1"),
+    ("scores-long", "/api/ledger", _seed_ledger(scores=[0.0] * 65), "scores", "at most 64"),
+    ("scores-inf", "/api/ledger", _seed_ledger(scores=[1, "inf", 0, 0, 0, 0]), "scores", "finite"),
+    ("scores-huge", "/api/ledger", _seed_ledger(scores=[1e300] * 6), "scores", "1000000"),
+    ("block-zero", "/api/ledger", _seed_ledger(block_size=0), "block_size", "block_size"),
+    ("block-big", "/api/ledger", _seed_ledger(block_size=7), "block_size", "1..6"),
+    ("block-float", "/api/ledger", _seed_ledger(block_size=2.5), "block_size", "integer"),
+    ("values-rows", "/api/ledger", _seed_ledger(values=[[1, 0]] * 5), "values", "one value"),
+    (
+        "values-ragged",
+        "/api/ledger",
+        _seed_ledger(values=[[1, 0]] * 5 + [[1]]),
+        "values",
+        "same length",
+    ),
+    ("values-wide", "/api/ledger", _seed_ledger(values=[[0.0] * 17] * 6), "values", "at most 16"),
+    ("shift-nan", "/api/ledger", _seed_ledger(shift="nan"), "shift", "finite"),
+    ("unknown-field", "/api/ledger", _seed_ledger(colour=1), "colour", "unknown field"),
+    ("q-ragged", "/api/backward", _seed_backward(q=[[0.1, 0.2]] * 4 + [[0.1]]), "q", "row 4"),
+    ("k-dim", "/api/backward", _seed_backward(k=[[0.1, 0.2, 0.3]] * 5), "k", "share d"),
+    ("v-rows", "/api/backward", _seed_backward(v=[[1.0, 0.0]] * 4), "v", "one value row"),
+    ("g-shape", "/api/backward", _seed_backward(g=[[1.0]] * 5), "g", "Lq x d_v"),
+    ("q-long", "/api/backward", _seed_backward(q=[[0.0, 0.0]] * 65), "q", "at most 64"),
+    ("bq-big", "/api/backward", _seed_backward(block_q=6), "block_q", "1..5"),
+    ("bk-zero", "/api/backward", _seed_backward(block_k=0), "block_k", "block_k"),
+    (
+        "mask-kind",
+        "/api/backward",
+        _seed_backward(mask={"kind": "diagonal"}),
+        "mask",
+        "mask.kind",
+    ),
+    (
+        "mask-no-grid",
+        "/api/backward",
+        _seed_backward(mask={"kind": "custom"}),
+        "mask",
+        "needs 'dense'",
+    ),
+    (
+        "mask-grid-shape",
+        "/api/backward",
+        _seed_backward(mask={"kind": "custom", "dense": [[True] * 5] * 4}),
+        "mask",
+        "5 x 5",
+    ),
+    (
+        "window-left",
+        "/api/backward",
+        _seed_backward(mask={"kind": "sliding_window", "left": -3}),
+        "mask",
+        "mask.left",
+    ),
+    ("conventions", "/api/backward", _seed_backward(conventions="xformers"), "conventions", "seed"),
+    ("dropout-one", "/api/backward", _seed_backward(dropout_p=1.0), "dropout_p", "0.9"),
+    ("softcap-zero", "/api/backward", _seed_backward(softcap=0), "softcap", "greater than 0"),
+    ("seed-negative", "/api/backward", _seed_backward(seed=-1), "seed", "seed"),
+    ("storage-block", "/api/storage", {"lq": 4, "block_q": 5}, "block_q", "1..4"),
+    ("storage-tiles", "/api/storage", {"lq": 65536, "lk": 65536, "block_q": 1}, "block_q", "tiles"),
+    (
+        "storage-custom",
+        "/api/storage",
+        {"mask": {"kind": "custom", "dense": [[True]]}},
+        "mask",
+        "none",
+    ),
+    ("storage-len", "/api/storage", {"lq": 0}, "lq", "lq"),
+    ("measure-len", "/api/measure", {"length": 5000}, "length", "1024"),
+    ("measure-block", "/api/measure", {"length": 16, "block": 32}, "block", "1..16"),
+    ("measure-tiles", "/api/measure", {"length": 1024, "block": 32}, "block", "at most 256"),
+    ("conventions-k", "/api/conventions", {"q": [[1.0]], "k": [], "v": []}, "k", "at least 1"),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field", "text"), [b[1:] for b in _BAD], ids=[b[0] for b in _BAD]
+)
+def test_rejected_input_is_422_with_reason(
+    client: TestClient, path: str, body: Any, field: str, text: str
+) -> None:
+    res = client.post(path, json=body)
+    assert res.status_code == 422, f"{path}: status {res.status_code}, body {res.text[:300]}"
+    data = res.json()
+    assert isinstance(data["detail"], str) and data["detail"], data
+    assert "\n" not in data["detail"], f"detail must be one line: {data['detail']!r}"
+    fields = [e["field"] for e in data["errors"]]
+    assert field in fields, f"no error names field {field!r}: {data['errors']}"
+    assert text in data["detail"], f"{text!r} not in {data['detail']!r}"
+
+
+def test_malformed_and_missing_bodies(client: TestClient) -> None:
+    res = client.post(
+        "/api/ledger", content=b"{not json", headers={"Content-Type": "application/json"}
+    )
+    assert res.status_code == 422 and "not valid JSON" in res.json()["detail"], res.text
+    res = client.post("/api/ledger")
+    assert res.status_code == 422 and "request body" in res.json()["detail"], res.text
+    res = client.post("/api/ledger", json=[1, 2, 3])
+    assert res.status_code == 422, res.text
+
+
+def test_oversized_body_is_413(client: TestClient) -> None:
+    body = json.dumps(_seed_ledger(pad="x" * 200_000)).encode()
+    res = client.post("/api/ledger", content=body, headers={"Content-Type": "application/json"})
+    assert res.status_code == 413, res.text[:200]
+    assert "196608" in res.json()["detail"]
+
+    def chunks() -> Any:  # no Content-Length: the limit must hold while streaming
+        for _ in range(50):
+            yield b" " * 4096
+
+    res = client.post("/api/ledger", content=chunks(), headers={"Content-Type": "application/json"})
+    assert res.status_code == 413, res.text[:200]
+
+
+def test_unknown_routes_and_methods_answer_json(client: TestClient) -> None:
+    res = client.get("/api/nothing")
+    assert res.status_code == 404 and res.json()["detail"]
+    res = client.get("/api/ledger")
+    assert res.status_code == 405 and res.json()["detail"]
+
+
+_json_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(10**6), max_value=10**6),
+    st.floats(allow_nan=False, allow_infinity=False, width=32),
+    st.text(max_size=4),
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    scores=st.one_of(_json_scalars, st.lists(_json_scalars, max_size=8)),
+    values=st.one_of(_json_scalars, st.lists(st.lists(_json_scalars, max_size=3), max_size=8)),
+    block=_json_scalars,
+)
+def test_ledger_never_500(client: TestClient, scores: Any, values: Any, block: Any) -> None:
+    res = client.post("/api/ledger", json={"scores": scores, "values": values, "block_size": block})
+    assert res.status_code in (200, 422), f"status {res.status_code}: {res.text[:300]}"
+    if res.status_code == 422:
+        assert res.json()["detail"], res.text
+    else:
+        assert "NaN" not in res.text
+
+
+# ----------------------------------------------------------------------------- entry points
+
+
+def test_missing_web_extra_gives_install_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    import flashledger.web as web
+
+    monkeypatch.setattr(web, "find_spec", lambda name: None if name == "uvicorn" else object())
+    with pytest.raises(ImportError, match=r"pip install 'flashledger\[web\]'.*uvicorn"):
+        require_web_extra()
+
+
+def test_serve_and_module_reject_bad_port(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError, match="port"):
+        serve(port=70000)
+    with pytest.raises(SystemExit) as exc:
+        web_main(["--port", "70000"])
+    assert exc.value.code == 2
+    assert "--port must be in 0..65535" in capsys.readouterr().err
