@@ -11,33 +11,70 @@ ledger shows comes from the loop that computed the result.
     >>> ref = fl.reference_forward(q, k, v, mask=fl.Causal())
     >>> bool((res.o - ref.o).abs().max() < 1e-12)
     True
+
+Names are imported on first use, so ``import flashledger`` (and the
+``flashledger`` command's ``--help``) stays quick until torch is needed.
 """
 
-from ._problem import Placement
-from .autograd import flash_attention
-from .blocked import (
-    BackwardResult,
-    ForwardResult,
-    blocked_backward,
-    blocked_forward,
-    split_kv_forward,
-)
-from .conventions import (
-    FLASH_ATTN_2,
-    FLASH_ATTN_3,
-    FLEX_ATTENTION,
-    PRESETS,
-    SDPA_CPU,
-    SEED,
-    Conventions,
-)
-from .ledger import BackwardTileStep, Counters, ForwardTileStep, Ledger
-from .masks import Causal, DenseMask, KeyPadding, Mask, SlidingWindow
-from .online import OnlineSoftmax, OnlineState, merge, merge_partials
-from .reference import ReferenceBackward, ReferenceForward, reference_backward, reference_forward
-from .scores import alibi_slopes
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS: dict[str, str] = {
+    # the engine
+    "reference_forward": "reference",
+    "reference_backward": "reference",
+    "ReferenceForward": "reference",
+    "ReferenceBackward": "reference",
+    "blocked_forward": "blocked",
+    "blocked_backward": "blocked",
+    "split_kv_forward": "blocked",
+    "ForwardResult": "blocked",
+    "BackwardResult": "blocked",
+    "flash_attention": "autograd",
+    "OnlineSoftmax": "online",
+    "OnlineState": "online",
+    "merge": "online",
+    "merge_partials": "online",
+    "Placement": "_problem",
+    "alibi_slopes": "scores",
+    # masks and conventions
+    "Mask": "masks",
+    "Causal": "masks",
+    "SlidingWindow": "masks",
+    "KeyPadding": "masks",
+    "DenseMask": "masks",
+    "Conventions": "conventions",
+    "PRESETS": "conventions",
+    "SEED": "conventions",
+    "FLASH_ATTN_2": "conventions",
+    "FLASH_ATTN_3": "conventions",
+    "FLEX_ATTENTION": "conventions",
+    "SDPA_CPU": "conventions",
+    # ledgers and accounting
+    "Ledger": "ledger",
+    "Counters": "ledger",
+    "ForwardTileStep": "ledger",
+    "BackwardTileStep": "ledger",
+    "storage_and_work": "accounting",
+    "memory_traffic": "accounting",
+    # verification
+    "assert_attention_close": "verify",
+    "run_matrix": "verify",
+    "lse_to_base2": "verify",
+    "lse_from_base2": "verify",
+    # context parallelism
+    "ring_attention": "ring",
+    "simulate_ring": "ring",
+    "shard_sequence": "ring",
+    "unshard_sequence": "ring",
+    "RingLedger": "ring",
+    "ring_comm_totals": "ring",
+}
 
 __all__ = [
     "FLASH_ATTN_2",
@@ -62,15 +99,81 @@ __all__ = [
     "Placement",
     "ReferenceBackward",
     "ReferenceForward",
+    "RingLedger",
     "SlidingWindow",
     "__version__",
     "alibi_slopes",
+    "assert_attention_close",
     "blocked_backward",
     "blocked_forward",
     "flash_attention",
+    "lse_from_base2",
+    "lse_to_base2",
+    "memory_traffic",
     "merge",
     "merge_partials",
     "reference_backward",
     "reference_forward",
+    "ring_attention",
+    "ring_comm_totals",
+    "run_matrix",
+    "shard_sequence",
+    "simulate_ring",
     "split_kv_forward",
+    "storage_and_work",
+    "unshard_sequence",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'flashledger' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
+
+if TYPE_CHECKING:
+    from ._problem import Placement
+    from .accounting import memory_traffic, storage_and_work
+    from .autograd import flash_attention
+    from .blocked import (
+        BackwardResult,
+        ForwardResult,
+        blocked_backward,
+        blocked_forward,
+        split_kv_forward,
+    )
+    from .conventions import (
+        FLASH_ATTN_2,
+        FLASH_ATTN_3,
+        FLEX_ATTENTION,
+        PRESETS,
+        SDPA_CPU,
+        SEED,
+        Conventions,
+    )
+    from .ledger import BackwardTileStep, Counters, ForwardTileStep, Ledger
+    from .masks import Causal, DenseMask, KeyPadding, Mask, SlidingWindow
+    from .online import OnlineSoftmax, OnlineState, merge, merge_partials
+    from .reference import (
+        ReferenceBackward,
+        ReferenceForward,
+        reference_backward,
+        reference_forward,
+    )
+    from .ring import (
+        RingLedger,
+        ring_attention,
+        ring_comm_totals,
+        shard_sequence,
+        simulate_ring,
+        unshard_sequence,
+    )
+    from .scores import alibi_slopes
+    from .verify import assert_attention_close, lse_from_base2, lse_to_base2, run_matrix

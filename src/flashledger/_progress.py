@@ -1,0 +1,89 @@
+"""Consoles and progress bars shared by the command line and long-running helpers.
+
+Both follow the terminal: colour only on a terminal (``NO_COLOR`` turns it off),
+plain text when output goes to a pipe or a file, and progress bars only when
+standard error is a terminal, so captured output stays exactly comparable.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+__all__ = ["make_console", "progress"]
+
+PLAIN_WIDTH = 160
+"""Column width used when writing to a pipe or a file (tables are never wrapped there)."""
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
+
+
+def make_console(file: TextIO | None = None) -> Console:
+    """A rich console on ``file`` (default: the current ``sys.stdout``).
+
+    On a terminal it uses colour (unless ``NO_COLOR`` is set) and the terminal's
+    width; elsewhere it writes plain text ``PLAIN_WIDTH`` columns wide
+    (``COLUMNS`` overrides the width; ``FORCE_COLOR`` forces colour). Strings are printed as they are (no
+    console markup), so labels like ``[b0 h1 3]`` survive.
+    """
+    from rich.console import Console
+
+    stream = sys.stdout if file is None else file
+    terminal = _is_terminal(stream)
+    width = None if terminal else int(os.environ.get("COLUMNS", PLAIN_WIDTH))
+    return Console(
+        file=stream,
+        width=width,
+        no_color="NO_COLOR" in os.environ,
+        force_terminal=True if terminal else None,  # None: rich decides (FORCE_COLOR)
+        highlight=False,
+        markup=False,
+        emoji=False,
+        soft_wrap=False,
+    )
+
+
+@contextmanager
+def progress(
+    description: str, *, total: float | None, enabled: bool | None = None
+) -> Iterator[Callable[[float], None]]:
+    """Show a transient progress bar on standard error; yields ``advance(amount)``.
+
+    ``enabled=None`` (default) shows the bar only when standard error is a
+    terminal; with ``False`` the returned ``advance`` does nothing.
+    """
+    show = _is_terminal(sys.stderr) if enabled is None else enabled
+    if not show:
+        yield _no_progress
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed:.0f}/{task.total:.0f}"),
+        TimeElapsedColumn(),
+        console=Console(file=sys.stderr),
+        transient=True,
+    )
+    with bar:
+        task = bar.add_task(description, total=total)
+
+        def advance(amount: float = 1.0) -> None:
+            bar.advance(task, amount)
+
+        yield advance
+
+
+def _no_progress(amount: float = 1.0) -> None:
+    """``advance`` when no bar is shown."""

@@ -1,0 +1,485 @@
+"""The ring ledger: every hop of the ring, every chunk pair each rank attended.
+
+Records are made by the rank that did the work (a hop by its sender, a chunk
+pair by the rank that ran or skipped it), so one rank's ``RingLedger`` holds
+that rank's share; ``RingLedger.combine`` (or ``gather`` across processes)
+puts the shares of all ranks together, sorted.
+
+Communication has a closed form (``ring_comm_totals``). With ``W`` ranks, a
+key sequence of ``Lk`` positions, ``B`` batch, ``Hkv`` key/value heads and head
+dims ``d``, ``d_v``, one full K/V sequence weighs
+``kv = Lk·B·Hkv·(d + d_v)`` elements. Every step each rank forwards the shard
+it holds, so every step moves one whole K/V sequence around the ring:
+
+- forward, K/V: ``W(W-1)`` hops, ``(W-1)·kv`` elements;
+- backward, K/V: the same again (the shards travel to be recomputed against);
+- backward, dK/dV accumulators: ``W·W`` hops, ``W·kv`` elements (a full circle,
+  ending at the shard's owner), in the accumulation dtype.
+
+With ``W = 1`` nothing travels.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from .ledger import Counters
+
+__all__ = [
+    "CommTotals",
+    "Hop",
+    "PairStep",
+    "RankWork",
+    "RingLedger",
+    "RingSetup",
+    "ring_comm_totals",
+]
+
+PASSES = ("forward", "backward")
+PAYLOADS = {"kv": "K/V", "dkv": "dK/dV"}
+
+
+@dataclass(frozen=True)
+class RingSetup:
+    """What one ring call ran on (identical on every rank)."""
+
+    world_size: int
+    layout: str  # "contiguous" | "zigzag"
+    lq: int  # global query length
+    lk: int  # global key length
+    q_bounds: tuple[int, ...]  # query chunk boundaries (n + 1 ints)
+    k_bounds: tuple[int, ...]  # key chunk boundaries
+    batch: int  # B (1 for inputs without a batch dim)
+    heads_q: int  # Hq (1 for 2-D inputs)
+    heads_kv: int  # Hkv
+    d: int
+    d_v: int
+    dtype: str  # dtype of q, k, v (what K/V travel in)
+    itemsize: int  # bytes per K/V element on the wire
+    grad_itemsize: int  # bytes per dK/dV accumulator element (accumulation dtype)
+    block_q: int
+    block_k: int
+
+    def chunks_of(self, rank: int) -> tuple[int, ...]:
+        """Chunk numbers rank ``rank`` holds."""
+        w = self.world_size
+        return (rank,) if self.layout == "contiguous" else (rank, 2 * w - 1 - rank)
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One message around the ring."""
+
+    pass_name: str  # "forward" | "backward"
+    step: int  # ring step during which it was sent (0-based)
+    sender: int
+    receiver: int
+    payload: str  # "kv" (a K/V shard) | "dkv" (the dK/dV accumulators of a shard)
+    shard: int  # the rank that owns the shard carried
+    nbytes: int  # bytes sent (all tensors of the message)
+
+
+@dataclass(frozen=True)
+class PairStep:
+    """One (query chunk, key chunk) pair a rank attended or skipped during one ring step."""
+
+    pass_name: str
+    step: int
+    rank: int
+    shard: int  # owner of the K/V shard held during this step
+    q_chunk: int
+    k_chunk: int
+    skipped: bool  # entirely masked: never computed (its tiles booked as skipped)
+    counters: Counters  # the blocked loop's counters for this pair
+
+
+@dataclass(frozen=True)
+class CommTotals:
+    """Hops and bytes per pass and payload (observed or closed form)."""
+
+    forward_kv_hops: int = 0
+    forward_kv_bytes: int = 0
+    backward_kv_hops: int = 0
+    backward_kv_bytes: int = 0
+    backward_dkv_hops: int = 0
+    backward_dkv_bytes: int = 0
+
+    @property
+    def hops(self) -> int:
+        return self.forward_kv_hops + self.backward_kv_hops + self.backward_dkv_hops
+
+    @property
+    def nbytes(self) -> int:
+        return self.forward_kv_bytes + self.backward_kv_bytes + self.backward_dkv_bytes
+
+    def rows(self) -> list[tuple[str, str, int, int]]:
+        """``(pass, payload, hops, bytes)`` for each kind of message."""
+        return [
+            ("forward", "kv", self.forward_kv_hops, self.forward_kv_bytes),
+            ("backward", "kv", self.backward_kv_hops, self.backward_kv_bytes),
+            ("backward", "dkv", self.backward_dkv_hops, self.backward_dkv_bytes),
+        ]
+
+    def to_dict(self) -> dict[str, int]:
+        return {f.name: int(getattr(self, f.name)) for f in fields(self)}
+
+
+def ring_comm_totals(
+    *,
+    world_size: int,
+    lk: int,
+    d: int,
+    d_v: int | None = None,
+    batch: int = 1,
+    heads_kv: int = 1,
+    itemsize: int = 8,
+    grad_itemsize: int | None = None,
+    backward: bool = True,
+) -> CommTotals:
+    """Closed-form communication of one ring call (see the module docstring).
+
+    ``itemsize``: bytes per K/V element (8 for float64); ``grad_itemsize``:
+    bytes per dK/dV accumulator element (default ``itemsize``); ``d_v``
+    defaults to ``d``. ``backward=False`` counts the forward only.
+    """
+    for name, val in (
+        ("world_size", world_size),
+        ("lk", lk),
+        ("d", d),
+        ("batch", batch),
+        ("heads_kv", heads_kv),
+        ("itemsize", itemsize),
+    ):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+            raise ValueError(f"ring_comm_totals: {name} must be an integer >= 1, got {val!r}")
+    dv = d if d_v is None else d_v
+    gsize = itemsize if grad_itemsize is None else grad_itemsize
+    w = world_size
+    kv = lk * batch * heads_kv * (d + dv)  # elements of one whole K/V sequence
+    fwd = CommTotals(forward_kv_hops=w * (w - 1), forward_kv_bytes=(w - 1) * kv * itemsize)
+    if not backward:
+        return fwd
+    full_circle = w if w > 1 else 0
+    return CommTotals(
+        forward_kv_hops=fwd.forward_kv_hops,
+        forward_kv_bytes=fwd.forward_kv_bytes,
+        backward_kv_hops=w * (w - 1),
+        backward_kv_bytes=(w - 1) * kv * itemsize,
+        backward_dkv_hops=w * full_circle,
+        backward_dkv_bytes=full_circle * kv * gsize,
+    )
+
+
+@dataclass(frozen=True)
+class RankWork:
+    """What one rank computed in one pass: chunk pairs and the blocked loop's counters."""
+
+    rank: int
+    pass_name: str
+    chunks: tuple[int, ...]
+    pairs_run: int
+    pairs_skipped: int
+    counters: Counters
+
+
+def _sum_counters(items: Iterable[Counters]) -> Counters:
+    total = Counters()
+    for c in items:
+        for f in fields(Counters):
+            setattr(total, f.name, getattr(total, f.name) + getattr(c, f.name))
+    return total
+
+
+@dataclass
+class RingLedger:
+    """Hops and chunk pairs of one ring call (forward and, once run, backward).
+
+    Pass an empty ``RingLedger()`` to ``ring_attention(..., ledger=...)``: it
+    fills with this rank's records; ``ledger.gather(group)`` returns every
+    rank's records combined. ``simulate_ring`` returns the combined ledger.
+    """
+
+    setup: RingSetup | None = None
+    passes: list[str] = field(default_factory=list)
+    hops: list[Hop] = field(default_factory=list)
+    pairs: list[PairStep] = field(default_factory=list)
+
+    # -- combining ------------------------------------------------------------------
+    def sort(self) -> None:
+        """Order hops by (pass, step, payload, sender) and pairs by (pass, step, rank, chunks)."""
+        order = {p: i for i, p in enumerate(PASSES)}
+        kinds = {p: i for i, p in enumerate(PAYLOADS)}
+        self.hops.sort(key=lambda h: (order[h.pass_name], h.step, kinds[h.payload], h.sender))
+        self.pairs.sort(
+            key=lambda p: (order[p.pass_name], p.step, p.rank, p.q_chunk, p.k_chunk),
+        )
+
+    @staticmethod
+    def combine(ledgers: Sequence[RingLedger]) -> RingLedger:
+        """Every rank's share in one ledger (all must describe the same call)."""
+        if not ledgers:
+            raise ValueError("combine needs at least one RingLedger")
+        setups = {led.setup for led in ledgers}
+        passes = {tuple(led.passes) for led in ledgers}
+        if len(setups) != 1 or len(passes) != 1:
+            raise ValueError("the ledgers describe different ring calls and cannot be combined")
+        out = RingLedger(setup=ledgers[0].setup, passes=list(ledgers[0].passes))
+        for led in ledgers:
+            out.hops.extend(led.hops)
+            out.pairs.extend(led.pairs)
+        out.sort()
+        return out
+
+    def gather(self, group: Any = None) -> RingLedger:
+        """All ranks' records, combined, on every rank of ``group`` (a collective call)."""
+        import torch.distributed as dist
+
+        parts: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, self, group=group)
+        return RingLedger.combine(parts)
+
+    # -- summaries --------------------------------------------------------------------
+    def comm_totals(self) -> CommTotals:
+        """Hops and bytes observed."""
+        acc: dict[str, int] = {}
+        for h in self.hops:
+            key = f"{h.pass_name}_{h.payload}"
+            acc[f"{key}_hops"] = acc.get(f"{key}_hops", 0) + 1
+            acc[f"{key}_bytes"] = acc.get(f"{key}_bytes", 0) + h.nbytes
+        return CommTotals(**acc)
+
+    def expected_comm(self) -> CommTotals:
+        """The closed form for this call's setup and passes."""
+        s = self._setup()
+        return ring_comm_totals(
+            world_size=s.world_size,
+            lk=s.lk,
+            d=s.d,
+            d_v=s.d_v,
+            batch=s.batch,
+            heads_kv=s.heads_kv,
+            itemsize=s.itemsize,
+            grad_itemsize=s.grad_itemsize,
+            backward="backward" in self.passes,
+        )
+
+    def comm_matches(self) -> bool:
+        """Observed communication equals the closed form."""
+        return self.comm_totals() == self.expected_comm()
+
+    def rank_work(self, pass_name: str = "forward") -> list[RankWork]:
+        """Per-rank totals of one pass, from the pairs recorded."""
+        s = self._setup()
+        out = []
+        for r in range(s.world_size):
+            mine = [p for p in self.pairs if p.rank == r and p.pass_name == pass_name]
+            out.append(
+                RankWork(
+                    rank=r,
+                    pass_name=pass_name,
+                    chunks=s.chunks_of(r),
+                    pairs_run=sum(not p.skipped for p in mine),
+                    pairs_skipped=sum(p.skipped for p in mine),
+                    counters=_sum_counters(p.counters for p in mine),
+                )
+            )
+        return out
+
+    def balance(self, pass_name: str = "forward") -> float:
+        """Max over ranks of tiles run, divided by the mean (1.0 = perfectly balanced)."""
+        runs = [w.counters.tiles_run for w in self.rank_work(pass_name)]
+        mean = sum(runs) / len(runs)
+        return max(runs) / mean if mean > 0 else 1.0
+
+    def critical_path(self, pass_name: str = "forward") -> int:
+        """Sum over steps of the busiest rank's tiles: the tile steps a lock-step ring waits for.
+
+        The ideal is the total divided by ``W``; causal work on the contiguous
+        layout sits well above it, zigzag at (or next to) it.
+        """
+        grid = self.step_grid(pass_name)
+        steps = len(grid[0]) if grid else 0
+        return sum(max(row[t][1] for row in grid) for t in range(steps))
+
+    def step_grid(self, pass_name: str = "forward") -> list[list[tuple[int, int]]]:
+        """``grid[rank][step] = (shard held, tiles run)`` for one pass."""
+        s = self._setup()
+        grid = [[(-1, 0)] * s.world_size for _ in range(s.world_size)]
+        for p in self.pairs:
+            if p.pass_name == pass_name:
+                shard, run = grid[p.rank][p.step]
+                grid[p.rank][p.step] = (p.shard, run + p.counters.tiles_run)
+        return grid
+
+    def _setup(self) -> RingSetup:
+        if self.setup is None:
+            raise ValueError("this RingLedger is empty: it has not recorded a ring call yet")
+        return self.setup
+
+    # -- renderers --------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: setup, hops, pairs, per-rank work, observed and closed-form totals."""
+        s = self._setup()
+        return {
+            "setup": asdict(s),
+            "passes": list(self.passes),
+            "comm": {
+                "observed": self.comm_totals().to_dict(),
+                "closed_form": self.expected_comm().to_dict(),
+                "match": self.comm_matches(),
+            },
+            "ranks": {
+                p: [
+                    {
+                        "rank": w.rank,
+                        "chunks": list(w.chunks),
+                        "pairs_run": w.pairs_run,
+                        "pairs_skipped": w.pairs_skipped,
+                        "counters": w.counters.to_dict(),
+                    }
+                    for w in self.rank_work(p)
+                ]
+                for p in self.passes
+            },
+            "balance": {p: self.balance(p) for p in self.passes},
+            "critical_path": {p: self.critical_path(p) for p in self.passes},
+            "hops": [asdict(h) for h in self.hops],
+            "pairs": [
+                {**{k: v for k, v in asdict(p).items() if k != "counters"}, **p.counters.to_dict()}
+                for p in self.pairs
+            ],
+        }
+
+    def _header(self) -> str:
+        s = self._setup()
+        lengths = f"Lq = Lk = {s.lq}" if s.lq == s.lk else f"Lq = {s.lq}, Lk = {s.lk}"
+        n = len(s.q_bounds) - 1
+        return (
+            f"ring attention: {s.world_size} rank(s), {s.layout} layout, {lengths} in {n} "
+            f"chunks per sequence; B={s.batch} Hq={s.heads_q} Hkv={s.heads_kv} d={s.d} "
+            f"d_v={s.d_v} {s.dtype}; tiles {s.block_q}x{s.block_k}"
+        )
+
+    def _comm_rows(self) -> list[list[str]]:
+        obs, exp = self.comm_totals(), self.expected_comm()
+        rows = []
+        for (pn, pl, h, b), (_, _, he, be) in zip(obs.rows(), exp.rows()):
+            if pn not in self.passes:
+                continue
+            ok = "ok" if (h, b) == (he, be) else "MISMATCH"
+            rows.append([pn, PAYLOADS[pl], str(h), str(b), str(he), str(be), ok])
+        return rows
+
+    def _rank_rows(self) -> list[list[str]]:
+        rows = []
+        for p in self.passes:
+            for w in self.rank_work(p):
+                c = w.counters
+                rows.append(
+                    [
+                        p,
+                        str(w.rank),
+                        ",".join(map(str, w.chunks)),
+                        f"{w.pairs_run}/{w.pairs_skipped}",
+                        f"{c.tiles_run}/{c.tiles_skipped}",
+                        str(c.qk_dots_visible),
+                        str(c.qk_dots_computed),
+                    ]
+                )
+        return rows
+
+    def _grid_rows(self, pass_name: str) -> list[list[str]]:
+        return [
+            [str(r)] + [f"{run} [K/V {shard}]" for shard, run in row]
+            for r, row in enumerate(self.step_grid(pass_name))
+        ]
+
+    def _hop_rows(self) -> list[list[str]]:
+        return [
+            [
+                h.pass_name,
+                str(h.step),
+                f"{h.sender} -> {h.receiver}",
+                PAYLOADS[h.payload],
+                str(h.shard),
+                str(h.nbytes),
+            ]
+            for h in self.hops
+        ]
+
+    _COMM_COLS = ("pass", "payload", "hops", "bytes", "closed-form hops", "closed-form bytes", "")
+    _RANK_COLS = (
+        "pass",
+        "rank",
+        "chunks",
+        "pairs run/skipped",
+        "tiles run/skipped",
+        "QK dots visible",
+        "QK dots computed",
+    )
+    _HOP_COLS = ("pass", "step", "sender -> receiver", "payload", "shard", "bytes")
+
+    def __str__(self) -> str:
+        if self.setup is None:
+            return "ring attention ledger: empty"
+        w = self.setup.world_size
+        out = [self._header(), "", "communication (observed vs closed form)"]
+        out += _table(self._COMM_COLS, self._comm_rows())
+        out += ["", "work per rank (pairs = query chunk x key chunk)"]
+        out += _table(self._RANK_COLS, self._rank_rows())
+        out += [f"balance (max / mean tiles run): {_balance_line(self)}"]
+        for p in self.passes:
+            out += ["", f"{p}: tiles run per rank and step [K/V shard held]"]
+            out += _table(("rank", *(f"step {t}" for t in range(w))), self._grid_rows(p))
+        if self.hops:
+            out += ["", "hops"]
+            out += _table(self._HOP_COLS, self._hop_rows())
+        return "\n".join(out)
+
+    def _repr_html_(self) -> str:
+        if self.setup is None:
+            return "<p>ring attention ledger: empty</p>"
+        w = self.setup.world_size
+        parts = [f"<p><b>{html.escape(self._header())}</b></p>"]
+        parts.append(_html_table(self._COMM_COLS, self._comm_rows()))
+        parts.append(_html_table(self._RANK_COLS, self._rank_rows()))
+        parts.append(f"<p>balance (max / mean tiles run): {html.escape(_balance_line(self))}</p>")
+        for p in self.passes:
+            parts.append(f"<p>{p}: tiles run per rank and step [K/V shard held]</p>")
+            cols = ("rank", *(f"step {t}" for t in range(w)))
+            parts.append(_html_table(cols, self._grid_rows(p)))
+        if self.hops:
+            parts.append(_html_table(self._HOP_COLS, self._hop_rows()))
+        return "\n".join(parts)
+
+
+def _balance_line(led: RingLedger) -> str:
+    w = led._setup().world_size
+    parts = []
+    for p in led.passes:
+        total = sum(r.counters.tiles_run for r in led.rank_work(p))
+        parts.append(
+            f"{p} {led.balance(p):.2f} (critical path {led.critical_path(p)} tile steps, "
+            f"ideal {total / w:.4g})"
+        )
+    return "; ".join(parts)
+
+
+def _table(cols: Sequence[str], rows: list[list[str]]) -> list[str]:
+    widths = [
+        max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)
+    ]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip()]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+    return lines
+
+
+def _html_table(cols: Sequence[str], rows: list[list[str]]) -> str:
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in r) + "</tr>" for r in rows
+    )
+    return f"<table><tr>{head}</tr>{body}</table>"

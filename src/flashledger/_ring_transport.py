@@ -1,0 +1,194 @@
+"""How shards move around the ring: torch.distributed, or in memory for the twin.
+
+A transport knows its ``rank`` and ``world_size`` and does two things:
+
+- ``exchange(send, recv)``: post sends of ``send`` to the next rank
+  ``(rank + 1) % W`` and receives into the buffers ``recv`` from the previous
+  rank ``(rank - 1) % W``; returns at once with a handle whose ``wait()``
+  returns the filled buffers (so the caller computes while the shards travel);
+- ``all_gather_ints(values)``: every rank's list of ints, on every rank (used
+  once per call to agree on the sequence lengths and check the shapes).
+
+Messages between one pair of ranks arrive in the order they were posted.
+``DistTransport`` uses ``torch.distributed`` point-to-point operations (gloo
+on CPU, nccl on GPU; the device follows the tensors). ``LocalTransport`` lets
+``W`` threads of one process play the ranks, with queues for wires; it copies
+every message, as a wire would.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["DistTransport", "LocalHub", "LocalTransport", "RingAborted", "Transport"]
+
+
+class Pending(ABC):
+    """Messages in flight; ``wait()`` returns the receive buffers once they are filled."""
+
+    @abstractmethod
+    def wait(self) -> list[torch.Tensor]: ...
+
+
+class Transport(ABC):
+    """One rank's end of the ring."""
+
+    rank: int
+    world_size: int
+
+    @property
+    def next(self) -> int:
+        return (self.rank + 1) % self.world_size
+
+    @property
+    def prev(self) -> int:
+        return (self.rank - 1) % self.world_size
+
+    @abstractmethod
+    def exchange(self, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor]) -> Pending:
+        """Send ``send`` to the next rank and receive ``recv`` from the previous one."""
+
+    @abstractmethod
+    def all_gather_ints(self, values: Sequence[int], *, device: torch.device) -> list[list[int]]:
+        """Every rank's ``values`` (same length on every rank), indexed by rank."""
+
+
+# ----------------------------------------------------------------------------------------
+# torch.distributed
+# ----------------------------------------------------------------------------------------
+class _DistPending(Pending):
+    def __init__(self, reqs: list[Any], recv: list[torch.Tensor]) -> None:
+        self.reqs, self.recv = reqs, recv
+
+    def wait(self) -> list[torch.Tensor]:
+        for req in self.reqs:
+            req.wait()
+        return self.recv
+
+
+class DistTransport(Transport):
+    """Point-to-point sends and receives on a ``torch.distributed`` process group."""
+
+    def __init__(self, group: Any = None) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "ring_attention needs an initialised torch.distributed process group (start "
+                "with torchrun and call torch.distributed.init_process_group); to run every "
+                "rank in this process, use simulate_ring"
+            )
+        self.dist = dist
+        self.group = group
+        self.rank = dist.get_rank(group)
+        if self.rank < 0:
+            raise ValueError("ring_attention: this process is not a member of the given group")
+        self.world_size = dist.get_world_size(group)
+        g: Any = group if group is not None else dist.group.WORLD
+        self._next_global = dist.get_global_rank(g, self.next)
+        self._prev_global = dist.get_global_rank(g, self.prev)
+
+    def exchange(self, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor]) -> Pending:
+        dist = self.dist
+        ops = [dist.P2POp(dist.isend, t, self._next_global, self.group) for t in send]
+        ops += [dist.P2POp(dist.irecv, b, self._prev_global, self.group) for b in recv]
+        return _DistPending(dist.batch_isend_irecv(ops), list(recv))
+
+    def all_gather_ints(self, values: Sequence[int], *, device: torch.device) -> list[list[int]]:
+        mine = torch.tensor(list(values), dtype=torch.int64, device=device)  # (n,)
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self.dist.all_gather(every, mine, group=self.group)
+        return [t.tolist() for t in every]
+
+
+# ----------------------------------------------------------------------------------------
+# in memory (the twin)
+# ----------------------------------------------------------------------------------------
+class RingAborted(RuntimeError):
+    """Raised in a simulated rank when another simulated rank failed first."""
+
+
+class LocalHub:
+    """The wires between ``W`` simulated ranks: one FIFO queue per (sender, receiver) pair."""
+
+    def __init__(self, world_size: int, *, timeout: float) -> None:
+        self.world_size = world_size
+        self.timeout = timeout
+        self.wires: dict[tuple[int, int], queue.Queue[torch.Tensor]] = {
+            (s, r): queue.Queue() for s in range(world_size) for r in range(world_size)
+        }
+        self.barrier = threading.Barrier(world_size, timeout=timeout)
+        self.slots: list[list[int]] = [[] for _ in range(world_size)]
+        self.failed = threading.Event()
+
+    def abort(self) -> None:
+        """Wake every rank waiting on a wire or the barrier: they raise ``RingAborted``."""
+        self.failed.set()
+        self.barrier.abort()
+
+    def take(self, sender: int, receiver: int) -> torch.Tensor:
+        wire = self.wires[(sender, receiver)]
+        deadline = time.monotonic() + self.timeout
+        while True:
+            if self.failed.is_set():
+                raise RingAborted(f"rank {receiver}: another simulated rank failed")
+            try:
+                return wire.get(timeout=0.05)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"simulated rank {receiver} waited {self.timeout:g} s for a message "
+                        f"from rank {sender}"
+                    ) from None
+
+    def sync(self) -> None:
+        try:
+            self.barrier.wait()
+        except threading.BrokenBarrierError:
+            raise RingAborted("another simulated rank failed") from None
+
+
+class _LocalPending(Pending):
+    def __init__(self, hub: LocalHub, sender: int, receiver: int, recv: list[torch.Tensor]):
+        self.hub, self.sender, self.receiver, self.recv = hub, sender, receiver, recv
+
+    def wait(self) -> list[torch.Tensor]:
+        for buf in self.recv:
+            msg = self.hub.take(self.sender, self.receiver)
+            if msg.shape != buf.shape or msg.dtype != buf.dtype:
+                raise RuntimeError(
+                    f"rank {self.receiver} expected a {buf.dtype} tensor of shape "
+                    f"{tuple(buf.shape)} from rank {self.sender}, got {msg.dtype} "
+                    f"{tuple(msg.shape)}"
+                )
+            buf.copy_(msg)
+        return self.recv
+
+
+class LocalTransport(Transport):
+    """Rank ``rank`` of a ring simulated in one process (one thread per rank)."""
+
+    def __init__(self, hub: LocalHub, rank: int) -> None:
+        self.hub = hub
+        self.rank = rank
+        self.world_size = hub.world_size
+
+    def exchange(self, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor]) -> Pending:
+        wire = self.hub.wires[(self.rank, self.next)]
+        for t in send:
+            wire.put(t.detach().clone())
+        return _LocalPending(self.hub, self.prev, self.rank, list(recv))
+
+    def all_gather_ints(self, values: Sequence[int], *, device: torch.device) -> list[list[int]]:
+        self.hub.slots[self.rank] = list(values)
+        self.hub.sync()  # every slot written
+        out = [list(s) for s in self.hub.slots]
+        self.hub.sync()  # every slot read before any rank writes again
+        return out

@@ -1,0 +1,542 @@
+"""The ``flashledger`` command: seed figures, JSON schemas, delegation and error handling."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from flashledger import Causal
+from flashledger.accounting import memory_traffic, storage_and_work
+from flashledger.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _plain_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Output compared here is plain text: no forced colour, the default width."""
+    for name in ("FORCE_COLOR", "TTY_COMPATIBLE", "COLUMNS"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> Any:
+    code, out, err = run(capsys, *argv, "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def table(out: str, title: str) -> list[list[str]]:
+    """The whitespace-split data rows of the table whose title starts with ``title``."""
+    lines = out.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith(title)), None)
+    assert start is not None, f"no table titled {title!r} in:\n{out}"
+    rule = next(i for i in range(start, len(lines)) if lines[i].strip().startswith("─"))
+    rows = []
+    for line in lines[rule + 1 :]:
+        if not line.strip():
+            break
+        rows.append(line.split())
+    return rows
+
+
+def row(rows: list[list[str]], first: str) -> list[str]:
+    """The first row whose first cell is ``first``."""
+    for cells in rows:
+        if cells[0] == first:
+            return cells
+    raise AssertionError(f"no row starting with {first!r} in {rows}")
+
+
+def assert_usage_error(code: int, out: str, err: str, *words: str) -> None:
+    lines = err.strip().splitlines()
+    assert code == 2, f"exit status {code}, stderr {err!r}"
+    assert len(lines) == 1, f"expected one line on stderr, got {lines}"
+    assert "Traceback" not in err and out == "", (out, err)
+    for w in words:
+        assert w in lines[0], f"{w!r} not in {lines[0]!r}"
+
+
+# ----------------------------------------------------------------------------------------
+# help
+# ----------------------------------------------------------------------------------------
+def test_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "--help")
+    assert code == 0
+    for name in ("online", "backward", "account", "traffic", "explore", "verify", "bench", "ring"):
+        assert name in out, f"{name} missing from --help"
+
+
+@pytest.mark.parametrize("command", ["online", "backward", "account", "traffic", "explore"])
+def test_subcommand_help_has_examples(capsys: pytest.CaptureFixture[str], command: str) -> None:
+    code, out, _ = run(capsys, command, "--help")
+    assert code == 0 and "examples:" in out and f"flashledger {command}" in out
+
+
+# ----------------------------------------------------------------------------------------
+# online
+# ----------------------------------------------------------------------------------------
+SEED_LEDGER = [
+    # block, positions, scores, block max, running max, α, ℓ
+    ["1", "0..1", "[1,", "2]", "2", "2", "0", "1.36788"],
+    ["2", "2..3", "[-1,", "3]", "3", "3", "0.367879", "1.52153"],
+    ["3", "4..5", "[0,", "2.5]", "2.5", "3", "1", "2.17785"],
+]
+
+
+def test_online_seed_ledger(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "online")
+    assert code == 0
+    ledger = table(out, "Block ledger")
+    assert len(ledger) == 3
+    for want in SEED_LEDGER:
+        got = row(ledger, want[0])[: len(want)]
+        assert got == want, f"block {want[0]}: {got} != {want}"
+    assert "m = 3   ℓ = 2.17785" in out
+    assert "prefix output after the last block: [-0.249367, 0.0152181]" in out
+    assert "full-row reference:                 [-0.249367, 0.0152181]" in out
+    assert "\x1b[" not in out, "no colour codes when writing to a pipe"
+
+
+def test_online_json(capsys: pytest.CaptureFixture[str]) -> None:
+    out = run_json(capsys, "online")
+    assert set(out) == {
+        "scores", "values", "block", "shift", "steps", "probabilities", "output",
+        "reference", "max_abs_diff",
+    }  # fmt: skip
+    assert [s["m"] for s in out["steps"]] == [2.0, 3.0, 3.0]
+    assert [s["block_max"] for s in out["steps"]] == [2.0, 3.0, 2.5]
+    assert out["steps"][0]["alpha"] == 0.0
+    assert set(out["steps"][0]) == {
+        "block", "positions", "scores", "block_max", "m", "alpha", "ell", "acc", "output",
+    }  # fmt: skip
+    assert out["max_abs_diff"] < 1e-15
+    assert abs(sum(out["probabilities"]) - 1) < 1e-15
+
+
+def test_online_shift_changes_m_only(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "online", "--shift", "5")
+    assert code == 0
+    assert row(table(out, "Block ledger"), "3")[5] == "8", "running max after the shift"
+    assert "running max 8 instead of 3; output unchanged (max |difference| vs unshifted: 0)" in out
+    data = run_json(capsys, "online", "--shift", "5")
+    assert data["shift_max_abs_diff"] == 0.0 and data["unshifted_m"] == 3.0
+
+
+def test_online_counterexample(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "online", "--counterexample")
+    assert code == 0
+    assert "average of block outputs: [-0.0776717, 0.0703719]" in out
+    assert "full-row output:          [-0.249367, 0.0152181]" in out
+    data = run_json(capsys, "online", "--counterexample")
+    assert data["counterexample"]["max_abs_diff"] > 0.1
+
+
+def test_online_custom_scores(capsys: pytest.CaptureFixture[str]) -> None:
+    neg = run_json(capsys, "online", "--scores", "-1,2", "--values", "-1,0;0,1", "--shift", "-2")
+    assert neg["scores"] == [-3.0, 0.0] and neg["steps"][0]["m"] == 0.0
+    data = run_json(
+        capsys, "online", "--scores", "1,2,-1", "--values", "1,0;0,1;1,1", "--block", "1"
+    )
+    assert len(data["steps"]) == 3 and data["steps"][-1]["m"] == 2.0
+    p = torch.softmax(torch.tensor([1.0, 2.0, -1.0], dtype=torch.float64), 0)
+    want = (p[:, None] * torch.tensor([[1.0, 0], [0, 1], [1, 1]], dtype=torch.float64)).sum(0)
+    assert max(abs(a - b) for a, b in zip(data["output"], want.tolist())) < 1e-15
+
+
+def test_online_precision(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "online", "--precision", "3")
+    assert code == 0 and row(table(out, "Block ledger"), "1")[7] == "1.37"
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--scores", "1,2"], ["--scores needs --values"]),
+        (["--values", "1,0"], ["--values needs --scores"]),
+        (["--scores", "1,x", "--values", "1;2"], ["argument --scores", "expected a number"]),
+        (["--scores", "1,2", "--values", "1;2;3"], ["--values has 3 rows", "one per score (2)"]),
+        (["--scores", "1,2", "--values", "1,0;1"], ["argument --values", "same number"]),
+        (["--block", "0"], ["argument --block", "integer >= 1"]),
+        (["--shift", "nan"], ["argument --shift", "finite"]),
+        (["--scores", "-inf,-inf", "--values", "1;2"], ["at least one score must be finite"]),
+        (["--bogus"], ["unrecognized arguments: --bogus"]),
+    ],
+)
+def test_online_bad_input(
+    capsys: pytest.CaptureFixture[str], argv: list[str], words: list[str]
+) -> None:
+    assert_usage_error(*run(capsys, "online", *argv), *words)
+
+
+# ----------------------------------------------------------------------------------------
+# backward
+# ----------------------------------------------------------------------------------------
+def test_backward_seed(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "backward")
+    assert code == 0
+    stats = table(out, "Forward's saved per-row statistics")
+    # row 0 sees key 0 only: LSE = q0·k0/sqrt(2), O = V0, D = G0·V0
+    assert row(stats, "0") == ["0", "-0.0636396", "[1,", "0]", "0.2"]
+    assert len(stats) == 5
+    steps = table(out, "Backward steps")
+    # six steps, in backward order (key tile outer, query tile inner)
+    assert [r[1:4] for r in steps] == [
+        ["Q0", "x", "K0"], ["Q1", "x", "K0"], ["Q2", "x", "K0"],
+        ["Q1", "x", "K1"], ["Q2", "x", "K1"], ["Q2", "x", "K2"],
+    ]  # fmt: skip
+    assert [r[6] for r in steps] == ["partial", "full", "full", "partial", "full", "full"]
+    assert " ".join(steps[0][7:]) == "[[1, 0], [0.545833, 0.454167]]"
+    assert "backward steps: 6 run, 3 skipped; QK dots rebuilt: 15 visible, 17 computed" in out
+    grads = table(out, "Accumulated gradients")
+    assert len(grads) == 15
+    assert row(grads, "dQ[0]")[1:3] == ["[0,", "0]"], "row 0's only key is itself: dQ = 0"
+    worst = max(float(r[-1]) for r in grads)
+    assert worst < 1e-14, f"worst gradient difference {worst}"
+
+
+BACKWARD_KEYS = {"config", "rows", "steps", "gradients", "max_abs_diff", "counters"}
+
+
+def test_backward_json(capsys: pytest.CaptureFixture[str]) -> None:
+    out = run_json(capsys, "backward")
+    assert set(out) == BACKWARD_KEYS
+    assert set(out["rows"][0]) == {"row", "lse", "o", "D"}
+    assert set(out["steps"][0]) == {"step", "tile", "queries", "keys", "kind", "p"}
+    assert set(out["gradients"]) == {"dq", "dk", "dv"}
+    assert set(out["max_abs_diff"]) == {"o", "lse", "dq", "dk", "dv"}
+    worst = max(out["max_abs_diff"].items(), key=lambda kv: kv[1])
+    assert worst[1] < 1e-14, f"worst difference {worst}"
+    assert out["counters"]["backward"]["qk_dots_visible"] == 15
+    p0 = out["steps"][0]["p"]
+    assert p0[0] == [1.0, 0.0] and abs(p0[1][0] - 0.545833) < 1e-6, p0
+
+
+def test_backward_options(capsys: pytest.CaptureFixture[str]) -> None:
+    out = run_json(
+        capsys, "backward", "--mask", "window:1,0", "--conventions", "flash_attn_2",
+        "--dropout", "0.3", "--seed", "7", "--softcap", "2", "--alibi", "--block-q", "3",
+        "--block-k", "1", "--loop-order", "fa1",
+    )  # fmt: skip
+    worst = max(out["max_abs_diff"].items(), key=lambda kv: kv[1])
+    assert worst[1] < 1e-12, f"worst difference {worst}"
+    assert out["config"]["mask"] == "window:1,0" and out["config"]["conventions"] == "flash_attn_2"
+    assert len(out["steps"]) == out["counters"]["backward"]["tiles_run"]
+
+
+def test_backward_from_files(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = {n: torch.randn(2, 6, 3, generator=gen, dtype=torch.float64).numpy() for n in "qkvg"}
+    np.savez(tmp_path / "in.npz", **x)
+    mask = np.tril(np.ones((6, 6), dtype=bool))
+    mask[4, :] = False  # a fully-masked row: O = 0, LSE -inf
+    np.save(tmp_path / "mask.npy", mask)
+    code, text, err = run(
+        capsys, "backward", "--input", str(tmp_path / "in.npz"), "--mask",
+        str(tmp_path / "mask.npy"), "--block-q", "4", "--block-k", "4",
+    )  # fmt: skip
+    assert code == 0, err
+    stats = table(text, "Forward's saved per-row statistics")
+    assert row(stats, "h1:4")[:2] == ["h1:4", "-inf"], "a fully-masked row shows LSE -inf"
+    assert row(stats, "h1:4")[2:4] == ["[0,", "0,"], "and O = 0"
+    assert "(first batch element and head)" in text
+    (tmp_path / "in.json").write_text(json.dumps({n: a.tolist() for n, a in x.items()}))
+    out = run_json(capsys, "backward", "--input", str(tmp_path / "in.json"))
+    worst = max(out["max_abs_diff"].items(), key=lambda kv: kv[1])
+    assert worst[1] < 1e-12, f"worst difference {worst}"
+    assert out["config"]["block_q"] == 64 and out["config"]["mask"] == "none"
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--mask", "diagonal"], ["argument --mask", "unknown mask 'diagonal'", "window:L,R"]),
+        (["--mask", "window:a,b"], ["argument --mask", "window:L,R"]),
+        (["--mask", "window:-2,0"], ["argument --mask", "-1 for unbounded"]),
+        (["--mask", "missing.npy"], ["argument --mask", "cannot read mask file"]),
+        (["--dropout", "1"], ["argument --dropout", "[0, 1)"]),
+        (["--softcap", "0"], ["argument --softcap", "> 0"]),
+        (["--conventions", "fa9"], ["argument --conventions", "unknown preset", "seed"]),
+        (["--loop-order", "fa3"], ["argument --loop-order", "invalid choice", "fa1"]),
+        (["--input", "missing.json"], ["--input", "cannot read missing.json"]),
+        (["--input", "x.txt"], ["--input must be a .json or .npz"]),
+        (["--block-q", "-1"], ["argument --block-q", "integer >= 1"]),
+    ],
+)
+def test_backward_bad_input(
+    capsys: pytest.CaptureFixture[str], argv: list[str], words: list[str]
+) -> None:
+    assert_usage_error(*run(capsys, "backward", *argv), *words)
+
+
+def test_backward_bad_files(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    (tmp_path / "in.json").write_text(json.dumps({"q": [[1.0]], "k": [[1.0]]}))
+    assert_usage_error(
+        *run(capsys, "backward", "--input", str(tmp_path / "in.json")), "missing key(s) v, g"
+    )
+    (tmp_path / "bad.json").write_text(
+        json.dumps({"q": [[1.0, 2.0]], "k": [[1.0, 2.0]], "v": [[1.0], [2.0]], "g": [[1.0]]})
+    )
+    code, out, err = run(capsys, "backward", "--input", str(tmp_path / "bad.json"))
+    assert_usage_error(code, out, err, "k and v must agree")
+    (tmp_path / "badg.json").write_text(
+        json.dumps({n: [[1.0, 2.0]] for n in "qkv"} | {"g": [[1.0]]})
+    )
+    code, out, err = run(capsys, "backward", "--input", str(tmp_path / "badg.json"))
+    assert_usage_error(code, out, err, "flashledger backward: error:", "g must have shape (1, 2)")
+    (tmp_path / "mask.json").write_text(json.dumps([[1, 2], [0, 1]]))
+    assert_usage_error(
+        *run(capsys, "backward", "--mask", str(tmp_path / "mask.json")), "booleans (or 0/1)"
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# account
+# ----------------------------------------------------------------------------------------
+def test_account_seed(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "account")
+    assert code == 0
+    rows = {" ".join(r[:4]): r for r in table(out, "Storage and work")}
+    figures = {
+        "full-P path keeps P": ("25", "200"),
+        "LSE path keeps LSE": ("5", "40"),
+        "temporary tile P block": ("4", "32"),
+    }
+    for key, (count, nbytes) in figures.items():
+        assert rows[key][4:6] == [count, nbytes], f"{key}: {rows[key]}"
+    assert rows["forward QK dots (visible)"][4] == "15"
+    assert rows["backward QK dots (rebuild)"][4] == "15"
+    assert rows["each pass QK dots"][5] == "17"
+    assert rows["each pass tiles run"][4] == "6"
+    assert rows["each pass tiles skipped"][4] == "3"
+
+
+def test_account_json_is_the_ledger(capsys: pytest.CaptureFixture[str]) -> None:
+    out = run_json(capsys, "account")
+    want = storage_and_work(lq=5, lk=5, d=2, block_q=2, block_k=2, mask=Causal()).to_dict()
+    assert set(out) == set(want), set(out) ^ set(want)
+    assert out == want
+    got = [out[k] for k in ("full_p_elements", "lse_elements", "temp_block_capacity",
+                            "qk_dots_forward", "qk_dots_backward", "qk_dots_computed",
+                            "tiles_run", "tiles_skipped")]  # fmt: skip
+    assert got == [25, 5, 4, 15, 15, 17, 6, 3]
+
+
+def test_account_check_against_the_loop(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(
+        capsys, "account", "--lq", "9", "--lk", "7", "--d", "3", "--heads", "4",
+        "--kv-heads", "2", "--batch", "2", "--block-q", "4", "--block-k", "3",
+        "--mask", "causal-br", "--check",
+    )  # fmt: skip
+    assert code == 0, err
+    assert " NO" not in out and out.count(" yes") == 9
+    data = run_json(capsys, "account", "--lq", "64", "--mask", "none", "--dtype", "float16")
+    assert data["full_p_elements"] == 64 * 64 and data["bytes"]["full_p"] == 2 * 64 * 64
+
+
+def test_account_mask_file_sets_the_lengths(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    mask = np.zeros((3, 7), dtype=bool)
+    mask[:, :2] = True  # every query sees the first two keys
+    np.save(tmp_path / "m.npy", mask)
+    data = run_json(capsys, "account", "--mask", str(tmp_path / "m.npy"), "--block-k", "4")
+    assert (data["config"]["lq"], data["config"]["lk"]) == (3, 7)
+    assert data["qk_dots_forward"] == 6 and data["tiles_run"] == 2 and data["tiles_skipped"] == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--lq", "0"], ["argument --lq", "integer >= 1, got 0"]),
+        (["--lq", "ten"], ["argument --lq", "got 'ten'"]),
+        (["--dtype", "int8"], ["argument --dtype", "float64, float32, float16, bfloat16"]),
+        (["--heads", "3", "--kv-heads", "2"], ["heads (3) must be a multiple of kv_heads (2)"]),
+    ],
+)
+def test_account_bad_input(
+    capsys: pytest.CaptureFixture[str], argv: list[str], words: list[str]
+) -> None:
+    assert_usage_error(*run(capsys, "account", *argv), *words)
+
+
+# ----------------------------------------------------------------------------------------
+# traffic
+# ----------------------------------------------------------------------------------------
+def test_traffic_seed(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "traffic")
+    assert code == 0
+    summary = table(out, "Slow-memory (HBM) traffic")
+    assert row(summary, "standard")[1:] == ["-", "80", "60", "175", "80", "395", "3,160"]
+    assert row(summary, "fa1")[1:] == ["2x2", "84", "61", "112", "53", "310", "2,480"]
+    assert row(summary, "fa2")[1:] == ["2x2", "54", "15", "112", "53", "234", "1,872"]
+    fa2 = table(out, "Memory traffic (fa2")
+    assert row(fa2, "k")[1:] == ["22", "10"], (
+        "K read once per tile run forward, once per key tile backward"
+    )
+
+
+def test_traffic_json_and_check(capsys: pytest.CaptureFixture[str]) -> None:
+    out = run_json(capsys, "traffic", "--lq", "12", "--d", "3", "--sram", "30", "--check")
+    assert set(out) == {"schedules", "check"}
+    assert [s["schedule"] for s in out["schedules"]] == ["standard", "fa1", "fa2"]
+    for s in out["schedules"]:
+        want = memory_traffic(
+            lq=12, lk=12, d=3, sram_elements=30, mask=Causal(), schedule=s["schedule"]
+        ).to_dict()
+        assert s == want, s["schedule"]
+    assert out["schedules"][1]["config"]["block_k"] == 3  # ceil(30 / 12)
+    bad = {k: v for k, v in out["check"].items() if v["closed_form"] != v["observed"]}
+    assert len(out["check"]) == 8 and not bad, bad
+
+
+def test_traffic_sweep_plot(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    png = tmp_path / "t.png"
+    code, out, err = run(
+        capsys, "traffic", "--sweep", "--d", "16", "--lq", "512", "--out", str(png)
+    )
+    assert code == 0, err
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert "FA1 moves no more elements than standard attention from M =" in out
+    assert f"plot saved to {png}" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--sram", "64", "--block-q", "2"], ["either --sram M", "--block-q"]),
+        (["--block-q", "2"], ["--block-q and --block-k go together"]),
+        (["--schedule", "fa3"], ["argument --schedule", "invalid choice"]),
+        (["--sweep", "--mask", "causal"], ["--sweep uses no mask"]),
+        (["--sram", "0"], ["argument --sram", "integer >= 1"]),
+        (["--schedule", "standard", "--check"], ["--check compares the blocked loop"]),
+    ],
+)
+def test_traffic_bad_input(
+    capsys: pytest.CaptureFixture[str], argv: list[str], words: list[str]
+) -> None:
+    assert_usage_error(*run(capsys, "traffic", *argv), *words)
+
+
+# ----------------------------------------------------------------------------------------
+# explore and the delegated subcommands
+# ----------------------------------------------------------------------------------------
+def test_explore_calls_serve(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[dict[str, Any]] = []
+    fake = types.ModuleType("flashledger.web.app")
+    fake.serve = lambda **kw: calls.append(kw)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "flashledger.web.app", fake)
+    code, _, err = run(capsys, "explore", "--port", "8123", "--open")
+    assert code == 0, err
+    assert calls == [{"host": "127.0.0.1", "port": 8123, "open_browser": True}]
+    assert_usage_error(*run(capsys, "explore", "--port", "70000"), "argument --port", "0..65535")
+
+
+def test_delegated_subcommand_parses_its_own_options(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[Any] = []
+    fake = types.ModuleType("flashledger.verify")
+
+    def add_cli_arguments(parser: Any) -> None:
+        parser.add_argument("--quick", action="store_true", help="a short run")
+
+    def run_cli(args: Any) -> int:
+        seen.append(args.quick)
+        return 0
+
+    fake.add_cli_arguments = add_cli_arguments  # type: ignore[attr-defined]
+    fake.run_cli = run_cli  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "flashledger.verify", fake)
+    assert run(capsys, "verify", "--quick")[0] == 0 and seen == [True]
+    code, out, _ = run(capsys, "verify", "--help")
+    assert code == 0 and "--quick" in out and "flashledger verify" in out
+    assert_usage_error(*run(capsys, "verify", "--nope"), "flashledger verify", "--nope")
+
+
+def test_delegated_subcommand_missing(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "flashledger.bench", types.ModuleType("flashledger.bench"))
+    assert_usage_error(*run(capsys, "bench"), "flashledger bench: error: not available", "run_cli")
+    monkeypatch.setitem(sys.modules, "flashledger.ring", None)  # import raises ImportError
+    assert_usage_error(
+        *run(capsys, "ring", "--world", "2"), "flashledger ring: error: not available"
+    )
+
+
+def test_unknown_and_missing_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert_usage_error(*run(capsys, "frobnicate"), "invalid choice", "online")
+    assert_usage_error(*run(capsys), "a command is required, one of: online, backward")
+
+
+# ----------------------------------------------------------------------------------------
+# as a program
+# ----------------------------------------------------------------------------------------
+def _program(*argv: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, NO_COLOR="1")
+    return subprocess.run(
+        [sys.executable, "-m", "flashledger", *argv],
+        capture_output=True, text=True, env=env, timeout=120, check=False,
+    )  # fmt: skip
+
+
+def test_python_m_flashledger() -> None:
+    bad = _program("account", "--lq", "0")
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.strip().splitlines() == [
+        "flashledger account: error: argument --lq: expected an integer >= 1, got 0"
+    ]
+
+
+# ----------------------------------------------------------------------------------------
+# consoles and progress bars
+# ----------------------------------------------------------------------------------------
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_console_colour_follows_the_terminal_and_no_color(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flashledger._progress import make_console
+
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setenv("TERM", "xterm-256color")
+    tty = _Tty()
+    make_console(tty).print("x", style="bold red")
+    assert "\x1b[" in tty.getvalue(), "a terminal gets colour"
+    monkeypatch.setenv("NO_COLOR", "1")
+    tty = _Tty()
+    make_console(tty).print("x", style="bold red")
+    assert "\x1b[3" not in tty.getvalue(), "NO_COLOR turns colour off"
+    pipe = io.StringIO()
+    make_console(pipe).print("[b0 h1 3]", style="bold")
+    assert pipe.getvalue() == "[b0 h1 3]\n", "plain text on a pipe, no markup parsing"
+
+
+def test_progress_bar_counts_and_stays_off_stdout(capsys: pytest.CaptureFixture[str]) -> None:
+    from flashledger._progress import progress
+
+    with progress("work", total=3, enabled=True) as advance:
+        for _ in range(3):
+            advance(1.0)
+    with progress("quiet", total=3) as advance:  # stderr is not a terminal here: no bar
+        advance(1.0)
+    out, err = capsys.readouterr()
+    assert out == "", "progress never writes to standard output"
+    assert "quiet" not in err

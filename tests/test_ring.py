@@ -1,0 +1,503 @@
+"""Ring attention's in-process twin, layouts, ledger and CLI hooks (no processes spawned)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import threading
+
+import pytest
+import torch
+
+import flashledger as fl
+from flashledger._ring_core import _Options, _RankRun, _RingFunction
+from flashledger._ring_transport import LocalHub, LocalTransport
+from flashledger.ring import (
+    RingLedger,
+    add_cli_arguments,
+    ring_attention,
+    ring_comm_totals,
+    run_cli,
+    shard_sequence,
+    simulate_ring,
+    unshard_sequence,
+)
+
+F64 = torch.float64
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, tol: float, name: str) -> None:
+    """Max |got - want| <= tol; equal infinities count as equal; names the worst element."""
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    got, want = got.to(F64), want.to(F64)
+    assert not bool(torch.isnan(got).any()), f"{name}: NaN at {torch.nonzero(torch.isnan(got))[0]}"
+    same = got == want
+    diff = torch.where(same, torch.zeros_like(got), (got - want).abs()).nan_to_num(nan=math.inf)
+    flat = int(diff.argmax())
+    worst = float(diff.reshape(-1)[flat])
+    idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape))
+    assert worst <= tol, (
+        f"{name}: max |diff| = {worst:.3g} > {tol:g} at {idx}: "
+        f"got {float(got[idx])!r}, want {float(want[idx])!r}"
+    )
+
+
+def make(
+    b: int, hq: int, hkv: int, lq: int, lk: int, d: int, seed: int = 0, dv: int | None = None
+) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    dv = d if dv is None else dv
+    q = torch.randn(b, hq, lq, d, generator=g, dtype=F64)
+    k = torch.randn(b, hkv, lk, d, generator=g, dtype=F64)
+    v = torch.randn(b, hkv, lk, dv, generator=g, dtype=F64)
+    do = torch.randn(b, hq, lq, dv, generator=g, dtype=F64)
+    dlse = torch.randn(b, hq, lq, generator=g, dtype=F64)
+    return q, k, v, do, dlse
+
+
+def check_against_oracle(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    *,
+    world_size: int,
+    layout: str,
+    dlse: torch.Tensor | None = None,
+    tol: float = 1e-12,
+    block: int = 4,
+    **opts: object,
+) -> fl.ring.RingResult:
+    res = simulate_ring(
+        q,
+        k,
+        v,
+        world_size=world_size,
+        layout=layout,  # type: ignore[arg-type]
+        do=do,
+        dlse=dlse,
+        block_q=block,
+        block_k=block,
+        **opts,  # type: ignore[arg-type]
+    )
+    conv = fl.conventions.get_conventions(opts.get("conventions", fl.SEED))  # type: ignore[arg-type]
+    ref = fl.reference_forward(q, k, v, **opts)  # type: ignore[arg-type]
+    refb = fl.reference_backward(
+        q,
+        k,
+        v,
+        ref.o,
+        ref.lse,
+        do,
+        dlse=dlse if conv.lse_differentiable else None,
+        **opts,  # type: ignore[arg-type]
+    )
+    tag = f"W={world_size} {layout}"
+    assert_close(res.o, ref.o, tol, f"{tag} o")
+    assert_close(res.lse, ref.lse, tol, f"{tag} lse")
+    assert res.dq is not None and res.dk is not None and res.dv is not None
+    assert_close(res.dq, refb.dq, tol, f"{tag} dq")
+    assert_close(res.dk, refb.dk, tol, f"{tag} dk")
+    assert_close(res.dv, refb.dv, tol, f"{tag} dv")
+    assert res.ledger.comm_matches(), f"{tag}: {res.ledger.comm_totals()} != closed form"
+    return res
+
+
+# ---------------------------------------------------------------------------------------
+# layouts
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("w", [1, 2, 3, 4])
+@pytest.mark.parametrize("length", [8, 13, 29])
+def test_shard_then_unshard_is_the_identity(layout: str, w: int, length: int) -> None:
+    x = torch.arange(2 * length * 3, dtype=F64).reshape(2, length, 3)
+    rows = torch.arange(length, dtype=F64).expand(2, length)
+    shards = [shard_sequence(x, r, w, layout) for r in range(w)]  # type: ignore[arg-type]
+    row_shards = [shard_sequence(rows, r, w, layout, dim=-1) for r in range(w)]  # type: ignore[arg-type]
+    assert sum(s.shape[-2] for s in shards) == length
+    assert max(s.shape[-2] for s in shards) - min(s.shape[-2] for s in shards) <= 2
+    assert torch.equal(unshard_sequence(shards, layout), x)  # type: ignore[arg-type]
+    assert torch.equal(unshard_sequence(row_shards, layout, dim=-1), rows)  # type: ignore[arg-type]
+
+
+def test_zigzag_rank_holds_chunk_r_then_chunk_2w_minus_1_minus_r() -> None:
+    x = torch.arange(16).view(16, 1)
+    want = {0: [0, 1, 14, 15], 1: [2, 3, 12, 13], 2: [4, 5, 10, 11], 3: [6, 7, 8, 9]}
+    for r, rows in want.items():
+        got = shard_sequence(x, r, 4, "zigzag").view(-1).tolist()
+        assert got == rows, f"rank {r}: {got} != {rows}"
+    assert shard_sequence(x, 1, 4, "contiguous").view(-1).tolist() == [4, 5, 6, 7]
+    # uneven: 10 positions in 4 chunks of 2, 3, 2, 3 (boundaries floor(c * 10 / 4))
+    uneven = [
+        shard_sequence(torch.arange(10).view(10, 1), r, 2, "zigzag").view(-1).tolist()
+        for r in range(2)
+    ]
+    assert uneven == [[0, 1, 7, 8, 9], [2, 3, 4, 5, 6]]
+
+
+def test_sharding_rejects_what_it_cannot_cut() -> None:
+    x = torch.zeros(7, 2)
+    with pytest.raises(ValueError, match=r"zigzag layout on 4 rank\(s\).*must be >= 8"):
+        shard_sequence(x, 0, 4, "zigzag")
+    with pytest.raises(ValueError, match="layout must be 'contiguous' or 'zigzag'"):
+        shard_sequence(x, 0, 2, "ring")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"rank must be an integer in \[0, 2\)"):
+        shard_sequence(x, 2, 2)
+    with pytest.raises(ValueError, match="world_size must be an integer >= 1"):
+        shard_sequence(x, 0, 0)
+    with pytest.raises(ValueError, match=r"shard 0 has shape \(4, 2\).*must hold 3 positions"):
+        unshard_sequence([torch.zeros(4, 2), torch.zeros(2, 2)], "contiguous")
+
+
+# ---------------------------------------------------------------------------------------
+# the twin against the dense oracle
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("w", [1, 2, 3, 4])
+def test_twin_equals_oracle_causal_gqa_uneven(layout: str, w: int) -> None:
+    q, k, v, do, dlse = make(2, 4, 2, 27, 27, 8, seed=w)
+    res = check_against_oracle(
+        q, k, v, do, dlse=dlse, world_size=w, layout=layout, mask=fl.Causal()
+    )
+    # every visible (query, key) pair was computed exactly once, forward and backward
+    visible = int(fl.Causal().dense(27, 27).sum()) * 2 * 4
+    for p in ("forward", "backward"):
+        seen = sum(x.counters.qk_dots_visible for x in res.ledger.rank_work(p))
+        assert seen == visible, f"{p}: {seen} visible QK dots booked, the mask has {visible}"
+
+
+MASKS = {
+    "none": {},
+    "window": {"mask": fl.SlidingWindow(5, 2)},
+    "keypadding": {"mask": fl.KeyPadding([20, 9])},
+    "dense": {"mask": torch.rand(24, 24, generator=torch.Generator().manual_seed(3)) > 0.3},
+    "modifiers": {
+        "mask": fl.Causal(),
+        "dropout_p": 0.25,
+        "seed": 7,
+        "softcap": 3.0,
+        "alibi_slopes": fl.alibi_slopes(2),
+        "bias": torch.randn(24, 24, generator=torch.Generator().manual_seed(4), dtype=F64),
+    },
+}
+
+
+@pytest.mark.parametrize("case", sorted(MASKS))
+@pytest.mark.parametrize(("w", "layout"), [(2, "contiguous"), (3, "zigzag"), (4, "zigzag")])
+def test_twin_equals_oracle_masks_and_modifiers(case: str, w: int, layout: str) -> None:
+    q, k, v, do, _ = make(2, 2, 2, 24, 24, 8, seed=11)
+    check_against_oracle(q, k, v, do, world_size=w, layout=layout, **MASKS[case])
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_twin_cross_attention_bottom_right_has_fully_masked_rows(layout: str) -> None:
+    # Lq = 30 > Lk = 18: bottom-right causal hides every key from the first 12 rows
+    q, k, v, do, dlse = make(1, 2, 1, 30, 18, 8, seed=5, dv=6)
+    res = check_against_oracle(
+        q, k, v, do, dlse=dlse, world_size=3, layout=layout, mask=fl.Causal("bottom_right")
+    )
+    assert bool(torch.isneginf(res.lse[..., :12]).all()), "rows 0..11 see no key: LSE -inf"
+    assert bool((res.o[..., :12, :] == 0).all()) and bool((res.dq[..., :12, :] == 0).all())  # type: ignore[index]
+
+
+@pytest.mark.parametrize("preset", sorted(fl.PRESETS))
+def test_fully_masked_rows_merge_without_nan_under_every_preset(preset: str) -> None:
+    conv = fl.PRESETS[preset]
+    # batch 1 sees no key at all; in batch 0 a window leaves rows 0..3 without a key
+    rows_from_4 = (torch.arange(16).view(16, 1) >= 4).expand(16, 16)  # (Lq, Lk)
+    mask = fl.KeyPadding([12, 0]) & fl.SlidingWindow(None, 2) & fl.DenseMask(rows_from_4)
+    q, k, v, do, dlse = make(2, 2, 2, 16, 16, 8, seed=2)
+    res = check_against_oracle(
+        q, k, v, do, dlse=dlse, world_size=4, layout="zigzag", conventions=conv, mask=mask
+    )
+    masked = torch.zeros(2, 2, 16, dtype=torch.bool)
+    masked[1] = True
+    masked[0, :, :4] = True
+    want = torch.full((int(masked.sum()),), conv.masked_row_lse, dtype=F64)
+    assert torch.equal(res.lse[masked], want), f"{preset}: masked rows' LSE {res.lse[masked]}"
+    assert bool(torch.isfinite(res.lse[~masked]).all())
+    for name, t in (("o", res.o), ("dq", res.dq)):
+        assert t is not None and bool((t[masked] == 0).all()), (
+            f"{preset}: {name} not 0 on masked rows"
+        )
+    assert res.dk is not None and bool((res.dk[1] == 0).all()), "batch 1 adds nothing to dK"
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tol", "itemsize"), [(torch.float32, 1e-4, 4), (torch.bfloat16, 5e-2, 2)]
+)
+def test_twin_low_precision_accumulates_in_float32(
+    dtype: torch.dtype, tol: float, itemsize: int
+) -> None:
+    q, k, v, do, _ = make(1, 2, 2, 20, 20, 8, seed=9)
+    res = simulate_ring(
+        q.to(dtype),
+        k.to(dtype),
+        v.to(dtype),
+        world_size=2,
+        layout="zigzag",
+        do=do.to(dtype),
+        mask=fl.Causal(),
+        block_q=4,
+        block_k=4,
+    )
+    ref = fl.reference_forward(q, k, v, mask=fl.Causal())
+    refb = fl.reference_backward(q, k, v, ref.o, ref.lse, do, mask=fl.Causal())
+    assert res.o.dtype == dtype and res.lse.dtype == torch.float32
+    assert res.dk is not None and res.dk.dtype == dtype
+    assert_close(res.o, ref.o, tol, "o")
+    assert_close(res.dk, refb.dk, tol, "dk")
+    s = res.ledger.setup  # K/V travel in the input dtype, dK/dV accumulators in float32
+    assert s is not None and (s.itemsize, s.grad_itemsize) == (itemsize, 4)
+    assert res.ledger.comm_matches()
+
+
+def test_twin_is_deterministic_and_forward_only_books_one_pass() -> None:
+    q, k, v, do, _ = make(1, 1, 1, 18, 18, 4, seed=1)
+    a = simulate_ring(
+        q, k, v, world_size=3, layout="zigzag", do=do, mask=fl.Causal(), block_q=4, block_k=4
+    )
+    b = simulate_ring(
+        q, k, v, world_size=3, layout="zigzag", do=do, mask=fl.Causal(), block_q=4, block_k=4
+    )
+    for name in ("o", "lse", "dq", "dk", "dv"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), f"{name} differs between runs"
+    assert a.ledger == b.ledger
+    f = simulate_ring(
+        q, k, v, world_size=3, layout="zigzag", mask=fl.Causal(), block_q=4, block_k=4
+    )
+    assert f.dq is None and f.ledger.passes == ["forward"]
+    assert torch.equal(f.o, a.o)
+    assert f.ledger.comm_totals() == ring_comm_totals(world_size=3, lk=18, d=4, backward=False)
+
+
+# ---------------------------------------------------------------------------------------
+# the ledger
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("w", "layout", "lk"),
+    [(1, "zigzag", 9), (2, "contiguous", 9), (3, "zigzag", 31), (4, "contiguous", 17)],
+)
+def test_comm_totals_equal_the_closed_form(w: int, layout: str, lk: int) -> None:
+    q, k, v, do, _ = make(2, 3, 1, 12, lk, 4, seed=3, dv=6)
+    res = simulate_ring(q, k, v, world_size=w, layout=layout, do=do, block_q=4, block_k=4)  # type: ignore[arg-type]
+    want = ring_comm_totals(world_size=w, lk=lk, d=4, d_v=6, batch=2, heads_kv=1, itemsize=8)
+    got = res.ledger.comm_totals()
+    assert got == want, f"observed {got} != closed form {want}"
+    assert want.hops == (w * (w - 1) * 2 + w * w if w > 1 else 0)
+    hops = res.ledger.hops
+    for p, payload in (("forward", "kv"), ("backward", "kv"), ("backward", "dkv")):
+        mine = [h for h in hops if h.pass_name == p and h.payload == payload]
+        for step in {h.step for h in mine}:
+            at = [h for h in mine if h.step == step]
+            assert sorted(h.sender for h in at) == list(range(w)), f"{p} {payload} step {step}"
+            assert sorted(h.shard for h in at) == list(range(w)), "each shard moves once a step"
+            assert all(h.receiver == (h.sender + 1) % w for h in at)
+    if w > 1:  # each shard's gradients end at its owner after a full circle
+        last = [h for h in hops if h.payload == "dkv" and h.step == w - 1]
+        assert all(h.receiver == h.shard for h in last), last
+
+
+def test_zigzag_balances_causal_work_and_contiguous_does_not() -> None:
+    q, k, v, _, _ = make(1, 1, 1, 64, 64, 4, seed=0)
+    zz = simulate_ring(
+        q, k, v, world_size=4, layout="zigzag", mask=fl.Causal(), block_q=8, block_k=8
+    )
+    ct = simulate_ring(
+        q, k, v, world_size=4, layout="contiguous", mask=fl.Causal(), block_q=8, block_k=8
+    )
+    zz_runs = [r.counters.tiles_run for r in zz.ledger.rank_work()]
+    ct_runs = [r.counters.tiles_run for r in ct.ledger.rank_work()]
+    assert zz_runs == [9, 9, 9, 9], zz_runs  # chunks c and 7-c: (c + 1) + (8 - c) tiles
+    assert ct_runs == [3, 7, 11, 15], ct_runs  # rank r: tiles 2r, 2r+1 of the causal triangle
+    assert zz.ledger.balance() == 1.0 and ct.ledger.balance() == pytest.approx(15 / 9)
+    # lock-step time: zigzag 3 + 2 + 2 + 2 (the ideal 36 / 4), contiguous 3 + 4 + 4 + 4
+    assert (zz.ledger.critical_path(), ct.ledger.critical_path()) == (9, 15)
+    assert "forward 1.67 (critical path 15 tile steps, ideal 9)" in str(ct.ledger)
+    for led in (zz.ledger, ct.ledger):  # every rank books its 16 rows x 64 keys: 2 x 8 tiles
+        for r in led.rank_work():
+            assert r.counters.tiles_run + r.counters.tiles_skipped == 16, r
+    skipped_pairs = [r.pairs_skipped for r in ct.ledger.rank_work()]
+    assert skipped_pairs == [3, 2, 1, 0], "contiguous causal skips the shards above the diagonal"
+
+
+def test_ledger_renders_text_dict_and_html() -> None:
+    q, k, v, do, _ = make(1, 1, 1, 12, 12, 4)
+    led = simulate_ring(
+        q, k, v, world_size=2, layout="zigzag", do=do, mask=fl.Causal(), block_q=3, block_k=3
+    ).ledger
+    text = str(led)
+    assert "ring attention: 2 rank(s), zigzag layout, Lq = Lk = 12 in 4 chunks" in text
+    assert "backward  dK/dV    4     1536" in text, text
+    assert "forward   0     0 -> 1              K/V      0      384" in text
+    d = json.loads(json.dumps(led.to_dict()))
+    assert d["comm"]["match"] is True and len(d["hops"]) == 2 + 2 + 4
+    assert d["ranks"]["forward"][0]["chunks"] == [0, 3]
+    html = led._repr_html_()
+    assert html.count("<table>") == 5 and "dK/dV" in html
+    assert str(RingLedger()) == "ring attention ledger: empty"
+    with pytest.raises(ValueError, match="has not recorded a ring call"):
+        RingLedger().to_dict()
+
+
+def test_ledger_combine_rejects_different_calls() -> None:
+    q, k, v, _, _ = make(1, 1, 1, 8, 8, 4)
+    a = simulate_ring(q, k, v, world_size=2, block_q=4, block_k=4).ledger
+    b = simulate_ring(q, k, v, world_size=2, layout="zigzag", block_q=4, block_k=4).ledger
+    with pytest.raises(ValueError, match="different ring calls"):
+        RingLedger.combine([a, b])
+
+
+# ---------------------------------------------------------------------------------------
+# the autograd op, with in-memory wires (CPU autograd runs on the calling thread)
+# ---------------------------------------------------------------------------------------
+def test_autograd_op_on_threads_equals_the_twin() -> None:
+    w, layout = 3, "zigzag"
+    q, k, v, do, dlse = make(1, 2, 1, 18, 18, 4, seed=8)
+    twin = simulate_ring(
+        q,
+        k,
+        v,
+        world_size=w,
+        layout=layout,
+        do=do,
+        dlse=dlse,
+        mask=fl.Causal(),
+        block_q=4,
+        block_k=4,
+    )
+    hub = LocalHub(w, timeout=30.0)
+    opts = _Options.build(
+        mask=fl.Causal(),
+        scale=None,
+        conventions=fl.SEED,
+        dropout_p=0.0,
+        seed=0,
+        softcap=None,
+        alibi_slopes=None,
+        bias=None,
+        block_q=4,
+        block_k=4,
+    )
+    out: dict[int, tuple[torch.Tensor, ...]] = {}
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            xs = [shard_sequence(x, r, w, layout).requires_grad_() for x in (q, k, v)]
+            run = _RankRun(LocalTransport(hub, r), layout, opts, RingLedger())
+            o, lse = _RingFunction.apply(*xs, run)
+            torch.autograd.backward(
+                [o, lse],
+                [shard_sequence(do, r, w, layout), shard_sequence(dlse, r, w, layout, dim=-1)],
+            )
+            out[r] = (o.detach(), *(x.grad for x in xs))
+        except BaseException as e:
+            errors.append(e)
+            hub.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(w)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    for i, (name, want) in enumerate(
+        (("o", twin.o), ("dq", twin.dq), ("dk", twin.dk), ("dv", twin.dv))
+    ):
+        got = unshard_sequence([out[r][i] for r in range(w)], layout)
+        assert want is not None and torch.equal(got, want), f"{name} differs from the twin"
+
+
+# ---------------------------------------------------------------------------------------
+# errors
+# ---------------------------------------------------------------------------------------
+def test_bad_inputs_get_clear_errors() -> None:
+    q, k, v, do, _ = make(1, 1, 1, 8, 8, 4)
+    with pytest.raises(RuntimeError, match=r"torchrun.*simulate_ring"):
+        ring_attention(q, k, v)
+    with pytest.raises(ValueError, match="world_size must be an integer >= 1"):
+        simulate_ring(q, k, v, world_size=0)
+    with pytest.raises(ValueError, match="layout must be"):
+        simulate_ring(q, k, v, world_size=2, layout="ring")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"Lq = 8 is too short .* must be >= 12"):
+        simulate_ring(q, k, v, world_size=6, layout="zigzag")
+    with pytest.raises(ValueError, match="does not compute a gradient for bias"):
+        simulate_ring(q, k, v, world_size=2, bias=torch.zeros(8, 8, dtype=F64, requires_grad=True))
+    with pytest.raises(ValueError, match="do must be a tensor shaped like the output"):
+        simulate_ring(q, k, v, world_size=2, do=do[..., :5, :])
+    with pytest.raises(ValueError, match="mask of shape"):
+        simulate_ring(q, k, v, world_size=2, mask=torch.ones(4, 8, dtype=torch.bool))
+    with pytest.raises(TypeError, match="mask must be None"):
+        simulate_ring(q, k, v, world_size=2, mask="causal")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="scale must be a finite number"):
+        simulate_ring(q, k, v, world_size=2, scale=math.inf)
+    with pytest.raises(ValueError, match="q contains NaN"):
+        simulate_ring(q.clone().fill_(math.nan), k, v, world_size=2)
+
+
+# ---------------------------------------------------------------------------------------
+# CLI hooks
+# ---------------------------------------------------------------------------------------
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_cli_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_cli_prints_ledger_and_oracle_check(capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        run_cli(_args("--world", "3", "--layout", "zigzag", "--seq", "24", "--d", "8", "--causal"))
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "ring attention: 3 rank(s), zigzag layout" in out
+    assert "backward  dK/dV    9" in out
+    assert "communication equals the closed form: yes" in out and "result: ok" in out
+
+
+def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = (
+        "--world",
+        "2",
+        "--seq",
+        "20",
+        "--seq-k",
+        "12",
+        "--d",
+        "4",
+        "--heads",
+        "2",
+        "--kv-heads",
+        "1",
+        "--causal",
+        "--align",
+        "bottom_right",
+        "--window",
+        "3,0",
+        "--conventions",
+        "flash_attn_2",
+        "--json",
+    )
+    assert run_cli(_args(*argv)) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["ok"] is True and d["check"]["comm_matches_closed_form"] is True
+    assert max(d["check"]["max_abs_diff"].values()) <= 1e-10
+    assert d["ledger"]["setup"]["lq"] == 20 and d["ledger"]["setup"]["lk"] == 12
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--world", "0"), "--world must be an integer >= 1"),
+        (("--world", "4", "--seq", "7"), "--seq must be >= 8"),
+        (("--heads", "3", "--kv-heads", "2"), r"--kv-heads \(2\) must divide --heads \(3\)"),
+        (("--window", "a,b"), "--window must be two integers"),
+        (("--dropout", "1.5"), r"--dropout must be a number in \[0, 1\)"),
+        (("--block-q", "0"), "--block-q must be an integer >= 1"),
+    ],
+)
+def test_cli_bad_options_raise_value_error(argv: tuple[str, ...], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        run_cli(_args(*argv))
