@@ -499,3 +499,187 @@ def test_serve_and_module_reject_bad_port(capsys: pytest.CaptureFixture[str]) ->
         web_main(["--port", "70000"])
     assert exc.value.code == 2
     assert "--port must be in 0..65535" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- section 07
+
+
+def _ring(client: TestClient, **body: Any) -> dict[str, Any]:
+    return _ok(client.post("/api/ring", json=body))
+
+
+_RING_CASES: list[dict[str, Any]] = [
+    {},  # the page's default: 4 ranks, zigzag, L = 16, d = 4, causal
+    {"world_size": 3, "layout": "contiguous", "length": 13, "d": 5, "block": 3, "seed": 7},
+    {"world_size": 2, "length": 11, "block": 2, "mask": {"kind": "sliding_window", "left": 3}},
+    {"world_size": 5, "layout": "contiguous", "length": 9, "mask": {"kind": "none"}},
+    {"world_size": 2, "length": 5, "d": 2, "block": 2, "data": "example"},
+    {"world_size": 1, "layout": "contiguous", "length": 7, "d": 3},
+]
+
+
+@pytest.mark.parametrize(
+    "body", _RING_CASES, ids=lambda b: ",".join(f"{k}={v}" for k, v in b.items()) or "default"
+)
+def test_ring_equals_oracle_and_closed_form(client: TestClient, body: dict[str, Any]) -> None:
+    data = _ring(client, **body)
+    w, length, d = data["world_size"], data["length"], data["d"]
+    for check in data["checks"]:
+        assert check["max_diff"] <= 1e-12 and check["ok"], (
+            f"{check['name']}: ring off the dense oracle by {check['max_diff']} at {check['index']}"
+        )
+    assert data["replay_max_diff"] == 0.0, "the per-step replay must end on the ring's result"
+    # communication against the closed form, written out here: kv = L (d + d_v) float64 values
+    kv_bytes = length * 2 * d * 8
+    want = {
+        ("forward", "kv"): (w * (w - 1), (w - 1) * kv_bytes),
+        ("backward", "kv"): (w * (w - 1), (w - 1) * kv_bytes),
+        ("backward", "dkv"): ((w * w, w * kv_bytes) if w > 1 else (0, 0)),
+    }
+    got = {(c["pass_name"], c["payload"]): (c["hops"], c["nbytes"]) for c in data["comm"]}
+    assert got == want, f"observed {got}, closed form {want}"
+    assert all(c["ok"] for c in data["comm"]) and data["comm_match"], data["comm"]
+    assert len(data["hops"]) == sum(h for h, _ in want.values())
+    # the stepper's ends: nothing merged before step 0, the oracle after step W
+    assert len(data["forward"]) == len(data["backward"]) == w + 1
+    first, last = data["forward"][0], data["forward"][-1]
+    lse0 = [float(x) for r in first["ranks"] for x in r["lse"]]  # -inf travels as "-Infinity"
+    assert lse0 == [-math.inf] * length, f"LSE before step 0: {lse0}"
+    assert last["max_diff"] <= 1e-12, f"forward after the last step: {last['max_diff']}"
+    assert data["backward"][-1]["max_diff"] <= 1e-12, data["backward"][-1]["max_diff"]
+    assert data["backward"][0]["max_diff"] > 1e-3, "before the backward no gradient is there"
+    for r in last["ranks"]:
+        rows = data["ranks"][r["rank"]]["rows"]
+        assert r["o_max_diff"] == 0.0, f"rank {r['rank']}: O after the last step is not final"
+        assert r["lse"] == [data["lse"][i] for i in rows], f"rank {r['rank']}: LSE not final"
+
+
+def test_ring_example_lse_is_the_reference(client: TestClient) -> None:
+    """The five-position example: the ring's LSE against flashledger's dense reference."""
+    from flashledger import Causal, reference_forward
+
+    data = _ring(client, world_size=2, length=5, d=2, data="example")
+    ex = examples.five_position_example()
+    ref = reference_forward(ex["q"], ex["k"], ex["v"], mask=Causal())
+    worst, idx = _worst(data["lse"], ref.lse.tolist())
+    assert worst <= 1e-12, f"LSE off by {worst} at row {idx}"
+    assert data["bounds"] == [0, 1, 2, 3, 5] and data["owners"] == [0, 1, 1, 0]
+    assert [r["rows"] for r in data["ranks"]] == [[0, 3, 4], [1, 2]]
+
+
+def test_ring_zigzag_balances_causal_work(client: TestClient) -> None:
+    zig = _ring(client, world_size=4, length=64, layout="zigzag")
+    con = _ring(client, world_size=4, length=64, layout="contiguous")
+    for pass_name in ("forward", "backward"):
+        z = zig["passes"][pass_name]
+        runs = [r["tiles_run"] for r in z["work"]]
+        assert len(set(runs)) == 1, f"zigzag {pass_name}: tiles run per rank {runs}"
+        assert z["balance"] == 1.0 and z["critical_path"] == z["ideal"] == runs[0], z
+        c = con["passes"][pass_name]
+        runs_c = [r["tiles_run"] for r in c["work"]]
+        assert runs_c == sorted(runs_c) and runs_c[0] < runs_c[-1], f"contiguous: {runs_c}"
+        assert c["balance"] > 1.5 and c["critical_path"] > c["ideal"], c
+        assert sum(runs_c) == sum(runs), "both layouts run the same tiles in total"
+        grid = (64 // 4 // 4) * (64 // 4)  # query tiles of 16 rows x key tiles of 64, block 4
+        for work in (z["work"], c["work"]):  # run + skipped = every tile of the rank's grid
+            totals = {r["tiles_run"] + r["tiles_skipped"] for r in work}
+            assert totals == {grid}, f"tiles per rank {totals}, want {grid}"
+
+
+def test_ring_hops_and_accumulators_travel_a_full_circle(client: TestClient) -> None:
+    w = 3
+    data = _ring(client, world_size=w, length=12, layout="zigzag")
+    for hop in data["hops"]:
+        assert hop["receiver"] == (hop["sender"] + 1) % w, hop
+        if hop["payload"] == "kv":  # a rank passes on the shard it held during the step
+            assert hop["shard"] == (hop["sender"] - hop["step"]) % w, hop
+    last = [h for h in data["hops"] if h["payload"] == "dkv" and h["step"] == w - 1]
+    assert sorted((h["receiver"], h["shard"]) for h in last) == [(r, r) for r in range(w)], last
+    for n, step in enumerate(data["backward"]):
+        for r in step["ranks"]:
+            assert r["shard"] == (r["rank"] - max(n - 1, 0)) % w, (n, r)
+            if n == 0:
+                assert r["acc_shard"] is None and r["acc_count"] == 0, r
+            else:  # after step n-1 rank q holds shard q - n's accumulators, n contributions
+                assert (r["acc_shard"], r["acc_count"]) == ((r["rank"] - n) % w, n), (n, r)
+    for r in data["backward"][-1]["ranks"]:
+        assert r["acc_shard"] == r["rank"] and r["acc_max_diff"] == 0.0, r
+        assert r["dq_max_diff"] == 0.0, r
+    assert data["backward"][1]["ranks"][0]["acc_max_diff"] > 0, "one contribution is not all"
+    for pass_name in ("forward", "backward"):  # tiles so far, summed to the end, are the pass's
+        end = {
+            r["rank"]: (r["tiles_run"], r["tiles_skipped"]) for r in data[pass_name][-1]["ranks"]
+        }
+        work = {
+            x["rank"]: (x["tiles_run"], x["tiles_skipped"])
+            for x in data["passes"][pass_name]["work"]
+        }
+        assert end == work, (pass_name, end, work)
+        grid_runs = [sum(c["tiles_run"] for c in row) for row in data["passes"][pass_name]["grid"]]
+        assert grid_runs == [work[r][0] for r in range(w)], grid_runs
+
+
+_RING_BAD: list[tuple[str, dict[str, Any], str, str]] = [
+    # (id, body, field named, text in the message)
+    ("world-zero", {"world_size": 0}, "world_size", "world_size"),
+    ("world-nine", {"world_size": 9}, "world_size", "less than or equal to 8"),
+    ("world-float", {"world_size": 2.5}, "world_size", "integer"),
+    ("layout", {"layout": "ring"}, "layout", "'contiguous' or 'zigzag'"),
+    ("length-long", {"length": 65}, "length", "less than or equal to 64"),
+    ("length-short", {"world_size": 8, "length": 10}, "length", "allowed: 16..64"),
+    ("d-wide", {"d": 17}, "d", "less than or equal to 16"),
+    ("block-zero", {"block": 0}, "block", "block"),
+    ("block-big", {"length": 8, "block": 9}, "block", "allowed: 1..8"),
+    ("tiles", {"length": 64, "block": 1}, "block", "at most 1024"),
+    ("mask-custom", {"mask": {"kind": "custom", "dense": [[True]]}}, "mask", "not custom"),
+    ("mask-kind", {"mask": {"kind": "diagonal"}}, "mask", "mask.kind"),
+    ("window-left", {"mask": {"kind": "sliding_window", "left": -2}}, "mask", "mask.left"),
+    ("example-length", {"data": "example", "length": 8}, "data", "length 5 and d 2"),
+    ("data-kind", {"data": "file"}, "data", "'random' or 'example'"),
+    ("seed-negative", {"seed": -1}, "seed", "seed"),
+    ("unknown-field", {"heads": 2}, "heads", "unknown field"),
+]
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "text"), [b[1:] for b in _RING_BAD], ids=[b[0] for b in _RING_BAD]
+)
+def test_ring_rejected_input_is_422_with_reason(
+    client: TestClient, body: dict[str, Any], field: str, text: str
+) -> None:
+    res = client.post("/api/ring", json=body)
+    assert res.status_code == 422, f"status {res.status_code}, body {res.text[:300]}"
+    data = res.json()
+    assert isinstance(data["detail"], str) and "\n" not in data["detail"], data
+    fields = [e["field"] for e in data["errors"]]
+    assert field in fields, f"no error names field {field!r}: {data['errors']}"
+    assert text in data["detail"], f"{text!r} not in {data['detail']!r}"
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    world=st.integers(min_value=-1, max_value=9),
+    length=st.integers(min_value=-1, max_value=20),
+    d=st.integers(min_value=0, max_value=4),
+    block=st.integers(min_value=0, max_value=21),
+    layout=st.sampled_from(["contiguous", "zigzag", "spiral"]),
+)
+def test_ring_never_500(
+    client: TestClient, world: int, length: int, d: int, block: int, layout: str
+) -> None:
+    body = {"world_size": world, "length": length, "d": d, "block": block, "layout": layout}
+    res = client.post("/api/ring", json=body)
+    assert res.status_code in (200, 422), f"{body}: status {res.status_code}: {res.text[:300]}"
+    if res.status_code == 200:
+        assert all(c["ok"] for c in res.json()["checks"]), res.json()["checks"]
+    else:
+        assert res.json()["detail"], res.text
+
+
+def test_ring_is_in_the_api_and_the_page(client: TestClient) -> None:
+    assert "/api/ring" in _ok(client.get("/openapi.json"))["paths"]
+    assert _ok(client.get("/api/examples"))["limits"]["max_ring_world"] == 8
+    page = client.get("/").text
+    assert 'data-sec="ring"' in page and 'id="sec-ring"' in page
+    res = client.get("/static/ring.js")
+    assert res.status_code == 200 and "http://" not in res.text and "https://" not in res.text

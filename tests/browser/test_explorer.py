@@ -207,3 +207,59 @@ def test_url_state_survives_a_reload(visit: Any) -> None:
     expect(page.locator('#tabs button[data-sec="ledger"]')).to_have_class("active")
     expect(page.locator("#sec-running")).to_be_hidden()
     assert value(page, "m") == 2.0
+
+
+RING_IMAGE = README_IMAGE.parent / "ring.png"
+
+
+def test_ring_section_steps_to_the_oracle(visit: Any) -> None:
+    page = visit.open("?sec=ring")
+    ranks = page.locator("#ring-ranks tbody tr")
+    expect(ranks).to_have_count(4)
+    progress = page.locator("#ring-stepper .progress-text")
+    expect(progress).to_contain_text("0 / 4")
+    assert value(page, "ring-now") > 0.1, "before step 0 no rank has merged a shard"
+    page.locator('#ring-stepper [data-action="forward"]').click()
+    expect(page.locator("#ring-diagram .hop.kv")).to_have_count(4)
+    expect(page.locator("#ring-hop-table tbody tr.current")).to_have_count(4)
+    assert step_to_end(page, "#ring-stepper") == 3
+    expect(progress).to_contain_text("4 / 4")
+    now = value(page, "ring-now")
+    assert now < 1e-12, f"forward after the last step: max |O - oracle| = {now}"
+    for name in ("o", "lse", "dq", "dk", "dv"):
+        diff = value(page, f"ring-{name}")
+        assert diff < 1e-12, f"ring {name} off the dense oracle by {diff}"
+    assert value(page, "ring-replay") == 0.0
+    expect(page.locator('[data-readout="ring-comm-ok"] .badge')).to_have_class("badge ok")
+    # zigzag under the causal mask: every rank runs the same tiles
+    bars = page.locator("#ring-bars .bar-value").all_inner_texts()
+    assert len(bars) == 4 and len(set(bars)) == 1, f"tiles per rank: {bars}"
+    assert value(page, "ring-balance") == 1.0
+
+    page.click('#ring-pass button[data-pass="backward"]')
+    expect(progress).to_contain_text("0 / 4")
+    forward = page.locator('#ring-stepper [data-action="forward"]')
+    forward.click()
+    forward.click()
+    expect(page.locator("#ring-diagram .acc-token")).to_have_count(4)
+    expect(page.locator("#ring-diagram .hop.dkv")).to_have_count(4)
+    assert value(page, "ring-now") > 1e-6, "halfway round the gradients are not complete"
+    RING_IMAGE.parent.mkdir(parents=True, exist_ok=True)
+    card = page.locator("#sec-ring > .card").first.bounding_box()
+    assert card is not None
+    page.screenshot(
+        path=str(RING_IMAGE),
+        full_page=True,
+        clip={"x": 0, "y": 0, "width": 1280, "height": card["y"] + card["height"] + 16},
+    )
+    assert step_to_end(page, "#ring-stepper") == 2
+    expect(page.locator("#ring-diagram .acc-token.home")).to_have_count(4)
+    now = value(page, "ring-now")
+    assert now < 1e-12, f"backward after the last step: max |grads - oracle| = {now}"
+    for part in ("sec=ring", "rpass=backward", "rstep=4"):
+        assert part in page.url, f"{part} missing from {page.url}"
+    for text in (page.inner_text("body"), page.content()):
+        assert "NaN" not in text, "NaN appears on the page"
+    assert "undefined" not in page.inner_text("#sec-ring"), "an undefined is shown"
+    visit.shot("ring")
+    assert not visit.console_errors, visit.console_errors

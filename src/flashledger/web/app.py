@@ -20,6 +20,7 @@ POST        ``/api/backward``      section 04: traced blocked backward + checks
 POST        ``/api/storage``       section 05: storage/work ledger, memory traffic
 POST        ``/api/conventions``   section 06: one problem under every preset
 POST        ``/api/measure``       section 03: run times of the blocked loop here
+POST        ``/api/ring``          section 07: ring attention, every rank and hop
 ==========  =====================  ==================================================
 
 Invalid input gets status 422 and ``{"detail": "<one line>", "errors":
@@ -238,6 +239,11 @@ def create_app() -> FastAPI:
     def measure(req: sc.MeasureRequest) -> Response:
         """Section 03: medians of the untraced blocked loop and the dense reference on this CPU."""
         return _json(compute.measure(req))
+
+    @app.post("/api/ring", response_model=sc.RingResponse, summary="Ring attention, every hop")
+    def ring(req: sc.RingRequest) -> Response:
+        """Section 07: ``simulate_ring`` forward and backward; hops, per-rank states, oracle."""
+        return _json(compute.ring(req))
 
     app.mount("/static", StaticFiles(directory=str(static_dir)), name="static")
     app.add_middleware(BodyLimit, limit=sc.MAX_BODY_BYTES)

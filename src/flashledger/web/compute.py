@@ -2,7 +2,8 @@
 
 Every figure comes from the engine: ``OnlineSoftmax`` for the one-row ledger,
 ``blocked_forward``/``blocked_backward`` (traced) for the tile stepper,
-``reference_*`` for the oracle, ``accounting`` for storage and traffic. The
+``reference_*`` for the oracle, ``accounting`` for storage and traffic,
+``simulate_ring`` (the in-process twin of ring attention) for section 07. The
 only computation written here is the independent PyTorch autograd check of
 section 04: naive attention in float64, differentiated by autograd.
 
@@ -17,18 +18,26 @@ import platform
 import statistics
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from flashledger import accounting, examples
+from flashledger import Placement, accounting, examples
 from flashledger.blocked import blocked_backward, blocked_forward
 from flashledger.conventions import PRESETS, get_conventions
 from flashledger.ledger import BackwardTileStep, ForwardTileStep
 from flashledger.masks import Causal, DenseMask, Mask, SlidingWindow
-from flashledger.online import OnlineSoftmax, blockwise_softmax_average, softmax_output
+from flashledger.online import (
+    OnlineSoftmax,
+    blockwise_softmax_average,
+    merge_partials,
+    softmax_output,
+)
 from flashledger.reference import reference_backward, reference_forward
+from flashledger.ring import PairStep, RingLedger, RingSetup, simulate_ring
 
 from . import schemas as sc
 
@@ -38,6 +47,7 @@ __all__ = [
     "examples_payload",
     "ledger_steps",
     "measure",
+    "ring",
     "storage",
 ]
 
@@ -450,4 +460,336 @@ def measure(req: sc.MeasureRequest) -> sc.MeasureResponse:
         full_p_bytes=req.length * req.length * itemsize,
         lse_bytes=req.length * itemsize,
         counters=fwd.ledger.counters.to_dict(),
+    )
+
+
+# ----------------------------------------------------------------------------- section 07
+
+RING_TOLERANCE = 1e-12
+"""The ring's O, LSE, dQ, dK, dV must equal the float64 dense oracle to this (max |difference|)."""
+
+
+def _ring_inputs(req: sc.RingRequest) -> tuple[torch.Tensor, ...]:
+    """Q, K, V, G ``(L, d)`` float64: the seed page's five positions, or normal draws."""
+    if req.data == "example":
+        ex = examples.five_position_example()
+        return ex["q"], ex["k"], ex["v"], ex["g"]  # type: ignore[return-value]
+    gen = torch.Generator().manual_seed(req.seed)
+    return tuple(torch.randn(req.length, req.d, generator=gen, dtype=F64) for _ in range(4))
+
+
+def _worst(a: torch.Tensor, b: torch.Tensor) -> tuple[float, list[int]]:
+    """max |a - b| (equal infinities count as equal) and the index of the worst element."""
+    same = a == b
+    diff = torch.where(same, torch.zeros((), dtype=a.dtype), (a - b).abs())
+    flat = int(diff.argmax())
+    return float(diff.max()), [int(i) for i in torch.unravel_index(torch.tensor(flat), a.shape)]
+
+
+@dataclass
+class _RingReplay:
+    """Every rank's state after ``n = 0..W`` ring steps (index ``[n][rank]``), global rows.
+
+    ``o``/``lse``: running forward result of the rank's rows (0 and -inf before any key);
+    ``dq``: the rank's dQ rows so far; ``acc``: the dK/dV accumulators the rank holds after
+    the step as ``(shard, dk, dv, contributions)``, or None.
+    """
+
+    o: list[list[torch.Tensor]]  # (rows_r, d_v)
+    lse: list[list[torch.Tensor]]  # (rows_r,)
+    dq: list[list[torch.Tensor]]  # (rows_r, d)
+    acc: list[list[tuple[int, torch.Tensor, torch.Tensor, int] | None]]
+    o_final: torch.Tensor  # (L, d_v)
+    lse_final: torch.Tensor  # (L,)
+    dq_final: torch.Tensor  # (L, d)
+    dk_final: torch.Tensor  # (L, d)
+    dv_final: torch.Tensor  # (L, d_v)
+
+
+def _chunk_rows(setup: RingSetup, chunks: tuple[int, ...]) -> list[int]:
+    """Global positions of ``chunks`` in shard order."""
+    b = setup.q_bounds
+    return [i for c in chunks for i in range(b[c], b[c + 1])]
+
+
+def _ring_replay(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    led: RingLedger,
+    *,
+    mask: Mask | None,
+    block: int,
+) -> _RingReplay:
+    """The ring's per-step states, by running again the chunk pairs its ledger recorded.
+
+    The ring keeps its running ``(O, LSE)``, its dQ and the travelling dK/dV inside its
+    loop. This makes the calls that loop makes, in its order: for each pair the ledger
+    booked as run, ``blocked_forward(..., placement=..., raw_lse=True)`` merged with
+    ``merge_partials`` (forward), ``blocked_backward`` against the final ``(O, LSE)`` with
+    dK/dV added to the accumulators arriving from the previous rank (backward), and keeps
+    a snapshot after every step. Its final state must equal the ring's result.
+    """
+    setup = led.setup
+    assert setup is not None  # simulate_ring returns a filled ledger
+    w, length, bounds = setup.world_size, setup.lq, setup.q_bounds
+    kw: dict[str, Any] = {"mask": mask, "block_q": block, "block_k": block}
+    todo: dict[tuple[str, int, int], list[PairStep]] = defaultdict(list)
+    for p in led.pairs:  # sorted by (pass, step, rank, query chunk, key chunk): the loop order
+        if not p.skipped:
+            todo[(p.pass_name, p.step, p.rank)].append(p)
+    rows = [_chunk_rows(setup, setup.chunks_of(r)) for r in range(w)]
+
+    def span(c: int) -> slice:
+        return slice(bounds[c], bounds[c + 1])
+
+    def place(p: PairStep) -> Placement:
+        return Placement(
+            q_offset=bounds[p.q_chunk], k_offset=bounds[p.k_chunk], lq_total=length, lk_total=length
+        )
+
+    # -- forward: one running (o, lse) per query chunk, merged with the one merge --
+    dv_dim = v.shape[-1]
+    parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def state() -> tuple[torch.Tensor, torch.Tensor]:
+        o = torch.zeros(length, dv_dim, dtype=F64)  # (L, d_v)
+        lse = torch.full((length,), -math.inf, dtype=F64)  # (L,)
+        for c, (o_c, lse_c) in parts.items():
+            o[span(c)], lse[span(c)] = o_c, lse_c
+        return o, lse
+
+    snaps = [state()]
+    for step in range(w):
+        for r in range(w):
+            for p in todo[("forward", step, r)]:
+                qs, ks = span(p.q_chunk), span(p.k_chunk)
+                res = blocked_forward(q[qs], k[ks], v[ks], placement=place(p), raw_lse=True, **kw)
+                old = parts.get(p.q_chunk)
+                parts[p.q_chunk] = (
+                    (res.o, res.lse) if old is None else merge_partials(*old, res.o, res.lse)
+                )
+        snaps.append(state())
+    o_final, lse_final = snaps[-1]
+
+    # -- backward: dQ stays home, dK/dV of the shard held travel on after each step --
+    dq = torch.zeros_like(q)  # (L, d)
+    held: list[tuple[int, torch.Tensor, torch.Tensor, int] | None] = [None] * w
+    dq_snaps, acc_snaps = [dq.clone()], [list(held)]
+    for step in range(w):
+        arriving: list[tuple[int, torch.Tensor, torch.Tensor, int] | None] = [None] * w
+        for r in range(w):
+            src = (r - step) % w
+            local = {pos: i for i, pos in enumerate(rows[src])}  # global key -> row in shard
+            dk_s = torch.zeros(len(local), k.shape[-1], dtype=F64)  # (Lk_shard(src), d)
+            dv_s = torch.zeros(len(local), dv_dim, dtype=F64)  # (Lk_shard(src), d_v)
+            for p in todo[("backward", step, r)]:
+                qs, ks = span(p.q_chunk), span(p.k_chunk)
+                grads = blocked_backward(
+                    q[qs], k[ks], v[ks], o_final[qs], lse_final[qs], g[qs], placement=place(p), **kw
+                )
+                first = local[bounds[p.k_chunk]]
+                at = slice(first, first + grads.dk.shape[0])  # the key chunk inside the shard
+                dq[qs] += grads.dq
+                dk_s[at] += grads.dk
+                dv_s[at] += grads.dv
+            incoming = held[r]
+            if incoming is not None:  # the accumulators of this shard, from upstream
+                dk_s += incoming[1]
+                dv_s += incoming[2]
+            arriving[(r + 1) % w] = (src, dk_s, dv_s, step + 1)
+        held = arriving
+        dq_snaps.append(dq.clone())
+        acc_snaps.append(list(held))
+    dk_final, dv_final = torch.zeros_like(k), torch.zeros_like(v)
+    for item in held:
+        assert item is not None  # after a full circle every rank holds its own shard's
+        shard, dk_s, dv_s, _ = item
+        dk_final[rows[shard]], dv_final[rows[shard]] = dk_s, dv_s
+    return _RingReplay(
+        o=[[o[rows[r]] for r in range(w)] for o, _ in snaps],
+        lse=[[lse[rows[r]] for r in range(w)] for _, lse in snaps],
+        dq=[[d[rows[r]] for r in range(w)] for d in dq_snaps],
+        acc=acc_snaps,
+        o_final=o_final,
+        lse_final=lse_final,
+        dq_final=dq,
+        dk_final=dk_final,
+        dv_final=dv_final,
+    )
+
+
+def _ring_pass(led: RingLedger, pass_name: str) -> sc.RingPassSummary:
+    """Per-rank work, the (rank, step) grid, balance and critical path of one pass."""
+    setup = led.setup
+    assert setup is not None
+    w = setup.world_size
+    grid = [[[-1, 0, 0] for _ in range(w)] for _ in range(w)]
+    for p in led.pairs:
+        if p.pass_name == pass_name:
+            cell = grid[p.rank][p.step]
+            cell[0] = p.shard
+            cell[1] += p.counters.tiles_run
+            cell[2] += p.counters.tiles_skipped
+    work = led.rank_work(pass_name)
+    total = sum(x.counters.tiles_run for x in work)
+    return sc.RingPassSummary(
+        work=[
+            sc.RingWork(
+                rank=x.rank,
+                pairs_run=x.pairs_run,
+                pairs_skipped=x.pairs_skipped,
+                tiles_run=x.counters.tiles_run,
+                tiles_skipped=x.counters.tiles_skipped,
+                qk_dots_visible=x.counters.qk_dots_visible,
+                qk_dots_computed=x.counters.qk_dots_computed,
+            )
+            for x in work
+        ],
+        grid=[
+            [sc.RingGridCell(shard=c[0], tiles_run=c[1], tiles_skipped=c[2]) for c in row]
+            for row in grid
+        ],
+        balance=led.balance(pass_name),
+        critical_path=led.critical_path(pass_name),
+        ideal=total / w,
+    )
+
+
+def _tiles_so_far(led: RingLedger, pass_name: str, rank: int, steps: int) -> tuple[int, int]:
+    """Tiles ``rank`` ran and skipped in the first ``steps`` ring steps of a pass."""
+    mine = [p for p in led.pairs if p.pass_name == pass_name and p.rank == rank and p.step < steps]
+    return sum(p.counters.tiles_run for p in mine), sum(p.counters.tiles_skipped for p in mine)
+
+
+def ring(req: sc.RingRequest) -> sc.RingResponse:
+    """Ring attention on ``W`` simulated ranks, every hop and every rank's state per step."""
+    q, k, v, g = _ring_inputs(req)  # (L, d) (L, d) (L, d_v) (L, d_v)
+    mask = build_mask(req.mask)
+    w, b = req.world_size, req.block
+    res = simulate_ring(
+        q, k, v, world_size=w, layout=req.layout, do=g, mask=mask, block_q=b, block_k=b
+    )
+    assert res.dq is not None and res.dk is not None and res.dv is not None  # do was given
+    led = res.ledger
+    setup = led.setup
+    assert setup is not None
+    ref = reference_forward(q, k, v, mask=mask)
+    refb = reference_backward(q, k, v, ref.o, ref.lse, g, mask=mask)
+    rp = _ring_replay(q, k, v, g, led, mask=mask, block=b)
+    rows = [_chunk_rows(setup, setup.chunks_of(r)) for r in range(w)]
+
+    ring_out = {"o": res.o, "lse": res.lse, "dq": res.dq, "dk": res.dk, "dv": res.dv}
+    oracle = {"o": ref.o, "lse": ref.lse, "dq": refb.dq, "dk": refb.dk, "dv": refb.dv}
+    replay = {
+        "o": rp.o_final,
+        "lse": rp.lse_final,
+        "dq": rp.dq_final,
+        "dk": rp.dk_final,
+        "dv": rp.dv_final,
+    }
+    checks = []
+    for name, got in ring_out.items():
+        worst, index = _worst(got, oracle[name])
+        checks.append(
+            sc.RingCheck(name=name, max_diff=worst, index=index, ok=worst <= RING_TOLERANCE)  # type: ignore[arg-type]
+        )
+
+    forward = []
+    for n in range(w + 1):
+        o_now = torch.zeros_like(res.o)  # (L, d_v)
+        ranks = []
+        for r in range(w):
+            o_now[rows[r]] = rp.o[n][r]
+            run, skipped = _tiles_so_far(led, "forward", r, n)
+            ranks.append(
+                sc.RingForwardRank(
+                    rank=r,
+                    shard=(r - max(n - 1, 0)) % w,
+                    tiles_run=run,
+                    tiles_skipped=skipped,
+                    lse=rp.lse[n][r].tolist(),
+                    o_max_diff=_max_diff(rp.o[n][r], res.o[rows[r]]),
+                )
+            )
+        forward.append(sc.RingForwardStep(step=n, ranks=ranks, max_diff=_max_diff(o_now, ref.o)))
+
+    backward = []
+    for n in range(w + 1):
+        dq_now, dk_now, dv_now = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        ranks_b = []
+        for r in range(w):
+            dq_now[rows[r]] = rp.dq[n][r]
+            run, skipped = _tiles_so_far(led, "backward", r, n)
+            held = rp.acc[n][r]
+            acc_diff = 0.0
+            if held is not None:
+                shard, dk_s, dv_s, _count = held
+                dk_now[rows[shard]], dv_now[rows[shard]] = dk_s, dv_s
+                acc_diff = max(
+                    _max_diff(dk_s, res.dk[rows[shard]]), _max_diff(dv_s, res.dv[rows[shard]])
+                )
+            ranks_b.append(
+                sc.RingBackwardRank(
+                    rank=r,
+                    shard=(r - max(n - 1, 0)) % w,
+                    tiles_run=run,
+                    tiles_skipped=skipped,
+                    dq_max_diff=_max_diff(rp.dq[n][r], res.dq[rows[r]]),
+                    acc_shard=None if held is None else held[0],
+                    acc_count=0 if held is None else held[3],
+                    acc_max_diff=acc_diff,
+                )
+            )
+        now_diff = max(
+            _max_diff(dq_now, refb.dq), _max_diff(dk_now, refb.dk), _max_diff(dv_now, refb.dv)
+        )
+        backward.append(sc.RingBackwardStep(step=n, ranks=ranks_b, max_diff=now_diff))
+
+    observed, closed = led.comm_totals(), led.expected_comm()
+    comm = [
+        sc.RingComm(
+            pass_name=pn,  # type: ignore[arg-type]
+            payload=pl,  # type: ignore[arg-type]
+            hops=hops,
+            nbytes=nbytes,
+            closed_form_hops=c_hops,
+            closed_form_nbytes=c_bytes,
+            ok=(hops, nbytes) == (c_hops, c_bytes),
+        )
+        for (pn, pl, hops, nbytes), (_, _, c_hops, c_bytes) in zip(observed.rows(), closed.rows())
+    ]
+    chunks = setup.chunks_of
+    owners = [next(r for r in range(w) if c in chunks(r)) for c in range(len(setup.q_bounds) - 1)]
+    return sc.RingResponse(
+        world_size=w,
+        layout=req.layout,
+        length=setup.lq,
+        d=setup.d,
+        block=b,
+        bounds=list(setup.q_bounds),
+        owners=owners,
+        ranks=[sc.RingRank(rank=r, chunks=list(chunks(r)), rows=rows[r]) for r in range(w)],
+        forward=forward,
+        backward=backward,
+        lse=res.lse.tolist(),
+        hops=[
+            sc.RingHop(
+                pass_name=h.pass_name,  # type: ignore[arg-type]
+                step=h.step,
+                sender=h.sender,
+                receiver=h.receiver,
+                payload=h.payload,  # type: ignore[arg-type]
+                shard=h.shard,
+                nbytes=h.nbytes,
+            )
+            for h in led.hops
+        ],
+        comm=comm,
+        comm_match=led.comm_matches(),
+        passes={p: _ring_pass(led, p) for p in led.passes},
+        checks=checks,
+        tolerance=RING_TOLERANCE,
+        replay_max_diff=max(_max_diff(replay[n], ring_out[n]) for n in ring_out),
     )

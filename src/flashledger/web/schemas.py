@@ -9,11 +9,13 @@ return an error other than a readable 422. Responses carry float64 values;
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from flashledger.conventions import PRESETS
+from flashledger.ring import chunk_bounds
 
 __all__ = [
     "LIMITS",
@@ -28,6 +30,8 @@ __all__ = [
     "MaskSpec",
     "MeasureRequest",
     "MeasureResponse",
+    "RingRequest",
+    "RingResponse",
     "StorageRequest",
     "StorageResponse",
 ]
@@ -51,6 +55,10 @@ MAX_MEASURE_DIM = 128
 """Largest head dimension timed by the measurement endpoint."""
 MAX_MEASURE_TILES = 256
 """Largest number of tiles timed by the measurement endpoint."""
+MAX_RING_WORLD = 8
+"""Largest number of simulated ranks in the ring section."""
+MAX_RING_TILES = 1024
+"""Largest number of tiles per pass the ring section runs (summed over every rank)."""
 
 LIMITS: dict[str, float] = {
     "max_body_bytes": MAX_BODY_BYTES,
@@ -62,6 +70,8 @@ LIMITS: dict[str, float] = {
     "max_measure_len": MAX_MEASURE_LEN,
     "max_measure_dim": MAX_MEASURE_DIM,
     "max_measure_tiles": MAX_MEASURE_TILES,
+    "max_ring_world": MAX_RING_WORLD,
+    "max_ring_tiles": MAX_RING_TILES,
 }
 
 
@@ -496,3 +506,182 @@ class ExamplesResponse(_Response):
     backward: dict[str, list[list[float]] | int | str]
     presets: list[dict[str, str | float | bool]]
     limits: dict[str, float]
+
+
+# ----------------------------------------------------------------------------- section 7
+
+RingLayout = Literal["contiguous", "zigzag"]
+RingPass = Literal["forward", "backward"]
+
+
+class RingRequest(_Request):
+    """One ring-attention problem for the in-process twin: ranks, layout, sizes, mask, inputs.
+
+    Q, K, V and G are ``(length, d)`` float64: random normal draws from ``seed``, or, with
+    ``data = "example"``, the seed page's five positions (``length = 5``, ``d = 2``).
+    Tiles inside each (query chunk, key chunk) pair are ``block x block``.
+    """
+
+    world_size: int = Field(default=4, ge=1, le=MAX_RING_WORLD)
+    layout: RingLayout = "zigzag"
+    length: int = Field(default=16, ge=1, le=MAX_TRACE_LEN)
+    d: int = Field(default=4, ge=1, le=MAX_HEAD_DIM)
+    block: int = Field(default=4, ge=1, le=MAX_TRACE_LEN)
+    mask: MaskSpec = Field(default_factory=lambda: MaskSpec(kind="causal"))
+    data: Literal["random", "example"] = "random"
+    seed: int = Field(default=0, ge=0, le=2**31 - 1)
+
+    def chunks(self) -> int:
+        """Chunks the sequence is cut into: ``W`` (contiguous) or ``2W`` (zigzag)."""
+        return self.world_size if self.layout == "contiguous" else 2 * self.world_size
+
+    def tiles_per_pass(self) -> int:
+        """Tiles of every (query chunk, key chunk) pair of one pass, over all ranks."""
+        bounds = chunk_bounds(self.length, self.world_size, self.layout)
+        along = sum(-(-(b - a) // self.block) for a, b in pairwise(bounds))
+        return along * along  # query chunks x key chunks, Lq = Lk
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RingRequest:
+        if self.data == "example" and (self.length, self.d) != (5, 2):
+            raise InputError(
+                "data",
+                f"data: the seed page's example has length 5 and d 2, not length "
+                f"{self.length} and d {self.d}; set both, or use random data",
+            )
+        n = self.chunks()
+        if self.length < n:
+            raise InputError(
+                "length",
+                f"length: {self.length} is too short for the {self.layout} layout on "
+                f"{self.world_size} rank(s): the sequence is cut into {n} chunks of at least "
+                f"one position; allowed: {n}..{MAX_TRACE_LEN}",
+            )
+        if self.block > self.length:
+            raise InputError(
+                "block", f"block: {self.block} is larger than length; allowed: 1..{self.length}"
+            )
+        tiles = self.tiles_per_pass()
+        if tiles > MAX_RING_TILES:
+            raise InputError(
+                "block",
+                f"block: {tiles} tiles per pass; at most {MAX_RING_TILES} allowed "
+                "(use a larger block or a shorter length)",
+            )
+        if self.mask.kind == "custom":
+            raise InputError(
+                "mask", "mask: the ring section takes none, causal or sliding_window, not custom"
+            )
+        return self
+
+
+class RingRank(_Response):
+    rank: int
+    chunks: list[int] = Field(description="chunk numbers held, in shard order")
+    rows: list[int] = Field(description="global query (and key) positions held, in shard order")
+
+
+class RingHop(_Response):
+    pass_name: RingPass
+    step: int = Field(description="ring step during which it was sent, 0-based")
+    sender: int
+    receiver: int
+    payload: Literal["kv", "dkv"] = Field(description="a K/V shard or dK/dV accumulators")
+    shard: int = Field(description="the rank that owns the shard carried")
+    nbytes: int
+
+
+class RingComm(_Response):
+    pass_name: RingPass
+    payload: Literal["kv", "dkv"]
+    hops: int
+    nbytes: int
+    closed_form_hops: int
+    closed_form_nbytes: int
+    ok: bool
+
+
+class RingWork(_Response):
+    rank: int
+    pairs_run: int
+    pairs_skipped: int
+    tiles_run: int
+    tiles_skipped: int
+    qk_dots_visible: int
+    qk_dots_computed: int
+
+
+class RingGridCell(_Response):
+    shard: int = Field(description="K/V shard held during the step")
+    tiles_run: int
+    tiles_skipped: int
+
+
+class RingPassSummary(_Response):
+    work: list[RingWork] = Field(description="per rank, whole pass")
+    grid: list[list[RingGridCell]] = Field(description="grid[rank][step]")
+    balance: Num = Field(description="max / mean tiles run over ranks (1 = balanced)")
+    critical_path: int = Field(description="sum over steps of the busiest rank's tiles")
+    ideal: Num = Field(description="tiles run / world size")
+
+
+class RingForwardRank(_Response):
+    rank: int
+    shard: int = Field(description="K/V shard held during the step")
+    tiles_run: int = Field(description="so far")
+    tiles_skipped: int = Field(description="so far")
+    lse: Vec = Field(description="running LSE of the rank's rows after the step (-inf: no key)")
+    o_max_diff: Num = Field(description="max |O so far - final O| over the rank's rows")
+
+
+class RingForwardStep(_Response):
+    step: int = Field(description="ring steps done (0 = before the first)")
+    ranks: list[RingForwardRank]
+    max_diff: Num = Field(description="max |O so far - dense oracle O| over every row")
+
+
+class RingBackwardRank(_Response):
+    rank: int
+    shard: int = Field(description="K/V shard held during the step")
+    tiles_run: int = Field(description="so far")
+    tiles_skipped: int = Field(description="so far")
+    dq_max_diff: Num = Field(description="max |dQ so far - final dQ| over the rank's rows")
+    acc_shard: int | None = Field(description="shard whose dK/dV accumulators the rank holds")
+    acc_count: int = Field(description="ranks whose contributions the accumulators hold")
+    acc_max_diff: Num = Field(description="max |accumulated dK, dV - final| of that shard")
+
+
+class RingBackwardStep(_Response):
+    step: int
+    ranks: list[RingBackwardRank]
+    max_diff: Num = Field(description="max |dQ, dK, dV so far - dense oracle| over every row")
+
+
+class RingCheck(_Response):
+    name: Literal["o", "lse", "dq", "dk", "dv"]
+    max_diff: Num
+    index: list[int] = Field(description="where the largest difference is")
+    ok: bool
+
+
+class RingResponse(_Response):
+    world_size: int
+    layout: RingLayout
+    length: int
+    d: int
+    block: int
+    bounds: list[int] = Field(description="chunk boundaries, n + 1 positions")
+    owners: list[int] = Field(description="owner rank of each chunk")
+    ranks: list[RingRank]
+    forward: list[RingForwardStep] = Field(description="state after 0..W ring steps")
+    backward: list[RingBackwardStep]
+    lse: Vec = Field(description="final LSE of every row (global order)")
+    hops: list[RingHop]
+    comm: list[RingComm]
+    comm_match: bool
+    passes: dict[str, RingPassSummary]
+    checks: list[RingCheck] = Field(description="ring result against the float64 dense oracle")
+    tolerance: Num
+    replay_max_diff: Num = Field(
+        description="max |replayed chunk pairs - the ring's result| (the per-step states' link)"
+    )

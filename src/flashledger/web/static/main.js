@@ -1,4 +1,4 @@
-// Entry point: state from the URL, the tabs, the language switch, and the six sections.
+// Entry point: state from the URL, the tabs, the language switch, and the seven sections.
 
 import { getJson } from "./api.js";
 import * as backward from "./backward.js";
@@ -9,10 +9,11 @@ import { setLanguage } from "./i18n.js";
 import * as ledger from "./ledger.js";
 import * as running from "./running.js";
 import { get, initState, set, subscribe } from "./state.js";
+import * as ring from "./ring.js";
 import * as storage from "./storage.js";
 
-const SECTIONS = ["running", "ledger", "gpu", "backward", "storage", "conventions"];
-const MODULES = [running, ledger, gpu, backward, storage, conventions];
+const SECTIONS = ["running", "ledger", "gpu", "backward", "storage", "conventions", "ring"];
+const MODULES = [running, ledger, gpu, backward, storage, conventions, ring];
 
 /** Defaults of every URL key; the seed's data comes from /api/examples. */
 function defaultsFrom(examples) {
@@ -64,6 +65,20 @@ function defaultsFrom(examples) {
     // section 06
     clk: "3",
     cmask: "causal",
+    // section 07
+    rw: "4",
+    rlay: "zigzag",
+    rl: "16",
+    rd: "4",
+    rb: "4",
+    rmask: "causal",
+    rwl: "3",
+    rwr: "0",
+    rdata: "random",
+    rseed: "0",
+    rpass: "forward",
+    rstep: "0",
+    rrank: "0",
   };
 }
 
