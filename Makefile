@@ -27,7 +27,7 @@ test: $(STAMP) browser-deps
 	$(BIN)/python -m pytest -n 2 -m "not slow"
 
 test-all: $(STAMP) browser-deps
-	$(BIN)/python -m pytest -n 2
+	$(BIN)/python -m pytest -n 2 -m "slow or not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

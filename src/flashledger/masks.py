@@ -306,10 +306,18 @@ class Mask(ABC):
         return d[0, 0] if d.shape[0] == 1 and d.shape[1] == 1 else d
 
     def tile_classes(
-        self, lq: int, lk: int, block_q: int, block_k: int, *, causal_align: Align = "top_left"
+        self,
+        lq: int,
+        lk: int,
+        block_q: int,
+        block_k: int,
+        *,
+        batch: int = 1,
+        heads: int = 1,
+        causal_align: Align = "top_left",
     ) -> torch.Tensor:
-        """``(Tq, Tk)`` int8 tile classes (0 empty, 1 partial, 2 full) for a square layout."""
-        geo = Geometry.build(lq=lq, lk=lk, causal_align=causal_align)
+        """``(Tq, Tk)`` int8 tile classes (0 empty, 1 partial, 2 full) over all batches and heads."""
+        geo = Geometry.build(lq=lq, lk=lk, batch=batch, heads=heads, causal_align=causal_align)
         return self.bind(geo).tile_classes(block_q, block_k)
 
 

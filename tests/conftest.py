@@ -1,0 +1,119 @@
+"""Shared test helpers: closeness checks that name the worst element, and the presets.
+
+Closeness rule used throughout the engine's tests (elementwise)::
+
+    |actual - expected| <= atol + rtol * max(1, |expected|)
+
+so ``rtol`` is a relative tolerance for entries of magnitude above 1 and an
+absolute one below (gradients and outputs have many entries near 0, where a
+purely relative rule would demand more than float64 can give). Entries equal
+in both (including the same infinity) always pass; a NaN in ``actual`` always
+fails. On failure the message names the tensor, how many entries are off, the
+worst entry's index and both values.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import flashledger as fl
+
+ALL_PRESETS = [fl.SEED, fl.FLASH_ATTN_2, fl.FLASH_ATTN_3, fl.FLEX_ATTENTION, fl.SDPA_CPU]
+
+
+def _index(flat: int, shape: torch.Size) -> tuple[int, ...]:
+    idx = []
+    for size in reversed(shape):
+        idx.append(flat % size)
+        flat //= size
+    return tuple(reversed(idx))
+
+
+def assert_close(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    rtol: float,
+    atol: float = 0.0,
+    name: str = "tensor",
+) -> None:
+    """Elementwise ``|a - b| <= atol + rtol * max(1, |b|)``; the message names the worst entry."""
+    assert isinstance(actual, torch.Tensor), f"{name}: actual is {type(actual).__name__}"
+    assert isinstance(expected, torch.Tensor), f"{name}: expected is {type(expected).__name__}"
+    assert tuple(actual.shape) == tuple(expected.shape), (
+        f"{name}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}"
+    )
+    if actual.numel() == 0:
+        return
+    a = actual.detach().to(torch.float64).cpu()
+    b = expected.detach().to(torch.float64).cpu()
+    same = a == b  # equal values, including the same infinity; never NaN
+    diff = torch.where(same, 0.0, torch.nan_to_num((a - b).abs(), nan=math.inf, posinf=math.inf))
+    bound = atol + rtol * torch.clamp(b.abs(), min=1.0)
+    bad = (diff > bound) | (torch.isinf(bound) & ~same)
+    if bool(bad.any()):
+        ratio = torch.where(torch.isinf(diff), math.inf, diff / bound)
+        worst = int(torch.argmax(torch.where(bad, ratio, -1.0)).item())
+        idx = _index(worst, a.shape)
+        raise AssertionError(
+            f"{name}: {int(bad.sum())} of {a.numel()} entries off "
+            f"(rule |a-b| <= {atol:g} + {rtol:g}*max(1,|b|)); worst at index {idx}: "
+            f"actual {a[idx].item()!r}, expected {b[idx].item()!r}, "
+            f"|diff| {diff[idx].item():.3g} > allowed {bound[idx].item():.3g}"
+        )
+
+
+def assert_same(actual: torch.Tensor, expected: torch.Tensor, *, name: str) -> None:
+    """Exact equality (bool/int tensors); the message names the first mismatch."""
+    assert tuple(actual.shape) == tuple(expected.shape), (
+        f"{name}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}"
+    )
+    ne = actual.cpu() != expected.cpu()
+    if bool(ne.any()):
+        idx = tuple(int(i) for i in torch.nonzero(ne)[0].tolist())
+        raise AssertionError(
+            f"{name}: {int(ne.sum())} of {ne.numel()} entries differ; first at index {idx}: "
+            f"actual {actual[idx].item()!r}, expected {expected[idx].item()!r}"
+        )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Long sweeps (``@pytest.mark.slow``) run only when a ``-m`` expression names them.
+
+    ``pytest`` alone runs the fast suite; ``-m slow`` runs only the sweeps and
+    ``-m "slow or not slow"`` runs everything.
+    """
+    if "slow" in (config.getoption("markexpr", default="") or ""):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow") is not None]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if item.get_closest_marker("slow") is None]
+
+
+@pytest.fixture(scope="session", name="assert_close")
+def assert_close_fixture() -> Callable[..., None]:
+    """The ``assert_close(actual, expected, *, rtol, atol=0.0, name)`` helper."""
+    return assert_close
+
+
+@pytest.fixture(scope="session", name="assert_same")
+def assert_same_fixture() -> Callable[..., None]:
+    """The ``assert_same(actual, expected, *, name)`` helper."""
+    return assert_same
+
+
+@pytest.fixture(params=ALL_PRESETS, ids=lambda c: c.name)
+def preset(request: pytest.FixtureRequest) -> fl.Conventions:
+    """Each conventions preset in turn."""
+    return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    """A CPU generator with a fixed seed (fresh for every test)."""
+    return torch.Generator().manual_seed(20240611)

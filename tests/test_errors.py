@@ -1,0 +1,429 @@
+"""Bad input: a ValueError/TypeError whose message names the argument and what is allowed."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import flashledger as fl
+from flashledger.online import OnlineSoftmax
+
+f64 = torch.float64
+
+
+def _qkv(
+    lq: int = 5, lk: int = 6, d: int = 4, dv: int = 3, h: int = 2, hkv: int = 2
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q ``(h, Lq, d)``, k ``(hkv, Lk, d)``, v ``(hkv, Lk, d_v)`` in float64."""
+    return (
+        torch.randn(h, lq, d, dtype=f64),
+        torch.randn(hkv, lk, d, dtype=f64),
+        torch.randn(hkv, lk, dv, dtype=f64),
+    )
+
+
+ENTRY = {
+    "reference_forward": lambda q, k, v, **kw: fl.reference_forward(q, k, v, **kw),
+    "blocked_forward": lambda q, k, v, **kw: fl.blocked_forward(q, k, v, **kw),
+    "flash_attention": lambda q, k, v, **kw: fl.flash_attention(q, k, v, **kw),
+    # o, lse and do fit the default shapes of _qkv(); the inputs are checked before them
+    "blocked_backward": lambda q, k, v, **kw: fl.blocked_backward(
+        q,
+        k,
+        v,
+        torch.zeros(2, 5, 3, dtype=f64),
+        torch.zeros(2, 5, dtype=f64),
+        torch.zeros(2, 5, 3, dtype=f64),
+        **kw,
+    ),
+}
+
+
+def _raises(fn: Callable[[], object], exc: type[Exception], *fragments: str) -> str:
+    """Call ``fn``; it must raise ``exc`` with every fragment in its message."""
+    with pytest.raises(exc) as info:
+        fn()
+    msg = str(info.value)
+    for frag in fragments:
+        assert frag in msg, f"message {msg!r} lacks {frag!r}"
+    return msg
+
+
+# -- inputs -------------------------------------------------------------------------------
+@pytest.mark.parametrize("entry", list(ENTRY))
+def test_bad_tensors(entry):
+    call = ENTRY[entry]
+    q, k, v = _qkv()
+    _raises(
+        lambda: call(q, torch.randn(2, 6, 3, dtype=f64), v), ValueError, "head dim d", "q (2, 5, 4)"
+    )
+    _raises(lambda: call(q, k, torch.randn(2, 7, 3, dtype=f64)), ValueError, "k and v must agree")
+    _raises(lambda: call(q, k[0], v[0]), ValueError, "same number of dimensions")
+    _raises(
+        lambda: call(q.expand(3, 2, 5, 4), k.expand(2, 2, 6, 4), v.expand(2, 2, 6, 3)),
+        ValueError,
+        "batch dim",
+    )
+    _raises(
+        lambda: call(q[None, None], k[None, None], v[None, None]),
+        ValueError,
+        "(L, d), (H, L, d) or (B, H, L, d)",
+    )
+    _raises(lambda: call(q[:, :0], k, v), ValueError, "sequence lengths must be >= 1")
+    _raises(lambda: call(q, k, v[..., :0]), ValueError, "head dims must be >= 1")
+    _raises(
+        lambda: call(q.to(torch.int64), k, v), TypeError, "q must have a floating dtype", "int64"
+    )
+    _raises(lambda: call(q.tolist(), k, v), TypeError, "q must be a torch.Tensor", "list")
+
+
+@pytest.mark.parametrize("entry", list(ENTRY))
+def test_gqa_heads_must_divide(entry):
+    q, k, v = _qkv(h=3, hkv=2)
+    _raises(
+        lambda: ENTRY[entry](q, k, v),
+        ValueError,
+        "number of query heads (3)",
+        "multiple of the number of key/value heads (2)",
+    )
+
+
+@pytest.mark.parametrize("entry", list(ENTRY))
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_nan_and_inf_inputs_name_the_index(entry, name):
+    t = dict(zip("qkv", _qkv()))
+    t[name][1, 2, 0] = math.nan
+    msg = _raises(lambda: ENTRY[entry](t["q"], t["k"], t["v"]), ValueError, name, "(1, 2, 0)")
+    assert "NaN" in msg and "finite" in msg
+    t[name][1, 2, 0] = math.inf
+    _raises(
+        lambda: ENTRY[entry](t["q"], t["k"], t["v"]), ValueError, f"{name} contains", "(1, 2, 0)"
+    )
+
+
+# -- options ------------------------------------------------------------------------------
+@pytest.mark.parametrize("entry", ["blocked_forward", "blocked_backward", "flash_attention"])
+@pytest.mark.parametrize(
+    ("option", "value", "exc"),
+    [
+        ("block_q", 0, ValueError),
+        ("block_q", -3, ValueError),
+        ("block_k", 2.5, TypeError),
+        ("block_k", True, TypeError),
+        ("block_q", "8", TypeError),
+    ],
+)
+def test_block_sizes(entry, option, value, exc):
+    q, k, v = _qkv()
+    _raises(lambda: ENTRY[entry](q, k, v, **{option: value}), exc, option, "integer >= 1")
+
+
+def test_loop_order():
+    q, k, v = _qkv()
+    _raises(
+        lambda: fl.blocked_forward(q, k, v, loop_order="fa3"),
+        ValueError,
+        "loop_order",
+        "'fa2' or 'fa1'",
+    )
+
+
+@pytest.mark.parametrize("entry", list(ENTRY))
+def test_scalar_options(entry):
+    call = ENTRY[entry]
+    q, k, v = _qkv()
+    for p in (-0.1, 1.0, 1.5, math.nan, "0.1"):
+        _raises(lambda p=p: call(q, k, v, dropout_p=p), ValueError, "dropout_p", "[0, 1)")
+    for c in (0, 0.0, -1.0, math.inf, math.nan):
+        _raises(lambda c=c: call(q, k, v, softcap=c), ValueError, "softcap", "> 0")
+    for s in (math.nan, math.inf, "1"):
+        _raises(lambda s=s: call(q, k, v, scale=s), ValueError, "scale", "finite number")
+    for seed in (-1, 1.5):
+        _raises(lambda seed=seed: call(q, k, v, seed=seed), ValueError, "seed", "integer >= 0")
+
+
+@pytest.mark.parametrize("entry", list(ENTRY))
+def test_conventions(entry):
+    q, k, v = _qkv()
+    msg = _raises(
+        lambda: ENTRY[entry](q, k, v, conventions="flash_attn_4"),
+        ValueError,
+        "unknown preset 'flash_attn_4'",
+        "allowed:",
+    )
+    for name in fl.PRESETS:
+        assert name in msg
+    _raises(lambda: ENTRY[entry](q, k, v, conventions=3), TypeError, "conventions must be")
+
+
+def test_bad_conventions_values():
+    _raises(
+        lambda: fl.Conventions(name="x", masked_row_lse=1.0),
+        ValueError,
+        "masked_row_lse",
+        "-inf, +inf or 0.0",
+    )
+    _raises(
+        lambda: fl.Conventions(name="x", causal_align="center"),
+        ValueError,
+        "causal_align",
+        "'top_left' or 'bottom_right'",
+    )
+    _raises(
+        lambda: fl.Conventions(name="x", dropout_keep="philox"),
+        ValueError,
+        "dropout_keep",
+        "'bernoulli' or 'fa2_8bit'",
+    )
+
+
+@pytest.mark.parametrize("entry", list(ENTRY))
+def test_alibi_and_bias_shapes(entry):
+    call = ENTRY[entry]
+    q, k, v = _qkv()
+    _raises(
+        lambda: call(q, k, v, alibi_slopes=torch.ones(3, dtype=f64)),
+        ValueError,
+        "alibi_slopes must have shape (H,) = (2,) or (B, H) = (1, 2)",
+        "got (3,)",
+    )
+    _raises(
+        lambda: call(q, k, v, alibi_slopes=torch.ones(2, dtype=torch.int64)),
+        TypeError,
+        "alibi_slopes",
+        "floating dtype",
+    )
+    _raises(
+        lambda: call(q, k, v, alibi_slopes=torch.tensor([1.0, math.nan], dtype=f64)),
+        ValueError,
+        "alibi_slopes",
+        "(1,)",
+    )
+    _raises(
+        lambda: call(q, k, v, bias=torch.zeros(5, 7, dtype=f64)),
+        ValueError,
+        "bias of shape (5, 7)",
+        "(B, H, Lq, Lk) = (1, 2, 5, 6)",
+    )
+    _raises(
+        lambda: call(q, k, v, bias=torch.zeros(1, 1, 1, 1, 6, dtype=f64)),
+        ValueError,
+        "bias of shape",
+    )
+    bad = torch.zeros(5, 6, dtype=f64)
+    bad[3, 4] = math.inf
+    _raises(lambda: call(q, k, v, bias=bad), ValueError, "bias contains", "(3, 4)", "-inf")
+    ok = torch.zeros(5, 6, dtype=f64)
+    ok[3, 4] = -math.inf  # -inf in a bias is allowed: it masks the pair
+    call(q, k, v, bias=ok)
+
+
+def test_alibi_slopes_helper():
+    for h in (0, -2, 2.0, True):
+        _raises(lambda h=h: fl.alibi_slopes(h), ValueError, "heads must be an integer >= 1")
+
+
+# -- masks --------------------------------------------------------------------------------
+@pytest.mark.parametrize("entry", list(ENTRY))
+def test_mask_shape_and_type(entry):
+    call = ENTRY[entry]
+    q, k, v = _qkv()
+    _raises(
+        lambda: call(q, k, v, mask=torch.ones(5, 7, dtype=torch.bool)),
+        ValueError,
+        "mask of shape (5, 7)",
+        "(B, H, Lq, Lk) = (1, 2, 5, 6)",
+    )
+    _raises(
+        lambda: call(q, k, v, mask=torch.ones(3, 5, 6, dtype=torch.bool)),
+        ValueError,
+        "does not fit",
+    )
+    _raises(lambda: call(q, k, v, mask=torch.ones(5, 6)), TypeError, "bool tensor", "torch.float32")
+    _raises(lambda: call(q, k, v, mask=[[True] * 6] * 5), TypeError, "mask must be None", "list")
+    _raises(
+        lambda: call(q, k, v, mask=fl.KeyPadding([3, 4, 5])),
+        ValueError,
+        "KeyPadding lengths has 3 entries",
+        "(1)",
+    )
+
+
+def test_mask_constructors():
+    _raises(
+        lambda: fl.Causal(align="diagonal"), ValueError, "align", "'top_left' or 'bottom_right'"
+    )
+    _raises(lambda: fl.SlidingWindow(-2, 0), ValueError, "SlidingWindow.left", "-1/None")
+    _raises(lambda: fl.SlidingWindow(3, 1.5), ValueError, "SlidingWindow.right", "integer >= 0")
+    _raises(lambda: fl.SlidingWindow(1, 1, align="left"), ValueError, "align")
+    _raises(
+        lambda: fl.KeyPadding([3, -1]), ValueError, "KeyPadding lengths must be >= 0", "[3, -1]"
+    )
+    _raises(lambda: fl.KeyPadding([[1, 2]]), ValueError, "KeyPadding lengths", "1-D integer")
+    _raises(lambda: fl.KeyPadding([1.5]), ValueError, "1-D integer")
+    _raises(lambda: fl.KeyPadding([]), ValueError, "(B,)")
+    _raises(lambda: fl.DenseMask(torch.ones(3)), TypeError, "bool tensor")
+    _raises(lambda: fl.DenseMask(torch.ones(3, dtype=torch.bool)), ValueError, "(Lq, Lk)", "(3,)")
+    _raises(lambda: fl.DenseMask([[True]]), TypeError, "DenseMask needs a bool tensor", "list")
+
+
+# -- variable length ----------------------------------------------------------------------
+def _cu(*xs: int) -> torch.Tensor:
+    return torch.tensor(xs, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("entry", list(ENTRY))
+def test_cu_seqlens(entry):
+    call = ENTRY[entry]
+    q, k, v = _qkv(lq=5, lk=6)
+    good_k = _cu(0, 2, 6)
+    cases = [
+        (_cu(1, 3, 5), "cu_seqlens_q must start at 0", "[1, 3, 5]"),
+        (_cu(0, 4, 3, 5), "cu_seqlens_q must be non-decreasing", "[0, 4, 3, 5]"),
+        (_cu(0, 2, 4), "cu_seqlens_q must end at the packed length 5", "[0, 2, 4]"),
+        (
+            torch.tensor([0.0, 2.0, 5.0]),
+            "cu_seqlens_q must be a 1-D integer tensor",
+            "[0, ..., total]",
+        ),
+        (_cu(5), "cu_seqlens_q must be a 1-D integer tensor", ""),
+    ]
+    for cq, *frags in cases:
+        _raises(
+            lambda cq=cq: call(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=good_k), ValueError, *frags
+        )
+    _raises(
+        lambda: call(q, k, v, cu_seqlens_q=_cu(0, 5)),
+        ValueError,
+        "cu_seqlens_q and cu_seqlens_k must be given together",
+    )
+    _raises(
+        lambda: call(q, k, v, cu_seqlens_q=_cu(0, 5), cu_seqlens_k=good_k),
+        ValueError,
+        "same number of sequences",
+        "got 1 and 2",
+    )
+    _raises(
+        lambda: call(
+            q[None].expand(2, 2, 5, 4),
+            k[None].expand(2, 2, 6, 4),
+            v[None].expand(2, 2, 6, 3),
+            cu_seqlens_q=_cu(0, 3, 5),
+            cu_seqlens_k=good_k,
+        ),
+        ValueError,
+        "packed along the length axis",
+        "(H, total_q, d)",
+    )
+    _raises(
+        lambda: call(
+            q, k, v, cu_seqlens_q=_cu(0, 3, 5), cu_seqlens_k=good_k, mask=fl.KeyPadding([2])
+        ),
+        ValueError,
+        "KeyPadding cannot be combined with cu_seqlens",
+    )
+
+
+# -- backward inputs, split-KV, observers, the online state ----------------------------------
+def test_backward_inputs():
+    q, k, v = _qkv()
+    o, lse, do = (
+        torch.zeros(2, 5, 3, dtype=f64),
+        torch.zeros(2, 5, dtype=f64),
+        torch.zeros(2, 5, 3, dtype=f64),
+    )
+    for fn in (fl.blocked_backward, fl.reference_backward):
+        _raises(
+            lambda fn=fn: fn(q, k, v, o, lse, do[:, :4]),
+            ValueError,
+            "do must have shape (2, 5, 3)",
+            "(2, 4, 3)",
+        )
+        _raises(
+            lambda fn=fn: fn(q, k, v, o[..., :2], lse, do),
+            ValueError,
+            "o must have shape (2, 5, 3)",
+        )
+        _raises(
+            lambda fn=fn: fn(q, k, v, o, lse[:, :3], do), ValueError, "lse must have shape (2, 5)"
+        )
+        _raises(
+            lambda fn=fn: fn(q, k, v, o, lse, do, dlse=torch.zeros(5, dtype=f64)),
+            ValueError,
+            "dlse must have shape (2, 5)",
+        )
+        _raises(
+            lambda fn=fn: fn(q, k, v, o, lse, do.to(torch.int32)),
+            TypeError,
+            "do must be a floating-point tensor",
+        )
+        bad = lse.clone()
+        bad[1, 1] = math.nan
+        _raises(lambda fn=fn, bad=bad: fn(q, k, v, o, bad, do), ValueError, "lse contains NaN")
+        bad_do = do.clone()
+        bad_do[0, 0, 0] = math.inf
+        _raises(
+            lambda fn=fn, bad_do=bad_do: fn(q, k, v, o, lse, bad_do),
+            ValueError,
+            "do contains NaN or inf",
+        )
+
+
+def test_split_kv_and_observer():
+    q, k, v = _qkv()
+    for n in (0, -1):
+        _raises(
+            lambda n=n: fl.split_kv_forward(q, k, v, num_splits=n),
+            ValueError,
+            "num_splits must be an integer >= 1",
+        )
+    _raises(
+        lambda: fl.split_kv_forward(q, k, v, num_splits=7),
+        ValueError,
+        "num_splits must be between 1 and Lk = 6",
+        "got 7",
+    )
+    _raises(lambda: fl.split_kv_forward(q, k, v, num_splits=2.0), TypeError, "num_splits")
+    _raises(
+        lambda: fl.blocked_forward(q, k, v, observer=object()),
+        TypeError,
+        "observer must have forward_tile",
+    )
+
+
+def test_online_softmax_inputs():
+    _raises(lambda: OnlineSoftmax(0), ValueError, "d_v must be an integer >= 1", "0")
+    osm = OnlineSoftmax(2)
+    _raises(
+        lambda: osm.update(torch.ones(3), torch.ones(4, 2)),
+        ValueError,
+        "values must have shape (cols, d_v) = (3, 2)",
+        "(4, 2)",
+    )
+    _raises(
+        lambda: osm.update(torch.ones(2, 3), torch.ones(3, 2)),
+        ValueError,
+        "scores must have shape (*rows, cols)",
+        "rows=()",
+    )
+    _raises(
+        lambda: osm.update(torch.tensor([1.0, math.nan]), torch.ones(2, 2)),
+        ValueError,
+        "NaN or +inf",
+    )
+    _raises(
+        lambda: OnlineSoftmax.run(torch.ones(4), torch.ones(4, 2), block=0),
+        ValueError,
+        "block must be an integer >= 1",
+    )
+    assert osm.steps == [], "a rejected update must leave the state untouched"
+
+
+def test_messages_name_the_argument_not_a_traceback_detail():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=re.escape("dropout_p must be a number in [0, 1), got 2")):
+        fl.flash_attention(q, k, v, dropout_p=2)

@@ -1,0 +1,192 @@
+"""Mask algebra: dense matrices against the formulas of CONVENTIONS.md, and tile classes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from naive import causal_visible, padding_visible, tile_classes_from_dense, window_visible
+
+import flashledger as fl
+from flashledger.masks import EMPTY, FULL, PARTIAL, Geometry
+
+ALIGNS = ["top_left", "bottom_right"]
+lengths = st.integers(1, 40)
+blocks = st.integers(1, 24)
+side = st.one_of(st.none(), st.just(-1), st.integers(0, 12))
+
+
+@st.composite
+def mask_and_formula(draw: Any, lq: int, lk: int, batch: int) -> tuple[fl.Mask, torch.Tensor]:
+    """A random mask of any kind (or an ``&`` of two) and its formula, ``(B|1, 1|H, Lq, Lk)``."""
+
+    def one() -> tuple[fl.Mask, torch.Tensor]:
+        kind = draw(st.sampled_from(["causal", "window", "padding", "dense"]))
+        if kind == "causal":
+            align = draw(st.sampled_from(ALIGNS))
+            return fl.Causal(align), causal_visible(lq, lk, align)[None, None]
+        if kind == "window":
+            align = draw(st.sampled_from(ALIGNS))
+            left, right = draw(side), draw(side)
+            m = fl.SlidingWindow(left, right, align=align)
+            return m, window_visible(lq, lk, left, right, align)[None, None]
+        if kind == "padding":
+            lens = draw(st.lists(st.integers(0, lk + 3), min_size=batch, max_size=batch))
+            return fl.KeyPadding(lens), padding_visible(lq, lk, lens)
+        seed = draw(st.integers(0, 2**31 - 1))
+        density = draw(st.sampled_from([0.0, 0.2, 0.8, 1.0]))
+        gen = torch.Generator().manual_seed(seed)
+        t = torch.rand(batch, 1, lq, lk, generator=gen) < density
+        return fl.DenseMask(t), t
+
+    m, vis = one()
+    if draw(st.booleans()):
+        m2, vis2 = one()
+        m, vis = m & m2, vis & vis2
+    return m, vis
+
+
+# -- dense() against the formulas -------------------------------------------------------
+@settings(max_examples=60, deadline=None)
+@given(lq=lengths, lk=lengths, align=st.sampled_from(ALIGNS))
+def test_causal_dense_is_the_formula(lq, lk, align, assert_same):
+    assert_same(fl.Causal(align).dense(lq, lk), causal_visible(lq, lk, align), name="causal")
+    # align=None takes the alignment of the conventions (here: of the geometry)
+    assert_same(
+        fl.Causal().dense(lq, lk, causal_align=align),
+        causal_visible(lq, lk, align),
+        name="Causal() under the conventions' alignment",
+    )
+
+
+def test_bottom_right_causal_masks_the_first_rows_when_lq_exceeds_lk():
+    d = fl.Causal("bottom_right").dense(7, 4)
+    assert not bool(d[:3].any()), "rows 0..2 of a 7x4 bottom-right causal mask see no key"
+    assert d[3].tolist() == [True, False, False, False]
+    assert bool(d[6].all())
+    assert fl.Causal("top_left").dense(4, 7)[0].tolist() == [True] + [False] * 6
+
+
+@settings(max_examples=80, deadline=None)
+@given(lq=lengths, lk=lengths, left=side, right=side, align=st.sampled_from(ALIGNS))
+def test_sliding_window_dense_is_the_formula(lq, lk, left, right, align, assert_same):
+    got = fl.SlidingWindow(left, right, align=align).dense(lq, lk)
+    assert_same(got, window_visible(lq, lk, left, right, align), name=f"window({left},{right})")
+
+
+@pytest.mark.parametrize("align", ALIGNS)
+def test_window_with_right_zero_and_unbounded_left_is_causal(align, assert_same):
+    for left in (None, -1):
+        assert_same(
+            fl.SlidingWindow(left, 0, align=align).dense(9, 13),
+            fl.Causal(align).dense(9, 13),
+            name=f"SlidingWindow({left}, 0)",
+        )
+    full = fl.SlidingWindow(None, None, align=align).dense(5, 6)
+    assert bool(full.all())
+    # xformers' single-number window W keeps W keys including the query's own
+    w = fl.SlidingWindow(2, 0, align=align).dense(8, 8)
+    assert w.sum(-1).tolist() == [1, 2, 3, 3, 3, 3, 3, 3]
+
+
+@pytest.mark.parametrize("lens", [[0], [3], [6], [9], [0, 2, 6]])
+def test_key_padding_dense_is_the_formula(lens, assert_same):
+    got = fl.KeyPadding(lens).dense(4, 6, batch=len(lens))
+    want = padding_visible(4, 6, lens)
+    if len(lens) == 1:
+        want = want[0, 0]
+    assert_same(got, want, name=f"KeyPadding({lens})")
+
+
+def test_dense_mask_dense_is_the_tensor(gen, assert_same):
+    t = torch.rand(2, 3, 5, 7, generator=gen) < 0.5
+    assert_same(fl.DenseMask(t).dense(5, 7, batch=2, heads=3), t, name="DenseMask")
+    t2 = torch.rand(5, 7, generator=gen) < 0.5
+    assert_same(fl.DenseMask(t2).dense(5, 7), t2, name="DenseMask 2-D")
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), lq=lengths, lk=lengths, batch=st.integers(1, 3))
+def test_any_mask_and_combination_dense_is_the_formula(data, lq, lk, batch, assert_same):
+    m, vis = data.draw(mask_and_formula(lq, lk, batch))
+    geo = Geometry.build(lq=lq, lk=lk, batch=batch, heads=2)
+    got = m.bind(geo).dense()  # (Bm, Hm, Lq, Lk)
+    assert_same(got.expand(batch, 2, lq, lk), vis.expand(batch, 2, lq, lk), name=repr(m))
+
+
+def test_and_accepts_tensors_on_either_side(gen, assert_same):
+    t = torch.rand(6, 6, generator=gen) < 0.5
+    causal = fl.Causal("top_left").dense(6, 6)
+    assert_same((fl.Causal("top_left") & t).dense(6, 6), causal & t, name="mask & tensor")
+    assert_same(
+        (fl.DenseMask(t) & fl.Causal("top_left")).dense(6, 6), causal & t, name="dense & mask"
+    )
+    a = fl.SlidingWindow(1, 1, align="top_left") & fl.Causal("top_left") & fl.KeyPadding([4])
+    assert_same(
+        a.dense(6, 6), window_visible(6, 6, 1, 0, "top_left") & (torch.arange(6) < 4), name="chain"
+    )
+
+
+# -- tile classes -----------------------------------------------------------------------
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), lq=lengths, lk=lengths, bq=blocks, bk=blocks, batch=st.integers(1, 3))
+def test_tile_classes_equal_the_dense_reduction(data, lq, lk, bq, bk, batch, assert_same):
+    m, vis = data.draw(mask_and_formula(lq, lk, batch))
+    geo = Geometry.build(lq=lq, lk=lk, batch=batch, heads=2)
+    got = m.bind(geo).tile_classes(bq, bk)
+    want = tile_classes_from_dense(vis.expand(batch, 2, lq, lk), bq, bk)
+    assert_same(got, want, name=f"tile classes of {m!r} ({lq}x{lk}, tiles {bq}x{bk})")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.data(),
+    lq_total=st.integers(2, 40),
+    lk_total=st.integers(2, 40),
+    bq=blocks,
+    bk=blocks,
+)
+def test_tile_classes_of_a_placed_slice(data, lq_total, lk_total, bq, bk, assert_same):
+    """A call covering rows [q0, q0+lq) and keys [k0, k0+lk) of a longer sequence."""
+    q0 = data.draw(st.integers(0, lq_total - 1))
+    lq = data.draw(st.integers(1, lq_total - q0))
+    k0 = data.draw(st.integers(0, lk_total - 1))
+    lk = data.draw(st.integers(1, lk_total - k0))
+    m, vis = data.draw(mask_and_formula(lq_total, lk_total, 1))
+    geo = Geometry.build(
+        lq=lq, lk=lk, q_offset=q0, k_offset=k0, lq_total=lq_total, lk_total=lk_total
+    )
+    bound = m.bind(geo)
+    part = vis[..., q0 : q0 + lq, k0 : k0 + lk]
+    assert_same(bound.dense().expand_as(part), part, name=f"placed dense of {m!r}")
+    want = tile_classes_from_dense(part, bq, bk)
+    assert_same(bound.tile_classes(bq, bk), want, name=f"placed tile classes of {m!r}")
+
+
+def test_tile_classes_of_the_seed_and_ragged_edges(assert_same):
+    want = torch.tensor([[PARTIAL, EMPTY, EMPTY], [FULL, PARTIAL, EMPTY], [FULL, FULL, FULL]])
+    assert_same(fl.Causal().tile_classes(5, 5, 2, 2), want.to(torch.int8), name="seed 5x5 / 2x2")
+    # a ragged last key tile (keys 8..9 of 10) that every row sees is full
+    c = fl.KeyPadding([10]).tile_classes(3, 10, 3, 4)
+    assert c.tolist() == [[FULL, FULL, FULL]]
+    # keys 8..9 padded away: the last tile is empty, the middle one partial
+    c = fl.KeyPadding([6]).tile_classes(3, 10, 3, 4)
+    assert c.tolist() == [[FULL, PARTIAL, EMPTY]]
+    # bottom-right causal with Lq > Lk: the first query tile sees nothing
+    c = fl.Causal("bottom_right").tile_classes(8, 3, 4, 3)
+    assert c.tolist() == [[EMPTY], [PARTIAL]]
+
+
+def test_dense_mask_tile_is_full_only_if_full_in_every_batch_and_head(assert_same):
+    t = torch.ones(2, 2, 4, 4, dtype=torch.bool)
+    t[1, 0, 0, 0] = False
+    geo = Geometry.build(lq=4, lk=4, batch=2, heads=2)
+    got = fl.DenseMask(t).bind(geo).tile_classes(2, 2)
+    assert_same(got, torch.tensor([[PARTIAL, FULL], [FULL, FULL]], dtype=torch.int8), name="B,H")
+    # a causal mask intersected with it: the diagonal tiles stay partial
+    got = (fl.DenseMask(t) & fl.Causal("top_left")).bind(geo).tile_classes(2, 2)
+    want = torch.tensor([[PARTIAL, EMPTY], [FULL, PARTIAL]], dtype=torch.int8)
+    assert_same(got, want, name="dense & causal")

@@ -1,0 +1,162 @@
+"""The public surface: pinned names, typing marker, keyword-only options, the presets."""
+
+from __future__ import annotations
+
+import dataclasses
+import doctest
+import importlib
+import importlib.metadata
+import importlib.resources
+import inspect
+import math
+
+import pytest
+import torch
+
+import flashledger as fl
+
+PUBLIC = [
+    "BackwardResult",
+    "BackwardTileStep",
+    "Causal",
+    "Conventions",
+    "Counters",
+    "DenseMask",
+    "FLASH_ATTN_2",
+    "FLASH_ATTN_3",
+    "FLEX_ATTENTION",
+    "ForwardResult",
+    "ForwardTileStep",
+    "KeyPadding",
+    "Ledger",
+    "Mask",
+    "OnlineSoftmax",
+    "OnlineState",
+    "PRESETS",
+    "Placement",
+    "ReferenceBackward",
+    "ReferenceForward",
+    "RingLedger",
+    "SDPA_CPU",
+    "SEED",
+    "SlidingWindow",
+    "__version__",
+    "alibi_slopes",
+    "assert_attention_close",
+    "blocked_backward",
+    "blocked_forward",
+    "flash_attention",
+    "lse_from_base2",
+    "lse_to_base2",
+    "memory_traffic",
+    "merge",
+    "merge_partials",
+    "reference_backward",
+    "reference_forward",
+    "ring_attention",
+    "ring_comm_totals",
+    "run_matrix",
+    "shard_sequence",
+    "simulate_ring",
+    "split_kv_forward",
+    "storage_and_work",
+    "unshard_sequence",
+]
+
+
+def test_all_is_pinned():
+    assert len(fl.__all__) == len(set(fl.__all__)), "duplicate names in __all__"
+    extra = sorted(set(fl.__all__) - set(PUBLIC))
+    missing = sorted(set(PUBLIC) - set(fl.__all__))
+    assert not extra and not missing, f"__all__ changed: added {extra}, removed {missing}"
+
+
+def test_every_public_name_is_importable():
+    for name in PUBLIC:
+        assert getattr(fl, name, None) is not None, f"flashledger.{name} is missing"
+    namespace: dict[str, object] = {}
+    exec("from flashledger import *", namespace)
+    assert set(PUBLIC) <= set(namespace)
+
+
+def test_py_typed_marker_and_version():
+    marker = importlib.resources.files("flashledger") / "py.typed"
+    assert marker.is_file(), "flashledger/py.typed is missing"
+    assert fl.__version__ == importlib.metadata.version("flashledger")
+
+
+ENTRY_POINTS = {
+    "reference_forward": 3,
+    "reference_backward": 6,
+    "blocked_forward": 3,
+    "blocked_backward": 6,
+    "split_kv_forward": 3,
+    "flash_attention": 3,
+}
+
+
+@pytest.mark.parametrize("name", list(ENTRY_POINTS))
+def test_options_are_keyword_only(name):
+    params = list(inspect.signature(getattr(fl, name)).parameters.values())
+    n = ENTRY_POINTS[name]
+    positional = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+    assert len(positional) == n, f"{name}: positional parameters {positional}"
+    rest = params[n:]
+    assert rest and all(p.kind is p.KEYWORD_ONLY for p in rest), f"{name}: {rest}"
+    for option in ("mask", "scale", "conventions", "dropout_p", "seed", "softcap"):
+        assert option in {p.name for p in rest}, f"{name} lacks the {option}= option"
+
+
+def test_presets():
+    assert list(fl.PRESETS) == [
+        "seed",
+        "flash_attn_2",
+        "flash_attn_3",
+        "flex_attention",
+        "sdpa_cpu",
+    ]
+    table = {  # name: (masked-row LSE, causal alignment, dropout keep test, LSE differentiable)
+        "seed": (-math.inf, "top_left", "bernoulli", True),
+        "flash_attn_2": (math.inf, "bottom_right", "fa2_8bit", False),
+        "flash_attn_3": (-math.inf, "bottom_right", "bernoulli", False),
+        "flex_attention": (-math.inf, "top_left", "bernoulli", True),
+        "sdpa_cpu": (0.0, "top_left", "bernoulli", False),
+    }
+    for name, conv in fl.PRESETS.items():
+        got = (conv.masked_row_lse, conv.causal_align, conv.dropout_keep, conv.lse_differentiable)
+        assert got == table[name], f"{name}: {got}"
+        assert conv.name == name and conv.description
+    assert fl.PRESETS["seed"] is fl.SEED and fl.PRESETS["flash_attn_2"] is fl.FLASH_ATTN_2
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fl.SEED.masked_row_lse = 0.0  # type: ignore[misc]
+
+
+def test_conventions_by_name_and_custom_values(assert_close):
+    q = torch.randn(4, 6, 3, dtype=torch.float64)
+    vis = torch.ones(6, 6, dtype=torch.bool)
+    vis[2] = False
+    by_name = fl.blocked_forward(q, q, q, mask=vis, conventions="flash-attn-2", block_q=4)
+    assert float(by_name.lse[0, 2]) == math.inf
+    custom = fl.Conventions(name="mine", masked_row_lse=0.0, causal_align="bottom_right")
+    res = fl.blocked_forward(q[:, :5], q, q, mask=vis[:5] & fl.Causal(), conventions=custom)
+    ref = fl.reference_forward(q[:, :5], q, q, mask=vis[:5] & fl.Causal("bottom_right"))
+    assert float(res.lse[0, 2]) == 0.0
+    assert_close(res.o, ref.o, rtol=1e-12, name="O under a custom conventions value")
+
+
+def test_results_are_frozen():
+    q = torch.randn(3, 2, dtype=torch.float64)
+    fwd = fl.blocked_forward(q, q, q)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fwd.o = q  # type: ignore[misc]
+    ref = fl.reference_forward(q, q, q)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ref.lse = q  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("module", ["flashledger", "flashledger.conventions", "flashledger.online"])
+def test_docstring_examples_run(module):
+    mod = importlib.import_module(module)
+    result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0, f"{module} has no doctest examples"
+    assert result.failed == 0, f"{result.failed} doctest failures in {module}"
