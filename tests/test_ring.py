@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import threading
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -13,8 +14,12 @@ import torch
 import flashledger as fl
 from flashledger._ring_core import _Options, _RankRun, _RingFunction
 from flashledger._ring_transport import LocalHub, LocalTransport
+from flashledger.ledger import jsonable
 from flashledger.ring import (
+    Layout,
     RingLedger,
+    RingResult,
+    RingSetup,
     add_cli_arguments,
     ring_attention,
     ring_comm_totals,
@@ -501,3 +506,288 @@ def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
 def test_cli_bad_options_raise_value_error(argv: tuple[str, ...], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         run_cli(_args(*argv))
+
+
+# ---------------------------------------------------------------------------------------
+# per-step states: RingLedger(record_states=True) keeps each rank's running state
+# ---------------------------------------------------------------------------------------
+STATE_CASES: dict[str, tuple[int, int, int, int, int, int, int, int, Layout, fl.Mask]] = {
+    # (B, Hq, Hkv, Lq, Lk, d, d_v, W, layout, mask)
+    "causal-zigzag-gqa-uneven": (1, 2, 1, 17, 17, 4, 3, 3, "zigzag", fl.Causal()),
+    "window-contiguous": (2, 1, 1, 13, 13, 4, 4, 4, "contiguous", fl.SlidingWindow(3, 1)),
+    # Lq > Lk, bottom-right: rows 0..7 never see a key (LSE -inf, O 0 at every step)
+    "cross-masked-rows": (1, 1, 1, 22, 14, 4, 5, 3, "zigzag", fl.Causal("bottom_right")),
+    "one-rank": (1, 2, 2, 9, 9, 3, 3, 1, "contiguous", fl.Causal()),
+}
+
+
+@dataclass(frozen=True)
+class _StateRun:
+    """One ``simulate_ring(..., record_states=True)`` call and its inputs."""
+
+    res: RingResult
+    q: torch.Tensor  # (B, Hq, Lq, d)
+    k: torch.Tensor  # (B, Hkv, Lk, d)
+    v: torch.Tensor  # (B, Hkv, Lk, d_v)
+    do: torch.Tensor  # (B, Hq, Lq, d_v)
+    mask: fl.Mask
+    w: int
+    layout: Layout
+
+    @property
+    def setup(self) -> RingSetup:
+        assert self.res.ledger.setup is not None
+        return self.res.ledger.setup
+
+    def shard(self, x: torch.Tensor, rank: int, *, dim: int = -2) -> torch.Tensor:
+        return shard_sequence(x, rank, self.w, self.layout, dim=dim)
+
+
+def _state_run(case: str, *, backward: bool) -> _StateRun:
+    b, hq, hkv, lq, lk, d, dv, w, layout, mask = STATE_CASES[case]
+    q, k, v, do, _ = make(b, hq, hkv, lq, lk, d, seed=lq + w, dv=dv)
+    res = simulate_ring(
+        q,
+        k,
+        v,
+        world_size=w,
+        layout=layout,
+        do=do if backward else None,
+        mask=mask,
+        block_q=3,
+        block_k=3,
+        record_states=True,
+    )
+    return _StateRun(res, q, k, v, do, mask, w, layout)
+
+
+def _positions(bounds: tuple[int, ...], chunks: list[int]) -> list[int]:
+    """Global positions of ``chunks`` (in the order given)."""
+    return [i for c in chunks for i in range(bounds[c], bounds[c + 1])]
+
+
+def _seen(s: RingSetup, rank: int, step: int) -> list[int]:
+    """Key positions of the K/V shards ``rank`` held in ring steps ``0..step``."""
+    w = s.world_size
+    return _positions(s.k_bounds, [c for t in range(step + 1) for c in s.chunks_of((rank - t) % w)])
+
+
+def _dense_parts(x: _StateRun) -> dict[str, torch.Tensor]:
+    """Scores, probabilities (from the raw LSE over every key) and dS of the dense problem,
+    K and V repeated over the query heads of their group: ``(B, Hq, Lq, Lk | d | d_v)``."""
+    ref = fl.reference_forward(x.q, x.k, x.v, mask=x.mask)
+    s = ref.s  # (B, Hq, Lq, Lk), masked = -inf
+    lse = torch.logsumexp(s, dim=-1)  # (B, Hq, Lq), -inf on rows that see no key
+    p = torch.where(torch.isneginf(lse)[..., None], 0.0, torch.exp(s - lse[..., None]))
+    group = x.q.shape[1] // x.k.shape[1]
+    ke, ve = x.k.repeat_interleave(group, dim=1), x.v.repeat_interleave(group, dim=1)
+    o = p @ ve  # (B, Hq, Lq, d_v)
+    dd = (x.do * o).sum(-1)  # D: (B, Hq, Lq)
+    ds = p * (x.do @ ve.transpose(-1, -2) - dd[..., None])  # (B, Hq, Lq, Lk)
+    scale = torch.tensor(x.q.shape[-1] ** -0.5, dtype=F64)
+    return {"s": s, "p": p, "ds": ds, "k": ke, "v": ve, "scale": scale}
+
+
+@pytest.mark.parametrize("case", sorted(STATE_CASES))
+def test_forward_states_are_the_dense_partials_over_the_shards_received(case: str) -> None:
+    x = _state_run(case, backward=False)
+    led, w, s = x.res.ledger, x.w, x.setup
+    assert led.record_states and len(led.states) == w * w, "one state per rank and step"
+    dense = _dense_parts(x)
+    for step in range(w):
+        for r in range(w):
+            st = led.state("forward", step, r)
+            assert st.shard == (r - step) % w, f"rank {r} step {step} held shard {st.shard}"
+            assert st.dq is None and st.dk is None and st.o is not None and st.lse is not None
+            assert st.o.dtype == F64 and st.o.device.type == "cpu"
+            rows, keys = _positions(s.q_bounds, list(s.chunks_of(r))), _seen(s, r, step)
+            scores = dense["s"][..., rows, :][..., keys]  # (B, Hq, rows_r, keys seen)
+            lse = torch.logsumexp(scores, dim=-1)  # (B, Hq, rows_r)
+            p = torch.where(torch.isneginf(lse)[..., None], 0.0, torch.exp(scores - lse[..., None]))
+            tag = f"{case} rank {r} after step {step}"
+            assert_close(st.lse, lse, 1e-12, f"{tag}: lse")
+            assert_close(st.o, p @ dense["v"][..., keys, :], 1e-12, f"{tag}: o")
+    for r in range(w):  # the last state is the rank's result, bit for bit
+        st = led.state("forward", w - 1, r)
+        assert st.o is not None and st.lse is not None
+        assert torch.equal(st.o, x.shard(x.res.o, r)), f"rank {r}: last o is not the result"
+        assert torch.equal(st.lse, x.shard(x.res.lse, r, dim=-1)), f"rank {r}: last lse"
+
+
+@pytest.mark.parametrize("case", sorted(STATE_CASES))
+def test_backward_states_are_the_dense_partial_gradients(case: str) -> None:
+    x = _state_run(case, backward=True)
+    led, w, s, res = x.res.ledger, x.w, x.setup, x.res
+    assert res.dq is not None and res.dk is not None and res.dv is not None
+    assert len(led.states) == 2 * w * w and led.passes == ["forward", "backward"]
+    dense = _dense_parts(x)
+    b, hq = x.q.shape[0], x.q.shape[1]
+
+    def by_kv_head(t: torch.Tensor) -> torch.Tensor:  # (B, Hq, ...) -> summed over each group
+        return t.reshape(b, s.heads_kv, hq // s.heads_kv, *t.shape[2:]).sum(2)
+
+    for step in range(w):
+        for r in range(w):
+            st = led.state("backward", step, r)
+            src = (r - step) % w
+            assert st.shard == src and st.o is None and st.dq is not None
+            assert st.dk is not None and st.dv is not None and st.dq.device.type == "cpu"
+            tag = f"{case} rank {r} after step {step}"
+            rows, keys = _positions(s.q_bounds, list(s.chunks_of(r))), _seen(s, r, step)
+            ds = dense["ds"][..., rows, :][..., keys]  # (B, Hq, rows_r, keys seen)
+            assert_close(st.dq, dense["scale"] * ds @ dense["k"][..., keys, :], 1e-12, f"{tag}: dq")
+            # the accumulators of shard src hold ranks src, src + 1, ..., r: step + 1 ranks
+            visited = [c for t in range(step + 1) for c in s.chunks_of((src + t) % w)]
+            qrows = _positions(s.q_bounds, visited)
+            skeys = _positions(s.k_bounds, list(s.chunks_of(src)))
+            ds_in = dense["ds"][..., qrows, :][..., skeys]  # (B, Hq, rows visited, keys of src)
+            p_in = dense["p"][..., qrows, :][..., skeys]
+            dk = by_kv_head(dense["scale"] * ds_in.transpose(-1, -2) @ x.q[..., qrows, :])
+            dv = by_kv_head(p_in.transpose(-1, -2) @ x.do[..., qrows, :])
+            assert_close(st.dk, dk, 1e-12, f"{tag}: dK of shard {src}")
+            assert_close(st.dv, dv, 1e-12, f"{tag}: dV of shard {src}")
+    for r in range(w):  # the last states: dQ is the result; the accumulators are the owner's
+        st = led.state("backward", w - 1, r)
+        owner = (r + 1) % w
+        assert st.shard == owner and st.dq is not None and st.dk is not None and st.dv is not None
+        assert torch.equal(st.dq, x.shard(res.dq, r)), f"rank {r}: last dq is not the result"
+        for name, got, full in (("dk", st.dk, res.dk), ("dv", st.dv, res.dv)):
+            want = x.shard(full, owner)
+            assert torch.equal(got, want), f"rank {r} passes on {name} != rank {owner}'s result"
+
+
+def _op_on_threads(w: int, layout: Layout, record_states: bool) -> list[RingLedger]:
+    """Each rank's ledger from the autograd op (``ring_attention``'s path), in-memory wires."""
+    q, k, v, do, _ = make(1, 2, 1, 14, 14, 4, seed=12)
+    hub = LocalHub(w, timeout=30.0)
+    opts = _Options.build(
+        mask=fl.Causal(),
+        scale=None,
+        conventions=fl.SEED,
+        dropout_p=0.0,
+        seed=0,
+        softcap=None,
+        alibi_slopes=None,
+        bias=None,
+        block_q=3,
+        block_k=3,
+    )
+    ledgers = [RingLedger(record_states=record_states) for _ in range(w)]
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            xs = [shard_sequence(x, r, w, layout).requires_grad_() for x in (q, k, v)]
+            run = _RankRun(LocalTransport(hub, r), layout, opts, ledgers[r])
+            o, _lse = _RingFunction.apply(*xs, run)
+            o.backward(shard_sequence(do, r, w, layout))
+        except BaseException as e:
+            errors.append(e)
+            hub.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(w)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    return ledgers
+
+
+def test_op_records_the_same_states_as_the_twin() -> None:
+    w = 3
+    layout: Layout = "zigzag"
+    q, k, v, do, _ = make(1, 2, 1, 14, 14, 4, seed=12)
+    twin = simulate_ring(
+        q,
+        k,
+        v,
+        world_size=w,
+        layout=layout,
+        do=do,
+        mask=fl.Causal(),
+        block_q=3,
+        block_k=3,
+        record_states=True,
+    ).ledger
+    ledgers = _op_on_threads(w, layout, record_states=True)
+    assert [len(x.states) for x in ledgers] == [2 * w] * w, "one state per pass and step"
+    assert all(x.rank == r for r, led in enumerate(ledgers) for x in led.states)
+    combined = RingLedger.combine(ledgers)
+    assert combined == twin, "the op's states (or hops, pairs) differ from the twin's"
+    assert combined.states[0] == twin.states[0] and combined.states[0] != twin.states[1]
+    plain = RingLedger.combine(_op_on_threads(w, layout, record_states=False))
+    assert plain.states == [] and not plain.record_states, "states are off by default"
+    assert (plain.hops, plain.pairs) == (twin.hops, twin.pairs), "recording changes nothing else"
+    with pytest.raises(ValueError, match="some ledgers record per-step states"):
+        RingLedger.combine([ledgers[0], plain])
+
+
+def test_states_off_by_default_and_rendered_when_on() -> None:
+    q, k, v, do, _ = make(1, 1, 1, 12, 12, 4)
+
+    def run(record: bool) -> RingLedger:
+        return simulate_ring(
+            q,
+            k,
+            v,
+            world_size=2,
+            layout="zigzag",
+            do=do,
+            block_q=3,
+            block_k=3,
+            record_states=record,
+        ).ledger
+
+    off, on = run(False), run(True)
+    assert off.states == [] and "states" not in off.to_dict()
+    assert "per-step states" not in str(off)
+    with pytest.raises(ValueError, match=r"records no per-step states; pass RingLedger\("):
+        off.state("forward", 0, 0)
+    with pytest.raises(ValueError, match=r"to_dict\(states=True\): this RingLedger records no"):
+        off.to_dict(states=True)
+    assert "per-step states recorded (rank x step): 8 (forward 4, backward 4)" in str(on)
+    assert "per-step states recorded" in on._repr_html_()
+    d = json.loads(json.dumps(jsonable(on.to_dict(states=True))))
+    assert [(x["pass_name"], x["step"], x["rank"], x["shard"]) for x in d["states"][:4]] == [
+        ("forward", 0, 0, 0),
+        ("forward", 0, 1, 1),
+        ("forward", 1, 0, 1),
+        ("forward", 1, 1, 0),
+    ]
+    first = d["states"][0]
+    assert set(first) == {"pass_name", "step", "rank", "shard", "o", "lse"}
+    assert on.states[0].lse is not None and first["lse"] == on.states[0].lse.tolist()
+    assert set(d["states"][-1]) == {"pass_name", "step", "rank", "shard", "dq", "dk", "dv"}
+    assert {k: v for k, v in on.to_dict().items()} == off.to_dict(), "the rest is unchanged"
+    with pytest.raises(ValueError, match="no state recorded for pass 'backward', step 2"):
+        on.state("backward", 2, 0)
+    fwd = simulate_ring(q, k, v, world_size=2, record_states=True, block_q=3, block_k=3).ledger
+    with pytest.raises(ValueError, match="a forward-only call has no backward"):
+        fwd.state("backward", 0, 0)
+    with pytest.raises(ValueError, match="record_states must be True or False, got 'yes'"):
+        simulate_ring(q, k, v, world_size=2, record_states="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="record_states must be True or False, got 1"):
+        RingLedger(record_states=1)  # type: ignore[arg-type]
+
+
+def test_states_keep_the_accumulation_dtype() -> None:
+    q, k, v, do, _ = make(1, 1, 1, 10, 10, 4, seed=4)
+    h = torch.float16
+    res = simulate_ring(
+        q.to(h),
+        k.to(h),
+        v.to(h),
+        world_size=2,
+        do=do.to(h),
+        block_q=4,
+        block_k=4,
+        record_states=True,
+    )
+    for st in res.ledger.states:
+        for name, t in st.tensors().items():
+            assert t.dtype == torch.float32, f"{st.pass_name} step {st.step} {name}: {t.dtype}"
+    last = res.ledger.state("forward", 1, 0)
+    assert last.o is not None and torch.equal(
+        last.o.to(h), shard_sequence(res.o, 0, 2, "contiguous")
+    )

@@ -105,7 +105,7 @@ def _run_case(name: str, group: Any, members: list[int]) -> dict[str, Any] | Non
     w, r = len(members), dist.get_rank(group)
     layout, opts = c["layout"], c["opts"]
     xs = [shard_sequence(c[n], r, w, layout).requires_grad_() for n in ("q", "k", "v")]
-    ledger = RingLedger()
+    ledger = RingLedger(record_states=True)
     o, lse = ring_attention(
         *xs,
         group=group,
@@ -138,7 +138,17 @@ def _run_case(name: str, group: Any, members: list[int]) -> dict[str, Any] | Non
     refb = fl.reference_backward(q, k, v, ref.o, ref.lse, do, dlse=use_dlse, **opts)
     want = {"o": ref.o, "lse": ref.lse, "dq": refb.dq, "dk": refb.dk, "dv": refb.dv}
     twin = simulate_ring(
-        q, k, v, world_size=w, layout=layout, do=do, dlse=dlse, block_q=4, block_k=4, **opts
+        q,
+        k,
+        v,
+        world_size=w,
+        layout=layout,
+        do=do,
+        dlse=dlse,
+        block_q=4,
+        block_k=4,
+        record_states=True,
+        **opts,
     )
     errors, diffs = [], {}
     for n in names:
@@ -151,7 +161,7 @@ def _run_case(name: str, group: Any, members: list[int]) -> dict[str, Any] | Non
         if bool(torch.isnan(got[n]).any()):
             errors.append(f"{n} has NaN")
     if full_ledger != twin.ledger:
-        errors.append("the gathered ledger differs from the twin's")
+        errors.append("the gathered ledger (hops, pairs, per-step states) differs from the twin's")
     if not full_ledger.comm_matches():
         errors.append(
             f"comm {full_ledger.comm_totals()} != closed form {full_ledger.expected_comm()}"

@@ -11,14 +11,18 @@ Each of ``W`` ranks holds a shard of Q, K and V along the sequence (see
    the mask hides entirely is skipped and booked;
 3. merge each pair's partial ``(o, lse)`` into the running result of its query
    chunk with ``online.merge_partials`` (the one merge);
-4. wait for the next shard.
+4. wait for the next shard;
+5. with ``RingLedger(record_states=True)``, record a ``RankState``: copies of the
+   merged partial ``(o, lse)`` of all its query rows so far.
 
 The conventions' LSE for fully-masked rows is applied only to the final LSE.
 
 Backward, same ring: the K/V shards travel again and each pair is recomputed
 with ``blocked_backward`` against this rank's final ``o`` and ``lse``.
 ``dQ`` stays local; the ``dK``/``dV`` of the shard held accumulate as they
-travel (accumulation dtype) and reach their owner after a full circle:
+travel (accumulation dtype) and reach their owner after a full circle. A
+recorded backward ``RankState`` holds ``dq`` after the step and the
+accumulators ``dk_s``, ``dv_s`` the rank has just passed on:
 
 =========  ===============  ===============================  =========================
 symbol     variable         shape                            where it lives
@@ -53,7 +57,7 @@ from ._ring_layout import (
     shard_sequence,
     unshard_sequence,
 )
-from ._ring_ledger import Hop, PairStep, RingLedger, RingSetup
+from ._ring_ledger import Hop, PairStep, RankState, RingLedger, RingSetup
 from ._ring_transport import (
     DistTransport,
     LocalHub,
@@ -314,6 +318,7 @@ class _RankRun:
             )
         self.tp, self.layout, self.opts = tp, layout, opts
         self.ledger = ledger
+        self.recording = ledger is not None and ledger.record_states  # keep RankStates
         self.plan: _Plan | None = None
 
     # -- bookkeeping ------------------------------------------------------------------
@@ -353,6 +358,13 @@ class _RankRun:
         self.ledger.pairs.append(
             PairStep(pass_name, step, self.tp.rank, shard, qc.index, kc.index, skipped, counters)
         )
+
+    def _keep(self, pass_name: str, step: int, shard: int, **tensors: torch.Tensor) -> None:
+        """Record CPU copies of this rank's running state at the end of ``step`` (if asked)."""
+        if self.ledger is None or not self.recording:
+            return
+        copies = {n: t.detach().to(device="cpu", copy=True) for n, t in tensors.items()}
+        self.ledger.states.append(RankState(pass_name, step, self.tp.rank, shard, **copies))
 
     def _start(self, pass_name: str) -> None:
         if self.ledger is not None:
@@ -401,12 +413,23 @@ class _RankRun:
                     )
             if pending is not None:
                 k_cur, v_cur = pending.wait()
+            if self.recording:
+                o_now, lse_now = self._joined(parts, qa, v.shape[-1])
+                self._keep("forward", step, src, o=o_now, lse=lse_now)
+        return self._joined(parts, qa, v.shape[-1])
+
+    def _joined(
+        self, parts: list[tuple[torch.Tensor, torch.Tensor] | None], qa: torch.Tensor, d_v: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The query chunks' partial ``(o, lse)`` in shard order: ``(..., Lq_shard, d_v)``,
+        ``(..., Lq_shard)``; a chunk with no key yet gets O = 0 and LSE -inf."""
+        assert self.plan is not None
         os, lses = [], []
-        for qc, part in zip(plan.q_chunks, parts):
+        for qc, part in zip(self.plan.q_chunks, parts):
             if part is None:  # every key hidden from this chunk: O = 0, LSE -inf
                 lead = qa.shape[:-2]
-                os.append(qa.new_zeros((*lead, qc.length, v.shape[-1])))
-                lses.append(qa.new_full((*lead, qc.length), -math.inf))
+                os.append(qa.new_zeros((*lead, qc.length, d_v)))  # (..., Lq_chunk, d_v)
+                lses.append(qa.new_full((*lead, qc.length), -math.inf))  # (..., Lq_chunk)
             else:
                 os.append(part[0])
                 lses.append(part[1])
@@ -481,6 +504,7 @@ class _RankRun:
                 dkv_pending = self._pass_on("backward", step, "dkv", src, [dk_s, dv_s])
             if kv_pending is not None:
                 k_cur, v_cur = kv_pending.wait()
+            self._keep("backward", step, src, dq=dq, dk=dk_s, dv=dv_s)
         if dkv_pending is not None:  # our own shard's dK, dV after a full circle
             dk_s, dv_s = dkv_pending.wait()
         return dq.to(q.dtype), dk_s.to(k.dtype), dv_s.to(v.dtype)
@@ -537,8 +561,10 @@ def ring_attention(
     (global ``(B, H, Lq, Lk)``, no gradient) and dropout use global positions;
     every rank must pass the same options. Backward is a collective too: every
     rank must run it. ``ledger=RingLedger()`` records this rank's hops and
-    chunk pairs (``ledger.gather(group)`` combines the ranks). Runs on gloo
-    (CPU) and nccl (GPU); the device follows the tensors.
+    chunk pairs (``ledger.gather(group)`` combines the ranks);
+    ``RingLedger(record_states=True)`` also keeps this rank's running state at the
+    end of every ring step (``RankState``; pass the same value on every rank).
+    Runs on gloo (CPU) and nccl (GPU); the device follows the tensors.
     """
     opts = _Options.build(
         mask=mask,
@@ -566,7 +592,8 @@ class RingResult:
 
     ``o`` ``(..., Lq, d_v)``; ``lse`` ``(..., Lq)`` (conventions' value on
     fully-masked rows); ``dq``/``dk``/``dv`` like q/k/v, or None without ``do``;
-    ``ledger`` every rank's hops and chunk pairs.
+    ``ledger`` every rank's hops and chunk pairs (and, with ``record_states=True``,
+    every rank's ``RankState`` per pass and ring step).
     """
 
     o: torch.Tensor
@@ -597,6 +624,7 @@ def simulate_ring(
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
     timeout: float = 60.0,
+    record_states: bool = False,
 ) -> RingResult:
     """Run ring attention with ``world_size`` simulated ranks in this process.
 
@@ -606,6 +634,8 @@ def simulate_ring(
     ``ring_attention``) in its own thread, with the same code as
     ``ring_attention``: only the transport differs (in-memory queues instead of
     torch.distributed). Each rank gives up after ``timeout`` seconds of waiting.
+    ``record_states=True`` keeps every rank's running state at the end of every
+    ring step in ``ledger.states`` (``RankState``: CPU copies; default False).
     """
     w = check_world(world_size)
     lay = check_layout(layout)
@@ -639,6 +669,8 @@ def simulate_ring(
         raise ValueError("dlse needs do: give the upstream gradient of the output too")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    if not isinstance(record_states, bool):
+        raise ValueError(f"record_states must be True or False, got {record_states!r}")
 
     def shards(x: torch.Tensor, dim: int = -2) -> list[torch.Tensor]:
         return [shard_sequence(x, r, w, lay, dim=dim) for r in range(w)]
@@ -654,7 +686,7 @@ def simulate_ring(
     def rank_job(r: int) -> None:
         try:
             with torch.no_grad():
-                led = RingLedger()
+                led = RingLedger(record_states=record_states)
                 run = _RankRun(LocalTransport(hub, r), lay, opts, led)
                 o, lse = run.forward(qs[r], ks[r], vs[r])
                 grads: tuple[torch.Tensor, ...] | tuple[None, None, None] = (None, None, None)

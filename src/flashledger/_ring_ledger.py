@@ -5,6 +5,12 @@ pair by the rank that ran or skipped it), so one rank's ``RingLedger`` holds
 that rank's share; ``RingLedger.combine`` (or ``gather`` across processes)
 puts the shares of all ranks together, sorted.
 
+With ``RingLedger(record_states=True)`` each rank also keeps, at the end of
+every ring step of every pass, a ``RankState``: CPU copies of the running
+state its loop holds then (forward: the merged partial ``(o, lse)`` of its
+query rows; backward: its dQ so far and the dK/dV accumulators it passes on).
+Off by default: nothing is copied.
+
 Communication has a closed form (``ring_comm_totals``). With ``W`` ranks, a
 key sequence of ``Lk`` positions, ``B`` batch, ``Hkv`` key/value heads and head
 dims ``d``, ``d_v``, one full K/V sequence weighs
@@ -24,7 +30,9 @@ from __future__ import annotations
 import html
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
+
+import torch
 
 from .ledger import Counters
 
@@ -32,6 +40,7 @@ __all__ = [
     "CommTotals",
     "Hop",
     "PairStep",
+    "RankState",
     "RankWork",
     "RingLedger",
     "RingSetup",
@@ -94,6 +103,61 @@ class PairStep:
     k_chunk: int
     skipped: bool  # entirely masked: never computed (its tiles booked as skipped)
     counters: Counters  # the blocked loop's counters for this pair
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Both absent, or equal in dtype, shape and every value (-inf equals -inf)."""
+    if a is None or b is None:
+        return a is b
+    return a.dtype == b.dtype and torch.equal(a, b)
+
+
+@dataclass(frozen=True, eq=False)
+class RankState:
+    """One rank's running state at the end of one ring step (recorded on request).
+
+    Tensors are CPU copies in the accumulation dtype, laid out like the rank's
+    shards (``(..., L_shard, X)`` with ``...`` = ``()``, ``(H,)`` or ``(B, H)``),
+    rows in shard order. Forward records carry ``o``, ``lse``; backward records
+    ``dq``, ``dk``, ``dv``; the others are None.
+
+    - ``o`` ``(..., Lq_shard, d_v)``, ``lse`` ``(..., Lq_shard)``: the partial
+      result of the rank's query rows merged over the shards held in steps
+      ``0..step`` (LSE -inf and O 0 on rows that have seen no key yet; the
+      conventions' LSE for fully-masked rows is applied only to the final LSE);
+    - ``dq`` ``(..., Lq_shard, d)``: the rank's dQ after steps ``0..step``;
+    - ``dk`` ``(..., Lk_shard(shard), d | d_v)``, ``dv``: the dK/dV accumulators of
+      K/V shard ``shard`` as the rank passes them on at the end of the step: the
+      contributions of ``step + 1`` ranks, the previous ``step`` ranks' and its own.
+      After the last step they are complete and travel to their owner (with
+      ``W = 1`` they stay).
+    """
+
+    pass_name: str  # "forward" | "backward"
+    step: int
+    rank: int
+    shard: int  # owner of the K/V shard held during the step (and of dk, dv)
+    o: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
+    dq: torch.Tensor | None = None
+    dk: torch.Tensor | None = None
+    dv: torch.Tensor | None = None
+
+    _TENSORS: ClassVar[tuple[str, ...]] = ("o", "lse", "dq", "dk", "dv")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RankState):
+            return NotImplemented
+        return (self.pass_name, self.step, self.rank, self.shard) == (
+            other.pass_name,
+            other.step,
+            other.rank,
+            other.shard,
+        ) and all(_same(getattr(self, n), getattr(other, n)) for n in self._TENSORS)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors this record carries, by name."""
+        return {n: t for n in self._TENSORS if (t := getattr(self, n)) is not None}
 
 
 @dataclass(frozen=True)
@@ -200,22 +264,32 @@ class RingLedger:
     Pass an empty ``RingLedger()`` to ``ring_attention(..., ledger=...)``: it
     fills with this rank's records; ``ledger.gather(group)`` returns every
     rank's records combined. ``simulate_ring`` returns the combined ledger.
+    ``RingLedger(record_states=True)`` also keeps a ``RankState`` per rank,
+    pass and ring step in ``states`` (default False: none kept, nothing copied).
     """
 
     setup: RingSetup | None = None
     passes: list[str] = field(default_factory=list)
     hops: list[Hop] = field(default_factory=list)
     pairs: list[PairStep] = field(default_factory=list)
+    states: list[RankState] = field(default_factory=list)
+    record_states: bool = field(default=False, kw_only=True)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.record_states, bool):
+            raise ValueError(f"record_states must be True or False, got {self.record_states!r}")
 
     # -- combining ------------------------------------------------------------------
     def sort(self) -> None:
-        """Order hops by (pass, step, payload, sender) and pairs by (pass, step, rank, chunks)."""
+        """Order hops by (pass, step, payload, sender), pairs by (pass, step, rank, chunks)
+        and states by (pass, step, rank)."""
         order = {p: i for i, p in enumerate(PASSES)}
         kinds = {p: i for i, p in enumerate(PAYLOADS)}
         self.hops.sort(key=lambda h: (order[h.pass_name], h.step, kinds[h.payload], h.sender))
         self.pairs.sort(
             key=lambda p: (order[p.pass_name], p.step, p.rank, p.q_chunk, p.k_chunk),
         )
+        self.states.sort(key=lambda x: (order[x.pass_name], x.step, x.rank))
 
     @staticmethod
     def combine(ledgers: Sequence[RingLedger]) -> RingLedger:
@@ -226,10 +300,20 @@ class RingLedger:
         passes = {tuple(led.passes) for led in ledgers}
         if len(setups) != 1 or len(passes) != 1:
             raise ValueError("the ledgers describe different ring calls and cannot be combined")
-        out = RingLedger(setup=ledgers[0].setup, passes=list(ledgers[0].passes))
+        if len({led.record_states for led in ledgers}) != 1:
+            raise ValueError(
+                "some ledgers record per-step states and some do not; pass "
+                "RingLedger(record_states=...) with the same value on every rank"
+            )
+        out = RingLedger(
+            setup=ledgers[0].setup,
+            passes=list(ledgers[0].passes),
+            record_states=ledgers[0].record_states,
+        )
         for led in ledgers:
             out.hops.extend(led.hops)
             out.pairs.extend(led.pairs)
+            out.states.extend(led.states)
         out.sort()
         return out
 
@@ -314,16 +398,38 @@ class RingLedger:
                 grid[p.rank][p.step] = (p.shard, run + p.counters.tiles_run)
         return grid
 
+    def state(self, pass_name: str, step: int, rank: int) -> RankState:
+        """The ``RankState`` rank ``rank`` recorded at the end of ring step ``step`` of a pass."""
+        if not self.record_states:
+            raise ValueError(
+                "this RingLedger records no per-step states; pass RingLedger(record_states=True) "
+                "to ring_attention, or record_states=True to simulate_ring"
+            )
+        for x in self.states:
+            if (x.pass_name, x.step, x.rank) == (pass_name, step, rank):
+                return x
+        s = self._setup()
+        raise ValueError(
+            f"no state recorded for pass {pass_name!r}, step {step}, rank {rank}; recorded: "
+            f"passes {self.passes}, steps 0..{s.world_size - 1}, ranks 0..{s.world_size - 1}"
+            + ("" if self.passes == list(PASSES) else " (a forward-only call has no backward)")
+        )
+
     def _setup(self) -> RingSetup:
         if self.setup is None:
             raise ValueError("this RingLedger is empty: it has not recorded a ring call yet")
         return self.setup
 
     # -- renderers --------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: setup, hops, pairs, per-rank work, observed and closed-form totals."""
+    def to_dict(self, *, states: bool = False) -> dict[str, Any]:
+        """JSON-ready: setup, hops, pairs, per-rank work, observed and closed-form totals.
+
+        ``states=True`` adds every recorded ``RankState`` under ``"states"`` (tensors as
+        nested lists of floats, -inf kept as a float: pass the result through
+        ``flashledger.ledger.jsonable`` before ``json.dumps`` for strict JSON).
+        """
         s = self._setup()
-        return {
+        out: dict[str, Any] = {
             "setup": asdict(s),
             "passes": list(self.passes),
             "comm": {
@@ -352,6 +458,24 @@ class RingLedger:
                 for p in self.pairs
             ],
         }
+        if states:
+            if not self.record_states:
+                raise ValueError(
+                    "to_dict(states=True): this RingLedger records no per-step states; pass "
+                    "RingLedger(record_states=True) to ring_attention, or record_states=True "
+                    "to simulate_ring"
+                )
+            out["states"] = [
+                {
+                    "pass_name": x.pass_name,
+                    "step": x.step,
+                    "rank": x.rank,
+                    "shard": x.shard,
+                    **{n: t.tolist() for n, t in x.tensors().items()},
+                }
+                for x in self.states
+            ]
+        return out
 
     def _header(self) -> str:
         s = self._setup()
@@ -431,6 +555,8 @@ class RingLedger:
         out += ["", "work per rank (pairs = query chunk x key chunk)"]
         out += _table(self._RANK_COLS, self._rank_rows())
         out += [f"balance (max / mean tiles run): {_balance_line(self)}"]
+        if self.record_states:
+            out += [_states_line(self)]
         for p in self.passes:
             out += ["", f"{p}: tiles run per rank and step [K/V shard held]"]
             out += _table(("rank", *(f"step {t}" for t in range(w))), self._grid_rows(p))
@@ -447,6 +573,8 @@ class RingLedger:
         parts.append(_html_table(self._COMM_COLS, self._comm_rows()))
         parts.append(_html_table(self._RANK_COLS, self._rank_rows()))
         parts.append(f"<p>balance (max / mean tiles run): {html.escape(_balance_line(self))}</p>")
+        if self.record_states:
+            parts.append(f"<p>{html.escape(_states_line(self))}</p>")
         for p in self.passes:
             parts.append(f"<p>{p}: tiles run per rank and step [K/V shard held]</p>")
             cols = ("rank", *(f"step {t}" for t in range(w)))
@@ -466,6 +594,11 @@ def _balance_line(led: RingLedger) -> str:
             f"ideal {total / w:.4g})"
         )
     return "; ".join(parts)
+
+
+def _states_line(led: RingLedger) -> str:
+    per_pass = ", ".join(f"{p} {sum(x.pass_name == p for x in led.states)}" for p in led.passes)
+    return f"per-step states recorded (rank x step): {len(led.states)} ({per_pass})"
 
 
 def _table(cols: Sequence[str], rows: list[list[str]]) -> list[str]:

@@ -18,26 +18,19 @@ import platform
 import statistics
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from flashledger import Placement, accounting, examples
+from flashledger import accounting, examples
 from flashledger.blocked import blocked_backward, blocked_forward
 from flashledger.conventions import PRESETS, get_conventions
 from flashledger.ledger import BackwardTileStep, ForwardTileStep
 from flashledger.masks import Causal, DenseMask, Mask, SlidingWindow
-from flashledger.online import (
-    OnlineSoftmax,
-    blockwise_softmax_average,
-    merge_partials,
-    softmax_output,
-)
+from flashledger.online import OnlineSoftmax, blockwise_softmax_average, softmax_output
 from flashledger.reference import reference_backward, reference_forward
-from flashledger.ring import PairStep, RingLedger, RingSetup, simulate_ring
+from flashledger.ring import RankState, RingLedger, RingSetup, simulate_ring
 
 from . import schemas as sc
 
@@ -486,138 +479,31 @@ def _worst(a: torch.Tensor, b: torch.Tensor) -> tuple[float, list[int]]:
     return float(diff.max()), [int(i) for i in torch.unravel_index(torch.tensor(flat), a.shape)]
 
 
-@dataclass
-class _RingReplay:
-    """Every rank's state after ``n = 0..W`` ring steps (index ``[n][rank]``), global rows.
-
-    ``o``/``lse``: running forward result of the rank's rows (0 and -inf before any key);
-    ``dq``: the rank's dQ rows so far; ``acc``: the dK/dV accumulators the rank holds after
-    the step as ``(shard, dk, dv, contributions)``, or None.
-    """
-
-    o: list[list[torch.Tensor]]  # (rows_r, d_v)
-    lse: list[list[torch.Tensor]]  # (rows_r,)
-    dq: list[list[torch.Tensor]]  # (rows_r, d)
-    acc: list[list[tuple[int, torch.Tensor, torch.Tensor, int] | None]]
-    o_final: torch.Tensor  # (L, d_v)
-    lse_final: torch.Tensor  # (L,)
-    dq_final: torch.Tensor  # (L, d)
-    dk_final: torch.Tensor  # (L, d)
-    dv_final: torch.Tensor  # (L, d_v)
-
-
 def _chunk_rows(setup: RingSetup, chunks: tuple[int, ...]) -> list[int]:
     """Global positions of ``chunks`` in shard order."""
     b = setup.q_bounds
     return [i for c in chunks for i in range(b[c], b[c + 1])]
 
 
-def _ring_replay(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    led: RingLedger,
-    *,
-    mask: Mask | None,
-    block: int,
-) -> _RingReplay:
-    """The ring's per-step states, by running again the chunk pairs its ledger recorded.
+def _forward_state(
+    led: RingLedger, n: int, r: int, rows: int, d_v: int
+) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """Rank ``r``'s ``(shard held, o, lse)`` after ``n`` forward ring steps: the state it
+    recorded at the end of step ``n - 1``; before any step (``n = 0``) its own shard, O = 0
+    and LSE -inf on its ``rows`` rows."""
+    if n == 0:
+        o = torch.zeros(rows, d_v, dtype=F64)  # (rows_r, d_v)
+        return r, o, torch.full((rows,), -math.inf, dtype=F64)  # (rows_r,)
+    st = led.state("forward", n - 1, r)
+    assert st.o is not None and st.lse is not None  # a forward record carries both
+    return st.shard, st.o, st.lse
 
-    The ring keeps its running ``(O, LSE)``, its dQ and the travelling dK/dV inside its
-    loop. This makes the calls that loop makes, in its order: for each pair the ledger
-    booked as run, ``blocked_forward(..., placement=..., raw_lse=True)`` merged with
-    ``merge_partials`` (forward), ``blocked_backward`` against the final ``(O, LSE)`` with
-    dK/dV added to the accumulators arriving from the previous rank (backward), and keeps
-    a snapshot after every step. Its final state must equal the ring's result.
-    """
-    setup = led.setup
-    assert setup is not None  # simulate_ring returns a filled ledger
-    w, length, bounds = setup.world_size, setup.lq, setup.q_bounds
-    kw: dict[str, Any] = {"mask": mask, "block_q": block, "block_k": block}
-    todo: dict[tuple[str, int, int], list[PairStep]] = defaultdict(list)
-    for p in led.pairs:  # sorted by (pass, step, rank, query chunk, key chunk): the loop order
-        if not p.skipped:
-            todo[(p.pass_name, p.step, p.rank)].append(p)
-    rows = [_chunk_rows(setup, setup.chunks_of(r)) for r in range(w)]
 
-    def span(c: int) -> slice:
-        return slice(bounds[c], bounds[c + 1])
-
-    def place(p: PairStep) -> Placement:
-        return Placement(
-            q_offset=bounds[p.q_chunk], k_offset=bounds[p.k_chunk], lq_total=length, lk_total=length
-        )
-
-    # -- forward: one running (o, lse) per query chunk, merged with the one merge --
-    dv_dim = v.shape[-1]
-    parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def state() -> tuple[torch.Tensor, torch.Tensor]:
-        o = torch.zeros(length, dv_dim, dtype=F64)  # (L, d_v)
-        lse = torch.full((length,), -math.inf, dtype=F64)  # (L,)
-        for c, (o_c, lse_c) in parts.items():
-            o[span(c)], lse[span(c)] = o_c, lse_c
-        return o, lse
-
-    snaps = [state()]
-    for step in range(w):
-        for r in range(w):
-            for p in todo[("forward", step, r)]:
-                qs, ks = span(p.q_chunk), span(p.k_chunk)
-                res = blocked_forward(q[qs], k[ks], v[ks], placement=place(p), raw_lse=True, **kw)
-                old = parts.get(p.q_chunk)
-                parts[p.q_chunk] = (
-                    (res.o, res.lse) if old is None else merge_partials(*old, res.o, res.lse)
-                )
-        snaps.append(state())
-    o_final, lse_final = snaps[-1]
-
-    # -- backward: dQ stays home, dK/dV of the shard held travel on after each step --
-    dq = torch.zeros_like(q)  # (L, d)
-    held: list[tuple[int, torch.Tensor, torch.Tensor, int] | None] = [None] * w
-    dq_snaps, acc_snaps = [dq.clone()], [list(held)]
-    for step in range(w):
-        arriving: list[tuple[int, torch.Tensor, torch.Tensor, int] | None] = [None] * w
-        for r in range(w):
-            src = (r - step) % w
-            local = {pos: i for i, pos in enumerate(rows[src])}  # global key -> row in shard
-            dk_s = torch.zeros(len(local), k.shape[-1], dtype=F64)  # (Lk_shard(src), d)
-            dv_s = torch.zeros(len(local), dv_dim, dtype=F64)  # (Lk_shard(src), d_v)
-            for p in todo[("backward", step, r)]:
-                qs, ks = span(p.q_chunk), span(p.k_chunk)
-                grads = blocked_backward(
-                    q[qs], k[ks], v[ks], o_final[qs], lse_final[qs], g[qs], placement=place(p), **kw
-                )
-                first = local[bounds[p.k_chunk]]
-                at = slice(first, first + grads.dk.shape[0])  # the key chunk inside the shard
-                dq[qs] += grads.dq
-                dk_s[at] += grads.dk
-                dv_s[at] += grads.dv
-            incoming = held[r]
-            if incoming is not None:  # the accumulators of this shard, from upstream
-                dk_s += incoming[1]
-                dv_s += incoming[2]
-            arriving[(r + 1) % w] = (src, dk_s, dv_s, step + 1)
-        held = arriving
-        dq_snaps.append(dq.clone())
-        acc_snaps.append(list(held))
-    dk_final, dv_final = torch.zeros_like(k), torch.zeros_like(v)
-    for item in held:
-        assert item is not None  # after a full circle every rank holds its own shard's
-        shard, dk_s, dv_s, _ = item
-        dk_final[rows[shard]], dv_final[rows[shard]] = dk_s, dv_s
-    return _RingReplay(
-        o=[[o[rows[r]] for r in range(w)] for o, _ in snaps],
-        lse=[[lse[rows[r]] for r in range(w)] for _, lse in snaps],
-        dq=[[d[rows[r]] for r in range(w)] for d in dq_snaps],
-        acc=acc_snaps,
-        o_final=o_final,
-        lse_final=lse_final,
-        dq_final=dq,
-        dk_final=dk_final,
-        dv_final=dv_final,
-    )
+def _held_accumulators(led: RingLedger, n: int, r: int, w: int) -> RankState | None:
+    """The dK/dV accumulators rank ``r`` holds after ``n`` backward ring steps: those rank
+    ``r - 1`` recorded as passing on at the end of step ``n - 1`` (``n`` ranks' contributions);
+    a hop copies them unchanged. None before the first step."""
+    return led.state("backward", n - 1, (r - 1) % w) if n > 0 else None
 
 
 def _ring_pass(led: RingLedger, pass_name: str) -> sc.RingPassSummary:
@@ -664,12 +550,25 @@ def _tiles_so_far(led: RingLedger, pass_name: str, rank: int, steps: int) -> tup
 
 
 def ring(req: sc.RingRequest) -> sc.RingResponse:
-    """Ring attention on ``W`` simulated ranks, every hop and every rank's state per step."""
+    """Ring attention on ``W`` simulated ranks, every hop and every rank's state per step.
+
+    The per-step states are the ring's own: ``simulate_ring(..., record_states=True)``
+    keeps each rank's ``RankState`` at the end of every ring step of both passes.
+    """
     q, k, v, g = _ring_inputs(req)  # (L, d) (L, d) (L, d_v) (L, d_v)
     mask = build_mask(req.mask)
     w, b = req.world_size, req.block
     res = simulate_ring(
-        q, k, v, world_size=w, layout=req.layout, do=g, mask=mask, block_q=b, block_k=b
+        q,
+        k,
+        v,
+        world_size=w,
+        layout=req.layout,
+        do=g,
+        mask=mask,
+        block_q=b,
+        block_k=b,
+        record_states=True,
     )
     assert res.dq is not None and res.dk is not None and res.dv is not None  # do was given
     led = res.ledger
@@ -677,18 +576,10 @@ def ring(req: sc.RingRequest) -> sc.RingResponse:
     assert setup is not None
     ref = reference_forward(q, k, v, mask=mask)
     refb = reference_backward(q, k, v, ref.o, ref.lse, g, mask=mask)
-    rp = _ring_replay(q, k, v, g, led, mask=mask, block=b)
     rows = [_chunk_rows(setup, setup.chunks_of(r)) for r in range(w)]
 
     ring_out = {"o": res.o, "lse": res.lse, "dq": res.dq, "dk": res.dk, "dv": res.dv}
     oracle = {"o": ref.o, "lse": ref.lse, "dq": refb.dq, "dk": refb.dk, "dv": refb.dv}
-    replay = {
-        "o": rp.o_final,
-        "lse": rp.lse_final,
-        "dq": rp.dq_final,
-        "dk": rp.dk_final,
-        "dv": rp.dv_final,
-    }
     checks = []
     for name, got in ring_out.items():
         worst, index = _worst(got, oracle[name])
@@ -701,16 +592,17 @@ def ring(req: sc.RingRequest) -> sc.RingResponse:
         o_now = torch.zeros_like(res.o)  # (L, d_v)
         ranks = []
         for r in range(w):
-            o_now[rows[r]] = rp.o[n][r]
+            shard, o_r, lse_r = _forward_state(led, n, r, len(rows[r]), v.shape[-1])
+            o_now[rows[r]] = o_r  # (rows_r, d_v)
             run, skipped = _tiles_so_far(led, "forward", r, n)
             ranks.append(
                 sc.RingForwardRank(
                     rank=r,
-                    shard=(r - max(n - 1, 0)) % w,
+                    shard=shard,
                     tiles_run=run,
                     tiles_skipped=skipped,
-                    lse=rp.lse[n][r].tolist(),
-                    o_max_diff=_max_diff(rp.o[n][r], res.o[rows[r]]),
+                    lse=lse_r.tolist(),
+                    o_max_diff=_max_diff(o_r, res.o[rows[r]]),
                 )
             )
         forward.append(sc.RingForwardStep(step=n, ranks=ranks, max_diff=_max_diff(o_now, ref.o)))
@@ -720,25 +612,27 @@ def ring(req: sc.RingRequest) -> sc.RingResponse:
         dq_now, dk_now, dv_now = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         ranks_b = []
         for r in range(w):
-            dq_now[rows[r]] = rp.dq[n][r]
-            run, skipped = _tiles_so_far(led, "backward", r, n)
-            held = rp.acc[n][r]
+            own = led.state("backward", n - 1, r) if n > 0 else None
+            if own is not None:
+                assert own.dq is not None  # a backward record
+                dq_now[rows[r]] = own.dq
+            held = _held_accumulators(led, n, r, w)
             acc_diff = 0.0
             if held is not None:
-                shard, dk_s, dv_s, _count = held
-                dk_now[rows[shard]], dv_now[rows[shard]] = dk_s, dv_s
-                acc_diff = max(
-                    _max_diff(dk_s, res.dk[rows[shard]]), _max_diff(dv_s, res.dv[rows[shard]])
-                )
+                assert held.dk is not None and held.dv is not None  # a backward record
+                at = rows[held.shard]
+                dk_now[at], dv_now[at] = held.dk, held.dv
+                acc_diff = max(_max_diff(held.dk, res.dk[at]), _max_diff(held.dv, res.dv[at]))
+            run, skipped = _tiles_so_far(led, "backward", r, n)
             ranks_b.append(
                 sc.RingBackwardRank(
                     rank=r,
-                    shard=(r - max(n - 1, 0)) % w,
+                    shard=r if own is None else own.shard,
                     tiles_run=run,
                     tiles_skipped=skipped,
-                    dq_max_diff=_max_diff(rp.dq[n][r], res.dq[rows[r]]),
-                    acc_shard=None if held is None else held[0],
-                    acc_count=0 if held is None else held[3],
+                    dq_max_diff=_max_diff(dq_now[rows[r]], res.dq[rows[r]]),
+                    acc_shard=None if held is None else held.shard,
+                    acc_count=n,
                     acc_max_diff=acc_diff,
                 )
             )
@@ -746,6 +640,21 @@ def ring(req: sc.RingRequest) -> sc.RingResponse:
             _max_diff(dq_now, refb.dq), _max_diff(dk_now, refb.dk), _max_diff(dv_now, refb.dv)
         )
         backward.append(sc.RingBackwardStep(step=n, ranks=ranks_b, max_diff=now_diff))
+
+    # the last states recorded against what the ring returned (an exact link: 0)
+    final_diffs = []
+    for r in range(w):
+        fwd, bwd = led.state("forward", w - 1, r), led.state("backward", w - 1, r)
+        assert fwd.o is not None and fwd.lse is not None and bwd.dq is not None
+        assert bwd.dk is not None and bwd.dv is not None
+        mine, theirs = rows[r], rows[bwd.shard]  # the accumulators go on to their owner
+        final_diffs += [
+            _max_diff(fwd.o, res.o[mine]),
+            _max_diff(fwd.lse, res.lse[mine]),
+            _max_diff(bwd.dq, res.dq[mine]),
+            _max_diff(bwd.dk, res.dk[theirs]),
+            _max_diff(bwd.dv, res.dv[theirs]),
+        ]
 
     observed, closed = led.comm_totals(), led.expected_comm()
     comm = [
@@ -791,5 +700,5 @@ def ring(req: sc.RingRequest) -> sc.RingResponse:
         passes={p: _ring_pass(led, p) for p in led.passes},
         checks=checks,
         tolerance=RING_TOLERANCE,
-        replay_max_diff=max(_max_diff(replay[n], ring_out[n]) for n in ring_out),
+        final_state_max_diff=max(final_diffs),
     )

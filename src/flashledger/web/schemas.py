@@ -646,7 +646,10 @@ class RingBackwardRank(_Response):
     tiles_run: int = Field(description="so far")
     tiles_skipped: int = Field(description="so far")
     dq_max_diff: Num = Field(description="max |dQ so far - final dQ| over the rank's rows")
-    acc_shard: int | None = Field(description="shard whose dK/dV accumulators the rank holds")
+    acc_shard: int | None = Field(
+        description="shard whose dK/dV accumulators the rank holds after the step's hops "
+        "(as the previous rank recorded passing them on); None before step 0"
+    )
     acc_count: int = Field(description="ranks whose contributions the accumulators hold")
     acc_max_diff: Num = Field(description="max |accumulated dK, dV - final| of that shard")
 
@@ -673,7 +676,9 @@ class RingResponse(_Response):
     bounds: list[int] = Field(description="chunk boundaries, n + 1 positions")
     owners: list[int] = Field(description="owner rank of each chunk")
     ranks: list[RingRank]
-    forward: list[RingForwardStep] = Field(description="state after 0..W ring steps")
+    forward: list[RingForwardStep] = Field(
+        description="state after 0..W ring steps, as each rank recorded it (RankState)"
+    )
     backward: list[RingBackwardStep]
     lse: Vec = Field(description="final LSE of every row (global order)")
     hops: list[RingHop]
@@ -682,6 +687,8 @@ class RingResponse(_Response):
     passes: dict[str, RingPassSummary]
     checks: list[RingCheck] = Field(description="ring result against the float64 dense oracle")
     tolerance: Num
-    replay_max_diff: Num = Field(
-        description="max |replayed chunk pairs - the ring's result| (the per-step states' link)"
+    final_state_max_diff: Num = Field(
+        description="max |each rank's state recorded at the end of its last ring step - the "
+        "ring's result| over O, LSE, dQ and the dK/dV it passes on to their owner (0: the "
+        "per-step states are the loop's own)"
     )

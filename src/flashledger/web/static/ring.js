@@ -540,7 +540,7 @@ function renderChecks() {
   );
   cards.push(
     readout("ring-comm-ok", "s7.commMatch", h("span", { class: `badge ${data.comm_match ? "ok" : "fail"}` }, `${data.comm_match ? "\u2713" : "\u2717"} ${t(data.comm_match ? "common.yes" : "common.no")}`)),
-    readout("ring-replay", "s7.replay", num(data.replay_max_diff), data.replay_max_diff === 0 ? "good" : "bad"),
+    readout("ring-replay", "s7.replay", num(data.final_state_max_diff), data.final_state_max_diff === 0 ? "good" : "bad"),
   );
   fill(document.getElementById("ring-checks"), cards);
 }
