@@ -1,0 +1,289 @@
+"""Test cases for ``flashledger.verify``: shapes that break tiling, masks, dtypes.
+
+A :class:`Case` is everything an attention callable needs to run one test: the
+tensor shapes, the dtype, the mask (as a flashledger ``Mask`` and as a dense
+bool tensor), the softmax scale and the conventions the answer must follow.
+Inputs are drawn deterministically from the case's seed, so a failing case can
+be rebuilt and rerun on its own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from .conventions import SEED, Conventions
+from .masks import Causal, DenseMask, KeyPadding, Mask, SlidingWindow
+
+__all__ = [
+    "ALL_DTYPES",
+    "FULL_SHAPES",
+    "MASK_KINDS",
+    "QUICK_SHAPES",
+    "Case",
+    "Shape",
+    "attention_cases",
+    "dtype_name",
+    "make_case",
+]
+
+ALL_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+"""The dtypes swept by default."""
+
+MASK_KINDS: tuple[str, ...] = (
+    "none",
+    "causal_top_left",
+    "causal_bottom_right",
+    "window",
+    "padding",
+    "empty_rows",
+)
+"""Mask kinds of the sweep (see :func:`make_case`)."""
+
+WINDOW = (16, 4)
+"""``(left, right)`` of the sliding-window cases (alignment from the conventions)."""
+
+EMPTY_ROW_KEEP = 0.75
+"""Keep probability of the random mask of the ``empty_rows`` cases."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float16`` -> ``"float16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Tensor sizes of one case: Q ``(B, Hq, Lq, d)``, K ``(B, Hkv, Lk, d)``, V ``(B, Hkv, Lk, d_v)``."""
+
+    batch: int
+    heads_q: int
+    heads_kv: int
+    len_q: int
+    len_k: int
+    head_dim: int
+    head_dim_v: int = 0
+    """Head dim of V; 0 means the same as ``head_dim``."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "heads_q", "heads_kv", "len_q", "len_k", "head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Shape.{name} must be an integer >= 1, got {value!r}")
+        if self.heads_q % self.heads_kv != 0:
+            raise ValueError(
+                f"Shape.heads_q ({self.heads_q}) must be a multiple of heads_kv ({self.heads_kv})"
+            )
+        if self.head_dim_v == 0:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
+        elif isinstance(self.head_dim_v, bool) or self.head_dim_v < 1:
+            raise ValueError(
+                f"Shape.head_dim_v must be >= 1 (or 0: same as head_dim), got {self.head_dim_v!r}"
+            )
+
+    @property
+    def gqa(self) -> bool:
+        """True when K/V have fewer heads than Q."""
+        return self.heads_kv != self.heads_q
+
+    def __str__(self) -> str:
+        heads = f"H{self.heads_q}" if not self.gqa else f"H{self.heads_q}/{self.heads_kv}"
+        dims = (
+            f"d{self.head_dim}"
+            if self.head_dim_v == self.head_dim
+            else f"d{self.head_dim}/{self.head_dim_v}"
+        )
+        return f"B{self.batch} {heads} {self.len_q}x{self.len_k} {dims}"
+
+
+FULL_SHAPES: tuple[Shape, ...] = (
+    Shape(1, 2, 2, 1, 1, 8),  # a single query and key
+    Shape(2, 2, 2, 2, 2, 16),
+    Shape(1, 2, 2, 97, 113, 5),  # Lq < Lk, odd head dim, ragged tiles
+    Shape(2, 2, 2, 113, 97, 7),  # Lq > Lk
+    Shape(1, 4, 2, 257, 257, 8),  # GQA, one row past a power of two
+    Shape(2, 3, 1, 2, 257, 3),  # MQA, Lq << Lk
+    Shape(1, 2, 2, 257, 2, 12),  # Lq >> Lk
+    Shape(1, 2, 2, 113, 97, 6, 10),  # d_v != d
+)
+"""The full sweep's shapes."""
+
+QUICK_SHAPES: tuple[Shape, ...] = (
+    Shape(1, 2, 2, 97, 113, 5),
+    Shape(2, 4, 2, 113, 97, 7),
+    Shape(2, 3, 1, 2, 257, 3),
+)
+"""The quick sweep's shapes: both ``Lq != Lk`` directions, odd head dims, GQA and MQA."""
+
+
+@dataclass(frozen=True)
+class Case:
+    """One test case handed to an attention callable ``fn(q, k, v, case)``.
+
+    Attributes give everything a kernel needs: ``shape``, ``dtype``, ``mask``
+    (a flashledger ``Mask`` or ``None``), ``scale`` (always a float; default
+    ``1/sqrt(d)``), ``conventions`` (the edge behaviour the answer must follow),
+    ``align`` (the resolved causal alignment of a ``Causal``/``SlidingWindow``
+    mask, else ``None``) and ``dense_mask()`` (bool ``(B, Hq, Lq, Lk)``,
+    True = attend).
+    """
+
+    shape: Shape
+    dtype: torch.dtype
+    mask: Mask | None = None
+    mask_name: str = "none"
+    """Short label of the mask, used in names and messages."""
+    conventions: Conventions = SEED
+    scale: float = 0.0
+    """Softmax scale; 0 means ``1/sqrt(head_dim)``."""
+    seed: int = 0
+    """Seed of the inputs (same seed, same tensors)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise ValueError(f"Case.dtype must be a floating torch dtype, got {self.dtype!r}")
+        if self.mask is not None and not isinstance(self.mask, Mask):
+            raise TypeError(
+                f"Case.mask must be a flashledger Mask or None, got {type(self.mask).__name__}"
+            )
+        if self.scale == 0.0:
+            object.__setattr__(self, "scale", 1.0 / math.sqrt(self.shape.head_dim))
+        elif not math.isfinite(self.scale):
+            raise ValueError(f"Case.scale must be finite, got {self.scale}")
+
+    @property
+    def name(self) -> str:
+        """E.g. ``"causal_bottom_right B1 H2 97x113 d5 float16 [seed]"``."""
+        return f"{self.mask_name} {self.shape} {dtype_name(self.dtype)} [{self.conventions.name}]"
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def align(self) -> str | None:
+        """``"top_left"``/``"bottom_right"`` for a causal or sliding-window mask, else ``None``."""
+        if isinstance(self.mask, Causal | SlidingWindow):
+            return self.mask.align or self.conventions.causal_align
+        return None
+
+    def dense_mask(self) -> torch.Tensor | None:
+        """The mask as bool ``(B, Hq, Lq, Lk)`` (an expanded view; True = attend), or ``None``."""
+        return self._dense
+
+    @cached_property
+    def _dense(self) -> torch.Tensor | None:
+        if self.mask is None:
+            return None
+        s = self.shape
+        d = self.mask.dense(
+            s.len_q,
+            s.len_k,
+            batch=s.batch,
+            heads=s.heads_q,
+            causal_align=self.conventions.causal_align,
+        )
+        return d.expand(s.batch, s.heads_q, s.len_q, s.len_k)  # (B, Hq, Lq, Lk)
+
+    def inputs(self, *, requires_grad: bool = False) -> tuple[torch.Tensor, ...]:
+        """``(q, k, v, do)`` in ``self.dtype``: standard normal, fixed by ``seed``.
+
+        Shapes: q ``(B, Hq, Lq, d)``, k ``(B, Hkv, Lk, d)``, v ``(B, Hkv, Lk, d_v)``,
+        do ``(B, Hq, Lq, d_v)``. With ``requires_grad`` q, k and v are leaves that
+        require grad.
+        """
+        s = self.shape
+        gen = torch.Generator().manual_seed(self.seed)
+        sizes = (
+            (s.batch, s.heads_q, s.len_q, s.head_dim),
+            (s.batch, s.heads_kv, s.len_k, s.head_dim),
+            (s.batch, s.heads_kv, s.len_k, s.head_dim_v),
+            (s.batch, s.heads_q, s.len_q, s.head_dim_v),
+        )
+        out = [
+            torch.randn(size, generator=gen, dtype=torch.float64).to(self.dtype) for size in sizes
+        ]
+        if requires_grad:
+            for t in out[:3]:
+                t.requires_grad_(True)
+        return tuple(out)
+
+
+def _mask_for(kind: str, shape: Shape, seed: int) -> Mask | None:
+    if kind == "none":
+        return None
+    if kind == "causal_top_left":
+        return Causal(align="top_left")
+    if kind == "causal_bottom_right":
+        return Causal(align="bottom_right")
+    if kind == "window":
+        return SlidingWindow(*WINDOW)
+    if kind == "padding":
+        lengths = [max(1, shape.len_k - (shape.len_k * (b + 1)) // 3) for b in range(shape.batch)]
+        return KeyPadding(lengths)
+    if kind == "empty_rows":
+        gen = torch.Generator().manual_seed(seed + 7919)
+        keep = torch.rand(shape.batch, 1, shape.len_q, shape.len_k, generator=gen) < EMPTY_ROW_KEEP
+        keep[:, :, 0] = False  # the first row sees no key
+        keep[:, :, shape.len_q // 2] = False  # nor does the middle one
+        return DenseMask(keep)
+    raise ValueError(f"unknown mask kind {kind!r}; allowed: {', '.join(MASK_KINDS)}")
+
+
+def make_case(
+    shape: Shape,
+    mask_kind: str,
+    dtype: torch.dtype,
+    *,
+    conventions: Conventions = SEED,
+    scale: float = 0.0,
+    seed: int = 0,
+) -> Case:
+    """A :class:`Case` with one of the sweep's masks.
+
+    ``mask_kind``: ``"none"``; ``"causal_top_left"`` / ``"causal_bottom_right"``
+    (``Causal`` with that alignment); ``"window"`` (``SlidingWindow(16, 4)``,
+    aligned by the conventions); ``"padding"`` (``KeyPadding``, a different
+    length per batch element); ``"empty_rows"`` (a random ``DenseMask`` with
+    the first and middle query rows fully masked).
+    """
+    mask = _mask_for(mask_kind, shape, seed)
+    return Case(shape, dtype, mask, mask_kind, conventions, scale, seed)
+
+
+def attention_cases(
+    *,
+    conventions: Conventions = SEED,
+    dtypes: Sequence[torch.dtype] = ALL_DTYPES,
+    quick: bool = False,
+    masks: Sequence[str] = MASK_KINDS,
+    gqa: bool = True,
+    head_dim_v: bool = True,
+    shapes: Sequence[Shape] | None = None,
+    seed: int = 0,
+) -> list[Case]:
+    """The sweep: every shape x mask kind x dtype, for one set of conventions.
+
+    ``quick`` uses ``QUICK_SHAPES`` instead of ``FULL_SHAPES`` (``shapes``
+    overrides both); ``gqa=False`` drops shapes with fewer K/V heads than Q
+    heads; ``head_dim_v=False`` drops shapes whose V head dim differs from d.
+    """
+    for kind in masks:
+        if kind not in MASK_KINDS:
+            raise ValueError(f"unknown mask kind {kind!r}; allowed: {', '.join(MASK_KINDS)}")
+    for dt in dtypes:
+        if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+            raise ValueError(f"dtypes must be floating torch dtypes, got {dt!r}")
+    chosen = list(shapes) if shapes is not None else list(QUICK_SHAPES if quick else FULL_SHAPES)
+    chosen = [
+        s for s in chosen if (gqa or not s.gqa) and (head_dim_v or s.head_dim_v == s.head_dim)
+    ]
+    return [
+        make_case(shape, kind, dt, conventions=conventions, seed=seed + i)
+        for i, shape in enumerate(chosen)
+        for kind in masks
+        for dt in dtypes
+    ]

@@ -1,0 +1,358 @@
+"""``assert_attention_close``: it passes correct kernels and names what is wrong in broken ones."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flashledger as fl
+from flashledger.verify import (
+    ALL_DTYPES,
+    Case,
+    Shape,
+    assert_attention_close,
+    attention_cases,
+    lse_from_base2,
+    lse_to_base2,
+    make_case,
+    naive_attention,
+)
+
+LQ_LT_LK = Shape(1, 2, 2, 97, 113, 5)
+LQ_GT_LK = Shape(2, 4, 2, 113, 97, 7)
+
+
+def flashledger_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: Case):
+    """flashledger's blocked loop through autograd, with ragged 32 x 16 tiles."""
+    return fl.flash_attention(
+        q, k, v, mask=case.mask, scale=case.scale, conventions=case.conventions,
+        block_q=32, block_k=16, return_lse=True,
+    )  # fmt: skip
+
+
+def sdpa_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: Case) -> torch.Tensor:
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=case.dense_mask(), scale=case.scale, enable_gqa=case.shape.gqa
+    )
+
+
+def _repeat_kv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    group = q.shape[1] // k.shape[1]
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+
+
+# -- correct implementations pass ---------------------------------------------------------
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_flash_attention_passes_in_every_dtype(dtype: torch.dtype) -> None:
+    report = assert_attention_close(flashledger_fn, dtypes=(dtype,), quick=True)
+    assert report.passed
+    assert len(report.rows) == 18  # 3 shapes x 6 masks
+    assert all(r.checked == "O LSE dQ dK dV" for r in report.rows), {r.checked for r in report.rows}
+
+
+@pytest.mark.parametrize("preset", [fl.FLASH_ATTN_2, fl.FLEX_ATTENTION], ids=lambda c: c.name)
+def test_blocked_forward_passes_under_other_presets(preset: fl.Conventions) -> None:
+    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: Case):
+        res = fl.blocked_forward(
+            q.detach(),  # forward only: no gradients to judge
+            k.detach(),
+            v.detach(),
+            mask=case.mask,
+            scale=case.scale,
+            conventions=case.conventions,
+            block_q=16,
+            block_k=32,
+        )
+        return res.o, res.lse
+
+    report = assert_attention_close(
+        forward, conventions=preset, dtypes=(torch.float32,), quick=True
+    )
+    assert report.passed and len(report.rows) == 18
+    assert all("gradients not checked" in r.detail for r in report.rows), report.rows[0].detail
+
+
+def test_sdpa_passes_under_sdpa_cpu() -> None:
+    report = assert_attention_close(
+        sdpa_fn, conventions=fl.SDPA_CPU, dtypes=(torch.bfloat16, torch.float32), quick=True
+    )
+    assert report.passed and len(report.rows) == 36
+    assert all("LSE not returned" in r.detail for r in report.rows)
+
+
+def test_full_sweep_covers_the_shapes_that_break_tiling() -> None:
+    cases = attention_cases()
+    lengths = {c.shape.len_q for c in cases} | {c.shape.len_k for c in cases}
+    assert {1, 2, 97, 113, 257} <= lengths
+    assert any(c.shape.len_q > c.shape.len_k for c in cases)
+    assert any(c.shape.len_q < c.shape.len_k for c in cases)
+    assert any(c.shape.head_dim % 2 for c in cases) and any(c.shape.gqa for c in cases)
+    assert any(c.shape.head_dim_v != c.shape.head_dim for c in cases)
+    assert {c.dtype for c in cases} == set(ALL_DTYPES)
+    assert len(cases) == 8 * 6 * 4
+    assert not any(c.shape.gqa for c in attention_cases(gqa=False))
+
+
+# -- broken implementations fail, and the message says where --------------------------------
+def _failure(fn, cases: list[Case], **kw) -> str:
+    with pytest.raises(AssertionError) as info:
+        assert_attention_close(fn, cases=cases, **kw)
+    return str(info.value)
+
+
+def _worst_index(message: str, quantity: str) -> tuple[int, ...]:
+    found = re.search(rf"worst element {quantity}\[([0-9, ]+)\]", message)
+    assert found, f"no worst element of {quantity} in:\n{message}"
+    return tuple(int(i) for i in found.group(1).split(","))
+
+
+def test_wrong_causal_alignment_fails() -> None:
+    def top_left_always(q, k, v, case):
+        k, v = _repeat_kv(q, k, v)
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=case.align is not None, scale=case.scale
+        )
+
+    case = make_case(LQ_LT_LK, "causal_bottom_right", torch.float32)
+    msg = _failure(top_left_always, [case], check_grads=False)
+    assert "1 of 1 cases" in msg and case.name in msg
+    assert "O differs from the float64 oracle" in msg
+    assert re.search(r"got -?[0-9.e+-]+, oracle -?[0-9.e+-]+", msg), msg
+    assert re.search(r"error \S+ > bound \S+ = 2 x naive float32 error \S+ \+ floor \S+", msg), msg
+    # the same callable is right for the top-left case
+    assert assert_attention_close(
+        top_left_always,
+        cases=[make_case(LQ_LT_LK, "causal_top_left", torch.float32)],
+        check_grads=False,
+    ).passed
+
+
+def test_nan_on_fully_masked_rows_fails() -> None:
+    def naive_softmax(q, k, v, case):
+        k, v = _repeat_kv(q, k, v)
+        s = (q @ k.transpose(-2, -1)) * case.scale
+        s = s.masked_fill(~case.dense_mask(), -math.inf)
+        return torch.softmax(s, dim=-1) @ v  # an all -inf row gives NaN
+
+    case = make_case(LQ_GT_LK, "empty_rows", torch.float32)
+    msg = _failure(naive_softmax, [case], check_grads=False)
+    assert "empty_rows" in msg and "got nan, oracle 0" in msg and "error inf" in msg
+    b, h, i, _ = _worst_index(msg, "O")
+    assert not bool(case.dense_mask()[b, h, i].any()), (
+        f"row {(b, h, i)} of the message is not fully masked"
+    )
+
+
+def test_finite_mask_value_fails_on_fully_masked_rows() -> None:
+    def minus_1e6(q, k, v, case):  # the Triton tutorial's masking: a finite -1e6
+        k, v = _repeat_kv(q, k, v)
+        s = (q @ k.transpose(-2, -1)) * case.scale
+        s = s.masked_fill(~case.dense_mask(), -1.0e6)
+        return torch.softmax(s, dim=-1) @ v
+
+    partial = make_case(LQ_LT_LK, "padding", torch.float32)
+    assert assert_attention_close(minus_1e6, cases=[partial], check_grads=False).passed
+    case = make_case(LQ_LT_LK, "empty_rows", torch.float32)
+    msg = _failure(minus_1e6, [case], check_grads=False)
+    b, h, i, c = _worst_index(msg, "O")
+    assert not bool(case.dense_mask()[b, h, i].any()), (
+        "the worst element must sit in a fully-masked row"
+    )
+    assert "oracle 0\n" in msg
+
+
+def test_base2_lse_fails_and_converted_passes() -> None:
+    def base2(q, k, v, case):
+        o, lse = flashledger_fn(q, k, v, case)
+        return o, lse_to_base2(lse)
+
+    case = make_case(LQ_LT_LK, "causal_top_left", torch.float32)
+    msg = _failure(base2, [case], check_grads=False)
+    assert "LSE differs from the float64 oracle" in msg
+    idx = _worst_index(msg, "LSE")
+    assert len(idx) == 3  # (B, Hq, Lq)
+
+    def converted(q, k, v, case):
+        o, lse2 = base2(q, k, v, case)
+        return o, lse_from_base2(lse2)
+
+    assert assert_attention_close(converted, cases=[case], check_grads=False).passed
+
+
+def test_dropped_scale_fails_and_names_the_worst_element() -> None:
+    def unscaled(q, k, v, case):
+        k, v = _repeat_kv(q, k, v)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=case.dense_mask(), scale=1.0)
+
+    case = make_case(LQ_GT_LK, "none", torch.float64)
+    msg = _failure(unscaled, [case])
+    idx = _worst_index(msg, "O")
+    q, k, v, _ = case.inputs()
+    got = unscaled(q, k, v, case)
+    want = fl.reference_forward(q, k, v, scale=case.scale).o
+    err = (got - want).abs()
+    assert idx == tuple(int(i) for i in torch.unravel_index(err.argmax(), err.shape))
+    assert f"got {got[idx].item():.6g}, oracle {want[idx].item():.6g}" in msg
+    assert f"error {err.max().item():.3g} >" in msg
+
+
+def test_wrong_gradient_fails_on_the_gradient() -> None:
+    class DetachV(torch.autograd.Function):  # forward right, dV forgotten
+        @staticmethod
+        def forward(ctx, v):  # type: ignore[override]
+            return v.clone()
+
+        @staticmethod
+        def backward(ctx, grad):  # type: ignore[override]
+            return torch.zeros_like(grad)
+
+    def no_dv(q, k, v, case):
+        o, lse = flashledger_fn(q, k, DetachV.apply(v), case)
+        return o, lse
+
+    msg = _failure(no_dv, [make_case(LQ_LT_LK, "window", torch.float32)])
+    assert "dV differs from the float64 oracle" in msg and "got 0," in msg
+    assert "3 x naive float32 error" in msg
+
+
+def test_contract_violations_are_named() -> None:
+    case = make_case(LQ_LT_LK, "none", torch.float32)
+    msg = _failure(lambda q, k, v, c: q[..., :2], [case])
+    assert "fn returned O of shape (1, 2, 97, 2); expected (B, Hq, Lq, d_v) = (1, 2, 97, 5)" in msg
+    msg = _failure(lambda q, k, v, c: "O", [case])
+    assert "fn must return O or (O, LSE) as tensors, got str" in msg
+
+    def raises(q, k, v, c):
+        raise NotImplementedError("no GQA here")
+
+    msg = _failure(raises, [case])
+    assert "NotImplementedError: no GQA here" in msg and "masks=, gqa=, head_dim_v=" in msg
+
+
+def test_bad_arguments_are_rejected_with_what_is_allowed() -> None:
+    with pytest.raises(TypeError, match="fn must be callable"):
+        assert_attention_close("sdpa")  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError, match="unknown mask kind 'diagonal'; allowed: none, causal_top_left"
+    ):
+        assert_attention_close(sdpa_fn, masks=("diagonal",))
+    with pytest.raises(ValueError, match="unknown preset 'flash'"):
+        assert_attention_close(sdpa_fn, conventions="flash")
+    with pytest.raises(ValueError, match="grad_factor must be a finite number >= 1"):
+        assert_attention_close(sdpa_fn, grad_factor=0.5)
+    with pytest.raises(TypeError, match="non-empty sequence"):
+        assert_attention_close(sdpa_fn, cases=[])
+    with pytest.raises(
+        ValueError, match=r"Shape.heads_q \(3\) must be a multiple of heads_kv \(2\)"
+    ):
+        Shape(1, 3, 2, 4, 4, 8)
+
+
+# -- the case object ----------------------------------------------------------------------
+def test_case_hands_over_mask_both_ways_and_fixed_inputs() -> None:
+    case = make_case(LQ_GT_LK, "causal_bottom_right", torch.bfloat16, conventions=fl.FLASH_ATTN_2)
+    dense = case.dense_mask()
+    assert dense is not None and dense.shape == (2, 4, 113, 97) and dense.dtype == torch.bool
+    i = torch.arange(113)[:, None]
+    j = torch.arange(97)[None, :]
+    assert torch.equal(dense[1, 3], j <= i + 97 - 113)
+    assert case.align == "bottom_right" and math.isclose(case.scale, 1 / math.sqrt(7))
+    q, k, v, do = case.inputs()
+    assert (q.shape, k.shape, v.shape, do.shape) == (
+        (2, 4, 113, 7),
+        (2, 2, 97, 7),
+        (2, 2, 97, 7),
+        (2, 4, 113, 7),
+    )
+    assert q.dtype == torch.bfloat16 and torch.equal(q, case.inputs()[0])
+    assert case.name == "causal_bottom_right B2 H4/2 113x97 d7 bfloat16 [flash_attn_2]"
+    window = make_case(LQ_GT_LK, "window", torch.float32, conventions=fl.SEED)
+    assert (
+        window.align == "top_left"
+        and make_case(LQ_GT_LK, "none", torch.float32).dense_mask() is None
+    )
+
+
+def test_empty_rows_case_has_fully_masked_rows() -> None:
+    case = make_case(LQ_LT_LK, "empty_rows", torch.float32)
+    visible = case.dense_mask().any(dim=-1)  # (B, Hq, Lq)
+    assert not bool(visible[..., 0].any()) and not bool(visible[..., 97 // 2].any())
+    assert bool(visible.sum() > 90)
+
+
+def test_naive_attention_rounds_in_its_dtype() -> None:
+    case = make_case(LQ_LT_LK, "causal_top_left", torch.float16)
+    q, k, v, _ = case.inputs()
+    o16, _ = naive_attention(q, k, v, case)
+    o64, _ = naive_attention(*(t.double() for t in (q, k, v)), case)
+    err = (o16.double() - o64).abs().max().item()
+    assert o16.dtype == torch.float16 and 1e-4 < err < 1e-2, err
+
+
+# -- base-2 LSE ---------------------------------------------------------------------------
+def test_lse_base2_round_trip_keeps_special_values() -> None:
+    lse = torch.tensor([0.0, 1.5, -2.25, math.inf, -math.inf], dtype=torch.float64)
+    lse2 = lse_to_base2(lse)
+    assert torch.allclose(lse2[:3], lse[:3] / math.log(2), rtol=1e-15, atol=0)
+    assert lse2[3] == math.inf and lse2[4] == -math.inf and lse2[0] == 0
+    assert torch.allclose(lse_from_base2(lse2), lse, rtol=1e-15, atol=0)
+    assert lse_to_base2(lse.float()).dtype == torch.float32
+
+
+def triton_style_base2(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: Case, *, block: int = 32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tiny blocked forward in the Triton tutorial's style: exp2, and LSE stored as m + log2(ℓ)."""
+    k, v = _repeat_kv(q, k, v)
+    qk_scale = case.scale * 1.4426950408889634  # scale * log2(e)
+    dense = case.dense_mask()
+    b, h, lq, _ = q.shape
+    m = torch.full((b, h, lq), -math.inf)  # (B, H, Lq) running max, base 2
+    ell = torch.zeros(b, h, lq)  # (B, H, Lq)
+    acc = torch.zeros(b, h, lq, v.shape[-1])  # (B, H, Lq, d_v)
+    for k0 in range(0, k.shape[2], block):
+        s = (
+            q.float() @ k[:, :, k0 : k0 + block].float().transpose(-2, -1)
+        ) * qk_scale  # (B, H, Lq, bk)
+        if dense is not None:
+            s = s.masked_fill(~dense[..., k0 : k0 + block], -math.inf)
+        m_new = torch.maximum(m, s.amax(dim=-1))  # (B, H, Lq)
+        m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)
+        alpha = torch.exp2(
+            torch.where(torch.isinf(m), -math.inf, m - m_safe)
+        )  # 0 for an empty state
+        p = torch.exp2(s - m_safe[..., None])  # (B, H, Lq, bk)
+        ell = alpha * ell + p.sum(dim=-1)
+        acc = alpha[..., None] * acc + p @ v[:, :, k0 : k0 + block].float()
+        m = m_new
+    empty = ell == 0
+    o = torch.where(empty[..., None], 0.0, acc / torch.where(empty, 1.0, ell)[..., None])
+    lse2 = torch.where(empty, -math.inf, m + torch.log2(torch.where(empty, 1.0, ell)))
+    return o.to(q.dtype), lse2
+
+
+def test_tiny_base2_kernel_matches_after_conversion() -> None:
+    cases = [make_case(LQ_LT_LK, kind, torch.float32) for kind in ("none", "empty_rows", "window")]
+    for case in cases:
+        q, k, v, _ = case.inputs()
+        _, lse2 = triton_style_base2(q, k, v, case)
+        want = fl.reference_forward(q, k, v, mask=case.mask, scale=case.scale).lse
+        assert torch.equal(torch.isinf(lse2), torch.isinf(want)), case.name
+        finite = torch.isfinite(want)
+        assert torch.allclose(lse_to_base2(want)[finite], lse2[finite].double(), atol=1e-5), (
+            case.name
+        )
+
+    def natural(q, k, v, case):
+        o, lse2 = triton_style_base2(q, k, v, case)
+        return o, lse_from_base2(lse2)
+
+    assert assert_attention_close(natural, cases=cases, check_grads=False).passed
+    msg = _failure(triton_style_base2, cases, check_grads=False)
+    assert "3 of 3 cases" in msg and "LSE differs" in msg
