@@ -180,8 +180,8 @@ class Ledger:
         cols = list(rows[0])
         cells = [[_fmt(r[k]) for k in cols] for r in rows]
         widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(cols)]
-        lines = [head, "  ".join(k.ljust(w) for k, w in zip(cols, widths))]
-        lines += ["  ".join(v.ljust(w) for v, w in zip(c, widths)) for c in cells]
+        lines = [head, "  ".join(k.ljust(w) for k, w in zip(cols, widths)).rstrip()]
+        lines += ["  ".join(v.ljust(w) for v, w in zip(c, widths)).rstrip() for c in cells]
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
