@@ -2,12 +2,14 @@
 
 Each test opens a fresh page on the shared server (see conftest.py), which
 also fails any test whose page requested something outside 127.0.0.1.
-Screenshots of every section land in tests/browser/artifacts/; the README's
-picture is written to docs/img/explorer.png.
+Screenshots of every section land in tests/browser/artifacts/. The README's
+pictures (docs/img/explorer.png, docs/img/ring.png) are rewritten only when
+FLASHLEDGER_UPDATE_DOCS_IMAGES=1 is set, so a test run leaves the tree clean.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,10 @@ from playwright.sync_api import expect
 pytestmark = pytest.mark.browser
 expect.set_options(timeout=20_000)
 
-README_IMAGE = Path(__file__).resolve().parents[2] / "docs" / "img" / "explorer.png"
+ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
+DOCS_IMG = Path(__file__).resolve().parents[2] / "docs" / "img"
+IMAGES = DOCS_IMG if os.environ.get("FLASHLEDGER_UPDATE_DOCS_IMAGES") == "1" else ARTIFACTS
+README_IMAGE = IMAGES / "explorer.png"
 SECTIONS = {
     "running": "#s1-live tbody tr",
     "ledger": "#ledger-table tbody tr",
@@ -209,7 +214,7 @@ def test_url_state_survives_a_reload(visit: Any) -> None:
     assert value(page, "m") == 2.0
 
 
-RING_IMAGE = README_IMAGE.parent / "ring.png"
+RING_IMAGE = IMAGES / "ring.png"
 
 
 def test_ring_section_steps_to_the_oracle(visit: Any) -> None:
