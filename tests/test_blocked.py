@@ -306,8 +306,11 @@ def test_both_loop_orders_equal_the_oracle(bq, bk, mask_name, gen, assert_close)
 def test_default_tiles_and_layouts(gen, assert_close):
     q = torch.randn(3, 200, 4, dtype=torch.float64, generator=gen)
     res = fl.blocked_forward(q, q, q, mask=fl.Causal())
-    assert res.ledger.block_q == 128 and res.ledger.block_k == 128
-    assert (res.ledger.tiles_q, res.ledger.tiles_k) == (2, 2)
+    from flashledger.blocked import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q
+
+    assert (res.ledger.block_q, res.ledger.block_k) == (DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K)
+    want = (-(-200 // DEFAULT_BLOCK_Q), -(-200 // DEFAULT_BLOCK_K))
+    assert (res.ledger.tiles_q, res.ledger.tiles_k) == want
     assert res.o.shape == (3, 200, 4) and res.lse.shape == (3, 200)
     ref = fl.reference_forward(q, q, q, mask=fl.Causal())
     assert_close(res.o, ref.o, rtol=TOL, name="O with default tiles")

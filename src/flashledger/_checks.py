@@ -28,6 +28,9 @@ def check_float_tensor(name: str, x: Any) -> torch.Tensor:
 
 def check_finite(name: str, x: torch.Tensor, *, allow_neg_inf: bool = False) -> None:
     """Raise ``ValueError`` naming the first offending element of ``x``."""
+    ok = bool(torch.isfinite(x).all()) if not allow_neg_inf else bool((x < math.inf).all())
+    if ok:  # one pass in the common case; the slow search below only names the culprit
+        return
     bad = torch.isnan(x) | (torch.isinf(x) if not allow_neg_inf else (x == math.inf))
     if bool(bad.any()):
         idx = tuple(int(i) for i in torch.nonzero(bad)[0].tolist())

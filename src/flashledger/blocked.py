@@ -51,12 +51,33 @@ as if every query head read its own K/V (MHA):
 
 Exponentials: ``bq·bk`` per tile run, plus ``bq`` rescale factors per forward
 tile run.
+
+Tracing off is the same loop with no records: the results are identical bit
+for bit and the counters equal. What makes it a real CPU attention:
+
+- every matmul covers all batch and head dims at once, as ``(B·Hkv, G·bq, ·)``
+  (GQA stacks a K/V head's query heads), with large tiles (default 256 x 256);
+- tile-sized buffers are allocated once per call and reused (``out=`` and
+  in-place ops), and ``acc`` and the gradients accumulate inside the matmul
+  (``baddbmm_``), stored in the layout whose matmul runs fastest
+  (``accᵀ``, ``dQᵀ``, ``dKᵀ``, ``dVᵀ``: float64 GEMMs lose up to 40% otherwise);
+- a scale that is a power of two (``1/sqrt(d)`` for d = 16, 64, 256...) rides on
+  the matmul as its alpha; others are applied afterwards, as the reference does;
+- the backward recomputes each ``S`` with the forward's own call, so ``P =
+  exp(S - λ)`` is rebuilt from bit for bit the scores that produced ``λ``;
+- exponentials are ``exp2((x - shift)·log2 e)`` (``online.exp_shifted``);
+- full tiles are counted in closed form; partial tiles' mask sums stay on the
+  device and are read once per pass (no host synchronisation per tile).
+
+dQ accumulates tile by tile in its own buffer and is laid out once at the end,
+so the backward holds two copies of dQ at its peak (see docs/perf.md).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -79,8 +100,11 @@ __all__ = [
 ]
 
 LoopOrder = Literal["fa2", "fa1"]
-DEFAULT_BLOCK_Q = 128
-DEFAULT_BLOCK_K = 128
+# Chosen by measurement (docs/perf.md): on a 2-core AVX-512 CPU, 256 x 256 tiles over all
+# heads at once keep both cores busy in every matmul and the tile buffers near the cores;
+# smaller tiles pay per-tile overhead, larger ones spill the buffers and waste the diagonal.
+DEFAULT_BLOCK_Q = 256
+DEFAULT_BLOCK_K = 256
 
 
 @dataclass(frozen=True)
@@ -136,13 +160,20 @@ class _Recorder:
 
 
 class _Book:
-    """Counter bookkeeping shared by both passes."""
+    """Counter bookkeeping shared by both passes.
+
+    Full tiles are counted in closed form. Partial tiles and dropout need a
+    sum over a boolean tile; those sums stay on the inputs' device and are
+    read once, by ``flush`` (no host synchronisation per tile).
+    """
 
     def __init__(self, pb: Problem, counters: Counters) -> None:
         b, hq = pb.shape[:2]
         self.bh = b * hq
         self.c = counters
         self.d, self.dv = pb.shape[6], pb.shape[7]
+        self._visible: torch.Tensor | None = None  # pending visible dots (0-d int64)
+        self._dropped: torch.Tensor | None = None  # pending dropped entries (0-d int64)
 
     def skip(self) -> None:
         self.c.tiles_skipped += 1
@@ -167,34 +198,144 @@ class _Book:
         else:
             assert vis is not None
             c.tiles_partial += 1
-            c.qk_dots_visible += _count(vis, area)
+            self._visible = _pending(self._visible, vis, area)
         c.exps += area + (bq * self.bh if forward else 0)
         if keep is not None:
             dropped = ~keep if vis is None else (~keep & vis)
-            c.dropped += _count(dropped, area)
+            self._dropped = _pending(self._dropped, dropped, area)
 
     def io(self, read: int = 0, write: int = 0) -> None:
         """Book slow-memory traffic per (batch, query head)."""
         self.c.elements_read += read * self.bh
         self.c.elements_written += write * self.bh
 
+    def flush(self) -> None:
+        """Move the pending on-device counts into the counters."""
+        if self._visible is not None:
+            self.c.qk_dots_visible += int(self._visible)
+            self._visible = None
+        if self._dropped is not None:
+            self.c.dropped += int(self._dropped)
+            self._dropped = None
 
-def _count(x: torch.Tensor, area: int) -> int:
-    """True entries of a broadcastable bool tile, counted over the full ``area``."""
-    return int(x.sum()) * (area // x.numel())
+
+def _pending(total: torch.Tensor | None, x: torch.Tensor, area: int) -> torch.Tensor:
+    """Add the true entries of a broadcastable bool tile, counted over the full ``area``."""
+    n = x.sum() * (area // x.numel())  # 0-d int64 on x's device
+    return n if total is None else total + n
+
+
+class _Workspace:
+    """Tile-sized buffers of one call, reused by every tile step.
+
+    A fresh tile-sized tensor per step costs page faults and allocator work;
+    the loop instead writes scores, probabilities, ``dP``/``dS`` and the
+    on-chip ``dK_j``/``dV_j`` into these buffers with ``out=`` and in-place
+    ops. ``get(slot, *shape)`` is a contiguous view of the slot's first
+    elements (ragged tiles use a prefix); views are made once per shape.
+    """
+
+    def __init__(self, pb: Problem, sizes: Sequence[int]) -> None:
+        self._slots = [torch.empty(n, dtype=pb.dtype, device=pb.geo.device) for n in sizes]
+        self._views: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def get(self, slot: int, *shape: int) -> torch.Tensor:
+        view = self._views.get((slot, *shape))
+        if view is None:
+            view = self._slots[slot][: math.prod(shape)].view(shape)
+            self._views[(slot, *shape)] = view
+        return view
+
+
+# -- layout: the loop works on (B·Hkv, G·rows, ·) so one batched matmul covers every head --
+def _rows(x5: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+    """Rows ``[r0, r1)`` of a query-side ``(B, Hkv, G, L, X)`` tensor as ``(B·Hkv, G·(r1-r0), X)``.
+
+    A view when ``G = 1``; a copy for GQA (the query heads of one K/V head
+    stacked, so each K/V tile is read once per group).
+    """
+    b, hkv, g, _, x = x5.shape
+    return x5[..., r0:r1, :].reshape(b * hkv, g * (r1 - r0), x)
+
+
+def _row_stats(r4: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+    """Rows ``[r0, r1)`` of ``(B, Hkv, G, L)`` statistics as ``(B·Hkv, G·(r1-r0), 1)``."""
+    b, hkv, g, _ = r4.shape
+    return r4[..., r0:r1].reshape(b * hkv, g * (r1 - r0), 1)
+
+
+def _keys(x5: torch.Tensor, k0: int, k1: int) -> torch.Tensor:
+    """Keys ``[k0, k1)`` of a key-side ``(B, Hkv, 1, L, X)`` tensor as a ``(B·Hkv, k1-k0, X)`` view."""
+    b, hkv, _, _, x = x5.shape
+    return x5[..., k0:k1, :].view(b * hkv, k1 - k0, x)
+
+
+def _unflat(pb: Problem, x: torch.Tensor) -> torch.Tensor:
+    """``(B·Hkv, G·rows, *)`` -> ``(B, Hkv, G, rows, *)`` (a view)."""
+    b, _, hkv, g = pb.shape[:4]
+    return x.view(b, hkv, g, -1, *x.shape[2:])
+
+
+def _plain_scores(pb: Problem) -> bool:
+    """True when the scores are just ``scale · q kᵀ`` (no softcap, ALiBi or bias)."""
+    sm = pb.smod
+    return sm.softcap is None and sm.slopes is None and sm.bias is None
+
+
+def _scale_in_matmul(pb: Problem) -> bool:
+    """Plain scores whose scale is a power of two (``1/sqrt(d)`` for d = 4, 16, 64, 256...).
+
+    Then ``scale · (q kᵀ)`` rounds exactly like the reference's ``(q kᵀ) · scale``
+    and the scale rides on the matmul (alpha) for free; any other scale is
+    applied afterwards, as the reference does, so the scores stay bit for bit
+    the reference's.
+    """
+    return _plain_scores(pb) and math.frexp(pb.smod.scale)[0] == 0.5
 
 
 def _tile_scores(
-    pb: Problem, qi: torch.Tensor, kj: torch.Tensor, kind: int, q0: int, q1: int, k0: int, k1: int
+    pb: Problem,
+    ws: _Workspace,
+    qi: torch.Tensor,
+    kt: torch.Tensor,
+    kind: int,
+    q0: int,
+    q1: int,
+    k0: int,
+    k1: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """``(s, t, vis, keep)`` of one tile: scores with the mask applied (partial tiles only)."""
-    qk = qi @ kj.transpose(-1, -2)  # (B, Hkv, G, bq, bk)
-    s, t = pb.smod.tile(qk, q0, q1, k0, k1)
+    """``(s, t, vis, keep)`` of one tile: scores with the mask applied (partial tiles only).
+
+    ``qi`` ``(B·Hkv, G·bq, d)``, ``kt`` = ``K_jᵀ`` ``(B·Hkv, d, bk)``; ``s``
+    ``(B·Hkv, G·bq, bk)`` in workspace slot 0 (plain scores: the scale folded
+    into the matmul).
+    """
+    qk = ws.get(0, qi.shape[0], qi.shape[1], kt.shape[2])  # (B·Hkv, G·bq, bk)
+    if _scale_in_matmul(pb):
+        torch.baddbmm(qk, qi, kt, beta=0.0, alpha=pb.smod.scale, out=qk)
+    else:
+        torch.bmm(qi, kt, out=qk)
+    return _finish_scores(pb, qk, kind, q0, q1, k0, k1)
+
+
+def _finish_scores(
+    pb: Problem, qk: torch.Tensor, kind: int, q0: int, q1: int, k0: int, k1: int
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Final scores from the tile's ``q kᵀ`` ``(B·Hkv, G·bq, bk)`` (already scaled when the
+    scale rides on the matmul).
+
+    Returns ``(s, t, vis, keep)``: softcap's ``t``, the visibility (partial
+    tiles) and the dropout keep mask in the 5-D layout, or None.
+    """
+    s, t = qk, None
+    if not _scale_in_matmul(pb):
+        s5, t = pb.smod.tile(_unflat(pb, qk), q0, q1, k0, k1)
+        s = s5.reshape(qk.shape)
     vis = None
     if kind == PARTIAL:
         vis = pb.mask_tile(q0, q1, k0, k1)  # (Bm, Hkv|1, G|1, bq, bk)
-        s = s.masked_fill(~vis, -math.inf)
-    keep = pb.keep_tile(q0, q1, k0, k1)
+        _unflat(pb, s).masked_fill_(~vis, -math.inf)
+    keep = pb.keep_tile(q0, q1, k0, k1)  # (B, Hkv, G, bq, bk) or None
     return s, t, vis, keep
 
 
@@ -223,6 +364,11 @@ def _classes(pb: Problem, block_q: int, block_k: int) -> list[list[int]] | None:
     return None if pb.mask is None else pb.mask.tile_classes(block_q, block_k).tolist()
 
 
+def _workspace(pb: Problem, block_q: int, block_k: int) -> _Workspace:
+    b, _, hkv, g, lq, lk = pb.shape[:6]
+    return _Workspace(pb, [b * hkv * g * min(block_q, lq) * min(block_k, lk)])
+
+
 # ----------------------------------------------------------------------------------------
 # forward
 # ----------------------------------------------------------------------------------------
@@ -245,33 +391,56 @@ def _forward(
     qtiles, ktiles = _tiles(lq, block_q), _tiles(lk, block_k)
     kind_of = (lambda i, j: FULL) if classes is None else (lambda i, j: classes[i][j])
     dt, dev = pb.dtype, pb.geo.device
+    ws = _workspace(pb, block_q, block_k)
+    n = b * hkv
     steps = 0
 
     def record(**kw: Any) -> None:
         nonlocal steps
+        book.flush()
         step = ForwardTileStep(index=steps, **kw)
         steps += 1
         for o_ in obs:
             if hasattr(o_, "forward_tile"):
                 o_.forward_tile(step)
 
+    def user_q(x: torch.Tensor) -> torch.Tensor:
+        return pb.user_q(_unflat(pb, x))
+
     if loop_order == "fa2":
         o = torch.empty(b, hkv, g, lq, dv, dtype=dt, device=dev)  # (B, Hkv, G, Lq, d_v)
         lse = torch.empty(b, hkv, g, lq, dtype=dt, device=dev)  # (B, Hkv, G, Lq)
+        # V and acc are stored transposed (d_v rows): acc' = α acc + P̃ V is then formed as
+        # accᵀ += Vᵀ P̃ᵀ, the matmul layout that runs fastest on CPU in float64.
+        v_t = pb.v.reshape(n, lk, dv).mT.contiguous()  # (B·Hkv, d_v, Lk)
+        # per key tile: K_jᵀ (B·Hkv, d, bk) and V_j (B·Hkv, bk, d_v), views
+        kv_t = [(_keys(pb.k, k0, k1).mT, v_t[..., k0:k1].mT) for k0, k1 in ktiles]
         for i, (q0, q1) in enumerate(qtiles):
-            qi = pb.q[..., q0:q1, :]  # (B, Hkv, G, bq, d)
-            state = online.OnlineState.empty((b, hkv, g, q1 - q0), dv, dtype=dt, device=dev)
+            qi = _rows(pb.q, q0, q1)  # (B·Hkv, G·bq, d)
+            r = qi.shape[1]
+            state = online.OnlineState(
+                m=torch.full((n, r), -math.inf, dtype=dt, device=dev),  # (B·Hkv, G·bq)
+                ell=torch.zeros(n, r, dtype=dt, device=dev),  # (B·Hkv, G·bq)
+                acc=torch.zeros(n, dv, r, dtype=dt, device=dev).mT,  # (B·Hkv, G·bq, d_v)
+            )
             ran = False
             for j, (k0, k1) in enumerate(ktiles):
                 kind = kind_of(i, j)
                 if kind == EMPTY:
                     book.skip()
                     continue
-                kj, vj = pb.k[..., k0:k1, :], pb.v[..., k0:k1, :]
-                s, _, vis, keep = _tile_scores(pb, qi, kj, kind, q0, q1, k0, k1)
-                m_before = state.m
+                kt, vj = kv_t[j]
+                s, _, vis, keep = _tile_scores(pb, ws, qi, kt, kind, q0, q1, k0, k1)
+                if wants:  # the step overwrites s and the state in place
+                    s_seen, m_before = s.clone(), state.m.clone()
                 # -- update m, ell, acc (the seed's section 01) --
-                state, alpha, p = online.step(state, s, vj, keep=keep, keep_scale=pb.keep_scale)
+                alpha, p = online.step_(
+                    state,
+                    s,
+                    vj,
+                    keep=None if keep is None else keep.reshape(s.shape),
+                    keep_scale=pb.keep_scale,
+                )
                 book.run(kind, q1 - q0, k1 - k0, vis, keep, forward=True)
                 book.io(read=(k1 - k0) * (d + dv))
                 ran = True
@@ -280,16 +449,16 @@ def _forward(
                     if wants:
                         o_now, _ = online.finalize(state)
                         tens = dict(
-                            s=pb.user_q(s.clone()),
-                            block_max=pb.user_rows(s.amax(dim=-1)),
-                            m_before=pb.user_rows(m_before.clone()),
-                            m_after=pb.user_rows(state.m.clone()),
-                            alpha=pb.user_rows(alpha.clone()),
-                            ell=pb.user_rows(state.ell.clone()),
-                            acc=pb.user_q(state.acc.clone()),
-                            o=pb.user_q(o_now),
-                            p=pb.user_q(p.clone()),
-                            keep=None if keep is None else pb.user_q(keep.expand_as(p).clone()),
+                            s=user_q(s_seen),
+                            block_max=user_q(s_seen.amax(dim=-1)),
+                            m_before=user_q(m_before),
+                            m_after=user_q(state.m.clone()),
+                            alpha=user_q(alpha),
+                            ell=user_q(state.ell.clone()),
+                            acc=user_q(state.acc.clone()),
+                            o=user_q(o_now),
+                            p=user_q(p.clone()),
+                            keep=None if keep is None else pb.user_q(keep),
                         )
                     record(
                         q_tile=i,
@@ -301,8 +470,11 @@ def _forward(
                     )
             if ran:
                 book.io(read=(q1 - q0) * d)
-            o[..., q0:q1, :], lse[..., q0:q1] = online.finalize(state)
+            o_i, lse_i = online.finalize(state)  # (B·Hkv, G·bq, d_v), (B·Hkv, G·bq)
+            o[..., q0:q1, :] = _unflat(pb, o_i)
+            lse[..., q0:q1] = _unflat(pb, lse_i)
             book.io(write=(q1 - q0) * (dv + 1))
+        book.flush()
         return o, lse, ledger
 
     # FlashAttention-1 order: O, m, ell live in slow memory and are updated every step.
@@ -311,15 +483,16 @@ def _forward(
     ell = torch.zeros(b, hkv, g, lq, dtype=dt, device=dev)
     book.io(write=lq * (dv + 2))
     for j, (k0, k1) in enumerate(ktiles):
-        kj, vj = pb.k[..., k0:k1, :], pb.v[..., k0:k1, :]
+        kj, vj = _keys(pb.k, k0, k1), pb.v[..., k0:k1, :]  # (B·Hkv, bk, d), (B, Hkv, 1, bk, d_v)
         ran = False
         for i, (q0, q1) in enumerate(qtiles):
             kind = kind_of(i, j)
             if kind == EMPTY:
                 book.skip()
                 continue
-            qi = pb.q[..., q0:q1, :]
-            s, _, vis, keep = _tile_scores(pb, qi, kj, kind, q0, q1, k0, k1)
+            qi = _rows(pb.q, q0, q1)  # (B·Hkv, G·bq, d)
+            s3, _, vis, keep = _tile_scores(pb, ws, qi, kj.mT, kind, q0, q1, k0, k1)
+            s = _unflat(pb, s3)  # (B, Hkv, G, bq, bk)
             m_before = m[..., q0:q1]
             m_new, ell_new, o_new, alpha, p = online.step_normalized(
                 m_before,
@@ -362,6 +535,7 @@ def _forward(
     empty = ell == 0
     lse = torch.where(empty, -math.inf, m + torch.log(torch.where(empty, 1.0, ell)))
     book.io(read=2 * lq, write=lq)
+    book.flush()
     return o, lse, ledger
 
 
@@ -392,7 +566,7 @@ def blocked_forward(
 
     q ``(..., Lq, d)``, k ``(..., Lk, d)``, v ``(..., Lk, d_v)`` with ``...`` =
     ``()``, ``(H,)`` or ``(B, H)`` (K/V may have fewer heads: GQA). Tiles of
-    ``block_q x block_k`` (default 128 x 128; any sizes >= 1, ragged last
+    ``block_q x block_k`` (default 256 x 256; any sizes >= 1, ragged last
     tiles). ``trace=True`` records every tile step in ``result.ledger.records``.
     ``raw_lse=True`` reports -inf for fully-masked rows whatever the
     conventions (a partial result to merge, as split-KV and ring attention do).
@@ -452,6 +626,20 @@ def _backward(
     qtiles, ktiles = _tiles(lq, block_q), _tiles(lk, block_k)
     kind_of = (lambda i, j: FULL) if classes is None else (lambda i, j: classes[i][j])
     dt, dev = pb.dtype, pb.geo.device
+    n = b * hkv
+    # The scores are recomputed by the forward's own call (``_tile_scores``), so the
+    # rebuilt P = exp(S - λ) sees bit for bit the S that produced λ. With plain scores the
+    # gradient matmuls carry the scale as their alpha (``a``). The gradients are
+    # accumulated transposed, dQᵀ_i (d, G·bq) and dKᵀ_j, dVᵀ_j (d, bk): the matmul layouts
+    # that run fastest on CPU.
+    plain = _plain_scores(pb)
+    a = pb.smod.scale if plain else 1.0
+    rows, cols = g * min(block_q, lq), min(block_k, lk)
+    ws = _Workspace(
+        pb,
+        [n * rows * cols] * 4  # S (slot 0, as in the forward), dP, dS, P
+        + [n * d * cols, n * dv * cols],  # dKᵀ_j, dVᵀ_j
+    )
 
     # -- preprocess: D = rowsum(dO ⊙ O); a gradient on the LSE folds into it --
     D = (do5 * o5).sum(dim=-1)  # (B, Hkv, G, Lq)
@@ -459,59 +647,85 @@ def _backward(
     book.io(read=lq * 2 * dv, write=lq)
     # a fully-masked row keeps every P = exp(-inf - λ) at 0, whatever LSE convention it carries
     lse_safe = torch.where(torch.isneginf(lse5), math.inf, lse5)  # (B, Hkv, G, Lq)
+    q_t = [_rows(pb.q, q0, q1) for q0, q1 in qtiles]  # (B·Hkv, G·bq, d), as in the forward
+    do_t = [_rows(do5, q0, q1) for q0, q1 in qtiles]  # (B·Hkv, G·bq, d_v)
+    qt_t, dot_t = [x.mT for x in q_t], [x.mT for x in do_t]  # transposed views
+    lse_t = [_row_stats(lse_safe, q0, q1) for q0, q1 in qtiles]  # (B·Hkv, G·bq, 1)
+    d_t = [_row_stats(d_eff, q0, q1) for q0, q1 in qtiles]  # (B·Hkv, G·bq, 1)
 
-    dq = torch.zeros(b, hkv, g, lq, d, dtype=dt, device=dev)  # (B, Hkv, G, Lq, d)
+    # dQᵀ is kept tile by tile, each tile contiguous so that the matmul accumulates into it
+    # in place (``baddbmm_``); it is laid out as (B, Hkv, G, Lq, d) at the end.
+    dq_tiles = torch.zeros(n * g * lq * d, dtype=dt, device=dev)
     book.io(write=lq * d)
+    dqt_t = [
+        dq_tiles[n * g * q0 * d : n * g * q1 * d].view(n, d, g * (q1 - q0)) for q0, q1 in qtiles
+    ]
     dk = torch.empty(b, hkv, 1, lk, d, dtype=dt, device=dev)  # (B, Hkv, 1, Lk, d)
     dv_ = torch.empty(b, hkv, 1, lk, dv, dtype=dt, device=dev)  # (B, Hkv, 1, Lk, d_v)
     bias5 = pb.smod.bias
     dbias5 = None if bias5 is None else torch.zeros_like(bias5)
     steps = 0
     for j, (k0, k1) in enumerate(ktiles):
-        kj, vj = pb.k[..., k0:k1, :], pb.v[..., k0:k1, :]
-        dk_j = torch.zeros(b, hkv, 1, k1 - k0, d, dtype=dt, device=dev)
-        dv_j = torch.zeros(b, hkv, 1, k1 - k0, dv, dtype=dt, device=dev)
+        bk = k1 - k0
+        kj, vj = _keys(pb.k, k0, k1), _keys(pb.v, k0, k1)  # (B·Hkv, bk, d), (B·Hkv, bk, d_v)
+        kt, vt = kj.mT, vj.mT  # views, (B·Hkv, d, bk), (B·Hkv, d_v, bk)
+        kt_c = kt.contiguous()  # Kᵀ_j for dQᵀ += Kᵀ_j dSᵀ
+        # dK_j, dV_j stay on chip for the whole key tile (stored transposed)
+        dkt_j, dvt_j = ws.get(4, n, d, bk).zero_(), ws.get(5, n, dv, bk).zero_()
         ran = False
         for i, (q0, q1) in enumerate(qtiles):
             kind = kind_of(i, j)
             if kind == EMPTY:
                 book.skip()
                 continue
-            qi, do_i = pb.q[..., q0:q1, :], do5[..., q0:q1, :]
-            s, t, vis, keep = _tile_scores(pb, qi, kj, kind, q0, q1, k0, k1)
+            qi, do_i = q_t[i], do_t[i]
+            r = qi.shape[1]
+            # -- recompute the scores; dP = dO Vᵀ --
+            s, t, vis, keep = _tile_scores(pb, ws, qi, kt, kind, q0, q1, k0, k1)
+            dp = torch.bmm(do_i, vt, out=ws.get(1, n, r, bk))  # (B·Hkv, G·bq, bk)
+            ds, p = ws.get(2, n, r, bk), ws.get(3, n, r, bk)  # (B·Hkv, G·bq, bk)
             # -- rebuild the probability block from the whole row's LSE --
-            p = torch.exp(s - lse_safe[..., q0:q1, None])  # (B, Hkv, G, bq, bk)
-            dp = do_i @ vj.transpose(-1, -2)  # (B, Hkv, G, bq, bk)
-            if keep is None:
-                pd = p
-            else:
-                pd = p * keep * pb.keep_scale
-                dp = dp * keep * pb.keep_scale
-            ds = p * (dp - d_eff[..., q0:q1, None])  # (B, Hkv, G, bq, bk)
-            dqk = pb.smod.grad_qk(ds, t)  # gradient of q kᵀ
-            dq_c = dqk @ kj  # (B, Hkv, G, bq, d)
-            dk_c = (dqk.transpose(-1, -2) @ qi).sum(dim=2, keepdim=True)  # (B, Hkv, 1, bk, d)
-            dv_c = (pd.transpose(-1, -2) @ do_i).sum(dim=2, keepdim=True)  # (B, Hkv, 1, bk, d_v)
-            dq[..., q0:q1, :] += dq_c
-            dk_j += dk_c
-            dv_j += dv_c
+            online.exp_shifted(s, lse_t[i], out=p)  # P = exp(S - λ)
+            p_seen = p.clone() if wants else None
+            if keep is not None:
+                keep3 = keep.reshape(p.shape)
+                dp.mul_(keep3).mul_(pb.keep_scale)
+            torch.sub(dp, d_t[i], out=ds).mul_(p)  # dS = P ⊙ (dP - D)
+            ds_seen = ds.clone() if wants else None
             if dbias5 is not None:
-                _add_bias_grad(dbias5, ds, pb, q0, q1, k0, k1)
-            book.run(kind, q1 - q0, k1 - k0, vis, keep, forward=False)
+                _add_bias_grad(dbias5, _unflat(pb, ds), pb, q0, q1, k0, k1)
+            if keep is not None:
+                p.mul_(keep3).mul_(pb.keep_scale)  # the dropped P that weighted V
+            if not plain:  # gradient of q kᵀ; plain scores carry the scale in alpha instead
+                ds.copy_(pb.smod.grad_qk(_unflat(pb, ds), t).view(ds.shape))
+            # -- accumulate: dQᵀ_i += a Kᵀ_j dSᵀ, dKᵀ_j += a Qᵀ_i dS, dVᵀ_j += dOᵀ_i P --
+            dqt_t[i].baddbmm_(kt_c, ds.mT, alpha=a)  # (B·Hkv, d, G·bq)
+            dkt_j.baddbmm_(qt_t[i], ds, alpha=a)  # (B·Hkv, d, bk), summed over the group
+            dvt_j.baddbmm_(dot_t[i], p)  # (B·Hkv, d_v, bk)
+            book.run(kind, q1 - q0, bk, vis, keep, forward=False)
             book.io(read=(q1 - q0) * (2 * d + dv + 2), write=(q1 - q0) * d)
             ran = True
             if obs:
+                book.flush()
                 tens = {}
                 if wants:
+                    assert p_seen is not None and ds_seen is not None
+
+                    def user_q(x: torch.Tensor) -> torch.Tensor:
+                        return pb.user_q(_unflat(pb, x))
+
+                    def user_k(x: torch.Tensor) -> torch.Tensor:
+                        return pb.user_k(x.reshape(b, hkv, *x.shape[1:]))
+
                     tens = dict(
-                        s=pb.user_q(s.clone()),
-                        p=pb.user_q(p.clone()),
-                        dp=pb.user_q(dp.clone()),
-                        ds=pb.user_q(ds.clone()),
-                        dq=pb.user_q(dq_c),
-                        dk=pb.user_k(dk_c),
-                        dv=pb.user_k(dv_c),
-                        keep=None if keep is None else pb.user_q(keep.expand_as(p).clone()),
+                        s=user_q(s.clone()),
+                        p=user_q(p_seen),
+                        dp=user_q(dp.clone()),
+                        ds=user_q(ds_seen),
+                        dq=user_q(torch.bmm(ds, kj).mul_(a)),
+                        dk=user_k(torch.bmm(ds.mT, qi).mul_(a)),
+                        dv=user_k(torch.bmm(p.mT, do_i)),
+                        keep=None if keep is None else pb.user_q(keep),
                     )
                 step = BackwardTileStep(
                     index=steps,
@@ -528,9 +742,13 @@ def _backward(
                         o_.backward_tile(step)
         if ran:
             book.io(read=(k1 - k0) * (d + dv))
-        dk[..., k0:k1, :] = dk_j
-        dv_[..., k0:k1, :] = dv_j
+        _keys(dk, k0, k1).copy_(dkt_j.mT)
+        _keys(dv_, k0, k1).copy_(dvt_j.mT)
         book.io(write=(k1 - k0) * (d + dv))
+    dq = torch.empty(b, hkv, g, lq, d, dtype=dt, device=dev)  # (B, Hkv, G, Lq, d)
+    for (q0, q1), dqt_i in zip(qtiles, dqt_t):
+        dq[..., q0:q1, :] = _unflat(pb, dqt_i.mT)
+    book.flush()
     return dq, dk, dv_, dbias5, D, ledger
 
 

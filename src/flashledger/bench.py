@@ -1,0 +1,787 @@
+"""``flashledger bench``: the blocked loop against PyTorch's CPU flash kernel, measured.
+
+For each configuration (sequence length ``L``, dtype, causal or not; batch
+``B``, heads ``H`` and head dim ``d`` fixed) the same process times, in
+interleaved rounds so that a busy machine slows every side alike:
+
+- ``flashledger``: ``flash_attention`` (the blocked loop, tracing off) with
+  the chosen tiles;
+- ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` (on CPU its
+  flash kernel, ``_scaled_dot_product_flash_attention_for_cpu``);
+- ``naive``: the materialised ``softmax(S) V`` (skipped above ``--naive-max-length``
+  or when its estimated memory exceeds ``--naive-max-gb``).
+
+Forward alone (under ``no_grad``) and forward + backward are timed; the
+median is reported. Attention FLOPs: ``4·B·H·L²·d`` forward, 2.5× that
+backward, halved for causal. The GEMM peak (a square 2048 matmul into a
+preallocated output) is measured in the same run, so "% of peak" compares
+like with like.
+
+Peak extra memory is measured per method in a fresh subprocess
+(``python -m flashledger.bench --measure-memory ...``): the resident-set
+high-water mark during one forward + backward, minus the resident set once
+the inputs exist (tracemalloc would not see PyTorch's allocations). On Linux
+the high-water mark is reset just before the call (``/proc/self/clear_refs``),
+and glibc is told to map every block of 128 KiB or more on its own
+(``MALLOC_MMAP_THRESHOLD_``) so that freed tensors leave the resident set and
+the mark counts live memory. A small warm-up call comes first: thread pools
+and library workspaces are not the method's.
+
+Results: a table on standard output, ``bench.json`` and ``bench.png`` (time
+and memory against ``L``, log scales) in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .autograd import flash_attention
+from .blocked import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, blocked_backward, blocked_forward
+from .masks import Causal
+
+__all__ = ["add_cli_arguments", "main", "run_cli"]
+
+METHODS = ("flashledger", "sdpa", "naive")
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+FULL_LENGTHS = (4096, 8192, 16384)
+QUICK_LENGTHS = (1024, 2048)
+GEMM_N = 2048  # square GEMM used for the peak
+
+
+# ----------------------------------------------------------------------------------------
+# the three methods
+# ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Config:
+    """One benchmark configuration."""
+
+    length: int  # L = Lq = Lk
+    dtype: str  # "float32" | "float64"
+    causal: bool
+    batch: int = 1
+    heads: int = 4
+    head_dim: int = 64
+    block_q: int = DEFAULT_BLOCK_Q
+    block_k: int = DEFAULT_BLOCK_K
+
+    @property
+    def fwd_flops(self) -> float:
+        """``4·B·H·L²·d``, halved for causal."""
+        f = 4.0 * self.batch * self.heads * self.length**2 * self.head_dim
+        return f / 2 if self.causal else f
+
+    @property
+    def fwdbwd_flops(self) -> float:
+        """Forward + backward (backward = 2.5× forward)."""
+        return 3.5 * self.fwd_flops
+
+    def naive_bytes(self) -> int:
+        """Rough peak of the naive method: about five ``B·H·L²`` matrices alive at once."""
+        item = torch.finfo(DTYPES[self.dtype]).bits // 8
+        return 5 * self.batch * self.heads * self.length**2 * item
+
+    def label(self) -> str:
+        c = "causal" if self.causal else "full"
+        return f"L={self.length} {self.dtype} {c}"
+
+
+def make_inputs(cfg: Config, *, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """``q, k, v`` (requiring grad) and ``do``, each ``(B, H, L, d)``."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (cfg.batch, cfg.heads, cfg.length, cfg.head_dim)
+    dt = DTYPES[cfg.dtype]
+    q, k, v, do = (torch.randn(shape, generator=gen, dtype=dt) for _ in range(4))
+    return q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True), do
+
+
+def _naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """The materialised formula: ``softmax(q kᵀ / sqrt(d)) v``."""
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])  # (B, H, L, L)
+    if causal:
+        keep = torch.ones(s.shape[-2:], dtype=torch.bool).tril()
+        s = s.masked_fill(~keep, -math.inf)
+    return torch.softmax(s, dim=-1) @ v
+
+
+def attention_fn(method: str, cfg: Config) -> Callable[..., torch.Tensor]:
+    """``fn(q, k, v) -> o`` for one method."""
+    if method == "flashledger":
+        mask = Causal() if cfg.causal else None
+        return lambda q, k, v: flash_attention(  # type: ignore[return-value]
+            q, k, v, mask=mask, block_q=cfg.block_q, block_k=cfg.block_k
+        )
+    if method == "sdpa":
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        return lambda q, k, v: sdpa(q, k, v, is_causal=cfg.causal)
+    if method == "naive":
+        return lambda q, k, v: _naive(q, k, v, cfg.causal)
+    raise ValueError(f"unknown method {method!r}; allowed: {', '.join(METHODS)}")
+
+
+def _clear_grads(*xs: torch.Tensor) -> None:
+    for x in xs:
+        x.grad = None
+
+
+def _fwd_runner(
+    fn: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> Callable[[], None]:
+    def run() -> None:
+        with torch.no_grad():
+            fn(q, k, v)
+
+    return run
+
+
+def _fwdbwd_runner(
+    fn: Callable[..., torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+) -> Callable[[], None]:
+    def run() -> None:
+        fn(q, k, v).backward(do)
+
+    return run
+
+
+# ----------------------------------------------------------------------------------------
+# timing
+# ----------------------------------------------------------------------------------------
+def gemm_peak(dtype: str, *, repeats: int = 5) -> float:
+    """GFLOP/s of a square ``2048`` matmul into a preallocated output (median)."""
+    dt = DTYPES[dtype]
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(GEMM_N, GEMM_N, generator=gen, dtype=dt)
+    b = torch.randn(GEMM_N, GEMM_N, generator=gen, dtype=dt)
+    c = torch.empty(GEMM_N, GEMM_N, dtype=dt)
+    torch.mm(a, b, out=c)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b, out=c)
+        times.append(time.perf_counter() - t0)
+    return 2.0 * GEMM_N**3 / statistics.median(times) / 1e9
+
+
+def time_interleaved(
+    runners: dict[str, Callable[[], None]],
+    *,
+    repeats: int,
+    budget_s: float,
+    reset: Callable[[], None],
+    advance: Callable[[float], None],
+) -> dict[str, dict[str, Any]]:
+    """Median seconds per runner: one warm-up each, then rounds that call every runner once.
+
+    Rounds stop after ``repeats``, or earlier (never before 3) once ``budget_s``
+    seconds have gone by. ``reset`` runs between calls, untimed.
+    """
+    for run in runners.values():
+        run()
+        reset()
+    samples: dict[str, list[float]] = {name: [] for name in runners}
+    start = time.perf_counter()
+    for rnd in range(repeats):
+        for name, run in runners.items():
+            t0 = time.perf_counter()
+            run()
+            samples[name].append(time.perf_counter() - t0)
+            reset()
+        advance(1.0)
+        if rnd + 1 >= 3 and time.perf_counter() - start > budget_s:
+            advance(float(repeats - rnd - 1))
+            break
+    return {
+        name: {"median_s": statistics.median(ts), "min_s": min(ts), "rounds": len(ts)}
+        for name, ts in samples.items()
+    }
+
+
+def max_abs_diff(cfg: Config, a: str, b: str, inputs: Sequence[torch.Tensor]) -> float:
+    """Largest ``|O_a - O_b|``: the benchmark times correct code."""
+    q, k, v = inputs[:3]
+    with torch.no_grad():
+        oa = attention_fn(a, cfg)(q, k, v)
+        ob = attention_fn(b, cfg)(q, k, v)
+    return float((oa - ob).abs().max())
+
+
+# ----------------------------------------------------------------------------------------
+# memory (fresh subprocess)
+# ----------------------------------------------------------------------------------------
+def _status_kb(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _maxrss_kb() -> int:
+    import resource  # POSIX only; the fallback where /proc is missing
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak // 1024 if sys.platform == "darwin" else peak  # bytes on macOS
+
+
+def measure_memory_here(method: str, cfg: Config) -> dict[str, Any]:
+    """Peak extra resident memory of one forward + backward, in this (fresh) process."""
+    fn = attention_fn(method, cfg)
+    # a small warm-up call first: thread pools and library workspaces are not the method's
+    warm = make_inputs(Config(length=min(cfg.length, 128), dtype=cfg.dtype, causal=cfg.causal))
+    fn(*warm[:3]).backward(warm[3])
+    del warm
+    q, k, v, do = make_inputs(cfg)
+    rss = _status_kb("VmRSS")
+    reset = False
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")  # reset the high-water mark to the current resident set
+        reset = True
+    except OSError:
+        pass
+    baseline = rss if rss is not None else _maxrss_kb()
+    fn(q, k, v).backward(do)
+    hwm = _status_kb("VmHWM") if reset else None
+    peak = hwm if hwm is not None else _maxrss_kb()
+    return {
+        "method": method,
+        "peak_extra_bytes": max(0, peak - baseline) * 1024,
+        "high_water_mark_reset": reset,
+    }
+
+
+def measure_memory(method: str, cfg: Config, *, timeout_s: float = 1800.0) -> dict[str, Any]:
+    """Run ``measure_memory_here`` in a fresh interpreter and return its JSON."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "flashledger.bench",
+        "--measure-memory",
+        method,
+        "--lengths",
+        str(cfg.length),
+        "--dtypes",
+        cfg.dtype,
+        "--causal",
+        "yes" if cfg.causal else "no",
+        "--batch",
+        str(cfg.batch),
+        "--heads",
+        str(cfg.heads),
+        "--head-dim",
+        str(cfg.head_dim),
+        "--tiles",
+        f"{cfg.block_q}x{cfg.block_k}",
+    ]
+    # glibc: every block of 128 KiB or more gets its own mapping, returned to the system when
+    # freed, so the high-water mark counts live tensors, not reused free lists
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(128 * 1024))
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout_s, check=False, env=env
+    )
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"memory measurement of {method} at {cfg.label()} failed: {tail}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+# ----------------------------------------------------------------------------------------
+# the traced path
+# ----------------------------------------------------------------------------------------
+def traced_overhead(
+    *, length: int = 64, head_dim: int = 16, heads: int = 1, block: int = 64, repeats: int = 30
+) -> dict[str, Any]:
+    """Forward + backward with ledger records on vs off, at explorer sizes (float64)."""
+    gen = torch.Generator().manual_seed(2)
+    q, k, v, do = (
+        torch.randn(heads, length, head_dim, generator=gen, dtype=torch.float64) for _ in range(4)
+    )
+    opts: dict[str, Any] = dict(mask=Causal(), block_q=block, block_k=block)
+
+    def run(trace: bool) -> Callable[[], None]:
+        def go() -> None:
+            fwd = blocked_forward(q, k, v, trace=trace, **opts)
+            blocked_backward(q, k, v, fwd.o, fwd.lse, do, trace=trace, **opts)
+
+        return go
+
+    res = time_interleaved(
+        {"fast": run(False), "traced": run(True)},
+        repeats=repeats,
+        budget_s=10.0,
+        reset=lambda: None,
+        advance=lambda _: None,
+    )
+    fast, traced = res["fast"]["median_s"], res["traced"]["median_s"]
+    return {
+        "length": length,
+        "head_dim": head_dim,
+        "heads": heads,
+        "block": block,
+        "dtype": "float64",
+        "mask": "causal",
+        "fast_ms": 1e3 * fast,
+        "traced_ms": 1e3 * traced,
+        "ratio": traced / fast,
+    }
+
+
+# ----------------------------------------------------------------------------------------
+# the run
+# ----------------------------------------------------------------------------------------
+def machine_info() -> dict[str, Any]:
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def _configs(args: argparse.Namespace) -> list[Config]:
+    return [
+        Config(
+            length=n,
+            dtype=dt,
+            causal=c,
+            batch=args.batch,
+            heads=args.heads,
+            head_dim=args.head_dim,
+            block_q=bq,
+            block_k=bk,
+        )
+        for dt in args.dtypes
+        for c in args.causal
+        for n in args.lengths
+        for bq, bk in args.tiles
+    ]
+
+
+def _naive_allowed(cfg: Config, args: argparse.Namespace) -> bool:
+    return (
+        not args.no_naive
+        and cfg.length <= args.naive_max_length
+        and cfg.naive_bytes() <= args.naive_max_gb * 2**30
+    )
+
+
+def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    """Measure every configuration; returns the JSON-ready report."""
+    from ._progress import progress
+
+    configs = _configs(args)
+    methods = {
+        cfg: [m for m in METHODS if m != "naive" or _naive_allowed(cfg, args)] for cfg in configs
+    }
+    steps = sum(2 * args.repeats + (0 if args.no_memory else len(ms)) for ms in methods.values())
+    report: dict[str, Any] = {
+        "machine": machine_info(),
+        "settings": {
+            "lengths": list(args.lengths),
+            "dtypes": list(args.dtypes),
+            "causal": list(args.causal),
+            "batch": args.batch,
+            "heads": args.heads,
+            "head_dim": args.head_dim,
+            "tiles": [list(t) for t in args.tiles],
+            "repeats": args.repeats,
+            "budget_s": args.budget_s,
+            "memory": not args.no_memory,
+        },
+        "gemm_peak_gflops": {dt: gemm_peak(dt) for dt in args.dtypes},
+        "results": [],
+    }
+    with progress("bench", total=steps + 1) as advance:
+        for cfg in configs:
+            row = _measure(cfg, methods[cfg], args, advance)
+            _derive(row, report["gemm_peak_gflops"][cfg.dtype])
+            report["results"].append(row)
+        report["traced"] = traced_overhead()
+        advance(1.0)
+    return report
+
+
+def _time_config(
+    cfg: Config, methods: Sequence[str], args: argparse.Namespace, advance: Callable[[float], None]
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]], float]:
+    """Forward and forward + backward times of every method, in one process, interleaved."""
+    q, k, v, do = make_inputs(cfg)
+    fns = {m: attention_fn(m, cfg) for m in methods}
+    diff = max_abs_diff(cfg, "flashledger", "sdpa", (q, k, v))
+    common: dict[str, Any] = dict(
+        repeats=args.repeats,
+        budget_s=args.budget_s,
+        reset=lambda: _clear_grads(q, k, v),
+        advance=advance,
+    )
+    fwd = time_interleaved({m: _fwd_runner(f, q, k, v) for m, f in fns.items()}, **common)
+    fb = time_interleaved({m: _fwdbwd_runner(f, q, k, v, do) for m, f in fns.items()}, **common)
+    return fwd, fb, diff
+
+
+def _measure(
+    cfg: Config, methods: Sequence[str], args: argparse.Namespace, advance: Callable[[float], None]
+) -> dict[str, Any]:
+    """Times (one process, interleaved) and peak memories (subprocesses) of one configuration."""
+    fwd, fb, diff = _time_config(cfg, methods, args, advance)  # the inputs are freed on return
+    row: dict[str, Any] = {
+        "length": cfg.length,
+        "dtype": cfg.dtype,
+        "causal": cfg.causal,
+        "batch": cfg.batch,
+        "heads": cfg.heads,
+        "head_dim": cfg.head_dim,
+        "block_q": cfg.block_q,
+        "block_k": cfg.block_k,
+        "fwd_gflop": cfg.fwd_flops / 1e9,
+        "fwdbwd_gflop": cfg.fwdbwd_flops / 1e9,
+        "max_abs_diff_o_vs_sdpa": diff,
+    }
+    for m in METHODS:
+        if m not in methods:
+            row[m] = None
+            continue
+        entry: dict[str, Any] = {
+            "fwd_ms": 1e3 * fwd[m]["median_s"],
+            "fwdbwd_ms": 1e3 * fb[m]["median_s"],
+            "rounds": fb[m]["rounds"],
+            "fwdbwd_gflops": cfg.fwdbwd_flops / fb[m]["median_s"] / 1e9,
+            "peak_extra_mb": None,
+        }
+        if not args.no_memory:
+            entry["peak_extra_mb"] = measure_memory(m, cfg)["peak_extra_bytes"] / 2**20
+            advance(1.0)
+        row[m] = entry
+    return row
+
+
+def _derive(row: dict[str, Any], peak: float) -> None:
+    """Ratios against SDPA and the share of the GEMM peak."""
+    fl, sd = row["flashledger"], row["sdpa"]
+    row["ratio_fwd"] = fl["fwd_ms"] / sd["fwd_ms"]
+    row["ratio_fwdbwd"] = fl["fwdbwd_ms"] / sd["fwdbwd_ms"]
+    row["pct_gemm_peak"] = 100.0 * fl["fwdbwd_gflops"] / peak
+    row["sdpa_pct_gemm_peak"] = 100.0 * sd["fwdbwd_gflops"] / peak
+    if fl["peak_extra_mb"] is not None and sd["peak_extra_mb"]:
+        row["mem_ratio"] = fl["peak_extra_mb"] / sd["peak_extra_mb"]
+    else:
+        row["mem_ratio"] = None
+
+
+# ----------------------------------------------------------------------------------------
+# output
+# ----------------------------------------------------------------------------------------
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_table(report: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    from ._progress import make_console
+
+    peaks = report["gemm_peak_gflops"]
+    table = Table(
+        title="flashledger (FL) vs SDPA's CPU flash kernel: medians; ratio < 1: FL is faster",
+        caption="GEMM peak (2048² matmul, this run): "
+        + ", ".join(f"{dt} {v:.0f} GFLOP/s" for dt, v in peaks.items()),
+    )
+    cols = [
+        "L", "dtype", "causal", "tiles", "fwd ms FL/SDPA", "ratio", "f+b ms FL/SDPA", "ratio",
+        "naive f+b ms", "GFLOP/s", "% peak", "MB FL/SDPA/naive", "ratio",
+    ]  # fmt: skip
+    for c in cols:
+        table.add_column(c, justify="right")
+    for r in report["results"]:
+        fl, sd, nv = r["flashledger"], r["sdpa"], r["naive"]
+        table.add_row(
+            str(r["length"]),
+            r["dtype"],
+            "yes" if r["causal"] else "no",
+            f"{r['block_q']}x{r['block_k']}",
+            f"{fl['fwd_ms']:.1f}/{sd['fwd_ms']:.1f}",
+            f"{r['ratio_fwd']:.2f}",
+            f"{fl['fwdbwd_ms']:.1f}/{sd['fwdbwd_ms']:.1f}",
+            f"{r['ratio_fwdbwd']:.2f}",
+            _fmt(None if nv is None else nv["fwdbwd_ms"], ".1f"),
+            f"{fl['fwdbwd_gflops']:.0f}",
+            f"{r['pct_gemm_peak']:.0f}",
+            "/".join(_fmt(None if x is None else x["peak_extra_mb"], ".0f") for x in (fl, sd, nv)),
+            _fmt(r["mem_ratio"], ".2f"),
+        )
+    console = make_console()
+    console.print(table)
+    tr = report.get("traced")
+    if tr:
+        console.print(
+            f"traced path (ledger records on), L={tr['length']}, d={tr['head_dim']}, "
+            f"tiles {tr['block']}, causal, float64, forward + backward: "
+            f"{tr['traced_ms']:.2f} ms vs {tr['fast_ms']:.2f} ms untraced "
+            f"({tr['ratio']:.2f}x)"
+        )
+
+
+def plot(report: dict[str, Any], path: Path) -> bool:
+    """Time and peak extra memory against L (log scales); False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = report["results"]
+    dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
+    fig, axes = plt.subplots(2, len(dtypes), figsize=(6 * len(dtypes), 8), squeeze=False)
+    colors = {"flashledger": "tab:blue", "sdpa": "tab:orange", "naive": "tab:gray"}
+    for col, dt in enumerate(dtypes):
+        for causal, style in ((False, "-"), (True, "--")):
+            sel = sorted(
+                (r for r in rows if r["dtype"] == dt and r["causal"] == causal),
+                key=lambda r: r["length"],
+            )
+            tiles = list(dict.fromkeys((r["block_q"], r["block_k"]) for r in sel))
+            sel = [r for r in sel if (r["block_q"], r["block_k"]) == tiles[0]] if tiles else []
+            if not sel:
+                continue
+            for m in METHODS:
+                pts = [(r["length"], r[m]) for r in sel if r[m] is not None]
+                if not pts:
+                    continue
+                label = f"{m}{' causal' if causal else ''}"
+                xs = [p[0] for p in pts]
+                axes[0][col].plot(
+                    xs, [p[1]["fwdbwd_ms"] for p in pts], style, marker="o",
+                    color=colors[m], label=label,
+                )  # fmt: skip
+                mem = [(x, e["peak_extra_mb"]) for x, e in pts if e["peak_extra_mb"]]
+                if mem:
+                    axes[1][col].plot(
+                        [x for x, _ in mem], [y for _, y in mem], style, marker="o",
+                        color=colors[m], label=label,
+                    )  # fmt: skip
+        for ax, ylabel in (
+            (axes[0][col], "forward + backward (ms)"),
+            (axes[1][col], "peak extra memory (MB)"),
+        ):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("sequence length L")
+            ax.set_ylabel(ylabel)
+            ax.grid(True, which="both", alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=8)
+        axes[0][col].set_title(f"{dt}: time (B=1, H={rows[0]['heads']}, d={rows[0]['head_dim']})")
+        axes[1][col].set_title(f"{dt}: peak extra memory, forward + backward")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# ----------------------------------------------------------------------------------------
+# command line
+# ----------------------------------------------------------------------------------------
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers >= 1, got {text!r}"
+        ) from None
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+    return vals
+
+
+def _dtype_list(text: str) -> tuple[str, ...]:
+    vals = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [x for x in vals if x not in DTYPES]
+    if not vals or bad:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of {', '.join(DTYPES)}, got {text!r}"
+        )
+    return vals
+
+
+def _causal(text: str) -> tuple[bool, ...]:
+    choices = {"no": (False,), "yes": (True,), "both": (False, True)}
+    if text not in choices:
+        raise argparse.ArgumentTypeError(f"expected no, yes or both, got {text!r}")
+    return choices[text]
+
+
+def _tiles(text: str) -> tuple[tuple[int, int], ...]:
+    out = []
+    for part in text.split(","):
+        bits = part.strip().lower().split("x")
+        try:
+            bq, bk = (int(bits[0]), int(bits[1])) if len(bits) == 2 else (-1, -1)
+        except ValueError:
+            bq = bk = -1
+        if bq < 1 or bk < 1:
+            raise argparse.ArgumentTypeError(
+                f"expected tiles as BQxBK (integers >= 1), comma-separated, got {text!r}"
+            )
+        out.append((bq, bk))
+    return tuple(out)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        val = int(text)
+    except ValueError:
+        val = 0
+    if val < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return val
+
+
+def _positive_float(text: str) -> float:
+    try:
+        val = float(text)
+    except ValueError:
+        val = -1.0
+    if not (val > 0 and math.isfinite(val)):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return val
+
+
+def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``flashledger bench``."""
+    parser.add_argument(
+        "--lengths", type=_int_list, default=",".join(map(str, FULL_LENGTHS)), metavar="L,L,...",
+        help="sequence lengths (Lq = Lk)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--dtypes", type=_dtype_list, default=",".join(DTYPES), metavar="DT,...",
+        help="float32 and/or float64",
+    )  # fmt: skip
+    parser.add_argument(
+        "--causal", type=_causal, default="both", metavar="no|yes|both",
+        help="causal mask: no, yes or both",
+    )  # fmt: skip
+    parser.add_argument("--batch", type=_positive_int, default=1, help="batch size B")
+    parser.add_argument("--heads", type=_positive_int, default=4, help="heads H")
+    parser.add_argument("--head-dim", type=_positive_int, default=64, help="head dim d")
+    parser.add_argument(
+        "--tiles", type=_tiles, default=f"{DEFAULT_BLOCK_Q}x{DEFAULT_BLOCK_K}",
+        metavar="BQxBK,...", help="flashledger tile sizes (several: a tile sweep)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--repeats", type=_positive_int, default=5, help="timed rounds per configuration"
+    )
+    parser.add_argument(
+        "--budget-s", type=_positive_float, default=120.0, metavar="S",
+        help="stop adding rounds (after 3) once a configuration's pass has taken this long",
+    )  # fmt: skip
+    parser.add_argument(
+        "--naive-max-length", type=_positive_int, default=8192, metavar="L",
+        help="skip the naive method above this length",
+    )  # fmt: skip
+    parser.add_argument(
+        "--naive-max-gb", type=_positive_float, default=8.0, metavar="GB",
+        help="skip the naive method when its matrices would need more than this",
+    )  # fmt: skip
+    parser.add_argument("--no-naive", action="store_true", help="skip the naive method")
+    parser.add_argument(
+        "--no-memory", action="store_true", help="skip the peak-memory subprocesses"
+    )
+    parser.add_argument(
+        "--quick", action="store_true",
+        help="one-minute subset: L = 1024, 2048, float32, both masks, 3 rounds",
+    )  # fmt: skip
+    parser.add_argument(
+        "--out", type=Path, default=Path("benchmarks/results"), metavar="DIR",
+        help="directory for bench.json and bench.png",
+    )  # fmt: skip
+    parser.add_argument(
+        "--json", action="store_true", help="print the JSON report instead of the table"
+    )
+    parser.add_argument("--measure-memory", choices=METHODS, help=argparse.SUPPRESS)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """Run ``flashledger bench``; returns the exit status."""
+    if args.measure_memory:
+        if len(args.lengths) != 1 or len(args.dtypes) != 1 or len(args.causal) != 1:
+            raise ValueError("--measure-memory needs exactly one length, dtype and causal setting")
+        (bq, bk) = args.tiles[0]
+        cfg = Config(
+            length=args.lengths[0],
+            dtype=args.dtypes[0],
+            causal=args.causal[0],
+            batch=args.batch,
+            heads=args.heads,
+            head_dim=args.head_dim,
+            block_q=bq,
+            block_k=bk,
+        )
+        print(json.dumps(measure_memory_here(args.measure_memory, cfg)))
+        return 0
+    if args.quick:
+        args.lengths, args.dtypes, args.repeats = QUICK_LENGTHS, ("float32",), min(args.repeats, 3)
+    report = run_benchmark(args)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    plotted = plot(report, out / "bench.png")
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_table(report)
+        note = (
+            "" if plotted else " (no plot: install the plot extra, pip install 'flashledger[plot]')"
+        )
+        print(
+            f"wrote {out / 'bench.json'}" + (f" and {out / 'bench.png'}" if plotted else "") + note
+        )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m flashledger.bench``: the same options as ``flashledger bench``."""
+    parser = argparse.ArgumentParser(prog="python -m flashledger.bench", description=__doc__)
+    add_cli_arguments(parser)
+    try:
+        return run_cli(parser.parse_args(argv))
+    except (ValueError, OSError, RuntimeError) as exc:
+        print(f"python -m flashledger.bench: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
