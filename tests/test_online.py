@@ -176,6 +176,17 @@ def test_merge_with_an_empty_state_gives_no_nan(assert_close):
     assert o.tolist() == [[0.0, 0.0]] and bool(torch.isneginf(lse).all())
 
 
+@pytest.mark.parametrize("empty_lse", [-math.inf, math.inf], ids=["-inf", "+inf"])
+def test_a_part_with_no_key_merges_away_whichever_infinity_it_carries(empty_lse, assert_close):
+    """flash-attn 2 reports +inf for a row with no key; the merge treats it as empty."""
+    o_b, lse_b = full_row(SIX_SCORES, SIX_VALUES)[None], torch.logsumexp(SIX_SCORES, 0)[None]
+    o_a = torch.full((1, 2), 7.0, dtype=torch.float64)  # garbage O of an empty part is ignored
+    lse_a = torch.tensor([empty_lse], dtype=torch.float64)
+    for o, lse in (merge_partials(o_a, lse_a, o_b, lse_b), merge_partials(o_b, lse_b, o_a, lse_a)):
+        assert_close(o, o_b, rtol=TOL, name=f"O merged with an empty part ({empty_lse})")
+        assert_close(lse, lse_b, rtol=TOL, name=f"LSE merged with an empty part ({empty_lse})")
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     n=st.integers(1, 40),

@@ -202,15 +202,26 @@ def merge(a: OnlineState, b: OnlineState) -> OnlineState:
 
 
 def state_from_partial(o: torch.Tensor, lse: torch.Tensor) -> OnlineState:
-    """A partial result as a state: ``m = lse``, ``ℓ = 1``, ``a = o`` (``ℓ = 0`` where lse = -inf)."""
-    empty = torch.isneginf(lse)
-    return OnlineState(lse, (~empty).to(o.dtype), torch.where(empty.unsqueeze(-1), 0.0, o))
+    """A partial result as a state: ``m = lse``, ``ℓ = 1``, ``a = o``.
+
+    A row that saw no key is empty (``m = -inf``, ``ℓ = 0``, ``a = 0``); it may
+    carry LSE -inf (flashledger's raw LSE, flash-attn 3, FlexAttention) or +inf
+    (flash-attn 2). SDPA's 0 cannot be told from a real LSE of 0: convert such
+    results to the raw LSE first (``blocked_forward(..., raw_lse=True)``).
+    """
+    empty = torch.isinf(lse)
+    m = torch.where(empty, -math.inf, lse)
+    return OnlineState(m, (~empty).to(o.dtype), torch.where(empty.unsqueeze(-1), 0.0, o))
 
 
 def merge_partials(
     o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge two partial ``(o, lse)`` results (internal LSE: -inf for a row with no key)."""
+    """Merge two partial ``(o, lse)`` results of the same rows over disjoint keys.
+
+    A row with no key in a part has LSE ±inf there (see ``state_from_partial``);
+    the merged LSE is -inf for a row with no key at all.
+    """
     return finalize(merge(state_from_partial(o_a, lse_a), state_from_partial(o_b, lse_b)))
 
 
