@@ -427,3 +427,23 @@ def test_messages_name_the_argument_not_a_traceback_detail():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match=re.escape("dropout_p must be a number in [0, 1), got 2")):
         fl.flash_attention(q, k, v, dropout_p=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_finite_check_is_exact_whatever_the_sum(dtype):
+    """The one-reduction check agrees with ``isfinite`` even where the sum overflows."""
+    from flashledger._checks import all_finite, check_finite
+
+    big = torch.finfo(dtype).max
+    x = torch.full((4, 64), big / 2, dtype=dtype)  # finite, but its sum overflows
+    assert all_finite(x) and all_finite(x, allow_neg_inf=True)
+    assert all_finite(torch.empty(0, dtype=dtype))
+    for bad, neg_ok in ((math.nan, False), (math.inf, False), (-math.inf, True)):
+        y = x.clone()
+        y[2, 17] = bad
+        assert not all_finite(y)
+        assert all_finite(y, allow_neg_inf=True) is neg_ok
+        with pytest.raises(ValueError, match=re.escape("x contains NaN or inf at index (2, 17)")):
+            check_finite("x", y)
+    z = torch.randn(3, 5, dtype=dtype, requires_grad=True)
+    assert all_finite(z)  # a tensor that requires grad is read without a warning

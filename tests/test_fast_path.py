@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import flashledger as fl
 from flashledger import bench, cli
@@ -283,7 +284,9 @@ def test_bench_runs_a_tiny_configuration_and_writes_json_and_png(
         False,
         64,
     )
-    for key in ("ratio_fwd", "ratio_fwdbwd", "pct_gemm_peak", "max_abs_diff_o_vs_sdpa"):
+    assert row["matmuls"]["fwd_ms"] > 0 and row["matmuls"]["fwdbwd_ms"] > 0
+    keys = ("ratio_fwd", "ratio_fwdbwd", "floor_fwd", "floor_fwdbwd", "pct_gemm_peak")
+    for key in (*keys, "max_abs_diff_o_vs_sdpa"):
         assert isinstance(row[key], float) and math.isfinite(row[key]), (key, row[key])
     assert row["mem_ratio"] is None or row["mem_ratio"] >= 0, row["mem_ratio"]
     assert row["max_abs_diff_o_vs_sdpa"] < 1e-4, "the benchmark timed a wrong answer"
@@ -295,6 +298,50 @@ def test_bench_runs_a_tiny_configuration_and_writes_json_and_png(
     traced = report["traced"]
     assert traced["traced_ms"] > 0 and traced["fast_ms"] > 0 and traced["length"] == 64
     assert (tmp_path / "bench.png").stat().st_size > 10_000
+
+
+class _CountMatmuls(TorchDispatchMode):
+    """Counts the aten matmul calls (``bmm``, ``baddbmm``, in place or not) made inside it."""
+
+    NAMES = ("aten::bmm", "aten::baddbmm", "aten::baddbmm_")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name in self.NAMES:
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("length", "block_q", "block_k"), [(96, 32, 32), (100, 48, 24)])
+def test_bench_matmul_floor_issues_exactly_the_loops_matmuls(causal, length, block_q, block_k):
+    cfg = bench.Config(
+        length=length, dtype="float64", causal=causal, heads=2, head_dim=16,
+        block_q=block_q, block_k=block_k,
+    )  # fmt: skip
+    floor_fwd, floor_both = bench.matmul_floor_runners(cfg)
+    counts = {}
+    for name, run in (("floor_fwd", floor_fwd), ("floor_both", floor_both)):
+        with _CountMatmuls() as c:
+            run()
+        counts[name] = c.calls
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, do = (_randn(gen, 1, 2, length, 16) for _ in range(4))
+    opts: dict[str, Any] = dict(
+        mask=fl.Causal() if causal else None, block_q=block_q, block_k=block_k
+    )
+    with _CountMatmuls() as c:
+        fwd = fl.blocked_forward(q, k, v, **opts)
+    loop_fwd = c.calls
+    with _CountMatmuls() as c:
+        fl.blocked_backward(q, k, v, fwd.o, fwd.lse, do, **opts)
+    loop_bwd = c.calls
+    tiles_run = fwd.ledger.counters.tiles_run
+    assert loop_fwd == 2 * tiles_run and loop_bwd == 5 * tiles_run, (loop_fwd, loop_bwd)
+    assert counts == {"floor_fwd": loop_fwd, "floor_both": loop_fwd + loop_bwd}, counts
 
 
 def test_bench_skips_naive_above_its_limits_and_parses_quick():

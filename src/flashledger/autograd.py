@@ -31,6 +31,7 @@ class _FlashAttention(torch.autograd.Function):
         opts: dict[str, Any],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         res = blocked_forward(q, k, v, bias=bias, **opts)
+        ctx.set_materialize_grads(False)  # an unused LSE output costs no zero tensor and no pass
         ctx.save_for_backward(q, k, v, bias, res.o, res.lse)
         ctx.opts = opts
         return res.o, res.lse
@@ -42,8 +43,11 @@ class _FlashAttention(torch.autograd.Function):
         q, k, v, bias, o, lse = ctx.saved_tensors
         opts = ctx.opts
         use_dlse = get_conventions(opts["conventions"]).lse_differentiable and dlse is not None
+        if do is None and not use_dlse:  # neither output carries a gradient
+            return None, None, None, None, None
+        do = torch.zeros_like(o) if do is None else do.contiguous()
         res = blocked_backward(
-            q, k, v, o, lse, do.contiguous(), dlse=dlse if use_dlse else None, bias=bias, **opts
+            q, k, v, o, lse, do, dlse=dlse if use_dlse else None, bias=bias, **opts
         )
         dbias = res.dbias if bias is not None and ctx.needs_input_grad[3] else None
         return res.dq, res.dk, res.dv, dbias, None

@@ -160,6 +160,69 @@ def _fwdbwd_runner(
     return run
 
 
+def matmul_floor_runners(cfg: Config) -> tuple[Callable[[], None], Callable[[], None]]:
+    """The blocked loop's matmuls alone, as ``(forward, forward + backward)`` runners.
+
+    The same batched calls as the fast path (``(B·H, bq, ·)`` operands, the
+    same transposed accumulators, ``baddbmm`` into reused buffers), the same
+    count (2 per tile run forward, 5 backward; causal skips the tiles above the
+    diagonal), with no element-wise work, no mask and no bookkeeping. Its time
+    is a floor for any loop built from separate PyTorch kernels: whatever the
+    loop does between its matmuls comes on top.
+    """
+    dt = DTYPES[cfg.dtype]
+    gen = torch.Generator().manual_seed(3)
+    n, length, d = cfg.batch * cfg.heads, cfg.length, cfg.head_dim
+    q, k, do = (torch.randn(n, length, d, generator=gen, dtype=dt) for _ in range(3))
+    v_t = torch.randn(n, d, length, generator=gen, dtype=dt)  # Vᵀ, as the forward keeps it
+    qtiles = [(s, min(s + cfg.block_q, length)) for s in range(0, length, cfg.block_q)]
+    ktiles = [(s, min(s + cfg.block_k, length)) for s in range(0, length, cfg.block_k)]
+    bq, bk = qtiles[0][1], ktiles[0][1]
+    s_buf, dp_buf = (torch.empty(n * bq * bk, dtype=dt) for _ in range(2))
+    dkt_buf, dvt_buf = (torch.empty(n * d * bk, dtype=dt) for _ in range(2))
+    dqt = torch.empty(n * length * d, dtype=dt)
+    alpha = 1.0 / math.sqrt(d)
+
+    def runs(i: int, j: int) -> bool:  # causal: the tile has a key at or before its last query
+        return not cfg.causal or ktiles[j][0] < qtiles[i][1]
+
+    def forward() -> None:
+        for i, (q0, q1) in enumerate(qtiles):
+            r = q1 - q0
+            acc_t = torch.zeros(n, d, r, dtype=dt)  # accᵀ
+            for j, (k0, k1) in enumerate(ktiles):
+                if not runs(i, j):
+                    continue
+                s = s_buf[: n * r * (k1 - k0)].view(n, r, k1 - k0)
+                torch.baddbmm(s, q[:, q0:q1], k[:, k0:k1].mT, beta=0.0, alpha=alpha, out=s)
+                acc_t.baddbmm_(v_t[..., k0:k1], s.mT)
+
+    def backward() -> None:
+        dqt.zero_()
+        for j, (k0, k1) in enumerate(ktiles):
+            c = k1 - k0
+            kt_c = k[:, k0:k1].mT.contiguous()
+            dkt, dvt = dkt_buf[: n * d * c].view(n, d, c), dvt_buf[: n * d * c].view(n, d, c)
+            dkt.zero_(), dvt.zero_()
+            for i, (q0, q1) in enumerate(qtiles):
+                if not runs(i, j):
+                    continue
+                r = q1 - q0
+                s = s_buf[: n * r * c].view(n, r, c)
+                dp = dp_buf[: n * r * c].view(n, r, c)
+                torch.baddbmm(s, q[:, q0:q1], kt_c, beta=0.0, alpha=alpha, out=s)
+                torch.bmm(do[:, q0:q1], v_t[..., k0:k1], out=dp)
+                dqt[n * q0 * d : n * q1 * d].view(n, d, r).baddbmm_(kt_c, dp.mT, alpha=alpha)
+                dkt.baddbmm_(q[:, q0:q1].mT, dp, alpha=alpha)
+                dvt.baddbmm_(do[:, q0:q1].mT, s)
+
+    def both() -> None:
+        forward()
+        backward()
+
+    return forward, both
+
+
 # ----------------------------------------------------------------------------------------
 # timing
 # ----------------------------------------------------------------------------------------
@@ -446,8 +509,14 @@ def _time_config(
         reset=lambda: _clear_grads(q, k, v),
         advance=advance,
     )
-    fwd = time_interleaved({m: _fwd_runner(f, q, k, v) for m, f in fns.items()}, **common)
-    fb = time_interleaved({m: _fwdbwd_runner(f, q, k, v, do) for m, f in fns.items()}, **common)
+    floor_fwd, floor_fb = matmul_floor_runners(cfg)
+    fwd = time_interleaved(
+        {**{m: _fwd_runner(f, q, k, v) for m, f in fns.items()}, "matmuls": floor_fwd}, **common
+    )
+    fb = time_interleaved(
+        {**{m: _fwdbwd_runner(f, q, k, v, do) for m, f in fns.items()}, "matmuls": floor_fb},
+        **common,
+    )
     return fwd, fb, diff
 
 
@@ -468,6 +537,10 @@ def _measure(
         "fwd_gflop": cfg.fwd_flops / 1e9,
         "fwdbwd_gflop": cfg.fwdbwd_flops / 1e9,
         "max_abs_diff_o_vs_sdpa": diff,
+        "matmuls": {  # the loop's matmuls alone (``matmul_floor_runners``)
+            "fwd_ms": 1e3 * fwd["matmuls"]["median_s"],
+            "fwdbwd_ms": 1e3 * fb["matmuls"]["median_s"],
+        },
     }
     for m in METHODS:
         if m not in methods:
@@ -492,6 +565,9 @@ def _derive(row: dict[str, Any], peak: float) -> None:
     fl, sd = row["flashledger"], row["sdpa"]
     row["ratio_fwd"] = fl["fwd_ms"] / sd["fwd_ms"]
     row["ratio_fwdbwd"] = fl["fwdbwd_ms"] / sd["fwdbwd_ms"]
+    mm = row["matmuls"]
+    row["floor_fwd"] = mm["fwd_ms"] / sd["fwd_ms"]
+    row["floor_fwdbwd"] = mm["fwdbwd_ms"] / sd["fwdbwd_ms"]
     row["pct_gemm_peak"] = 100.0 * fl["fwdbwd_gflops"] / peak
     row["sdpa_pct_gemm_peak"] = 100.0 * sd["fwdbwd_gflops"] / peak
     if fl["peak_extra_mb"] is not None and sd["peak_extra_mb"]:
@@ -514,13 +590,15 @@ def print_table(report: dict[str, Any]) -> None:
 
     peaks = report["gemm_peak_gflops"]
     table = Table(
-        title="flashledger (FL) vs SDPA's CPU flash kernel: medians; ratio < 1: FL is faster",
+        title="flashledger (FL) vs SDPA's CPU flash kernel: medians; ratio < 1: FL is faster; "
+        "matmuls alone: the loop's matmuls without anything else, / SDPA",
         caption="GEMM peak (2048² matmul, this run): "
         + ", ".join(f"{dt} {v:.0f} GFLOP/s" for dt, v in peaks.items()),
     )
     cols = [
         "L", "dtype", "causal", "tiles", "fwd ms FL/SDPA", "ratio", "f+b ms FL/SDPA", "ratio",
-        "naive f+b ms", "GFLOP/s", "% peak", "MB FL/SDPA/naive", "ratio",
+        "matmuls alone f/f+b", "naive f+b ms", "GFLOP/s", "% peak", "MB FL/SDPA/naive",
+        "ratio",
     ]  # fmt: skip
     for c in cols:
         table.add_column(c, justify="right")
@@ -535,6 +613,7 @@ def print_table(report: dict[str, Any]) -> None:
             f"{r['ratio_fwd']:.2f}",
             f"{fl['fwdbwd_ms']:.1f}/{sd['fwdbwd_ms']:.1f}",
             f"{r['ratio_fwdbwd']:.2f}",
+            f"{r['floor_fwd']:.2f}/{r['floor_fwdbwd']:.2f}",
             _fmt(None if nv is None else nv["fwdbwd_ms"], ".1f"),
             f"{fl['fwdbwd_gflops']:.0f}",
             f"{r['pct_gemm_peak']:.0f}",

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._checks import all_finite
 from ._problem import Placement, Problem, build_problem
 from .conventions import SEED, Conventions
 from .masks import Mask
@@ -241,7 +242,7 @@ def _backward_inputs(
     if bool(torch.isnan(lse).any()):
         raise ValueError("lse contains NaN; allowed: finite values or ±inf on fully-masked rows")
     for name, x in (("o", o), ("do", do), ("dlse", dlse)):
-        if x is not None and not bool(torch.isfinite(x).all()):
+        if x is not None and not all_finite(x):
             raise ValueError(f"{name} contains NaN or inf; allowed: finite values")
     dt = pb.dtype
     o5 = pb.to_internal_q(o.to(dt))
