@@ -269,6 +269,8 @@ def test_mask_constructors():
     _raises(lambda: fl.DenseMask(torch.ones(3)), TypeError, "bool tensor")
     _raises(lambda: fl.DenseMask(torch.ones(3, dtype=torch.bool)), ValueError, "(Lq, Lk)", "(3,)")
     _raises(lambda: fl.DenseMask([[True]]), TypeError, "DenseMask needs a bool tensor", "list")
+    _raises(lambda: fl.Causal() & None, TypeError, "cannot intersect a mask with None")
+    _raises(lambda: fl.Causal() & 3, TypeError, "mask must be None, a flashledger Mask")
 
 
 # -- variable length ----------------------------------------------------------------------

@@ -286,10 +286,10 @@ class Mask(ABC):
         ...
 
     def __and__(self, other: Mask | torch.Tensor) -> Mask:
-        return And(self, as_mask(other))
+        return And(self, _operand(other))
 
     def __rand__(self, other: Mask | torch.Tensor) -> Mask:
-        return And(as_mask(other), self)
+        return And(_operand(other), self)
 
     def dense(
         self,
@@ -458,6 +458,14 @@ class And(Mask):
             hi = torch.minimum(ba.hi, bb.hi)
             return IntervalBound(geo, lo, hi)
         return AndBound(ba, bb)
+
+
+def _operand(other: Mask | torch.Tensor) -> Mask:
+    """The other side of ``mask & other``: a ``Mask`` or a bool tensor, never None."""
+    m = as_mask(other)
+    if m is None:
+        raise TypeError("cannot intersect a mask with None; allowed: a Mask or a bool tensor")
+    return m
 
 
 def as_mask(mask: Mask | torch.Tensor | None) -> Mask | None:

@@ -232,17 +232,17 @@ def _backward_inputs(
         if tuple(x.shape) != want_o:
             raise ValueError(f"{name} must have shape {want_o}, got {tuple(x.shape)}")
     want_l = (*_lead(pb), lq)
-    for name, x in (("lse", lse), ("dlse", dlse)):
-        if x is None:
+    for name, r in (("lse", lse), ("dlse", dlse)):
+        if r is None:
             continue
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        if not isinstance(r, torch.Tensor) or not r.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor")
-        if tuple(x.shape) != want_l:
-            raise ValueError(f"{name} must have shape {want_l}, got {tuple(x.shape)}")
+        if tuple(r.shape) != want_l:
+            raise ValueError(f"{name} must have shape {want_l}, got {tuple(r.shape)}")
     if bool(torch.isnan(lse).any()):
         raise ValueError("lse contains NaN; allowed: finite values or ±inf on fully-masked rows")
-    for name, x in (("o", o), ("do", do), ("dlse", dlse)):
-        if x is not None and not all_finite(x):
+    for name, t in (("o", o), ("do", do), ("dlse", dlse)):
+        if t is not None and not all_finite(t):
             raise ValueError(f"{name} contains NaN or inf; allowed: finite values")
     dt = pb.dtype
     o5 = pb.to_internal_q(o.to(dt))
