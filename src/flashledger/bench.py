@@ -193,7 +193,7 @@ def matmul_floor_runners(cfg: Config) -> tuple[Callable[[], None], Callable[[], 
             for j, (k0, k1) in enumerate(ktiles):
                 if not runs(i, j):
                     continue
-                s = s_buf[: n * r * (k1 - k0)].view(n, r, k1 - k0)
+                s = s_buf[: n * r * (k1 - k0)].view(n, r, k1 - k0)  # S (B·H, bq, bk)
                 torch.baddbmm(s, q[:, q0:q1], k[:, k0:k1].mT, beta=0.0, alpha=alpha, out=s)
                 acc_t.baddbmm_(v_t[..., k0:k1], s.mT)
 
@@ -202,14 +202,14 @@ def matmul_floor_runners(cfg: Config) -> tuple[Callable[[], None], Callable[[], 
         for j, (k0, k1) in enumerate(ktiles):
             c = k1 - k0
             kt_c = k[:, k0:k1].mT.contiguous()
-            dkt, dvt = dkt_buf[: n * d * c].view(n, d, c), dvt_buf[: n * d * c].view(n, d, c)
-            dkt.zero_(), dvt.zero_()
+            dkt = dkt_buf[: n * d * c].view(n, d, c).zero_()  # dKᵀ_j (B·H, d, bk)
+            dvt = dvt_buf[: n * d * c].view(n, d, c).zero_()  # dVᵀ_j (B·H, d, bk)
             for i, (q0, q1) in enumerate(qtiles):
                 if not runs(i, j):
                     continue
                 r = q1 - q0
-                s = s_buf[: n * r * c].view(n, r, c)
-                dp = dp_buf[: n * r * c].view(n, r, c)
+                s = s_buf[: n * r * c].view(n, r, c)  # S (B·H, bq, bk)
+                dp = dp_buf[: n * r * c].view(n, r, c)  # dP (B·H, bq, bk)
                 torch.baddbmm(s, q[:, q0:q1], kt_c, beta=0.0, alpha=alpha, out=s)
                 torch.bmm(do[:, q0:q1], v_t[..., k0:k1], out=dp)
                 dqt[n * q0 * d : n * q1 * d].view(n, d, r).baddbmm_(kt_c, dp.mT, alpha=alpha)
