@@ -1,4 +1,4 @@
-"""Consoles and progress bars shared by the command line and long-running helpers.
+"""Consoles, titled tables and progress bars shared by the command line and the reports.
 
 Both follow the terminal: colour only on a terminal (``NO_COLOR`` turns it off),
 plain text when output goes to a pipe or a file, and progress bars only when
@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:
-    from rich.console import Console
+    from rich.console import Console, Group
 
-__all__ = ["make_console", "progress"]
+__all__ = ["make_console", "numeric_cell", "progress", "titled_table"]
 
 PLAIN_WIDTH = 160
 """Column width used when writing to a pipe or a file (tables are never wrapped there)."""
@@ -87,3 +87,33 @@ def progress(
 
 def _no_progress(amount: float = 1.0) -> None:
     """``advance`` when no bar is shown."""
+
+
+def numeric_cell(cell: str) -> bool:
+    """Numbers (``1,234``, ``-inf``, ``1e-05``) and blanks (``""``, ``-``) are right-aligned."""
+    if cell in ("", "-"):
+        return True
+    try:
+        float(cell.replace(",", ""))
+    except ValueError:
+        return False
+    return True
+
+
+def titled_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> Group:
+    """A rich table under its title, which is its own line (never wrapped to the table's width).
+
+    Columns whose every cell is ``numeric_cell`` are right-aligned; long cells fold.
+    """
+    from rich import box
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(box=box.SIMPLE_HEAD)
+    for i, h in enumerate(header):
+        numeric = all(numeric_cell(r[i]) for r in rows)
+        table.add_column(h, justify="right" if numeric else "left", overflow="fold")
+    for r in rows:
+        table.add_row(*r)
+    return Group(Text(title, style="bold"), table)

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from ._checks import check_block
+from ._progress import numeric_cell, titled_table
 from .conventions import SEED, Conventions, get_conventions
 from .masks import (
     EMPTY,
@@ -267,7 +268,7 @@ def _bytes(x: int) -> str:
 
 def _plain_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    right = [i for i in range(len(header)) if all(_numeric(r[i]) for r in rows)]
+    right = [i for i in range(len(header)) if all(numeric_cell(r[i]) for r in rows)]
 
     def line(cells: Sequence[str]) -> str:
         out = [
@@ -279,17 +280,6 @@ def _plain_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]
     return "\n".join([title, line(header), rule, *(line(r) for r in rows)])
 
 
-def _numeric(cell: str) -> bool:
-    """Numbers (``1,234``, ``0.5``) and blanks are right-aligned."""
-    if cell == "":
-        return True
-    try:
-        float(cell.replace(",", ""))
-    except ValueError:
-        return False
-    return True
-
-
 def _html_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
     body = "".join(
@@ -299,22 +289,6 @@ def _html_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]
         f"<table><caption>{html.escape(title)}</caption>"
         f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
     )
-
-
-def _rich_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> Group:
-    """The title on its own line (never wrapped to the table's width), then the table."""
-    from rich import box
-    from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
-
-    table = Table(box=box.SIMPLE_HEAD)
-    for i, h in enumerate(header):
-        numeric = all(_numeric(r[i]) for r in rows)
-        table.add_column(h, justify="right" if numeric else "left")
-    for r in rows:
-        table.add_row(*r)
-    return Group(Text(title, style="bold"), table)
 
 
 class _Report(ABC):
@@ -336,7 +310,7 @@ class _Report(ABC):
         return _html_table(self._title(), self._header(), self._rows())
 
     def __rich__(self) -> Group:
-        return _rich_table(self._title(), self._header(), self._rows())
+        return titled_table(self._title(), self._header(), self._rows())
 
 
 # ----------------------------------------------------------------------------------------

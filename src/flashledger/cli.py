@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from ._progress import make_console, progress, titled_table
+
 if TYPE_CHECKING:
     import torch
     from rich.console import Console
@@ -256,7 +258,6 @@ class _Out:
     """Prints rich renderables; off a terminal, plain lines without trailing blanks."""
 
     def __init__(self) -> None:
-        from ._progress import make_console
 
         self.console: Console = make_console(sys.stdout)
 
@@ -296,33 +297,6 @@ def _fmt_any(x: Any, p: int) -> str:
     if isinstance(x, (int, float)):
         return _fmt(float(x), p)
     return str(x)
-
-
-def _table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> Any:
-    """A titled table; the title is its own line, never wrapped to the table's width."""
-    from rich import box
-    from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
-
-    table = Table(box=box.SIMPLE_HEAD)
-    for i, h in enumerate(header):
-        numeric = all(_looks_numeric(r[i]) for r in rows)
-        table.add_column(h, justify="right" if numeric else "left", overflow="fold")
-    for r in rows:
-        table.add_row(*r)
-    return Group(Text(title, style="bold"), table)
-
-
-def _looks_numeric(cell: str) -> bool:
-    """Numbers (``1,234``, ``-inf``, ``1e-05``) and blanks are right-aligned."""
-    if cell in ("", "-"):
-        return True
-    try:
-        float(cell.replace(",", ""))
-    except ValueError:
-        return False
-    return True
 
 
 def _print_json(obj: Any) -> None:
@@ -432,12 +406,12 @@ def _cmd_online(args: argparse.Namespace) -> int:
     ]
     header = ["block", "positions", "scores", "block max", "running max m", "α", "ℓ", "acc",
               "prefix output"]  # fmt: skip
-    con.print(_table("Block ledger (online softmax, float64)", header, rows))
+    con.print(titled_table("Block ledger (online softmax, float64)", header, rows))
     whole = [
         [str(j), _fmt_any(shifted[j], p), _fmt_any(values[j], p), _fmt_any(probs[j], p)]
         for j in range(shifted.shape[0])
     ]
-    con.print(_table("Whole row", ["position", "score", "V", "full-row probability"], whole))
+    con.print(titled_table("Whole row", ["position", "score", "V", "full-row probability"], whole))
     con.print(f"blocks read: {len(osm.steps)} of {len(osm.steps)}")
     con.print(f"m = {_fmt_any(osm.m, p)}   ℓ = {_fmt_any(osm.ell, p)}")
     con.print(f"prefix output after the last block: {_fmt_any(osm.output(), p)}")
@@ -472,7 +446,7 @@ def _print_counterexample(
             [str(b + 1), _fmt_any(s, p), _fmt_any(softmax_output(s, values[a : a + block]), p)]
         )
     con.print(
-        _table(
+        titled_table(
             "Counterexample: softmax inside each block, then the average of the block outputs",
             ["block", "scores", "block softmax output"],
             rows,
@@ -560,7 +534,6 @@ class _TileProgress:
 def _cmd_backward(args: argparse.Namespace) -> int:
     import torch
 
-    from ._progress import progress
     from .blocked import blocked_backward, blocked_forward
     from .examples import five_position_example
     from .reference import reference_backward, reference_forward
@@ -667,7 +640,9 @@ def _cmd_backward(args: argparse.Namespace) -> int:
         for i, lab in enumerate(labels)
     ]
     con.print(
-        _table("Forward's saved per-row statistics", ["row", "LSE", "O", "D = G·O"], stat_rows)
+        titled_table(
+            "Forward's saved per-row statistics", ["row", "LSE", "O", "D = G·O"], stat_rows
+        )
     )
     step_rows = [
         [*(str(s[k]) for k in ("step", "tile", "queries", "keys", "kind")), _fmt_any(s["p"], p)]
@@ -677,7 +652,9 @@ def _cmd_backward(args: argparse.Namespace) -> int:
     if lead:
         title += " (first batch element and head)"
     con.print(
-        _table(title, ["step", "tile", "queries", "keys", "kind", "rebuilt P rows"], step_rows)
+        titled_table(
+            title, ["step", "tile", "queries", "keys", "kind", "rebuilt P rows"], step_rows
+        )
     )
     grad_rows = []
     for name, got, want in (("dQ", bwd.dq, rb.dq), ("dK", bwd.dk, rb.dk), ("dV", bwd.dv, rb.dv)):
@@ -688,7 +665,7 @@ def _cmd_backward(args: argparse.Namespace) -> int:
                  _fmt(_max_abs_diff(g2[i], w2[i]), 3)]
             )  # fmt: skip
     con.print(
-        _table(
+        titled_table(
             "Accumulated gradients next to the full reference",
             ["object", "accumulated (blocked)", "full reference", "max |diff|"],
             grad_rows,
@@ -717,7 +694,6 @@ def _observed(
     """Run the blocked loop on random inputs of the configuration; return both ledgers' counters."""
     import torch
 
-    from ._progress import progress
     from .blocked import blocked_backward, blocked_forward
 
     gen = torch.Generator().manual_seed(0)
@@ -801,7 +777,7 @@ def _account_checks(sw: StorageWork, counters: Any) -> list[tuple[str, int, int]
 def _print_checks(con: _Out, checks: list[tuple[str, int, int]]) -> None:
     rows = [[n, f"{a:,}", f"{b:,}", "yes" if a == b else "NO"] for n, a, b in checks]
     con.print(
-        _table(
+        titled_table(
             "Closed form against the blocked loop's counters (random inputs, same tiles)",
             ["figure", "closed form", "observed", "equal"],
             rows,
@@ -880,7 +856,7 @@ def _print_traffic_summary(con: _Out, reports: Sequence[Traffic]) -> None:
         for t in reports
     ]  # fmt: skip
     con.print(
-        _table(
+        titled_table(
             "Slow-memory (HBM) traffic, elements (totals over batch and heads)",
             ["schedule", "tiles", "fwd read", "fwd written", "bwd read", "bwd written",
              "total", "total bytes"],
@@ -890,7 +866,6 @@ def _print_traffic_summary(con: _Out, reports: Sequence[Traffic]) -> None:
 
 
 def _traffic_sweep(args: argparse.Namespace) -> int:
-    from ._progress import progress
     from .accounting import traffic_sweep
 
     if args.mask is not None or args.block_q is not None or args.block_k is not None:
