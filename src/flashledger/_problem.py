@@ -52,7 +52,6 @@ class Problem:
     smod: ScoreMod
     dropout_p: float
     seed: int
-    has_bias: bool
 
     @property
     def dtype(self) -> torch.dtype:
@@ -287,5 +286,4 @@ def build_problem(
         smod=smod,
         dropout_p=float(dropout_p),
         seed=seed,
-        has_bias=bias is not None,
     )

@@ -171,7 +171,6 @@ class _Book:
         b, hq = pb.shape[:2]
         self.bh = b * hq
         self.c = counters
-        self.d, self.dv = pb.shape[6], pb.shape[7]
         self._visible: torch.Tensor | None = None  # pending visible dots (0-d int64)
         self._dropped: torch.Tensor | None = None  # pending dropped entries (0-d int64)
 
