@@ -271,7 +271,14 @@ def test_renderers_show_the_same_rows() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "exc", "words"),
     [
-        (dict(lq=0, lk=5, d=2, block_q=2, block_k=2), ValueError, "lq must be an integer >= 1"),
+        (dict(lq=0, lk=5, d=2, block_q=2, block_k=2), ValueError,
+         r"lq must be an integer in 1\.\.2147483647"),
+        (dict(lq=2**31, lk=5, d=2, block_q=2, block_k=2), ValueError, r"1\.\.2147483647"),
+        (dict(lq=5, lk=5, d=True, block_q=2, block_k=2), TypeError, "d must be an integer"),
+        (dict(lq=2**20, lk=2**20, d=64, block_q=64, block_k=64, mask=Causal()), ValueError,
+         "at most 16,777,216, got 16,384 x 16,384"),
+        (dict(lq=2**25, lk=8, d=64, block_q=2**25, block_k=8, mask=Causal()), ValueError,
+         "Lq and Lk must be at most 16,777,216"),
         (dict(lq=5, lk=5, d=2.5, block_q=2, block_k=2), TypeError, "d must be an integer"),
         (dict(lq=5, lk=5, d=2, block_q=0, block_k=2), ValueError, "block_q"),
         (dict(lq=5, lk=5, d=2, heads=3, kv_heads=2, block_q=2, block_k=2), ValueError,
@@ -294,7 +301,7 @@ def test_storage_bad_input(kwargs: dict[str, Any], exc: type[Exception], words: 
         (dict(schedule="fa1"), "needs sram_elements"),
         (dict(schedule="fa1", block_q=2), "needs sram_elements"),
         (dict(schedule="fa2", sram_elements=64, block_q=2), "not both"),
-        (dict(schedule="fa2", sram_elements=0), "sram_elements must be an integer >= 1"),
+        (dict(schedule="fa2", sram_elements=0), "sram_elements must be an integer in 1.."),
     ],
 )
 def test_traffic_bad_input(kwargs: dict[str, Any], words: str) -> None:

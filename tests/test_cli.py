@@ -365,12 +365,57 @@ def test_account_mask_file_sets_the_lengths(
         (["--lq", "ten"], ["argument --lq", "got 'ten'"]),
         (["--dtype", "int8"], ["argument --dtype", "float64, float32, float16, bfloat16"]),
         (["--heads", "3", "--kv-heads", "2"], ["heads (3) must be a multiple of kv_heads (2)"]),
+        (["--block-q", "99999999999999999999"], ["argument --block-q", "1..2147483647"]),
+        (["--d", "2147483648"], ["argument --d", "1..2147483647"]),
+        (
+            ["--mask", "window:99999999999999999999,1"],
+            ["argument --mask", "window sides", "0..2147483647", "-1 for unbounded"],
+        ),
+        # the seed's 2x2 tiles at 128k: 4.3e9 tiles to classify
+        (["--lq", "131072"], ["at most 16,777,216", "65,536 x 65,536", "use larger tiles"]),
+        (
+            ["--lq", "20000000", "--block-q", "1000000", "--block-k", "1000000"],
+            ["with a mask, Lq and Lk must be at most 16,777,216", "Without a mask"],
+        ),
     ],
 )
 def test_account_bad_input(
     capsys: pytest.CaptureFixture[str], argv: list[str], words: list[str]
 ) -> None:
     assert_usage_error(*run(capsys, "account", *argv), *words)
+
+
+def test_account_long_context(capsys: pytest.CaptureFixture[str]) -> None:
+    """Long sequences: closed form without a mask, tile classes with one (1M at 256 x 256)."""
+    full = run_json(capsys, "account", "--lq", "100000000", "--d", "128", "--mask", "none")
+    assert full["qk_dots_forward"] == 100_000_000**2
+    n, b = 1_048_576, 256
+    causal = run_json(
+        capsys, "account", "--lq", str(n), "--d", "128", "--block-q", str(b), "--block-k", str(b)
+    )
+    tiles = n // b
+    assert causal["tiles_run"] == tiles * (tiles + 1) // 2
+    assert causal["qk_dots_forward"] == tiles * (tiles - 1) // 2 * b * b + tiles * b * (b + 1) // 2
+
+
+def test_out_of_memory_is_a_one_line_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import flashledger.accounting
+
+    def fail(**_: Any) -> None:
+        raise RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+            "memory: you tried to allocate 8053063680 bytes. Error code 12"
+        )
+
+    monkeypatch.setattr(flashledger.accounting, "storage_and_work", fail)
+    code, out, err = run(capsys, "account")
+    assert code == 1 and not out
+    assert err.strip().splitlines() == [
+        "flashledger account: error: not enough memory for this size (one allocation of 7.5 GiB "
+        "failed); try smaller lengths, heads or batch"
+    ]
 
 
 # ----------------------------------------------------------------------------------------
@@ -423,6 +468,8 @@ def test_traffic_sweep_plot(capsys: pytest.CaptureFixture[str], tmp_path: Path) 
         (["--sweep", "--mask", "causal"], ["--sweep uses no mask"]),
         (["--sram", "0"], ["argument --sram", "integer >= 1"]),
         (["--schedule", "standard", "--check"], ["--check compares the blocked loop"]),
+        (["--out", "t.png"], ["--out names the plot of --sweep"]),
+        (["--sweep", "--out", "/nonexistent-dir/t.png"], ["its directory does not exist"]),
     ],
 )
 def test_traffic_bad_input(

@@ -112,6 +112,7 @@ def test_nan_and_inf_inputs_name_the_index(entry, name):
     [
         ("block_q", 0, ValueError),
         ("block_q", -3, ValueError),
+        ("block_k", 2**31, ValueError),
         ("block_k", 2.5, TypeError),
         ("block_k", True, TypeError),
         ("block_q", "8", TypeError),
@@ -119,7 +120,8 @@ def test_nan_and_inf_inputs_name_the_index(entry, name):
 )
 def test_block_sizes(entry, option, value, exc):
     q, k, v = _qkv()
-    _raises(lambda: ENTRY[entry](q, k, v, **{option: value}), exc, option, "integer >= 1")
+    allowed = "integer >= 1" if exc is TypeError else "integer in 1..2147483647"
+    _raises(lambda: ENTRY[entry](q, k, v, **{option: value}), exc, option, allowed)
 
 
 def test_loop_order():
@@ -258,7 +260,8 @@ def test_mask_constructors():
         lambda: fl.Causal(align="diagonal"), ValueError, "align", "'top_left' or 'bottom_right'"
     )
     _raises(lambda: fl.SlidingWindow(-2, 0), ValueError, "SlidingWindow.left", "-1/None")
-    _raises(lambda: fl.SlidingWindow(3, 1.5), ValueError, "SlidingWindow.right", "integer >= 0")
+    _raises(lambda: fl.SlidingWindow(3, 1.5), ValueError, "SlidingWindow.right", "0..2147483647")
+    _raises(lambda: fl.SlidingWindow(2**31, 0), ValueError, "SlidingWindow.left", "got 2147483648")
     _raises(lambda: fl.SlidingWindow(1, 1, align="left"), ValueError, "align")
     _raises(
         lambda: fl.KeyPadding([3, -1]), ValueError, "KeyPadding lengths must be >= 0", "[3, -1]"
@@ -381,7 +384,7 @@ def test_split_kv_and_observer():
         _raises(
             lambda n=n: fl.split_kv_forward(q, k, v, num_splits=n),
             ValueError,
-            "num_splits must be an integer >= 1",
+            "num_splits must be an integer in 1..2147483647",
         )
     _raises(
         lambda: fl.split_kv_forward(q, k, v, num_splits=7),

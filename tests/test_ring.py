@@ -495,12 +495,12 @@ def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (("--world", "0"), "--world must be an integer >= 1"),
+        (("--world", "0"), "--world must be an integer in 1..2147483647"),
         (("--world", "4", "--seq", "7"), "--seq must be >= 8"),
         (("--heads", "3", "--kv-heads", "2"), r"--kv-heads \(2\) must divide --heads \(3\)"),
         (("--window", "a,b"), "--window must be two integers"),
         (("--dropout", "1.5"), r"--dropout must be a number in \[0, 1\)"),
-        (("--block-q", "0"), "--block-q must be an integer >= 1"),
+        (("--block-q", "0"), "--block-q must be an integer in 1..2147483647"),
     ],
 )
 def test_cli_bad_options_raise_value_error(argv: tuple[str, ...], message: str) -> None:

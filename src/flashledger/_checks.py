@@ -8,11 +8,13 @@ from typing import Any
 import torch
 
 __all__ = [
+    "MAX_SIZE",
     "all_finite",
     "check_block",
     "check_finite",
     "check_float_tensor",
     "check_qkv",
+    "check_size",
 ]
 
 
@@ -63,13 +65,22 @@ def check_finite(name: str, x: torch.Tensor, *, allow_neg_inf: bool = False) -> 
     )
 
 
-def check_block(name: str, value: Any) -> int:
-    """A tile size: an integer >= 1."""
+MAX_SIZE = 2**31 - 1
+"""Largest length, tile size, head dim or count accepted: the int32 index range kernels use."""
+
+
+def check_size(name: str, value: Any) -> int:
+    """A size or count: an integer in ``1..MAX_SIZE``."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an integer >= 1, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value}")
+    if not 1 <= value <= MAX_SIZE:
+        raise ValueError(f"{name} must be an integer in 1..{MAX_SIZE} (2**31 - 1), got {value}")
     return value
+
+
+def check_block(name: str, value: Any) -> int:
+    """A tile size: an integer in ``1..MAX_SIZE``."""
+    return check_size(name, value)
 
 
 def check_qkv(q: Any, k: Any, v: Any) -> None:

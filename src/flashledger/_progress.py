@@ -1,4 +1,4 @@
-"""Consoles, titled tables and progress bars shared by the command line and the reports.
+"""Consoles, titled tables, progress bars and argument types shared by the command line.
 
 Both follow the terminal: colour only on a terminal (``NO_COLOR`` turns it off),
 plain text when output goes to a pipe or a file, and progress bars only when
@@ -7,19 +7,49 @@ standard error is a terminal, so captured output stays exactly comparable.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:
     from rich.console import Console, Group
 
-__all__ = ["make_console", "numeric_cell", "progress", "titled_table"]
+__all__ = ["int_arg", "make_console", "numeric_cell", "output_problem", "progress", "titled_table"]
 
 PLAIN_WIDTH = 160
 """Column width used when writing to a pipe or a file (tables are never wrapped there)."""
+
+
+def int_arg(lo: int, hi: int = 2**31 - 1) -> Callable[[str], int]:
+    """An argparse ``type``: an integer in ``lo..hi`` (default top: the int32 index range)."""
+
+    def conv(text: str) -> int:
+        allowed = f"an integer >= {lo}" if hi == 2**31 - 1 else f"an integer in {lo}..{hi}"
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {allowed}, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"expected {allowed}, got {value}")
+        if value > hi:
+            raise argparse.ArgumentTypeError(f"expected an integer in {lo}..{hi}, got {value}")
+        return value
+
+    return conv
+
+
+def output_problem(path: str) -> str:
+    """Why a file cannot be written at ``path`` (``""`` when it can): checked before long work."""
+    target = Path(path)
+    if target.is_dir():
+        return "is a directory"
+    if not target.parent.is_dir():
+        return "its directory does not exist"
+    return ""
 
 
 def _is_terminal(stream: TextIO) -> bool:

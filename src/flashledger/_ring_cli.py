@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ._checks import MAX_SIZE
 from ._ring_core import simulate_ring
 from ._ring_layout import LAYOUTS, num_chunks
 from .conventions import PRESETS
@@ -74,8 +75,8 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _positive(name: str, value: Any, *, low: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_SIZE:
+        raise ValueError(f"{name} must be an integer in {low}..{MAX_SIZE}, got {value!r}")
     return value
 
 

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from ._checks import check_block
+from ._checks import check_block, check_size
 from ._progress import numeric_cell, titled_table
 from .conventions import SEED, Conventions, get_conventions
 from .masks import (
@@ -76,14 +76,6 @@ TENSORS = ("q", "k", "v", "o", "do", "s", "p", "dp", "ds", "m", "ell", "lse", "D
 # ----------------------------------------------------------------------------------------
 # validation
 # ----------------------------------------------------------------------------------------
-def _positive(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an integer >= 1, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value}")
-    return value
-
-
 @dataclass(frozen=True)
 class _Shape:
     """A validated problem size: lengths, head dims, heads and batch."""
@@ -98,15 +90,15 @@ class _Shape:
 
     @staticmethod
     def build(lq: Any, lk: Any, d: Any, d_v: Any, heads: Any, kv_heads: Any, batch: Any) -> _Shape:
-        lq, lk, d = _positive("lq", lq), _positive("lk", lk), _positive("d", d)
-        d_v = d if d_v is None else _positive("d_v", d_v)
-        heads = _positive("heads", heads)
-        kv_heads = heads if kv_heads is None else _positive("kv_heads", kv_heads)
+        lq, lk, d = check_size("lq", lq), check_size("lk", lk), check_size("d", d)
+        d_v = d if d_v is None else check_size("d_v", d_v)
+        heads = check_size("heads", heads)
+        kv_heads = heads if kv_heads is None else check_size("kv_heads", kv_heads)
         if heads % kv_heads != 0:
             raise ValueError(
                 f"heads ({heads}) must be a multiple of kv_heads ({kv_heads}) (GQA/MQA)"
             )
-        return _Shape(lq, lk, d, d_v, heads, kv_heads, _positive("batch", batch))
+        return _Shape(lq, lk, d, d_v, heads, kv_heads, check_size("batch", batch))
 
     @property
     def bh(self) -> int:
@@ -139,8 +131,8 @@ def paper_tiles(*, sram_elements: int, d: int) -> tuple[int, int]:
 
     ``Bc = ceil(M / 4d)``, ``Br = min(ceil(M / 4d), d)`` (FlashAttention paper, Algorithm 1).
     """
-    m = _positive("sram_elements", sram_elements)
-    d = _positive("d", d)
+    m = check_size("sram_elements", sram_elements)
+    d = check_size("d", d)
     bc = -(-m // (4 * d))
     return min(bc, d), bc
 
@@ -195,6 +187,28 @@ def _visible(bound: Any, shape: _Shape) -> int:
     return int(dense.sum()) * (shape.batch // bm) * (shape.heads // hm)
 
 
+MAX_MASKED_TILES = 2**24
+"""Most tiles (``Tq·Tk``) a masked ledger classifies: about 1 GB of working memory."""
+MAX_MASKED_LEN = 2**24
+"""Longest ``Lq`` or ``Lk`` a masked ledger takes: the mask keeps key bounds per query row."""
+
+
+def _check_masked_size(shape: _Shape, tq: int, tk: int) -> None:
+    """A masked ledger classifies every tile and bounds every row: keep both in memory."""
+    if max(shape.lq, shape.lk) > MAX_MASKED_LEN:
+        raise ValueError(
+            f"with a mask, Lq and Lk must be at most {MAX_MASKED_LEN:,} (the mask keeps key "
+            f"bounds per query row); got Lq = {shape.lq:,}, Lk = {shape.lk:,}. Without a mask "
+            "the ledger is closed-form and takes any length"
+        )
+    if tq * tk > MAX_MASKED_TILES:
+        raise ValueError(
+            f"with a mask, the ledger classifies each of the Tq x Tk tiles: at most "
+            f"{MAX_MASKED_TILES:,}, got {tq:,} x {tk:,} = {tq * tk:,}; use larger tiles "
+            f"(L = 1,048,576 fits with 256 x 256)"
+        )
+
+
 def _tiling(
     shape: _Shape, block_q: int, block_k: int, mask: Mask | torch.Tensor | None, conv: Conventions
 ) -> _Tiling:
@@ -203,6 +217,8 @@ def _tiling(
     block_k = check_block("block_k", block_k)
     tq, tk = -(-shape.lq // block_q), -(-shape.lk // block_k)
     m = as_mask(mask)
+    if m is not None:
+        _check_masked_size(shape, tq, tk)
     if m is None:
         return _Tiling(
             block_q, block_k, tq, tk,
@@ -886,21 +902,21 @@ def traffic_sweep(
     """Traffic of the three schedules (no mask, one head) against M at length ``n``
     and against N at ``sram_elements``; tiles from the paper's rule; crossovers in M."""
     d, n, sram_elements = (
-        _positive("d", d),
-        _positive("n", n),
-        _positive("sram_elements", sram_elements),
+        check_size("d", d),
+        check_size("n", n),
+        check_size("sram_elements", sram_elements),
     )
     if not sram_values or not lengths:
         raise ValueError("sram_values and lengths must each hold at least one value")
     by_sram = []
     for m in sram_values:
-        row = {"sram_elements": _positive("sram_values", m)}
+        row = {"sram_elements": check_size("sram_values", m)}
         for sch in SCHEDULES:
             row[sch] = _fwd_bwd(lq=n, lk=n, d=d, schedule=sch, sram_elements=m)
         by_sram.append(row)
     by_length = []
     for length in lengths:
-        row = {"n": _positive("lengths", length)}
+        row = {"n": check_size("lengths", length)}
         for sch in SCHEDULES:
             row[sch] = _fwd_bwd(
                 lq=length, lk=length, d=d, schedule=sch, sram_elements=sram_elements

@@ -49,6 +49,8 @@ from typing import Any
 
 import torch
 
+from ._checks import MAX_SIZE
+from ._progress import int_arg, make_console, progress
 from .autograd import flash_attention
 from .blocked import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, blocked_backward, blocked_forward
 from .masks import Causal
@@ -462,7 +464,6 @@ def _naive_allowed(cfg: Config, args: argparse.Namespace) -> bool:
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """Measure every configuration; returns the JSON-ready report."""
-    from ._progress import progress
 
     configs = _configs(args)
     methods = {
@@ -586,8 +587,6 @@ def _fmt(x: float | None, spec: str) -> str:
 def print_table(report: dict[str, Any]) -> None:
     from rich.table import Table
 
-    from ._progress import make_console
-
     peaks = report["gemm_peak_gflops"]
     table = Table(
         title="flashledger (FL) vs SDPA's CPU flash kernel: medians; ratio < 1: FL is faster; "
@@ -696,13 +695,13 @@ def plot(report: dict[str, Any], path: Path) -> bool:
 # ----------------------------------------------------------------------------------------
 def _int_list(text: str) -> tuple[int, ...]:
     try:
-        vals = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
+        vals = tuple(_positive_int(x) for x in text.split(",") if x.strip())
+    except argparse.ArgumentTypeError:
+        vals = ()
+    if not vals:
         raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers >= 1, got {text!r}"
-        ) from None
-    if not vals or min(vals) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+            f"expected comma-separated integers in 1..{MAX_SIZE}, got {text!r}"
+        )
     return vals
 
 
@@ -728,25 +727,19 @@ def _tiles(text: str) -> tuple[tuple[int, int], ...]:
     for part in text.split(","):
         bits = part.strip().lower().split("x")
         try:
-            bq, bk = (int(bits[0]), int(bits[1])) if len(bits) == 2 else (-1, -1)
-        except ValueError:
-            bq = bk = -1
-        if bq < 1 or bk < 1:
+            bq, bk = (_positive_int(bits[0]), _positive_int(bits[1]))
+        except (argparse.ArgumentTypeError, IndexError):
+            bq = bk = 0
+        if len(bits) != 2 or not bq:
             raise argparse.ArgumentTypeError(
-                f"expected tiles as BQxBK (integers >= 1), comma-separated, got {text!r}"
+                f"expected tiles as BQxBK (integers in 1..{MAX_SIZE}), comma-separated, "
+                f"got {text!r}"
             )
         out.append((bq, bk))
     return tuple(out)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        val = int(text)
-    except ValueError:
-        val = 0
-    if val < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return val
+_positive_int = int_arg(1)
 
 
 def _positive_float(text: str) -> float:

@@ -17,6 +17,7 @@ import importlib
 import json
 import math
 import os
+import re
 import sys
 import textwrap
 from collections.abc import Callable, Sequence
@@ -24,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from ._progress import make_console, progress, titled_table
+from ._checks import MAX_SIZE
+from ._progress import int_arg, make_console, output_problem, progress, titled_table
 
 if TYPE_CHECKING:
     import torch
@@ -80,31 +82,8 @@ def _describe(text: str) -> str:
 # ----------------------------------------------------------------------------------------
 # option types: each names what is allowed
 # ----------------------------------------------------------------------------------------
-def _int_at_least(lo: int) -> Callable[[str], int]:
-    def conv(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {text!r}") from None
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {value}")
-        return value
-
-    return conv
-
-
-def _port(text: str) -> int:
-    value = _int_at_least(0)(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"expected a port number 0..65535, got {value}")
-    return value
-
-
-def _precision(text: str) -> int:
-    value = _int_at_least(1)(text)
-    if value > 17:
-        raise argparse.ArgumentTypeError(f"expected significant digits 1..17, got {value}")
-    return value
+_port = int_arg(0, 65535)
+_precision = int_arg(1, 17)
 
 
 def _number(text: str, *, allow_neg_inf: bool = False) -> float:
@@ -215,9 +194,9 @@ def _mask(text: str) -> MaskSpec:
             raise argparse.ArgumentTypeError(
                 f"expected window:L,R with integers L, R >= 0 or -1 (unbounded), got {text!r}"
             ) from None
-        if left < -1 or right < -1:
+        if not (-1 <= left <= MAX_SIZE and -1 <= right <= MAX_SIZE):
             raise argparse.ArgumentTypeError(
-                f"window sides must be >= 0, or -1 for unbounded, got {text!r}"
+                f"window sides must be integers in 0..{MAX_SIZE}, or -1 for unbounded, got {text!r}"
             )
         return MaskSpec(spec, SlidingWindow(left, right))
     if spec.endswith((".json", ".npy")):
@@ -788,6 +767,8 @@ def _print_checks(con: _Out, checks: list[tuple[str, int, int]]) -> None:
 def _cmd_traffic(args: argparse.Namespace) -> int:
     if args.sweep:
         return _traffic_sweep(args)
+    if args.out is not None:
+        raise UsageError("--out names the plot of --sweep: add --sweep, or drop --out")
     from .accounting import SCHEDULES, memory_traffic
 
     spec = _seed_defaults(args)
@@ -872,6 +853,10 @@ def _traffic_sweep(args: argparse.Namespace) -> int:
         raise UsageError(
             "--sweep uses no mask and the paper's tile rule: drop --mask/--block-q/--block-k"
         )
+    args.out = args.out or "traffic.png"
+    problem = output_problem(args.out)
+    if problem:
+        raise UsageError(f"cannot write --out {args.out}: {problem}")
     d = 64 if args.d is None else args.d
     n = 4096 if args.lq is None else args.lq
     sram = 32768 if args.sram is None else args.sram
@@ -995,7 +980,7 @@ def _common() -> _Parser:
 
 
 def _add_shape(sp: argparse.ArgumentParser) -> None:
-    pos = _int_at_least(1)
+    pos = int_arg(1)
     sp.add_argument("--lq", type=pos, help="query length (default: the seed's 5)")
     sp.add_argument("--lk", type=pos, help="key length (default: Lq)")
     sp.add_argument("--d", type=pos, help="head dim of Q and K (default: the seed's 2)")
@@ -1046,7 +1031,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--scores", type=_score_list, help="comma-separated scores (default: the seed's six)"
     )
     on.add_argument("--values", type=_matrix, help='one value vector per score: "1,0;0,1;..."')
-    on.add_argument("--block", type=_int_at_least(1), help="scores per block (default 2)")
+    on.add_argument("--block", type=int_arg(1), help="scores per block (default 2)")
     on.add_argument("--shift", type=_finite, default=0.0, help="add this constant to every score")
     on.add_argument(
         "--counterexample", action="store_true",
@@ -1067,10 +1052,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bw.add_argument(
         "--block-q",
-        type=_int_at_least(1),
+        type=int_arg(1),
         help="query tile size (default 2 for the seed, 64 for files)",
     )
-    bw.add_argument("--block-k", type=_int_at_least(1), help="key tile size (default as --block-q)")
+    bw.add_argument("--block-k", type=int_arg(1), help="key tile size (default as --block-q)")
     bw.add_argument(
         "--mask",
         type=_mask,
@@ -1094,7 +1079,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="P",
         help="dropout probability in [0, 1)",
     )
-    bw.add_argument("--seed", type=_int_at_least(0), default=0, help="dropout seed")
+    bw.add_argument("--seed", type=int_arg(0), default=0, help="dropout seed")
     bw.add_argument(
         "--softcap", type=_positive_number, metavar="C", help="softcap C > 0: s = C tanh(s / C)"
     )
@@ -1117,7 +1102,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_shape(tr)
     tr.add_argument(
         "--sram",
-        type=_int_at_least(1),
+        type=int_arg(1),
         metavar="M",
         help="on-chip memory in elements (paper's tile rule); "
         "with --sweep: M of the N sweep (default 32768)",
@@ -1134,7 +1119,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="sweep M and N (no mask, d default 64, N = --lq default 4096) and save a plot",
     )
     tr.add_argument(
-        "--out", default="traffic.png", metavar="PNG", help="where --sweep saves its plot"
+        "--out", metavar="PNG", help="where --sweep saves its plot (default traffic.png)"
     )
     tr.set_defaults(handler=_cmd_traffic)
 
@@ -1209,6 +1194,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         _fail(f"{PROG} {command}: interrupted")
         return 130
     except Exception as exc:
+        if _out_of_memory(exc) and not os.environ.get("FLASHLEDGER_DEBUG"):
+            _fail(
+                f"{PROG} {command}: error: not enough memory for this size "
+                f"({_allocation(exc)}); try smaller lengths, heads or batch"
+            )
+            return 1
         if os.environ.get("FLASHLEDGER_DEBUG"):
             raise
         _fail(
@@ -1216,6 +1207,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             "(set FLASHLEDGER_DEBUG=1 for the traceback)"
         )
         return 1
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """An allocation failure: Python's MemoryError or PyTorch's (CPU or CUDA) allocator error."""
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
+
+
+def _allocation(exc: BaseException) -> str:
+    """What failed to allocate, from PyTorch's message when it says."""
+
+    found = re.search(r"allocate (\d+) bytes", str(exc))
+    if found is None:
+        return type(exc).__name__
+    return f"one allocation of {int(found.group(1)) / 2**30:,.1f} GiB failed"
 
 
 def _fail(message: str) -> None:

@@ -38,6 +38,8 @@ from typing import Literal
 
 import torch
 
+from ._checks import MAX_SIZE
+
 __all__ = [
     "EMPTY",
     "FULL",
@@ -354,10 +356,10 @@ class SlidingWindow(Mask):
             val = getattr(self, name)
             if val is None:
                 continue
-            if isinstance(val, bool) or not isinstance(val, int) or val < -1:
+            if isinstance(val, bool) or not isinstance(val, int) or not -1 <= val <= MAX_SIZE:
                 raise ValueError(
-                    f"SlidingWindow.{name} must be an integer >= 0, or -1/None for unbounded; "
-                    f"got {val!r}"
+                    f"SlidingWindow.{name} must be an integer in 0..{MAX_SIZE}, or -1/None for "
+                    f"unbounded; got {val!r}"
                 )
 
     def bind(self, geo: Geometry) -> BoundMask:

@@ -665,18 +665,11 @@ def run_cli(args: argparse.Namespace) -> int:
     import sys
     from pathlib import Path
 
-    from ._progress import make_console, progress
+    from ._progress import make_console, output_problem, progress
 
     html_path = getattr(args, "html", None)
     if html_path:
-        target = Path(html_path)
-        problem = (
-            "is a directory"
-            if target.is_dir()
-            else "its directory does not exist"
-            if not target.parent.is_dir()
-            else ""
-        )
+        problem = output_problem(html_path)
         if problem:
             print(
                 f"flashledger verify: cannot write --html {html_path}: {problem}", file=sys.stderr
