@@ -79,6 +79,11 @@ def test_bad_tensors(entry):
         lambda: call(q.to(torch.int64), k, v), TypeError, "q must have a floating dtype", "int64"
     )
     _raises(lambda: call(q.tolist(), k, v), TypeError, "q must be a torch.Tensor", "list")
+    _raises(lambda: call(q, k.float(), v), TypeError, "share one dtype", "k torch.float32", "k.to(")
+    _raises(lambda: call(q[None, :0], k[None, :0], v[None, :0]), ValueError, "batch and head")
+    _raises(lambda: call(q[:0], k[:0], v[:0]), ValueError, "batch and head counts must be >= 1")
+    meta = [x.to("meta") for x in (q, k, v)]
+    _raises(lambda: call(*meta), ValueError, "meta tensors")
 
 
 @pytest.mark.parametrize("entry", list(ENTRY))
@@ -225,8 +230,8 @@ def test_alibi_and_bias_shapes(entry):
 
 
 def test_alibi_slopes_helper():
-    for h in (0, -2, 2.0, True):
-        _raises(lambda h=h: fl.alibi_slopes(h), ValueError, "heads must be an integer >= 1")
+    for h in (0, -2, 2.0, True, 2**16 + 1, 2**40):
+        _raises(lambda h=h: fl.alibi_slopes(h), ValueError, "heads must be an integer in 1..65536")
 
 
 # -- masks --------------------------------------------------------------------------------

@@ -100,6 +100,17 @@ def check_qkv(q: Any, k: Any, v: Any) -> None:
         raise ValueError(
             f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}"
         )
+    if q.device.type == "meta":
+        raise ValueError("q, k and v are meta tensors (no data); attention needs their values")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}; "
+            "convert them first (e.g. k.to(q.dtype))"
+        )
+    if 0 in q.shape[:-2] or 0 in k.shape[:-2]:
+        raise ValueError(
+            f"batch and head counts must be >= 1: q {tuple(q.shape)}, k {tuple(k.shape)}"
+        )
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(
             f"q and k must share the head dim d: q {tuple(q.shape)}, k {tuple(k.shape)}"

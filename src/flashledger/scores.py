@@ -23,6 +23,10 @@ from .masks import Geometry
 __all__ = ["ScoreMod", "alibi_slopes"]
 
 
+MAX_ALIBI_HEADS = 2**16
+"""Most heads :func:`alibi_slopes` builds a schedule for (models use tens to hundreds)."""
+
+
 def alibi_slopes(heads: int, *, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """The standard ALiBi slope schedule for ``heads`` heads, ``(H,)``.
 
@@ -30,8 +34,10 @@ def alibi_slopes(heads: int, *, dtype: torch.dtype = torch.float64) -> torch.Ten
     schedule of the nearest lower power of two, then every other slope of the
     next power of two (Press et al.).
     """
-    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
-        raise ValueError(f"alibi_slopes: heads must be an integer >= 1, got {heads!r}")
+    if isinstance(heads, bool) or not isinstance(heads, int) or not 1 <= heads <= MAX_ALIBI_HEADS:
+        raise ValueError(
+            f"alibi_slopes: heads must be an integer in 1..{MAX_ALIBI_HEADS}, got {heads!r}"
+        )
 
     def pow2(n: int) -> list[float]:
         start = 2.0 ** (-8.0 / n)
