@@ -1,0 +1,76 @@
+"""The command blocks in the README and docs/ show what the commands print today.
+
+Each fenced ``console`` block that starts with ``$ flashledger ...`` is run
+in-process; every line shown (``...`` marks an elision) must appear in the
+output, in order. Timed or slow commands (bench, verify) and blocks that
+write files or pipe into another program are listed, not run.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from flashledger import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+NOT_RUN = ("bench", "verify")  # timings, or a minute of sweeping: shown as examples
+FENCE = re.compile(r"^```console\n(.*?)^```", re.S | re.M)
+ROUNDOFF = re.compile(r"(?<![\w.])\d(?:\.\d+)?e-(?:1[3-9]|[2-9]\d)\b")
+
+
+def _norm(line: str) -> str:
+    """Roundoff-sized numbers (below 1e-12) read as 0, and runs of spaces as one.
+
+    Differences of 1e-16 against a reference move with the BLAS build and the
+    CPU's vector width; everything else must match exactly.
+    """
+    return " ".join(ROUNDOFF.sub("0", line).split())
+
+
+def _blocks() -> list[tuple[str, str, list[str]]]:
+    found = []
+    for path in DOCS:
+        for body in FENCE.findall(path.read_text(encoding="utf-8")):
+            lines = body.rstrip("\n").split("\n")
+            lines = [x for x in lines if not x.startswith("$ torchrun ")]
+            if not lines[0].startswith("$ flashledger "):
+                continue
+            argv = shlex.split(lines[0].removeprefix("$ flashledger "), comments=True)
+            if argv[0] in NOT_RUN or "|" in argv or "--sweep" in argv:
+                continue
+            found.append((f"{path.name}: {lines[0][2:]}", lines[0], lines[1:]))
+    return found
+
+
+BLOCKS = _blocks()
+
+
+def test_the_docs_have_runnable_blocks() -> None:
+    names = {b[0].split(": ", 1)[1].split()[1] for b in BLOCKS}
+    assert {"online", "backward", "account", "traffic", "ring"} <= names, names
+
+
+@pytest.mark.parametrize(("label", "command", "shown"), BLOCKS, ids=[b[0] for b in BLOCKS])
+def test_block_matches_the_command(
+    label: str, command: str, shown: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = shlex.split(command.removeprefix("$ flashledger "), comments=True)
+    assert cli.main(argv) == 0, label
+    out = [_norm(line) for line in capsys.readouterr().out.splitlines()]
+    at = 0
+    for want in map(_norm, shown):
+        if want in ("...", "…"):
+            continue
+        try:
+            at = out.index(want, at) + 1
+        except ValueError:
+            near = [o for o in out if o.split()[:2] == want.split()[:2]][:1]
+            pytest.fail(
+                f"{label}: the docs show\n  {want!r}\nwhich the command no longer prints"
+                + (f"; it prints\n  {near[0]!r}" if near else "")
+            )
