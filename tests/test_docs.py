@@ -74,3 +74,43 @@ def test_block_matches_the_command(
                 f"{label}: the docs show\n  {want!r}\nwhich the command no longer prints"
                 + (f"; it prints\n  {near[0]!r}" if near else "")
             )
+
+
+# ----------------------------------------------------------------------------------------
+# python blocks
+# ----------------------------------------------------------------------------------------
+PY_FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+PY_SHOWN_ONLY = {
+    ("README.md", 1): "calls the reader's own kernel (my_attention)",
+    ("internals.md", 0): "signatures, not code",
+    ("ring.md", 0): "runs on every rank of a torchrun group (tests/test_ring_distributed.py)",
+    ("verify.md", 0): "a signature, not code",
+    ("verify.md", 2): "the full matrix; `flashledger verify --quick` is tested in test_verify.py",
+}
+
+
+def _py_blocks() -> list[tuple[str, int, str]]:
+    return [
+        (path.name, i, body)
+        for path in DOCS
+        for i, body in enumerate(PY_FENCE.findall(path.read_text(encoding="utf-8")))
+    ]
+
+
+PY_BLOCKS = [b for b in _py_blocks() if (b[0], b[1]) not in PY_SHOWN_ONLY]
+
+
+def test_every_python_block_is_run_or_listed() -> None:
+    listed = {(name, i) for name, i, _ in _py_blocks()}
+    assert set(PY_SHOWN_ONLY) <= listed, set(PY_SHOWN_ONLY) - listed
+    assert len(PY_BLOCKS) >= 3
+
+
+@pytest.mark.parametrize(
+    ("name", "index", "body"), PY_BLOCKS, ids=[f"{b[0]}#{b[1]}" for b in PY_BLOCKS]
+)
+def test_python_block_runs(name: str, index: int, body: str) -> None:
+    scope: dict[str, object] = {"__name__": f"docs_{name}_{index}"}
+    exec(compile(body, f"{name} python block {index}", "exec"), scope)
+    for fn in [v for k, v in scope.items() if k.startswith("test_") and callable(v)]:
+        fn()  # the block's own tests (verify.md shows how to write them)
