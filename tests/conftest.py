@@ -121,3 +121,11 @@ def preset(request: pytest.FixtureRequest) -> fl.Conventions:
 def gen() -> torch.Generator:
     """A CPU generator with a fixed seed (fresh for every test)."""
     return torch.Generator().manual_seed(20240611)
+
+
+@pytest.fixture(autouse=True)
+def _plain_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Printed output compared in tests is plain text: no forced colour, the default width
+    (a CI runner may set ``COLUMNS``)."""
+    for name in ("FORCE_COLOR", "TTY_COMPATIBLE", "COLUMNS"):
+        monkeypatch.delenv(name, raising=False)

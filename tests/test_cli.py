@@ -20,13 +20,6 @@ from flashledger.accounting import memory_traffic, storage_and_work
 from flashledger.cli import main
 
 
-@pytest.fixture(autouse=True)
-def _plain_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Output compared here is plain text: no forced colour, the default width."""
-    for name in ("FORCE_COLOR", "TTY_COMPATIBLE", "COLUMNS"):
-        monkeypatch.delenv(name, raising=False)
-
-
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     code = main(list(argv))
     out, err = capsys.readouterr()
