@@ -66,6 +66,18 @@ def assert_usage_error(code: int, out: str, err: str, *words: str) -> None:
 # ----------------------------------------------------------------------------------------
 # help
 # ----------------------------------------------------------------------------------------
+def test_help_starts_without_importing_torch() -> None:
+    """``flashledger --help`` and argument errors answer at once: torch loads only when a
+    command runs."""
+    code = (
+        "import sys; from flashledger.cli import main; "
+        "rc = main(['--help']); assert 'torch' not in sys.modules, 'torch imported'; "
+        "rc = main(['account', '--lq', '0']); assert 'torch' not in sys.modules"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "--help")
     assert code == 0

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from ._limits import MAX_SIZE
+
 __all__ = [
     "MAX_SIZE",
     "all_finite",
@@ -63,10 +65,6 @@ def check_finite(name: str, x: torch.Tensor, *, allow_neg_inf: bool = False) -> 
     raise ValueError(
         f"{name} contains {what} at index {idx} (value {x[idx].item()}); allowed: {allowed}"
     )
-
-
-MAX_SIZE = 2**31 - 1
-"""Largest length, tile size, head dim or count accepted: the int32 index range kernels use."""
 
 
 def check_size(name: str, value: Any) -> int:

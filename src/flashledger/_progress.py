@@ -15,6 +15,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
+from ._limits import MAX_SIZE
+
 if TYPE_CHECKING:
     from rich.console import Console, Group
 
@@ -24,11 +26,11 @@ PLAIN_WIDTH = 160
 """Column width used when writing to a pipe or a file (tables are never wrapped there)."""
 
 
-def int_arg(lo: int, hi: int = 2**31 - 1) -> Callable[[str], int]:
+def int_arg(lo: int, hi: int = MAX_SIZE) -> Callable[[str], int]:
     """An argparse ``type``: an integer in ``lo..hi`` (default top: the int32 index range)."""
 
     def conv(text: str) -> int:
-        allowed = f"an integer >= {lo}" if hi == 2**31 - 1 else f"an integer in {lo}..{hi}"
+        allowed = f"an integer >= {lo}" if hi == MAX_SIZE else f"an integer in {lo}..{hi}"
         try:
             value = int(text)
         except ValueError:

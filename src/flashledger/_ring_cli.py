@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ._checks import MAX_SIZE
+from ._limits import MAX_SIZE
 from ._ring_core import simulate_ring
 from ._ring_layout import LAYOUTS, num_chunks
 from .conventions import PRESETS

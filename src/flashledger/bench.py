@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from ._checks import MAX_SIZE
+from ._limits import MAX_SIZE
 from ._progress import int_arg, make_console, progress
 from .autograd import flash_attention
 from .blocked import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, blocked_backward, blocked_forward

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from ._checks import MAX_SIZE
+from ._limits import MAX_SIZE
 from ._progress import int_arg, make_console, output_problem, progress, titled_table
 
 if TYPE_CHECKING:

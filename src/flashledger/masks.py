@@ -38,7 +38,7 @@ from typing import Literal
 
 import torch
 
-from ._checks import MAX_SIZE
+from ._limits import MAX_SIZE
 
 __all__ = [
     "EMPTY",
