@@ -308,6 +308,47 @@ def test_backward_bad_files(capsys: pytest.CaptureFixture[str], tmp_path: Path) 
     )
 
 
+@pytest.mark.parametrize(
+    ("name", "content", "words"),
+    [
+        ("empty.json", "[]", ["mask file", "every size >= 1", "got shape (0,)"]),
+        ("ragged.json", "[[true], [false, true]]", ["rows of different lengths"]),
+        ("object.json", '{"a": 1}', ["(Lq, Lk), (H, Lq, Lk) or (B, H, Lq, Lk)", "shape ()"]),
+        ("junk.npy", "not numpy", ["is not a .npy file"]),
+        ("half.json", "[[1.0, 0.5]]", ["booleans (or 0/1)", "with other values"]),
+    ],
+)
+def test_mask_files_that_are_not_masks(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, name: str, content: str, words: list[str]
+) -> None:
+    (tmp_path / name).write_text(content)
+    for command in ("account", "backward"):
+        assert_usage_error(*run(capsys, command, "--mask", str(tmp_path / name)), *words)
+
+
+def test_mask_file_of_float_zeros_and_ones(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    np.save(tmp_path / "m.npy", np.tril(np.ones((4, 6))))
+    data = run_json(capsys, "account", "--mask", str(tmp_path / "m.npy"))
+    assert (data["config"]["lq"], data["config"]["lk"]) == (4, 6)
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "words"),
+    [
+        ("empty.json", json.dumps({n: [] for n in "qkvg"}), ["q must have shape", "got (0,)"]),
+        ("deep.json", json.dumps({n: [[[[[1.0]]]]] for n in "qkvg"}), ["got (1, 1, 1, 1, 1)"]),
+        ("junk.npz", "not a zip", ["not a .npz archive"]),
+    ],
+)
+def test_input_files_that_are_not_problems(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, name: str, content: str, words: list[str]
+) -> None:
+    (tmp_path / name).write_text(content)
+    assert_usage_error(*run(capsys, "backward", "--input", str(tmp_path / name)), *words)
+
+
 # ----------------------------------------------------------------------------------------
 # account
 # ----------------------------------------------------------------------------------------

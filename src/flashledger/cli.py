@@ -20,6 +20,7 @@ import os
 import re
 import sys
 import textwrap
+import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -211,22 +212,34 @@ def _load_bool_matrix(path: str) -> torch.Tensor:
     try:
         if path.endswith(".json"):
             data = json.loads(Path(path).read_text())
-            arr = np.asarray(data)
+            try:
+                arr = np.asarray(data)
+            except ValueError:
+                raise argparse.ArgumentTypeError(
+                    f"mask file {path}: rows of different lengths; a mask is a rectangular "
+                    "matrix of true/false"
+                ) from None
         else:
+            with open(path, "rb") as fh:
+                if fh.read(6) != b"\x93NUMPY":
+                    raise argparse.ArgumentTypeError(
+                        f"mask file {path} is not a .npy file (numpy.save writes one)"
+                    )
             arr = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as exc:
         raise argparse.ArgumentTypeError(f"cannot read mask file {path}: {exc}") from None
+    if arr.ndim not in (2, 3, 4) or 0 in arr.shape:
+        raise argparse.ArgumentTypeError(
+            f"mask file {path} must hold a (Lq, Lk), (H, Lq, Lk) or (B, H, Lq, Lk) matrix "
+            f"with every size >= 1, got shape {arr.shape}"
+        )
     if arr.dtype != np.bool_:
-        if arr.dtype.kind not in "iu" or not np.isin(arr, (0, 1)).all():
+        if arr.dtype.kind not in "iuf" or not np.isin(arr, (0, 1)).all():
             raise argparse.ArgumentTypeError(
                 f"mask file {path} must hold booleans (or 0/1), got dtype {arr.dtype}"
+                + (" with other values" if arr.dtype.kind in "iuf" else "")
             )
         arr = arr.astype(bool)
-    if arr.ndim not in (2, 3, 4):
-        raise argparse.ArgumentTypeError(
-            f"mask file {path} must hold a (Lq, Lk), (H, Lq, Lk) or (B, H, Lq, Lk) matrix, "
-            f"got shape {arr.shape}"
-        )
     return torch.from_numpy(np.ascontiguousarray(arr))
 
 
@@ -455,6 +468,10 @@ def _load_inputs(path: str) -> dict[str, torch.Tensor]:
             if not isinstance(data, dict):
                 raise UsageError(f"--input {path}: expected a JSON object with keys q, k, v, g")
         else:
+            if Path(path).is_file() and not zipfile.is_zipfile(path):
+                raise UsageError(
+                    f"--input {path}: not a .npz archive (numpy.savez writes one, a zip of arrays)"
+                )
             with np.load(path, allow_pickle=False) as npz:
                 data = {k: npz[k] for k in npz.files}
     except (OSError, ValueError) as exc:
@@ -468,6 +485,11 @@ def _load_inputs(path: str) -> dict[str, torch.Tensor]:
             arr = np.asarray(data[k], dtype=np.float64)
         except (TypeError, ValueError):
             raise UsageError(f"--input {path}: {k} must be a numeric array") from None
+        if arr.ndim not in (2, 3, 4) or 0 in arr.shape:
+            raise UsageError(
+                f"--input {path}: {k} must have shape (L, d), (H, L, d) or (B, H, L, d) with "
+                f"every size >= 1, got {arr.shape}"
+            )
         out[k] = torch.from_numpy(arr)
     q, v, g = out["q"], out["v"], out["g"]
     want = (*q.shape[:-1], v.shape[-1])
