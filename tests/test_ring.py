@@ -492,6 +492,19 @@ def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert d["ledger"]["setup"]["lq"] == 20 and d["ledger"]["setup"]["lk"] == 12
 
 
+def test_cli_window_side_may_be_negative(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--window -1,0`` (unbounded left) reaches the parser as a value, not an option."""
+    from flashledger.cli import main
+
+    argv = ["ring", "--world", "2", "--seq", "12", "--d", "4", "--json"]
+    assert main([*argv, "--window", "-1,0"]) == 0
+    window = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--causal"]) == 0
+    causal = json.loads(capsys.readouterr().out)
+    assert window["ok"] is True
+    assert window["ledger"] == causal["ledger"], "keys 0..i is the causal mask: same work and hops"
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

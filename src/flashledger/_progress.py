@@ -20,7 +20,15 @@ from ._limits import MAX_SIZE
 if TYPE_CHECKING:
     from rich.console import Console, Group
 
-__all__ = ["int_arg", "make_console", "numeric_cell", "output_problem", "progress", "titled_table"]
+__all__ = [
+    "int_arg",
+    "join_dash_values",
+    "make_console",
+    "numeric_cell",
+    "output_problem",
+    "progress",
+    "titled_table",
+]
 
 PLAIN_WIDTH = 160
 """Column width used when writing to a pipe or a file (tables are never wrapped there)."""
@@ -42,6 +50,23 @@ def int_arg(lo: int, hi: int = MAX_SIZE) -> Callable[[str], int]:
         return value
 
     return conv
+
+
+def join_dash_values(argv: list[str], options: Sequence[str]) -> list[str]:
+    """``OPT VALUE`` as ``OPT=VALUE`` for ``options`` whose value may start with '-'.
+
+    argparse takes ``-1,2`` for an option name; ``--scores -1,2`` then fails.
+    """
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] in options and i + 1 < len(argv) and argv[i + 1].startswith("-"):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
 
 
 def output_problem(path: str) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ._limits import MAX_SIZE
+from ._progress import join_dash_values
 from ._ring_core import simulate_ring
 from ._ring_layout import LAYOUTS, num_chunks
 from .conventions import PRESETS
@@ -203,7 +204,7 @@ def _main() -> int:
     )
     add_cli_arguments(parser)
     try:
-        return run_cli(parser.parse_args())
+        return run_cli(parser.parse_args(join_dash_values(sys.argv[1:], ("--window",))))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -27,7 +27,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from ._limits import MAX_SIZE
-from ._progress import int_arg, make_console, output_problem, progress, titled_table
+from ._progress import (
+    int_arg,
+    join_dash_values,
+    make_console,
+    output_problem,
+    progress,
+    titled_table,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -1163,26 +1170,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-VALUE_OPTIONS = ("--scores", "--values", "--shift")
-"""Options whose values may start with '-' (``--scores -1,2``): joined as ``--scores=-1,2``."""
-
-
-def _join_values(argv: list[str]) -> list[str]:
-    out: list[str] = []
-    i = 0
-    while i < len(argv):
-        if argv[i] in VALUE_OPTIONS and i + 1 < len(argv) and argv[i + 1].startswith("-"):
-            out.append(f"{argv[i]}={argv[i + 1]}")
-            i += 2
-        else:
-            out.append(argv[i])
-            i += 1
-    return out
+VALUE_OPTIONS = ("--scores", "--values", "--shift", "--window")
+"""Options whose values may start with '-' (``--scores -1,2``, ``ring --window -1,0``)."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (2 for bad input)."""
-    args_list = _join_values(list(sys.argv[1:] if argv is None else argv))
+    args_list = join_dash_values(list(sys.argv[1:] if argv is None else argv), VALUE_OPTIONS)
     parser = build_parser()
     command = "?"
     try:
