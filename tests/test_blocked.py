@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -277,6 +278,16 @@ def test_ledger_renders_as_text_json_and_html(gen):
     assert html.count("<table>") == 2 and "qk_dots_visible" in html
     rows = res.ledger.rows()
     assert rows[0]["tile"] == "Q0 x K0" and rows[0]["kind"] == res.ledger.records[0].kind
+
+
+def test_long_ledger_shows_head_and_tail_in_a_notebook():
+    q = torch.randn(1, 1, 160, 4, dtype=torch.float64)
+    led = fl.blocked_forward(q, q, q, block_q=8, block_k=8, trace=True).ledger  # 400 steps
+    html = led._repr_html_()
+    steps = [int(x) for x in re.findall(r"<tr><td>(\d+)</td><td>Q", html)]
+    assert steps == [*range(1, 31), *range(371, 401)], "first 30 and last 30 steps"
+    assert "340 more steps (all 400 in <code>ledger.records</code>" in html
+    assert len(str(led).splitlines()) == 2 + 400, "print(ledger) keeps every step"
 
 
 # -- fa1 == fa2 == oracle, any tiling ------------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import html
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -103,6 +104,10 @@ class BackwardTileStep:
     keep: torch.Tensor | None = None
 
 
+HTML_ROWS = 60
+"""Records a notebook shows of a longer ledger: the first and last half of this."""
+
+
 @dataclass
 class Ledger:
     """Records of one pass (``"forward"`` or ``"backward"``) and its counters."""
@@ -128,10 +133,13 @@ class Ledger:
             self.tile_kinds = [[TILE_KINDS[int(c)] for c in row] for row in classes.tolist()]
 
     # -- renderers --------------------------------------------------------------------
-    def rows(self) -> list[dict[str, Any]]:
-        """One summary dict per record (first batch and head when there are several)."""
+    def rows(
+        self, records: Sequence[ForwardTileStep | BackwardTileStep] | None = None
+    ) -> list[dict[str, Any]]:
+        """One summary dict per record (default: all; first batch and head when there are
+        several)."""
         out = []
-        for r in self.records:
+        for r in self.records if records is None else records:
             row: dict[str, Any] = {
                 "step": r.index + 1,
                 "tile": f"Q{r.q_tile} x K{r.k_tile}",
@@ -195,17 +203,31 @@ class Ledger:
             + "".join(f"<td>{v}</td>" for v in c.to_dict().values())
             + "</tr></table>",
         ]
-        rows = self.rows()
+        n, half = len(self.records), HTML_ROWS // 2
+        cut = n > HTML_ROWS
+        shown = [*self.records[:half], *self.records[-half:]] if cut else self.records
+        rows = self.rows(shown)
         if rows:
             cols = list(rows[0])
+
+            def tr(r: dict[str, Any]) -> str:
+                return (
+                    "<tr>" + "".join(f"<td>{html.escape(_fmt(r[k]))}</td>" for k in cols) + "</tr>"
+                )
+
+            body = [tr(r) for r in rows]
+            if cut:
+                gap = (
+                    f"<tr><td colspan='{len(cols)}'>&hellip; {n - 2 * half:,} more steps "
+                    f"(all {n:,} in <code>ledger.records</code>; <code>print(ledger)</code> "
+                    "prints every one)</td></tr>"
+                )
+                body.insert(half, gap)
             parts.append(
                 "<table><tr>"
                 + "".join(f"<th>{html.escape(k)}</th>" for k in cols)
                 + "</tr>"
-                + "".join(
-                    "<tr>" + "".join(f"<td>{html.escape(_fmt(r[k]))}</td>" for k in cols) + "</tr>"
-                    for r in rows
-                )
+                + "".join(body)
                 + "</table>"
             )
         return "\n".join(parts)
