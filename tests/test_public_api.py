@@ -9,6 +9,7 @@ import importlib.metadata
 import importlib.resources
 import inspect
 import math
+import re
 
 import pytest
 import torch
@@ -160,3 +161,42 @@ def test_docstring_examples_run(module):
     result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0, f"{module} has no doctest examples"
     assert result.failed == 0, f"{result.failed} doctest failures in {module}"
+
+
+# every public module runs on its own and prints a small demo
+MODULE_DEMOS = {
+    "online": "full-row reference",
+    "blocked": "max |O - dense oracle| = ",
+    "ledger": "backward ledger: tiles 2x2",
+    "reference": "LSE [-0.06364, 0.746864",
+    "accounting": "Memory traffic (fa2",
+    "masks": "Causal(align='bottom_right')\n  F p . .",
+    "conventions": "flash_attn_2    causal bottom_right masked-row LSE inf",
+    "examples": "section 04: causal, tiles 2 x 2",
+    "scores": "4 heads: [0.25, 0.0625, 0.015625, 0.003906]",
+    "dropout": "fa2_8bit: expected keep rate",
+    "autograd": "dV: max |autograd - oracle| = ",
+}
+
+
+def test_every_public_module_has_a_demo() -> None:
+    import pkgutil
+
+    public = {m.name for m in pkgutil.iter_modules(fl.__path__) if not m.name.startswith("_")}
+    with_cli = {"cli", "verify", "bench", "ring", "web"}  # options (`--help`) or a server
+    assert public - with_cli == set(MODULE_DEMOS), public - with_cli ^ set(MODULE_DEMOS)
+
+
+@pytest.mark.parametrize(("name", "shows"), MODULE_DEMOS.items(), ids=list(MODULE_DEMOS))
+def test_module_demo_runs(name: str, shows: str, capsys: pytest.CaptureFixture[str]) -> None:
+    import runpy
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # runpy: module already imported
+        runpy.run_module(f"flashledger.{name}", run_name="__main__")
+    out = capsys.readouterr().out
+    assert shows in out, out[:500]
+    if "|" in shows:  # a demo that checks itself prints a roundoff-sized difference
+        diffs = [float(x) for x in re.findall(r"= ([0-9.e+-]+)", out)]
+        assert diffs and max(diffs) < 1e-12, diffs

@@ -927,3 +927,16 @@ def traffic_sweep(
         d=d, n=n, sram_elements=sram_elements, by_sram=by_sram, by_length=by_length,
         crossover_sram=cross,
     )  # fmt: skip
+
+
+def _demo() -> None:
+    """The seed's storage-and-work table, then FA2's memory traffic for the same problem."""
+    from .masks import Causal
+
+    print(storage_and_work(lq=5, lk=5, d=2, block_q=2, block_k=2, mask=Causal()))
+    print()
+    print(memory_traffic(lq=5, lk=5, d=2, block_q=2, block_k=2, mask=Causal(), schedule="fa2"))
+
+
+if __name__ == "__main__":
+    _demo()

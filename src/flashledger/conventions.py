@@ -130,3 +130,17 @@ def get_conventions(value: Conventions | str | None) -> Conventions:
     raise TypeError(
         f"conventions must be a Conventions value or a preset name, got {type(value).__name__}"
     )
+
+
+def _demo() -> None:
+    """Every preset's edge conventions, one line each."""
+    for c in PRESETS.values():
+        print(
+            f"{c.name:<15} causal {c.causal_align:<12} masked-row LSE {c.masked_row_lse:<5g} "
+            f"dropout {c.dropout_keep:<9} LSE grad {'yes' if c.lse_differentiable else 'no':<4}"
+            f"{c.description}"
+        )
+
+
+if __name__ == "__main__":
+    _demo()

@@ -71,3 +71,18 @@ def keep_rate(p: float, mode: str) -> float:
     if mode == "fa2_8bit":
         return (math.floor((1.0 - p) * 255) + 1) / 256
     return 1.0 - p
+
+
+def _demo() -> None:
+    """The counter-based keep mask: one 4 x 8 tile at p = 0.25, both keep tests."""
+    i, j = torch.arange(4)[:, None], torch.arange(8)[None, :]
+    zero = torch.zeros((), dtype=torch.int64)
+    for mode in ("bernoulli", "fa2_8bit"):
+        keep = dropout_keep(0, 0.25, mode, zero, zero, i, j)
+        print(f"{mode}: expected keep rate {keep_rate(0.25, mode):.6f}")
+        for row in keep.tolist():
+            print("  " + "".join("1" if x else "." for x in row))
+
+
+if __name__ == "__main__":
+    _demo()

@@ -56,3 +56,16 @@ def five_position_example() -> dict[str, torch.Tensor | int]:
         "block_q": FIVE_BLOCK,
         "block_k": FIVE_BLOCK,
     }
+
+
+def _demo() -> None:
+    """The seed page's data sets."""
+    print(f"section 02: scores {SIX_SCORES.tolist()}, blocks of {SIX_BLOCK}")
+    print(f"            values {SIX_VALUES.tolist()}")
+    print(f"section 04: causal, tiles {FIVE_BLOCK} x {FIVE_BLOCK}")
+    for name, t in (("Q", FIVE_Q), ("K", FIVE_K), ("V", FIVE_V), ("G", FIVE_G)):
+        print(f"            {name} {t.tolist()}")
+
+
+if __name__ == "__main__":
+    _demo()

@@ -274,3 +274,20 @@ def jsonable(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [jsonable(v) for v in x]
     return x
+
+
+def _demo() -> None:
+    """The backward ledger of the seed's five positions: each tile's rebuilt P rows."""
+    from .blocked import blocked_backward, blocked_forward
+    from .examples import FIVE_G, FIVE_K, FIVE_Q, FIVE_V
+    from .masks import Causal
+
+    opts: dict[str, Any] = dict(mask=Causal(), block_q=2, block_k=2)
+    fwd = blocked_forward(FIVE_Q, FIVE_K, FIVE_V, **opts)
+    print(
+        blocked_backward(FIVE_Q, FIVE_K, FIVE_V, fwd.o, fwd.lse, FIVE_G, **opts, trace=True).ledger
+    )
+
+
+if __name__ == "__main__":
+    _demo()

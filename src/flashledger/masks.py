@@ -480,3 +480,15 @@ def as_mask(mask: Mask | torch.Tensor | None) -> Mask | None:
         "mask must be None, a flashledger Mask (Causal, SlidingWindow, KeyPadding, DenseMask) "
         f"or a bool tensor, got {type(mask).__name__}"
     )
+
+
+def _demo() -> None:
+    """Tile classes of a few masks, Lq = 12, Lk = 16 in 4 x 4 tiles (. empty, p partial, F full)."""
+    for mask in (Causal(), Causal("bottom_right"), SlidingWindow(4, 0), KeyPadding([7])):
+        print(repr(mask))
+        for row in mask.tile_classes(12, 16, 4, 4).tolist():
+            print("  " + " ".join(".pF"[c] for c in row))
+
+
+if __name__ == "__main__":
+    _demo()

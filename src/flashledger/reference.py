@@ -267,3 +267,18 @@ def reduce_to_bias(ds: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     if dims:
         g = g.sum(dim=dims, keepdim=True)
     return g.to(bias.dtype)
+
+
+def _demo() -> None:
+    """The dense float64 oracle on the seed's five positions: O, LSE and the gradients."""
+    from .examples import FIVE_G, FIVE_K, FIVE_Q, FIVE_V
+    from .masks import Causal
+
+    fwd = reference_forward(FIVE_Q, FIVE_K, FIVE_V, mask=Causal())
+    bwd = reference_backward(FIVE_Q, FIVE_K, FIVE_V, fwd.o, fwd.lse, FIVE_G, mask=Causal())
+    for name, t in (("O", fwd.o), ("LSE", fwd.lse), ("dQ", bwd.dq), ("dK", bwd.dk), ("dV", bwd.dv)):
+        print(f"{name:<4}{torch.round(t, decimals=6).tolist()}")
+
+
+if __name__ == "__main__":
+    _demo()

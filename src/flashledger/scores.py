@@ -129,3 +129,13 @@ class ScoreMod:
         if t is None:
             return ds * self.scale
         return ds * (self.scale * (1.0 - t * t))
+
+
+def _demo() -> None:
+    """ALiBi slopes for a few head counts."""
+    for heads in (1, 4, 6, 8):
+        print(f"{heads} heads: {[round(x, 6) for x in alibi_slopes(heads).tolist()]}")
+
+
+if __name__ == "__main__":
+    _demo()
