@@ -41,7 +41,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy src/flashledger
 
 bench: $(STAMP)
-	$(BIN)/flashledger bench
+	$(BIN)/flashledger bench --out benchmarks/results
 
 verify: $(STAMP)
 	$(BIN)/flashledger verify --quick

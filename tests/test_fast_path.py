@@ -374,6 +374,17 @@ def test_bench_bad_options_exit_2_with_one_line(argv, needle, capsys):
     assert len(err.splitlines()) == 1 and needle in err and "Traceback" not in err, err
 
 
+def test_bench_out_must_be_a_directory_and_is_checked_first(tmp_path, capsys):
+    afile = tmp_path / "results"
+    afile.write_text("")
+    assert cli.main(["bench", "--quick", "--out", str(afile)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(f"--out {afile} is a file; it names the directory for bench.json/.png")
+    parser = cli._Parser(prog="flashledger bench")
+    bench.add_cli_arguments(parser)
+    assert parser.parse_args([]).out == Path("flashledger-bench"), "never the published results"
+
+
 def test_bench_memory_subprocess_reports_a_peak():
     cfg = bench.Config(length=1024, dtype="float64", causal=True, heads=2, head_dim=16)
     mem = bench.measure_memory("flashledger", cfg)

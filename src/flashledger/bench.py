@@ -797,8 +797,9 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
         help="one-minute subset: L = 1024, 2048, float32, both masks, 3 rounds",
     )  # fmt: skip
     parser.add_argument(
-        "--out", type=Path, default=Path("benchmarks/results"), metavar="DIR",
-        help="directory for bench.json and bench.png",
+        "--out", type=Path, default=Path("flashledger-bench"), metavar="DIR",
+        help="directory for bench.json and bench.png (default ./flashledger-bench; the "
+        "repository's published results are written with --out benchmarks/results)",
     )  # fmt: skip
     parser.add_argument(
         "--json", action="store_true", help="print the JSON report instead of the table"
@@ -826,9 +827,11 @@ def run_cli(args: argparse.Namespace) -> int:
         return 0
     if args.quick:
         args.lengths, args.dtypes, args.repeats = QUICK_LENGTHS, ("float32",), min(args.repeats, 3)
-    report = run_benchmark(args)
     out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; it names the directory for bench.json/.png")
+    out.mkdir(parents=True, exist_ok=True)  # before the run: a bad path fails now, not later
+    report = run_benchmark(args)
     (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
     plotted = plot(report, out / "bench.png")
     if args.json:
