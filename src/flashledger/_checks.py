@@ -10,9 +10,7 @@ import torch
 from ._limits import MAX_SIZE
 
 __all__ = [
-    "MAX_SIZE",
     "all_finite",
-    "check_block",
     "check_finite",
     "check_float_tensor",
     "check_qkv",
@@ -67,18 +65,13 @@ def check_finite(name: str, x: torch.Tensor, *, allow_neg_inf: bool = False) -> 
     )
 
 
-def check_size(name: str, value: Any) -> int:
-    """A size or count: an integer in ``1..MAX_SIZE``."""
+def check_size(name: str, value: Any, *, low: int = 1) -> int:
+    """A length, tile size, head dim, count or seed: an integer in ``low..MAX_SIZE``."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an integer >= 1, got {value!r}")
-    if not 1 <= value <= MAX_SIZE:
-        raise ValueError(f"{name} must be an integer in 1..{MAX_SIZE} (2**31 - 1), got {value}")
+        raise TypeError(f"{name} must be an integer >= {low}, got {value!r}")
+    if not low <= value <= MAX_SIZE:
+        raise ValueError(f"{name} must be an integer in {low}..{MAX_SIZE} (2**31 - 1), got {value}")
     return value
-
-
-def check_block(name: str, value: Any) -> int:
-    """A tile size: an integer in ``1..MAX_SIZE``."""
-    return check_size(name, value)
 
 
 def check_qkv(q: Any, k: Any, v: Any) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ._limits import MAX_SIZE
+from ._checks import check_size
 from ._progress import join_dash_values
 from ._ring_core import simulate_ring
 from ._ring_layout import LAYOUTS, num_chunks
@@ -75,12 +75,6 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
-def _positive(name: str, value: Any, *, low: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_SIZE:
-        raise ValueError(f"{name} must be an integer in {low}..{MAX_SIZE}, got {value!r}")
-    return value
-
-
 def _mask(args: argparse.Namespace) -> Mask | None:
     mask: Mask | None = Causal(align=args.align) if args.causal else None
     if args.window is not None:
@@ -107,26 +101,26 @@ def _worst(a: torch.Tensor, b: torch.Tensor) -> tuple[float, tuple[int, ...]]:
 
 def run_cli(args: argparse.Namespace) -> int:
     """Run the twin with ``args`` (from a parser given ``add_cli_arguments``); print; exit code."""
-    w = _positive("--world", args.world)
+    w = check_size("--world", args.world)
     if args.layout not in LAYOUTS:
         raise ValueError(f"--layout must be one of {', '.join(LAYOUTS)}, got {args.layout!r}")
     n = num_chunks(w, args.layout)
-    lq = _positive("--seq", args.seq)
-    lk = lq if args.seq_k is None else _positive("--seq-k", args.seq_k)
+    lq = check_size("--seq", args.seq)
+    lk = lq if args.seq_k is None else check_size("--seq-k", args.seq_k)
     for name, length in (("--seq", lq), ("--seq-k", lk)):
         if length < n:
             raise ValueError(
                 f"{name} must be >= {n}: the {args.layout} layout on {w} ranks cuts the "
                 f"sequence into {n} chunks of at least one position, got {length}"
             )
-    d = _positive("--d", args.d)
-    dv = d if args.d_v is None else _positive("--d-v", args.d_v)
-    b = _positive("--batch", args.batch)
-    hq = _positive("--heads", args.heads)
-    hkv = hq if args.kv_heads is None else _positive("--kv-heads", args.kv_heads)
+    d = check_size("--d", args.d)
+    dv = d if args.d_v is None else check_size("--d-v", args.d_v)
+    b = check_size("--batch", args.batch)
+    hq = check_size("--heads", args.heads)
+    hkv = hq if args.kv_heads is None else check_size("--kv-heads", args.kv_heads)
     if hq % hkv != 0:
         raise ValueError(f"--kv-heads ({hkv}) must divide --heads ({hq})")
-    bq, bk = _positive("--block-q", args.block_q), _positive("--block-k", args.block_k)
+    bq, bk = check_size("--block-q", args.block_q), check_size("--block-k", args.block_k)
     if args.dtype not in _DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(_DTYPES)}, got {args.dtype!r}")
     if args.conventions not in PRESETS:
@@ -135,7 +129,7 @@ def run_cli(args: argparse.Namespace) -> int:
         )
     if not 0.0 <= float(args.dropout) < 1.0:
         raise ValueError(f"--dropout must be a number in [0, 1), got {args.dropout!r}")
-    seed = _positive("--seed", args.seed, low=0)
+    seed = check_size("--seed", args.seed, low=0)
     mask = _mask(args)
     dt = _DTYPES[args.dtype]
     gen = torch.Generator().manual_seed(seed)

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from . import online
-from ._checks import check_block, check_qkv
+from ._checks import check_qkv, check_size
 from ._problem import Placement, build_problem
 from ._ring_layout import (
     Chunk,
@@ -107,8 +107,8 @@ class _Options:
         block_q: int,
         block_k: int,
     ) -> _Options:
-        check_block("block_q", block_q)
-        check_block("block_k", block_k)
+        check_size("block_q", block_q)
+        check_size("block_k", block_k)
         if bias is not None and isinstance(bias, torch.Tensor) and bias.requires_grad:
             raise ValueError(
                 "ring attention does not compute a gradient for bias; pass bias.detach() "

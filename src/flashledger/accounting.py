@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from ._checks import check_block, check_size
+from ._checks import check_size
 from ._progress import numeric_cell, titled_table
 from .conventions import SEED, Conventions, get_conventions
 from .masks import (
@@ -213,12 +213,10 @@ def _tiling(
     shape: _Shape, block_q: int, block_k: int, mask: Mask | torch.Tensor | None, conv: Conventions
 ) -> _Tiling:
     """Classify the tiles exactly as the blocked loop does (same geometry, same classes)."""
-    block_q = check_block("block_q", block_q)
-    block_k = check_block("block_k", block_k)
+    block_q = check_size("block_q", block_q)
+    block_k = check_size("block_k", block_k)
     tq, tk = -(-shape.lq // block_q), -(-shape.lk // block_k)
     m = as_mask(mask)
-    if m is not None:
-        _check_masked_size(shape, tq, tk)
     if m is None:
         return _Tiling(
             block_q, block_k, tq, tk,
@@ -228,6 +226,7 @@ def _tiling(
             rows_any=shape.lq, keys_any=shape.lk,
             visible=shape.lq * shape.lk * shape.bh,
         )  # fmt: skip
+    _check_masked_size(shape, tq, tk)
     geo = Geometry.build(
         lq=shape.lq, lk=shape.lk, batch=shape.batch, heads=shape.heads,
         causal_align=conv.causal_align,
@@ -699,7 +698,7 @@ def _resolve_tiles(
             "memory_traffic needs sram_elements (on-chip memory in elements) or both "
             "block_q and block_k"
         )
-    return check_block("block_q", block_q), check_block("block_k", block_k)
+    return check_size("block_q", block_q), check_size("block_k", block_k)
 
 
 def memory_traffic(

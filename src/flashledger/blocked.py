@@ -84,7 +84,7 @@ from typing import Any, Literal
 import torch
 
 from . import online
-from ._checks import check_block
+from ._checks import check_size
 from ._problem import Placement, Problem, build_problem
 from .conventions import SEED, Conventions
 from .ledger import BackwardTileStep, Counters, ForwardTileStep, Ledger
@@ -339,8 +339,8 @@ def _finish_scores(
 
 
 def _check_options(block_q: Any, block_k: Any, loop_order: Any) -> None:
-    check_block("block_q", block_q)
-    check_block("block_k", block_k)
+    check_size("block_q", block_q)
+    check_size("block_k", block_k)
     if loop_order not in ("fa2", "fa1"):
         raise ValueError(f"loop_order must be 'fa2' or 'fa1', got {loop_order!r}")
 
@@ -384,7 +384,7 @@ def _forward(
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
     ledger = _new_ledger(pb, "forward", block_q, block_k, loop_order)
     classes = _classes(pb, block_q, block_k)
-    ledger.set_tile_classes(None if classes is None else torch.tensor(classes))
+    ledger.set_tile_classes(classes)
     obs, wants = _observers(ledger, trace, observer)
     book = _Book(pb, ledger.counters)
     qtiles, ktiles = _tiles(lq, block_q), _tiles(lk, block_k)
@@ -619,7 +619,7 @@ def _backward(
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
     ledger = _new_ledger(pb, "backward", block_q, block_k, loop_order)
     classes = _classes(pb, block_q, block_k)
-    ledger.set_tile_classes(None if classes is None else torch.tensor(classes))
+    ledger.set_tile_classes(classes)
     obs, wants = _observers(ledger, trace, observer)
     book = _Book(pb, ledger.counters)
     qtiles, ktiles = _tiles(lq, block_q), _tiles(lk, block_k)
@@ -865,7 +865,7 @@ def split_kv_forward(
     chunk where a row sees no key has partial LSE -inf and merges to the right
     answer. The ledger's counters are the sum over chunks.
     """
-    check_block("num_splits", num_splits)
+    check_size("num_splits", num_splits)
     pb = build_problem(
         q,
         k,

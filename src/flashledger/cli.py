@@ -1234,7 +1234,6 @@ def _out_of_memory(exc: BaseException) -> bool:
 
 def _allocation(exc: BaseException) -> str:
     """What failed to allocate, from PyTorch's message when it says."""
-
     found = re.search(r"allocate (\d+) bytes", str(exc))
     if found is None:
         return type(exc).__name__

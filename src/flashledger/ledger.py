@@ -126,11 +126,13 @@ class Ledger:
     """Leading (batch, head) dims of the record tensors: 0, 1 or 2."""
 
     # -- plumbing used by the loop --------------------------------------------------
-    def set_tile_classes(self, classes: torch.Tensor | None) -> None:
+    def set_tile_classes(self, classes: Sequence[Sequence[int]] | torch.Tensor | None) -> None:
+        """``(Tq, Tk)`` classes (0 empty, 1 partial, 2 full); ``None``: no mask, all full."""
         if classes is None:
             self.tile_kinds = [["full"] * self.tiles_k for _ in range(self.tiles_q)]
-        else:
-            self.tile_kinds = [[TILE_KINDS[int(c)] for c in row] for row in classes.tolist()]
+            return
+        rows = classes.tolist() if isinstance(classes, torch.Tensor) else classes
+        self.tile_kinds = [[TILE_KINDS[int(c)] for c in row] for row in rows]
 
     # -- renderers --------------------------------------------------------------------
     def rows(
