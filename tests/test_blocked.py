@@ -11,6 +11,7 @@ import torch
 from naive import tile_classes_from_dense
 
 import flashledger as fl
+from flashledger import _native
 
 TOL = 1e-12
 B, HQ, HKV, LQ, LK, D, DV = 2, 4, 2, 13, 11, 5, 3
@@ -216,14 +217,19 @@ def test_counters_book_the_dropped_entries(gen):
     assert bwd.ledger.counters.dropped == dropped
 
 
-def test_counters_are_kept_without_tracing_and_records_only_with_it(gen):
+def test_counters_are_kept_without_tracing_and_records_only_with_it(gen, assert_close):
     q, k, v, _ = _inputs(gen)
-    plain = fl.blocked_forward(q, k, v, mask=fl.Causal(), block_q=4, block_k=3)
+    native = fl.blocked_forward(q, k, v, mask=fl.Causal(), block_q=4, block_k=3)
+    with _native.disabled():
+        plain = fl.blocked_forward(q, k, v, mask=fl.Causal(), block_q=4, block_k=3)
     traced = fl.blocked_forward(q, k, v, mask=fl.Causal(), block_q=4, block_k=3, trace=True)
-    assert plain.ledger.records == []
-    assert plain.ledger.counters == traced.ledger.counters
+    assert plain.ledger.records == [] and native.ledger.records == []
+    assert native.ledger.counters == plain.ledger.counters == traced.ledger.counters
     assert len(traced.ledger.records) == traced.ledger.counters.tiles_run
+    # the PyTorch step is the traced arithmetic bit for bit; the native step rounds on its own
     assert torch.equal(plain.o, traced.o) and torch.equal(plain.lse, traced.lse)
+    assert_close(native.o, traced.o, rtol=1e-13, name="O, native step vs traced")
+    assert_close(native.lse, traced.lse, rtol=1e-13, name="LSE, native step vs traced")
 
 
 # -- observers and renderers --------------------------------------------------------------

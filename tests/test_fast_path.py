@@ -1,8 +1,10 @@
 """The fast path (tracing off) is the traced loop without its records, at benchmark tile sizes.
 
-Every case runs the blocked forward and backward twice, ``trace=False`` and
-``trace=True``: the results must be identical bit for bit, the counters
-equal, and both must equal the float64 oracle to 1e-12 (the rule of
+Every case runs the blocked forward and backward with ``trace=False`` and
+``trace=True``. With the PyTorch tile step the two must be identical bit for
+bit; with the native tile step (``_native``: CPU, float32/float64, plain
+scores, no dropout) they must agree to roundoff. Counters are always equal,
+and every result must equal the float64 oracle to 1e-12 (the rule of
 ``conftest.assert_close``). Tiles include the defaults and ragged ones;
 lengths are chosen so that the defaults tile them raggedly too.
 """
@@ -19,7 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flashledger as fl
-from flashledger import bench, cli
+from flashledger import _native, bench, blocked, cli
 from flashledger.blocked import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q
 
 TOL = 1e-12
@@ -74,6 +76,11 @@ def _case(name: str, gen: torch.Generator) -> tuple[tuple[torch.Tensor, ...], di
     return (q, k, v, do), opts
 
 
+NATIVE_CASES = {  # the cases whose tile step runs natively (plain scores, no dropout)
+    "plain", "causal-br", "window+padding", "gqa+dense", "scale-not-power-of-two",
+    "d!=dv+scale", "varlen", "conventions",
+}  # fmt: skip
+
 CASES = [
     "plain",
     "causal-br",
@@ -116,14 +123,55 @@ def _outputs(fwd: fl.ForwardResult, bwd: fl.BackwardResult) -> dict[str, torch.T
     }
 
 
+class _NativeCalls:
+    """Counts the passes that ran with the native tile step."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.forward = self.backward = 0
+        fwd, bwd = blocked._forward_native, blocked._backward_native
+
+        def count_fwd(*a: Any, **kw: Any) -> Any:
+            self.forward += 1
+            return fwd(*a, **kw)
+
+        def count_bwd(*a: Any, **kw: Any) -> Any:
+            self.backward += 1
+            return bwd(*a, **kw)
+
+        monkeypatch.setattr(blocked, "_forward_native", count_fwd)
+        monkeypatch.setattr(blocked, "_backward_native", count_bwd)
+
+
+@pytest.fixture
+def native_calls(monkeypatch: pytest.MonkeyPatch) -> _NativeCalls:
+    if _native.kernels() is None:
+        pytest.skip(_native.status())
+    return _NativeCalls(monkeypatch)
+
+
+def _first_difference(t: torch.Tensor, s: torch.Tensor) -> tuple[int, ...] | None:
+    same = (t == s) | (torch.isnan(t) & torch.isnan(s))
+    if bool(same.all()):
+        return None
+    return tuple(int(i) for i in torch.nonzero(~same)[0].tolist())
+
+
+@pytest.mark.parametrize("step", ["pytorch", "native"])
 @pytest.mark.parametrize("tiles", TILES, ids=lambda t: f"{t[0]}x{t[1]}")
 @pytest.mark.parametrize("name", CASES)
-def test_fast_path_equals_traced_path_and_oracle(name, tiles, gen, assert_close):
+def test_fast_path_equals_traced_path_and_oracle(name, tiles, step, gen, assert_close, request):
     (q, k, v, do), opts = _case(name, gen)
     bq, bk = tiles
     ref = fl.reference_forward(q, k, v, **opts)
     refb = fl.reference_backward(q, k, v, ref.o, ref.lse, do, **opts)
-    fast = _run(q, k, v, do, trace=False, block_q=bq, block_k=bk, **opts)
+    if step == "native":
+        calls = request.getfixturevalue("native_calls")
+        fast = _run(q, k, v, do, trace=False, block_q=bq, block_k=bk, **opts)
+        runs = (1, 1) if name in NATIVE_CASES else (0, 0)
+        assert (calls.forward, calls.backward) == runs, f"native passes {calls.__dict__}"
+    else:
+        with _native.disabled():
+            fast = _run(q, k, v, do, trace=False, block_q=bq, block_k=bk, **opts)
     traced = _run(q, k, v, do, trace=True, block_q=bq, block_k=bk, **opts)
     assert not fast[0].ledger.records and not fast[1].ledger.records, "fast path kept records"
     assert traced[0].ledger.records and traced[1].ledger.records, "traced path kept no records"
@@ -135,14 +183,17 @@ def test_fast_path_equals_traced_path_and_oracle(name, tiles, gen, assert_close)
         if t is None or s is None:
             assert t is None and s is None and want[key] is None, f"{key}: present on one path only"
             continue
-        same = (t == s) | (torch.isnan(t) & torch.isnan(s))
-        if not bool(same.all()):
-            idx = tuple(int(i) for i in torch.nonzero(~same)[0].tolist())
-            raise AssertionError(
-                f"{key} ({name}, {bq}x{bk}): fast {t[idx].item()!r} != traced {s[idx].item()!r} "
-                f"at {idx}; tracing must not change the arithmetic"
-            )
-        assert_close(t, want[key], rtol=TOL, name=f"fast {key} ({name}, tiles {bq}x{bk})")
+        where = f"{key} ({name}, {bq}x{bk}, {step} step)"
+        if step == "pytorch" or name not in NATIVE_CASES:
+            idx = _first_difference(t, s)
+            if idx is not None:
+                raise AssertionError(
+                    f"{where}: fast {t[idx].item()!r} != traced {s[idx].item()!r} at {idx}; "
+                    "tracing must not change the arithmetic"
+                )
+        else:
+            assert_close(t, s, rtol=1e-13, name=f"{where} vs traced")
+        assert_close(t, want[key], rtol=TOL, name=f"fast {where}")
     for p in range(2):
         assert fast[p].ledger.counters == traced[p].ledger.counters, (
             f"counters differ ({'forward' if p == 0 else 'backward'}): "
@@ -157,16 +208,19 @@ def test_fast_path_with_lse_gradient_and_loop_orders(loop_order, gen, assert_clo
     opts.update(block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K, loop_order=loop_order)
     ref = fl.reference_forward(q, k, v, mask=opts["mask"])
     refb = fl.reference_backward(q, k, v, ref.o, ref.lse, do, dlse=dlse, mask=opts["mask"])
-    fwd, bwd = _run(q, k, v, do, trace=False, dlse=dlse, **opts)
+    nfwd, nbwd = _run(q, k, v, do, trace=False, dlse=dlse, **opts)
+    with _native.disabled():
+        fwd, bwd = _run(q, k, v, do, trace=False, dlse=dlse, **opts)
     tfwd, tbwd = _run(q, k, v, do, trace=True, dlse=dlse, **opts)
-    for key, t, s, w in (
-        ("O", fwd.o, tfwd.o, ref.o),
-        ("dQ", bwd.dq, tbwd.dq, refb.dq),
-        ("dK", bwd.dk, tbwd.dk, refb.dk),
-        ("dV", bwd.dv, tbwd.dv, refb.dv),
+    for key, n, t, s, w in (
+        ("O", nfwd.o, fwd.o, tfwd.o, ref.o),
+        ("dQ", nbwd.dq, bwd.dq, tbwd.dq, refb.dq),
+        ("dK", nbwd.dk, bwd.dk, tbwd.dk, refb.dk),
+        ("dV", nbwd.dv, bwd.dv, tbwd.dv, refb.dv),
     ):
         assert torch.equal(t, s), f"{key} ({loop_order}): tracing changed the result"
         assert_close(t, w, rtol=TOL, name=f"{key} with dLSE ({loop_order})")
+        assert_close(n, w, rtol=TOL, name=f"{key} with dLSE ({loop_order}, native step)")
 
 
 @pytest.mark.parametrize("name", ["plain", "scale-not-power-of-two", "softcap+alibi", "bias"])
@@ -333,12 +387,13 @@ def test_bench_matmul_floor_issues_exactly_the_loops_matmuls(causal, length, blo
     opts: dict[str, Any] = dict(
         mask=fl.Causal() if causal else None, block_q=block_q, block_k=block_k
     )
-    with _CountMatmuls() as c:
-        fwd = fl.blocked_forward(q, k, v, **opts)
-    loop_fwd = c.calls
-    with _CountMatmuls() as c:
-        fl.blocked_backward(q, k, v, fwd.o, fwd.lse, do, **opts)
-    loop_bwd = c.calls
+    with _native.disabled():  # the floor issues the PyTorch step's matmuls
+        with _CountMatmuls() as c:
+            fwd = fl.blocked_forward(q, k, v, **opts)
+        loop_fwd = c.calls
+        with _CountMatmuls() as c:
+            fl.blocked_backward(q, k, v, fwd.o, fwd.lse, do, **opts)
+        loop_bwd = c.calls
     tiles_run = fwd.ledger.counters.tiles_run
     assert loop_fwd == 2 * tiles_run and loop_bwd == 5 * tiles_run, (loop_fwd, loop_bwd)
     assert counts == {"floor_fwd": loop_fwd, "floor_both": loop_fwd + loop_bwd}, counts

@@ -7,6 +7,7 @@ against PyTorch autograd of the naive formula (tests/naive.py).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +24,7 @@ from naive import (
 )
 
 import flashledger as fl
+from flashledger import _native
 
 TOL = 1e-12
 f64 = torch.float64
@@ -59,11 +61,14 @@ def check_all_paths(
     for bq, bk in tiles:
         for order in ("fa2", "fa1"):
             runs = []
-            for trace in (False, True):
+            # the fast path with its native step (where it applies), with the PyTorch step,
+            # and traced
+            for trace, step in ((False, "native"), (False, "pytorch"), (True, "pytorch")):
                 kw = dict(bias=bias, block_q=bq, block_k=bk, loop_order=order, trace=trace)
-                fwd = fl.blocked_forward(q, k, v, **opts, **kw)
-                bwd = fl.blocked_backward(q, k, v, fwd.o, fwd.lse, do, **opts, **kw)
-                where = f"({order}, tiles {bq}x{bk}, trace={trace})"
+                with _native.disabled() if step == "pytorch" else contextlib.nullcontext():
+                    fwd = fl.blocked_forward(q, k, v, **opts, **kw)
+                    bwd = fl.blocked_backward(q, k, v, fwd.o, fwd.lse, do, **opts, **kw)
+                where = f"({order}, tiles {bq}x{bk}, trace={trace}, {step} step)"
                 assert_close(fwd.o, ref.o, rtol=TOL, name=f"blocked O {where}")
                 assert_close(fwd.lse, ref.lse, rtol=TOL, name=f"blocked LSE {where}")
                 got = {"dQ": bwd.dq, "dK": bwd.dk, "dV": bwd.dv}
@@ -73,9 +78,10 @@ def check_all_paths(
                     assert not bool(torch.isnan(t).any()), f"NaN in blocked {name} {where}"
                     assert_close(t, want[name], rtol=TOL, name=f"blocked {name} {where}")
                 runs.append((fwd, bwd))
-            (f0, b0), (f1, b1) = runs
+            (fn, bn), (f0, b0), (f1, b1) = runs
             assert torch.equal(f0.o, f1.o) and torch.equal(b0.dq, b1.dq), "tracing changed a result"
-            assert f0.ledger.counters == f1.ledger.counters
+            assert fn.ledger.counters == f0.ledger.counters == f1.ledger.counters
+            assert bn.ledger.counters == b0.ledger.counters == b1.ledger.counters
     # the autograd op
     leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
     bleaf = None if bias is None else bias.detach().clone().requires_grad_(True)

@@ -275,9 +275,11 @@ def build_problem(
         dtype=acc_dtype,
     )
     return Problem(
-        q=q4.to(acc_dtype).reshape(b, hkv, g, lq, d),
-        k=k4.to(acc_dtype).unsqueeze(2),
-        v=v4.to(acc_dtype).unsqueeze(2),
+        # contiguous once here (a copy only for strided inputs, e.g. heads sliced out of a
+        # larger tensor), so that every tile of the loop is a view
+        q=q4.to(acc_dtype).contiguous().view(b, hkv, g, lq, d),
+        k=k4.to(acc_dtype).contiguous().unsqueeze(2),
+        v=v4.to(acc_dtype).contiguous().unsqueeze(2),
         ndim=ndim,
         out_dtype=q.dtype,
         conventions=conv,

@@ -5,7 +5,8 @@ For each configuration (sequence length ``L``, dtype, causal or not; batch
 interleaved rounds so that a busy machine slows every side alike:
 
 - ``flashledger``: ``flash_attention`` (the blocked loop, tracing off) with
-  the chosen tiles;
+  the chosen tiles; its tile step is the native one when it is on (the report
+  says so: ``machine.native_step``);
 - ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` (on CPU its
   flash kernel, ``_scaled_dot_product_flash_attention_for_cpu``);
 - ``naive``: the materialised ``softmax(S) V`` (skipped above ``--naive-max-length``
@@ -49,6 +50,7 @@ from typing import Any
 
 import torch
 
+from . import _native
 from ._limits import MAX_SIZE
 from ._progress import int_arg, make_console, progress
 from .autograd import flash_attention
@@ -165,12 +167,13 @@ def _fwdbwd_runner(
 def matmul_floor_runners(cfg: Config) -> tuple[Callable[[], None], Callable[[], None]]:
     """The blocked loop's matmuls alone, as ``(forward, forward + backward)`` runners.
 
-    The same batched calls as the fast path (``(B·H, bq, ·)`` operands, the
-    same transposed accumulators, ``baddbmm`` into reused buffers), the same
-    count (2 per tile run forward, 5 backward; causal skips the tiles above the
-    diagonal), with no element-wise work, no mask and no bookkeeping. Its time
-    is a floor for any loop built from separate PyTorch kernels: whatever the
-    loop does between its matmuls comes on top.
+    The same batched calls as the PyTorch tile step (``(B·H, bq, ·)`` operands,
+    the same transposed accumulators, ``baddbmm`` into reused buffers), the
+    same count (2 per tile run forward, 5 backward; causal skips the tiles
+    above the diagonal), with no element-wise work, no mask and no bookkeeping.
+    Its time is a floor for any loop built from separate PyTorch kernels:
+    whatever such a loop does between its matmuls comes on top. (The native
+    step makes the same matmuls per head and per core, from inside its loop.)
     """
     dt = DTYPES[cfg.dtype]
     gen = torch.Generator().manual_seed(3)
@@ -432,6 +435,7 @@ def machine_info() -> dict[str, Any]:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "python": platform.python_version(),
         "platform": platform.platform(),
+        "native_step": _native.status(),
     }
 
 
@@ -590,7 +594,7 @@ def print_table(report: dict[str, Any]) -> None:
     peaks = report["gemm_peak_gflops"]
     table = Table(
         title="flashledger (FL) vs SDPA's CPU flash kernel: medians; ratio < 1: FL is faster; "
-        "matmuls alone: the loop's matmuls without anything else, / SDPA",
+        "matmuls alone: the tiles' matmuls as batched PyTorch calls, nothing else, / SDPA",
         caption="GEMM peak (2048² matmul, this run): "
         + ", ".join(f"{dt} {v:.0f} GFLOP/s" for dt, v in peaks.items()),
     )
@@ -621,6 +625,7 @@ def print_table(report: dict[str, Any]) -> None:
         )
     console = make_console()
     console.print(table)
+    console.print(report["machine"].get("native_step", ""))
     tr = report.get("traced")
     if tr:
         console.print(

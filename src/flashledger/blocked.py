@@ -52,11 +52,16 @@ as if every query head read its own K/V (MHA):
 Exponentials: ``bq·bk`` per tile run, plus ``bq`` rescale factors per forward
 tile run.
 
-Tracing off is the same loop with no records: the results are identical bit
-for bit and the counters equal. What makes it a real CPU attention:
+Tracing off is the same loop with no records and the same counters. On CPU,
+for float32/float64 plain scores without dropout, each tile step then runs
+as one native call (``_native``: scores, online update or gradient rebuild,
+matmuls, threads over heads, the tile in a per-thread buffer): the same
+math, its own rounding (within ~1e-15 relative of the traced step in
+float64). Elsewhere, or with the native step off (``FLASHLEDGER_NATIVE=0``,
+no C compiler), tracing off is the traced arithmetic bit for bit, made fast by:
 
 - every matmul covers all batch and head dims at once, as ``(B·Hkv, G·bq, ·)``
-  (GQA stacks a K/V head's query heads), with large tiles (default 256 x 256);
+  (GQA stacks a K/V head's query heads), with large tiles (default 512 x 512);
 - tile-sized buffers are allocated once per call and reused (``out=`` and
   in-place ops), and ``acc`` and the gradients accumulate inside the matmul
   (``baddbmm_``), stored in the layout whose matmul runs fastest
@@ -68,6 +73,10 @@ for bit and the counters equal. What makes it a real CPU attention:
 - exponentials are ``exp2((x - shift)·log2 e)`` (``online.exp_shifted``);
 - full tiles are counted in closed form; partial tiles' mask sums stay on the
   device and are read once per pass (no host synchronisation per tile).
+
+Both steps book the FlashAttention counts: a partial tile's ``bq·bk`` dots,
+although the native step leaves out of its matmuls the key columns a whole
+block of 64 rows cannot see (they would add exact zeros).
 
 dQ accumulates tile by tile in its own buffer and is laid out once at the end,
 so the backward holds two copies of dQ at its peak (see docs/perf.md).
@@ -83,7 +92,7 @@ from typing import Any, Literal
 
 import torch
 
-from . import online
+from . import _native, online
 from ._checks import check_size
 from ._problem import Placement, Problem, build_problem
 from .conventions import SEED, Conventions
@@ -100,11 +109,12 @@ __all__ = [
 ]
 
 LoopOrder = Literal["fa2", "fa1"]
-# Chosen by measurement (docs/perf.md): on a 2-core AVX-512 CPU, 256 x 256 tiles over all
-# heads at once keep both cores busy in every matmul and the tile buffers near the cores;
-# smaller tiles pay per-tile overhead, larger ones spill the buffers and waste the diagonal.
-DEFAULT_BLOCK_Q = 256
-DEFAULT_BLOCK_K = 256
+# Chosen by measurement (docs/perf.md, `flashledger bench --tiles ...`): on a 2-core
+# AVX-512 CPU, 512 x 512 tiles give the native step's per-core matmuls their best shapes
+# (256 x 256 and 256 x 512 lose 2-6 %, 128-row tiles 7-15 %), while the diagonal's waste
+# stays small because partial tiles run in 64-row blocks.
+DEFAULT_BLOCK_Q = 512
+DEFAULT_BLOCK_K = 512
 
 
 @dataclass(frozen=True)
@@ -368,6 +378,166 @@ def _workspace(pb: Problem, block_q: int, block_k: int) -> _Workspace:
     return _Workspace(pb, [b * hkv * g * min(block_q, lq) * min(block_k, lk)])
 
 
+def _native_step(pb: Problem, loop_order: str, obs: list[Any]) -> _native.Kernels | None:
+    """The native tile step when it applies (tracing off, FA2 order, CPU, float32/float64,
+    plain scores, no dropout) and is available; else None (the PyTorch step runs)."""
+    if obs or loop_order != "fa2" or pb.geo.device.type != "cpu" or pb.dropout_p != 0.0:
+        return None
+    if pb.dtype not in (torch.float32, torch.float64) or not _plain_scores(pb):
+        return None
+    return _native.kernels()
+
+
+def _native_vis(
+    pb: Problem, q0: int, q1: int, k0: int, k1: int
+) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]:
+    """A partial tile's visibility: ``(vis, tile, (address, stride per K/V head, stride per
+    group member))``, ``tile`` the uint8 bytes the native step reads (strides 0 where the
+    mask broadcasts)."""
+    vis = pb.mask_tile(q0, q1, k0, k1)  # (Bm, Hkv|1, G|1, bq, bk)
+    area = (q1 - q0) * (k1 - k0)
+    if vis.shape[:3] == (1, 1, 1):
+        tile = vis.reshape(q1 - q0, k1 - k0).contiguous().view(torch.uint8)  # (bq, bk)
+        return vis, tile, (tile.data_ptr(), 0, 0)
+    b, _, hkv, g = pb.shape[:4]
+    tile = vis.expand(b, hkv, g, q1 - q0, k1 - k0).contiguous().view(torch.uint8)
+    return vis, tile, (tile.data_ptr(), g * area, area)
+
+
+def _native_rows(pb: Problem, x5: torch.Tensor) -> torch.Tensor:
+    """A ``(B, Hkv, G|1, L, X)`` tensor as contiguous ``(B·Hkv·(G|1), L, X)`` in the loop's dtype."""
+    return x5.to(pb.dtype).reshape(-1, *x5.shape[-2:]).contiguous()
+
+
+def _forward_native(
+    pb: Problem,
+    kern: _native.Kernels,
+    ledger: Ledger,
+    kind_of: Any,
+    book: _Book,
+    block_q: int,
+    block_k: int,
+) -> tuple[torch.Tensor, torch.Tensor, Ledger]:
+    """The FA2 forward loop with each tile step one native call (see ``_native``).
+
+    The schedule, the skipped and partial tiles and the booking are the PyTorch
+    loop's; the state ``(m, ℓ, acc)`` of every row lives in whole-length arrays.
+    """
+    b, hq, hkv, g, lq, lk, d, dv = pb.shape
+    dt = pb.dtype
+    heads = b * hq
+    q, k, v = _native_rows(pb, pb.q), _native_rows(pb, pb.k), _native_rows(pb, pb.v)
+    acc_t = torch.zeros(heads, dv, lq, dtype=dt)  # accᵀ (B·Hq, d_v, Lq)
+    m = torch.full((heads, lq), -math.inf, dtype=dt)  # (B·Hq, Lq)
+    ell = torch.zeros(heads, lq, dtype=dt)  # (B·Hq, Lq)
+    rows, cols = min(block_q, lq), min(block_k, lk)
+    # rows per work item: a whole tile, or fewer when the heads alone cannot fill the threads
+    threads, chunk = kern.max_threads(), rows
+    while heads * -(-rows // chunk) < threads and chunk > 32:
+        chunk = -(-chunk // 2)
+    call = kern.call(
+        q=q,
+        k=k,
+        v=v,
+        group=g,
+        scale=pb.smod.scale,
+        work_per_thread=chunk * cols + chunk,  # S/P and α
+        acc_t=acc_t,
+        m=m,
+        ell=ell,
+    )
+    for i, (q0, q1) in enumerate(_tiles(lq, block_q)):
+        ran = False
+        for j, (k0, k1) in enumerate(_tiles(lk, block_k)):
+            kind = kind_of(i, j)
+            if kind == EMPTY:
+                book.skip()
+                continue
+            vis, where = None, None
+            if kind == PARTIAL:
+                vis, tile, where = _native_vis(pb, q0, q1, k0, k1)
+            call.forward(q0, q1, k0, k1, chunk, where)
+            book.run(kind, q1 - q0, k1 - k0, vis, None, forward=True)
+            book.io(read=(k1 - k0) * (d + dv))
+            ran = True
+        if ran:
+            book.io(read=(q1 - q0) * d)
+        book.io(write=(q1 - q0) * (dv + 1))
+    m.mul_(math.log(2.0))  # the step keeps m in base-2 units (see _native.c)
+    o, lse = online.finalize(online.OnlineState(m=m, ell=ell, acc=acc_t.mT))
+    book.flush()
+    return o.view(b, hkv, g, lq, dv), lse.view(b, hkv, g, lq), ledger
+
+
+def _backward_native(
+    pb: Problem,
+    kern: _native.Kernels,
+    do5: torch.Tensor,
+    lse_safe: torch.Tensor,
+    d_eff: torch.Tensor,
+    ledger: Ledger,
+    kind_of: Any,
+    book: _Book,
+    block_q: int,
+    block_k: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward loop with each tile step one native call: ``(dq, dk, dv)`` 5-D.
+
+    ``dK_j``, ``dV_j`` accumulate per query head for the key tile and are summed
+    over each K/V head's group when the tile is done.
+    """
+    b, hq, hkv, g, lq, lk, d, dv = pb.shape
+    dt = pb.dtype
+    heads = b * hq
+    q, k, v = _native_rows(pb, pb.q), _native_rows(pb, pb.k), _native_rows(pb, pb.v)
+    dq_t = torch.zeros(heads, d, lq, dtype=dt)  # dQᵀ (B·Hq, d, Lq)
+    dk = torch.empty(b, hkv, 1, lk, d, dtype=dt)  # (B, Hkv, 1, Lk, d)
+    dv_ = torch.empty(b, hkv, 1, lk, dv, dtype=dt)  # (B, Hkv, 1, Lk, d_v)
+    rows, cols = min(block_q, lq), min(block_k, lk)
+    dk_t = torch.empty(heads * d * cols, dtype=dt)  # dK_jᵀ per query head
+    dv_t = torch.empty(heads * dv * cols, dtype=dt)  # dV_jᵀ per query head
+    call = kern.call(
+        q=q,
+        k=k,
+        v=v,
+        group=g,
+        scale=pb.smod.scale,
+        work_per_thread=2 * rows * cols,  # P and dP/dS
+        dout=_native_rows(pb, do5),
+        lse=lse_safe.to(dt).reshape(heads, lq).contiguous(),
+        dd=d_eff.to(dt).reshape(heads, lq).contiguous(),
+        dq_t=dq_t,
+        dk_t=dk_t,
+        dv_t=dv_t,
+    )
+    qtiles = _tiles(lq, block_q)
+    for j, (k0, k1) in enumerate(_tiles(lk, block_k)):
+        bk = k1 - k0
+        dk_t.zero_()
+        dv_t.zero_()
+        ran = False
+        for i, (q0, q1) in enumerate(qtiles):
+            kind = kind_of(i, j)
+            if kind == EMPTY:
+                book.skip()
+                continue
+            vis, where = None, None
+            if kind == PARTIAL:
+                vis, tile, where = _native_vis(pb, q0, q1, k0, k1)
+            call.backward(q0, q1, k0, k1, where)
+            book.run(kind, q1 - q0, bk, vis, None, forward=False)
+            book.io(read=(q1 - q0) * (2 * d + dv + 2), write=(q1 - q0) * d)
+            ran = True
+        if ran:
+            book.io(read=bk * (d + dv))
+        dk_j = dk_t[: heads * d * bk].view(b, hkv, g, d, bk).sum(2, keepdim=True)
+        dv_j = dv_t[: heads * dv * bk].view(b, hkv, g, dv, bk).sum(2, keepdim=True)
+        dk[..., k0:k1, :] = dk_j.mT
+        dv_[..., k0:k1, :] = dv_j.mT
+        book.io(write=bk * (d + dv))
+    return dq_t.mT.reshape(b, hkv, g, lq, d), dk, dv_
+
+
 # ----------------------------------------------------------------------------------------
 # forward
 # ----------------------------------------------------------------------------------------
@@ -390,6 +560,9 @@ def _forward(
     qtiles, ktiles = _tiles(lq, block_q), _tiles(lk, block_k)
     kind_of = (lambda i, j: FULL) if classes is None else (lambda i, j: classes[i][j])
     dt, dev = pb.dtype, pb.geo.device
+    kern = _native_step(pb, loop_order, obs)
+    if kern is not None:
+        return _forward_native(pb, kern, ledger, kind_of, book, block_q, block_k)
     ws = _workspace(pb, block_q, block_k)
     n = b * hkv
     steps = 0
@@ -565,7 +738,7 @@ def blocked_forward(
 
     q ``(..., Lq, d)``, k ``(..., Lk, d)``, v ``(..., Lk, d_v)`` with ``...`` =
     ``()``, ``(H,)`` or ``(B, H)`` (K/V may have fewer heads: GQA). Tiles of
-    ``block_q x block_k`` (default 256 x 256; any sizes >= 1, ragged last
+    ``block_q x block_k`` (default 512 x 512; any sizes >= 1, ragged last
     tiles). ``trace=True`` records every tile step in ``result.ledger.records``.
     ``raw_lse=True`` reports -inf for fully-masked rows whatever the
     conventions (a partial result to merge, as split-KV and ring attention do).
@@ -646,6 +819,14 @@ def _backward(
     book.io(read=lq * 2 * dv, write=lq)
     # a fully-masked row keeps every P = exp(-inf - λ) at 0, whatever LSE convention it carries
     lse_safe = torch.where(torch.isneginf(lse5), math.inf, lse5)  # (B, Hkv, G, Lq)
+    kern = _native_step(pb, "fa2", obs)  # the backward loop is the same in both orders
+    if kern is not None:
+        book.io(write=lq * d)  # dQ initialised
+        dq5, dk5, dv5 = _backward_native(
+            pb, kern, do5, lse_safe, d_eff, ledger, kind_of, book, block_q, block_k
+        )
+        book.flush()
+        return dq5, dk5, dv5, None, D, ledger
     q_t = [_rows(pb.q, q0, q1) for q0, q1 in qtiles]  # (B·Hkv, G·bq, d), as in the forward
     do_t = [_rows(do5, q0, q1) for q0, q1 in qtiles]  # (B·Hkv, G·bq, d_v)
     qt_t, dot_t = [x.mT for x in q_t], [x.mT for x in do_t]  # transposed views

@@ -1,0 +1,370 @@
+/* flashledger's native tile step: one call runs one (query tile, key tile) step of the
+ * blocked loop for every head, with the tile's scores kept in a per-thread buffer.
+ *
+ * Built at run time by flashledger/_native.py (twice: -DFL_DOUBLE=0 for float32 and
+ * -DFL_DOUBLE=1 for float64, each with -fopenmp against the OpenMP runtime PyTorch has
+ * loaded) and called from the Python loop, which keeps the schedule, the skipping and the
+ * ledger. The math is the loop's own (online.step_ and the backward's tile body):
+ *
+ *   forward:  S = scale · log2(e) · Q_i K_jᵀ   (base-2 units: the factor rides on the matmul)
+ *             S[~visible] = -inf               (partial tiles only)
+ *             m' = max(m, rowmax S); α = 2^(m - m'); P = 2^(S - m');
+ *             ℓ' = α ℓ + Σ P; accᵀ' = α accᵀ + Vᵀ_j Pᵀ        (m' = -inf reads as 0)
+ *   backward: S = scale · Q_i K_jᵀ (masked alike); P = 2^((S - λ) · log2 e);
+ *             dP = dO_i V_jᵀ; dS = P ⊙ (dP - D);
+ *             dV_j += Pᵀ dO_i; dK_j += scale · dSᵀ Q_i; dQ_i += scale · dS K_j
+ *
+ * Every exponent is a difference of two numbers carrying roundings of the same size (the
+ * matmul's, and the running max's, itself one of the scores), then at most one product:
+ * the error budget of the PyTorch step's exp(S - m'). In the forward, m stays in base-2
+ * units during the pass (the Python side converts it once at the end); the backward reads
+ * λ in natural units, as the forward wrote it, so P does not inherit a rounding of λ·log2 e.
+ * The matmuls are BLAS gemm calls (the sgemm_/dgemm_ PyTorch itself uses), made from
+ * inside the OpenMP loop over heads, so each runs on one core on cache-resident blocks.
+ * Layouts (row-major, contiguous), H = B·Hq query heads, head h reading K/V head h / G:
+ * q, dO (H, Lq, ·); k (Hk, Lk, d) and its transpose kt (Hk, d, Lk); vt = Vᵀ (Hk, d_v, Lk)
+ * (and v (Hk, Lk, d_v) for the backward); the accumulators transposed, accᵀ (H, d_v, Lq),
+ * dQᵀ (H, d, Lq), dK_jᵀ, dV_jᵀ (H, ·, bk): with those the matmuls take their fastest
+ * forms (in float64 up to 1.6 x the untransposed ones). m, ℓ, λ, D (H, Lq).
+ */
+#include <math.h>
+#include <omp.h>
+#include <string.h>
+
+#if FL_DOUBLE
+typedef double T;
+typedef long long TI;
+#define SUF(name) name##_f64
+#define GEMM dgemm
+#else
+typedef float T;
+typedef int TI;
+#define SUF(name) name##_f32
+#define GEMM sgemm
+#endif
+
+#if defined(__AVX512F__)
+#define VBYTES 64
+#elif defined(__AVX__)
+#define VBYTES 32
+#else
+#define VBYTES 16
+#endif
+#define W ((int)(VBYTES / sizeof(T)))
+typedef T VT __attribute__((vector_size(VBYTES)));
+typedef TI VI __attribute__((vector_size(VBYTES)));
+
+typedef void (*gemm_fn)(const char *, const char *, const int *, const int *, const int *,
+                        const T *, const T *, const int *, const T *, const int *, const T *,
+                        T *, const int *);
+static gemm_fn GEMM;
+
+void SUF(fl_set_gemm)(void *fn) { GEMM = (gemm_fn)fn; }
+int SUF(fl_max_threads)(void) { return omp_get_max_threads(); }
+int SUF(fl_vector_bytes)(void) { return VBYTES; }
+
+static const double LOG2E = 1.4426950408889634;
+
+static inline VT splat(T x) {
+    VT v;
+    for (int i = 0; i < W; ++i) v[i] = x;
+    return v;
+}
+static inline VT vsel(VI m, VT a, VT b) { return (VT)(((VI)a & m) | ((VI)b & ~m)); }
+static inline VT vmax(VT a, VT b) { return vsel((VI)(a > b), a, b); }
+/* x clamped to [lo, ..] / [.., hi]; NaN passes through */
+static inline VT vmax_keep(VT x, VT lo) { return vsel((VI)(lo > x), lo, x); }
+static inline VT vmin_keep(VT x, VT hi) { return vsel((VI)(hi < x), hi, x); }
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#if FL_DOUBLE
+static inline VT vround(VT x) { return (VT)_mm512_roundscale_pd((__m512d)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline VT vscale(VT p, VT r) { return (VT)_mm512_scalef_pd((__m512d)p, (__m512d)r); }
+#else
+static inline VT vround(VT x) { return (VT)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline VT vscale(VT p, VT r) { return (VT)_mm512_scalef_ps((__m512)p, (__m512)r); }
+#endif
+#else
+/* round to nearest through the 1.5 · 2^(mantissa bits) trick; 2^r built in the exponent
+ * bits, in two halves so that r down to the clamp's bound stays exact (then 0) */
+#if FL_DOUBLE
+#define FL_MAGIC 6755399441055744.0
+#define FL_SHIFT 52
+#define FL_BIAS 1023
+#else
+#define FL_MAGIC 12582912.0f
+#define FL_SHIFT 23
+#define FL_BIAS 127
+#endif
+static inline VT vround(VT x) { return (x + (T)FL_MAGIC) - (T)FL_MAGIC; }
+static inline VT vscale(VT p, VT r) {
+    VI n = (VI)(r + (T)FL_MAGIC) - (VI)splat((T)FL_MAGIC); /* r as an integer */
+    VI h = n >> 1;                                         /* n = h + (n - h) */
+    VT a = (VT)((h + FL_BIAS) << FL_SHIFT), b = (VT)((n - h + FL_BIAS) << FL_SHIFT);
+    VI ok = (VI)(r > -(T)(2 * FL_BIAS - 2));               /* both halves normal */
+    return vsel(ok, p * a * b, splat(0));
+}
+#endif
+static inline VT loadv(const T *p) { VT v; memcpy(&v, p, sizeof v); return v; }
+static inline void storev(T *p, VT v) { memcpy(p, &v, sizeof v); }
+
+/* 2^x, vectorised: x = n + f with n = round(x), |f| <= 1/2; 2^f by a polynomial (float32:
+ * degree 6, relative error 2e-9 before rounding; float64: Taylor to degree 13, 4e-18) and
+ * 2^n built in the exponent bits. Below the smallest normal (and for -inf) the result is
+ * exactly 0; x is clamped above at the largest finite exponent. */
+static inline VT vexp2(VT x) {
+#if FL_DOUBLE
+    const T lo = -1100.0, hi = 1023.0;
+    static const T c[] = {1.0, 0.6931471805599453, 0.24022650695910072, 0.05550410866482158,
+                          0.009618129107628477, 0.0013333558146428443, 0.0001540353039338161,
+                          1.5252733804059841e-05, 1.321548679014431e-06, 1.01780860092397e-07,
+                          7.054911620801123e-09, 4.4455382718708116e-10,
+                          2.5678435993488206e-11, 1.3691488853904128e-12};
+    const int deg = 13;
+#else
+    const T lo = -160.0f, hi = 127.0f;
+    static const T c[] = {1.0f, 0.6931471824645996f, 0.24022646248340607f,
+                          0.05550329014658928f, 0.009618519805371761f,
+                          0.0013399859890341759f, 0.00015337577497120947f};
+    const int deg = 6;
+#endif
+    /* clamp (a NaN stays NaN: the bound is only taken where the comparison holds) */
+#if defined(__AVX512F__)
+    (void)hi; /* scalef saturates to inf by itself */
+    VT xc = vmax_keep(x, splat(lo));
+#else
+    VT xc = vmin_keep(vmax_keep(x, splat(lo)), splat(hi));
+#endif
+    VT r = vround(xc), f = xc - r;
+    VT p = splat(c[deg]);
+    for (int i = deg - 1; i >= 0; --i) p = p * f + c[i];
+    return vscale(p, r); /* p · 2^r, exactly 0 below the smallest subnormal */
+}
+
+static inline T exp2s(T x) { return vexp2(splat(x))[0]; }
+
+struct fl_args {
+    const T *q, *k, *kt, *v, *vt; /* (H, Lq, d), (Hk, Lk, d), (Hk, d, Lk), (Hk, Lk, d_v), (Hk, d_v, Lk) */
+    T *acc_t, *m, *ell;   /* forward state: accᵀ (H, d_v, Lq), m (base-2 units) and ℓ (H, Lq) */
+    const T *dout, *lse, *dd; /* backward: dO (H, Lq, d_v); λ (+inf on empty rows), D (H, Lq) */
+    T *dq_t, *dk_t, *dv_t; /* backward: dQᵀ (H, d, Lq); dK_jᵀ, dV_jᵀ (H, ·, bk) of the key tile */
+    T *work;              /* per thread: 2 · rows · cols + rows */
+    long long heads, group, lq, lk, d, dv, work_stride;
+    double scale;
+};
+
+/* S = factor · Q Kᵀ for rows [r0, r0 + nr) of head h and keys [k0, k0 + nc); masked to
+ * -inf where the visibility row says 0. */
+static void scores(const struct fl_args *a, long long h, long long r0, int nr, long long k0,
+                   int nc, T *s, const unsigned char *vis, long long vis_row, double factor) {
+    const T *qh = a->q + (h * a->lq + r0) * a->d;
+    const T *kh = a->k + ((h / a->group) * a->lk + k0) * a->d;
+    int id = (int)a->d;
+    T alpha = (T)factor, zero = 0;
+    GEMM("T", "N", &nc, &nr, &id, &alpha, kh, &id, qh, &id, &zero, s, &nc);
+    if (vis)
+        for (int r = 0; r < nr; ++r) {
+            const unsigned char *vr = vis + r * vis_row;
+            T *row = s + (long long)r * nc;
+            for (int j = 0; j < nc; ++j)
+                if (!vr[j]) row[j] = -INFINITY;
+        }
+}
+
+static T row_max(const T *row, int nc) {
+    VT t0 = splat(-INFINITY), t1 = t0, t2 = t0, t3 = t0; /* four chains hide the latency */
+    int j = 0;
+    for (; j + 4 * W <= nc; j += 4 * W) {
+        t0 = vmax(t0, loadv(row + j));
+        t1 = vmax(t1, loadv(row + j + W));
+        t2 = vmax(t2, loadv(row + j + 2 * W));
+        t3 = vmax(t3, loadv(row + j + 3 * W));
+    }
+    for (; j + W <= nc; j += W) t0 = vmax(t0, loadv(row + j));
+    t0 = vmax(vmax(t0, t1), vmax(t2, t3));
+    T t = -INFINITY;
+    for (int i = 0; i < W; ++i) t = t0[i] > t ? t0[i] : t;
+    for (; j < nc; ++j) t = row[j] > t ? row[j] : t;
+    return t;
+}
+
+/* row <- 2^(row - shift) in place; returns the row sum. */
+static T exp_row(T *row, int nc, T shift) {
+    VT sh = splat(shift), s0 = splat(0), s1 = s0;
+    int j = 0;
+    for (; j + 2 * W <= nc; j += 2 * W) {
+        VT p0 = vexp2(loadv(row + j) - sh), p1 = vexp2(loadv(row + j + W) - sh);
+        storev(row + j, p0);
+        storev(row + j + W, p1);
+        s0 += p0;
+        s1 += p1;
+    }
+    for (; j + W <= nc; j += W) {
+        VT p = vexp2(loadv(row + j) - sh);
+        storev(row + j, p);
+        s0 += p;
+    }
+    s0 += s1;
+    T s = 0;
+    for (int i = 0; i < W; ++i) s += s0[i];
+    for (; j < nc; ++j) {
+        row[j] = exp2s(row[j] - shift);
+        s += row[j];
+    }
+    return s;
+}
+
+/* The columns [lo, hi) of an nr x nc visibility block that hold every visible entry
+ * (lo = hi when none is visible). Columns outside add exact zeros to every sum, so a step
+ * may leave them out of its matmuls. */
+static void visible_span(const unsigned char *vis, int nr, int nc, long long row_stride,
+                         int *lo, int *hi) {
+    int a = nc, b = 0;
+    for (int r = 0; r < nr; ++r) {
+        const unsigned char *vr = vis + r * row_stride;
+        int j = 0;
+        while (j < a && !vr[j]) ++j;
+        if (j < a) a = j;
+        int e = nc;
+        while (e > b && !vr[e - 1]) --e;
+        if (e > b) b = e;
+    }
+    *lo = a < b ? a : 0;
+    *hi = a < b ? b : 0;
+}
+
+/* Rows per work item inside a partial tile: small, so that each item's visible span (a
+ * causal or banded diagonal) is narrow. */
+#define FL_PARTIAL_ROWS 64
+
+/* Forward for rows [r0, r0 + nr) of head h against keys [k0, k0 + nc); `vis` (row stride
+ * nc) or NULL. s: nr · nc + nr scratch. */
+static void forward_rows(const struct fl_args *a, long long h, long long r0, int nr,
+                         long long k0, int nc, const unsigned char *vis, T *s) {
+    int lo = 0, hi = nc;
+    if (vis) {
+        visible_span(vis, nr, nc, nc, &lo, &hi);
+        if (lo == hi) return; /* nothing visible: m, ℓ and acc stay as they are */
+    }
+    int w = hi - lo, idv = (int)a->dv;
+    scores(a, h, r0, nr, k0 + lo, w, s, vis ? vis + lo : NULL, nc, a->scale * LOG2E);
+    T *mh = a->m + h * a->lq + r0, *lh = a->ell + h * a->lq + r0;
+    T *alpha = s + (long long)nr * w; /* α per row */
+    int moved = 0;                     /* did any row's max move? */
+    for (int r = 0; r < nr; ++r) {
+        T *row = s + (long long)r * w;
+        T m_old = mh[r], top = row_max(row, w);
+        T m_new = m_old > top ? m_old : top, m_sub = m_new == -INFINITY ? 0 : m_new;
+        alpha[r] = exp2s(m_old - m_sub); /* exactly 1 when the max did not move */
+        moved |= alpha[r] != (T)1;
+        T sum = exp_row(row, w, m_sub);
+        mh[r] = m_new;
+        lh[r] = sum + alpha[r] * lh[r];
+    }
+    T *at = a->acc_t + h * a->dv * a->lq + r0; /* accᵀ columns [r0, r0 + nr) */
+    if (moved)
+        for (long long c = 0; c < a->dv; ++c) {
+            T *ac = at + c * a->lq;
+            for (int r = 0; r < nr; ++r) ac[r] *= alpha[r];
+        }
+    const T *vt = a->vt + (h / a->group) * a->dv * a->lk + k0 + lo;
+    T one = 1;
+    int ilk = (int)a->lk, ilq = (int)a->lq;
+    /* accᵀ (d_v x nr) += Vᵀ_j (d_v x w) Pᵀ (w x nr) */
+    GEMM("T", "N", &nr, &idv, &w, &one, s, &w, vt, &ilk, &one, at, &ilq);
+}
+
+/* One forward tile step, queries [q0, q1) x keys [k0, k1), every head; rows are split in
+ * chunks of `chunk` (of FL_PARTIAL_ROWS in a partial tile) so that small head counts
+ * still fill the threads. `vis` is the tile's visibility (rows x cols, uint8) for head h
+ * at vis + (h / group) * vis_sn + (h % group) * vis_sg (strides 0 where the mask
+ * broadcasts), or NULL for a full tile. */
+void SUF(fl_forward_tile)(const struct fl_args *a, long long q0, long long q1, long long k0,
+                          long long k1, long long chunk, const unsigned char *vis,
+                          long long vis_sn, long long vis_sg) {
+    if (vis && chunk > FL_PARTIAL_ROWS) chunk = FL_PARTIAL_ROWS;
+    long long rows = q1 - q0, chunks = (rows + chunk - 1) / chunk;
+    int nc = (int)(k1 - k0);
+    long long items = a->heads * chunks;
+#define FL_FORWARD_ITEM                                                                      \
+    {                                                                                        \
+        long long h = w / chunks, c0 = (w % chunks) * chunk, r0 = q0 + c0;                   \
+        int nr = (int)((r0 + chunk < q1 ? r0 + chunk : q1) - r0);                            \
+        T *s = a->work + omp_get_thread_num() * a->work_stride;                              \
+        const unsigned char *vh =                                                            \
+            vis ? vis + (h / a->group) * vis_sn + (h % a->group) * vis_sg + c0 * nc : NULL; \
+        forward_rows(a, h, r0, nr, k0, nc, vh, s);                                           \
+    }
+    if (vis) { /* uneven spans: hand out items as threads free up */
+#pragma omp parallel for schedule(dynamic, 1)
+        for (long long w = 0; w < items; ++w) FL_FORWARD_ITEM
+    } else { /* a fixed head -> thread map keeps each head's accᵀ in its core's cache */
+#pragma omp parallel for schedule(static)
+        for (long long w = 0; w < items; ++w) FL_FORWARD_ITEM
+    }
+#undef FL_FORWARD_ITEM
+}
+
+/* Backward for rows [r0, r0 + nr) of head h against keys [k0, k0 + nc); `vis` (row stride
+ * nc) or NULL; s: 2 · nr · nc scratch. */
+static void backward_rows(const struct fl_args *a, long long h, long long r0, int nr,
+                          long long k0, int nc, const unsigned char *vis, T *s) {
+    int lo = 0, hi = nc;
+    if (vis) {
+        visible_span(vis, nr, nc, nc, &lo, &hi);
+        if (lo == hi) return; /* every P is 0: no contribution */
+    }
+    int w = hi - lo, id = (int)a->d, idv = (int)a->dv;
+    T *dp = s + (long long)nr * w;
+    scores(a, h, r0, nr, k0 + lo, w, s, vis ? vis + lo : NULL, nc, a->scale);
+    const T *doh = a->dout + (h * a->lq + r0) * a->dv;
+    const T *vvh = a->v + ((h / a->group) * a->lk + k0 + lo) * a->dv;
+    const T *qh = a->q + (h * a->lq + r0) * a->d;
+    T one = 1, zero = 0, sc = (T)a->scale;
+    /* dP (nr x w) = dO V_jᵀ */
+    GEMM("T", "N", &w, &nr, &idv, &one, vvh, &idv, doh, &idv, &zero, dp, &w);
+    const T *lam = a->lse + h * a->lq + r0, *dd = a->dd + h * a->lq + r0;
+    for (int r = 0; r < nr; ++r) {
+        T *pr = s + (long long)r * w, *dr = dp + (long long)r * w;
+        VT sh = splat(lam[r]), dv_ = splat(dd[r]), l2e = splat((T)LOG2E);
+        int j = 0;
+        for (; j + W <= w; j += W) {
+            VT p = vexp2((loadv(pr + j) - sh) * l2e);
+            storev(pr + j, p);
+            storev(dr + j, p * (loadv(dr + j) - dv_));
+        }
+        for (; j < w; ++j) {
+            T p = exp2s((pr[j] - lam[r]) * (T)LOG2E);
+            pr[j] = p;
+            dr[j] = p * (dr[j] - dd[r]);
+        }
+    }
+    T *dvt = a->dv_t + h * a->dv * nc + lo, *dkt = a->dk_t + h * a->d * nc + lo;
+    T *dqt = a->dq_t + h * a->d * a->lq + r0;
+    const T *kt = a->kt + (h / a->group) * a->d * a->lk + k0 + lo;
+    int ilk = (int)a->lk, ilq = (int)a->lq;
+    /* dV_jᵀ (d_v x w) += dOᵀ P;  dK_jᵀ (d x w) += scale Qᵀ dS;  dQᵀ (d x nr) += scale Kᵀ_j dSᵀ */
+    GEMM("N", "T", &w, &idv, &nr, &one, s, &w, doh, &idv, &one, dvt, &nc);
+    GEMM("N", "T", &w, &id, &nr, &sc, dp, &w, qh, &id, &one, dkt, &nc);
+    GEMM("T", "N", &nr, &id, &w, &sc, dp, &w, kt, &ilk, &one, dqt, &ilq);
+}
+
+/* One backward tile step (queries [q0, q1) x keys [k0, k1)), every head. dK_j and dV_j
+ * accumulate (transposed) per query head in a->dk_t, a->dv_t ((H, ·, k1 - k0)); dQ_iᵀ in
+ * a->dq_t. A partial tile runs in blocks of FL_PARTIAL_ROWS rows. */
+void SUF(fl_backward_tile)(const struct fl_args *a, long long q0, long long q1, long long k0,
+                           long long k1, const unsigned char *vis, long long vis_sn,
+                           long long vis_sg) {
+    int nc = (int)(k1 - k0);
+    long long rows = q1 - q0, step = vis ? FL_PARTIAL_ROWS : rows;
+#pragma omp parallel for schedule(static)
+    for (long long h = 0; h < a->heads; ++h) {
+        T *s = a->work + omp_get_thread_num() * a->work_stride;
+        const unsigned char *vh =
+            vis ? vis + (h / a->group) * vis_sn + (h % a->group) * vis_sg : NULL;
+        for (long long c0 = 0; c0 < rows; c0 += step) {
+            int nr = (int)(c0 + step < rows ? step : rows - c0);
+            backward_rows(a, h, q0 + c0, nr, k0, nc, vh ? vh + c0 * nc : NULL, s);
+        }
+    }
+}

@@ -1,0 +1,214 @@
+"""The native tile step (``flashledger._native``): availability, switches and its arithmetic.
+
+Against the float64 oracle (1e-12, the ``conftest.assert_close`` rule) and the
+PyTorch step, at tiles large enough that partial tiles run in several 64-row
+blocks with trimmed key spans and that few heads split their rows across
+threads; extreme scores underflow as in the PyTorch step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import flashledger as fl
+from flashledger import _native, blocked
+
+TOL = 1e-12
+f64 = torch.float64
+
+
+@pytest.fixture(scope="module")
+def native() -> _native.Kernels:
+    kern = _native.kernels()
+    if kern is None:
+        pytest.skip(_native.status())
+    return kern
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    calls = {"forward": 0, "backward": 0}
+    for name, key in (("_forward_native", "forward"), ("_backward_native", "backward")):
+        real = getattr(blocked, name)
+
+        def counted(*a: Any, _real: Any = real, _key: str = key, **kw: Any) -> Any:
+            calls[_key] += 1
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(blocked, name, counted)
+    return calls
+
+
+def _both(q, k, v, do, **opts):
+    fwd = fl.blocked_forward(q, k, v, **opts)
+    bwd = fl.blocked_backward(q, k, v, fwd.o, fwd.lse, do, **opts)
+    return fwd, bwd
+
+
+def test_native_step_is_built_where_ci_runs():
+    """CI installs a C compiler, so the native step must be on there (not silently off)."""
+    if os.environ.get("CI", "").lower() not in ("1", "true", "yes"):
+        pytest.skip("only required in CI")
+    assert _native.kernels() is not None, _native.status()
+    assert _native.status().startswith("native tile step: on ("), _native.status()
+
+
+def test_switches_turn_the_native_step_off(native, monkeypatch, gen):
+    q, k, v, do = (torch.randn(1, 2, 70, 8, dtype=f64, generator=gen) for _ in range(4))
+    calls = _spy(monkeypatch)
+    _both(q, k, v, do, block_q=32, block_k=32)
+    assert calls == {"forward": 1, "backward": 1}
+    with _native.disabled():
+        assert _native.kernels() is None
+        _both(q, k, v, do, block_q=32, block_k=32)
+    _both(q, k, v, do, block_q=32, block_k=32, trace=True)  # traced: the PyTorch step
+    _both(q, k, v, do, block_q=32, block_k=32, dropout_p=0.1)  # dropout: the PyTorch step
+    _both(q, k, v, do, block_q=32, block_k=32, softcap=3.0)  # softcap: the PyTorch step
+    assert calls == {"forward": 1, "backward": 1}
+    monkeypatch.setenv("FLASHLEDGER_NATIVE", "0")
+    assert _native.kernels() is None
+    assert _native.status() == "native tile step: off (FLASHLEDGER_NATIVE=0)"
+    _both(q, k, v, do, block_q=32, block_k=32)
+    assert calls == {"forward": 1, "backward": 1}
+
+
+def test_a_failed_build_falls_back_to_the_pytorch_step(monkeypatch, tmp_path, gen, assert_close):
+    monkeypatch.setattr(_native, "_loaded", None)  # forget this process's build
+    monkeypatch.setenv("FLASHLEDGER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "/bin/false")  # a "compiler" that always fails
+    assert _native.kernels() is None
+    status = _native.status()
+    assert status.startswith("native tile step: off (could not build it: false failed"), status
+    assert status.endswith("the PyTorch step runs instead"), status
+    q, k, v, do = (torch.randn(1, 2, 50, 8, dtype=f64, generator=gen) for _ in range(4))
+    fwd, _ = _both(q, k, v, do, mask=fl.Causal())
+    assert_close(fwd.o, fl.reference_forward(q, k, v, mask=fl.Causal()).o, rtol=TOL, name="O")
+
+
+def test_a_cached_build_is_reused(native, monkeypatch):
+    """The library is cached under a key of source, flags, compiler, CPU and PyTorch."""
+    status = _native.status()
+    path = status[status.rindex(", ") + 2 : -1]
+    assert path.endswith(".so") and os.path.exists(path), status
+
+
+LENGTHS = st.sampled_from([1, 2, 63, 64, 65, 97, 113, 200, 300])
+
+
+@st.composite
+def problems(draw: Any) -> dict[str, Any]:
+    b, hkv, g = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    lq, lk = draw(LENGTHS), draw(LENGTHS)
+    d, dv = draw(st.sampled_from([1, 8, 24, 64])), draw(st.sampled_from([1, 16, 24]))
+    kind = draw(st.sampled_from(["none", "causal", "causal-br", "window", "padding", "dense"]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    gen = torch.Generator().manual_seed(seed)
+    mask: Any = None
+    if kind == "causal":
+        mask = fl.Causal()
+    elif kind == "causal-br":
+        mask = fl.Causal("bottom_right")
+    elif kind == "window":
+        mask = fl.SlidingWindow(draw(st.integers(0, 80)), draw(st.integers(-1, 10)))
+    elif kind == "padding":
+        mask = fl.KeyPadding(draw(st.lists(st.integers(0, lk), min_size=b, max_size=b)))
+    elif kind == "dense":
+        t = torch.rand(b, hkv * g, lq, lk, generator=gen) < 0.6
+        t[..., : max(1, lq // 3), :] = False  # whole 64-row blocks with nothing visible
+        mask = t
+    tiles = (draw(st.sampled_from([1, 64, 65, 128, 512])), draw(st.sampled_from([3, 64, 100, 512])))
+    return dict(
+        shape=(b, hkv, g, lq, lk, d, dv),
+        mask=mask,
+        scale=draw(st.sampled_from([None, 0.3, 1.0])),
+        tiles=tiles,
+        seed=seed,
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(problems())
+def test_native_step_equals_the_oracle_and_the_pytorch_step(native, assert_close, p):
+    b, hkv, g, lq, lk, d, dv = p["shape"]
+    gen = torch.Generator().manual_seed(p["seed"])
+    q = torch.randn(b, hkv * g, lq, d, dtype=f64, generator=gen)
+    k = torch.randn(b, hkv, lk, d, dtype=f64, generator=gen)
+    v = torch.randn(b, hkv, lk, dv, dtype=f64, generator=gen)
+    do = torch.randn(b, hkv * g, lq, dv, dtype=f64, generator=gen)
+    opts = dict(mask=p["mask"], scale=p["scale"], block_q=p["tiles"][0], block_k=p["tiles"][1])
+    ref = fl.reference_forward(q, k, v, mask=p["mask"], scale=p["scale"])
+    refb = fl.reference_backward(q, k, v, ref.o, ref.lse, do, mask=p["mask"], scale=p["scale"])
+    fwd, bwd = _both(q, k, v, do, **opts)
+    with _native.disabled():
+        tfwd, tbwd = _both(q, k, v, do, **opts)
+    where = f"{p['shape']}, {type(p['mask']).__name__}, tiles {p['tiles']}"
+    for name, got, step, want in (
+        ("O", fwd.o, tfwd.o, ref.o),
+        ("LSE", fwd.lse, tfwd.lse, ref.lse),
+        ("dQ", bwd.dq, tbwd.dq, refb.dq),
+        ("dK", bwd.dk, tbwd.dk, refb.dk),
+        ("dV", bwd.dv, tbwd.dv, refb.dv),
+    ):
+        assert_close(got, want, rtol=TOL, name=f"native {name} vs oracle ({where})")
+        assert_close(got, step, rtol=TOL, name=f"native {name} vs PyTorch step ({where})")
+    assert fwd.ledger.counters == tfwd.ledger.counters
+    assert bwd.ledger.counters == tbwd.ledger.counters
+
+
+def test_float32_native_step_is_as_accurate_as_the_pytorch_step(native, gen, assert_close):
+    q, k, v, do = (torch.randn(2, 4, 600, 64, dtype=torch.float32, generator=gen) for _ in range(4))
+    ref = fl.reference_forward(*(t.double() for t in (q, k, v)), mask=fl.Causal())
+    refb = fl.reference_backward(
+        *(t.double() for t in (q, k, v)), ref.o, ref.lse, do.double(), mask=fl.Causal()
+    )
+    fwd, bwd = _both(q, k, v, do, mask=fl.Causal())
+    with _native.disabled():
+        tfwd, tbwd = _both(q, k, v, do, mask=fl.Causal())
+    for name, got, step, want in (
+        ("O", fwd.o, tfwd.o, ref.o),
+        ("dQ", bwd.dq, tbwd.dq, refb.dq),
+        ("dK", bwd.dk, tbwd.dk, refb.dk),
+        ("dV", bwd.dv, tbwd.dv, refb.dv),
+    ):
+        err = float((got.double() - want).abs().max())
+        err_step = float((step.double() - want).abs().max())
+        assert err <= 2 * err_step + 1e-6, (
+            f"{name}: native {err:.3g} vs PyTorch step {err_step:.3g}"
+        )
+        assert_close(got, want, rtol=2e-5, name=f"float32 native {name}")
+
+
+def test_extreme_scores_underflow_exactly_as_in_the_pytorch_step(native, gen, assert_close):
+    """Scores in the thousands: most weights underflow to exactly 0, none overflows."""
+    q, k, v, do = (torch.randn(1, 2, 130, 16, dtype=f64, generator=gen) for _ in range(4))
+    q = q * 300.0
+    fwd, bwd = _both(q, k, v, do, block_q=64, block_k=64, mask=fl.Causal())
+    with _native.disabled():
+        tfwd, tbwd = _both(q, k, v, do, block_q=64, block_k=64, mask=fl.Causal())
+    ref = fl.reference_forward(q, k, v, mask=fl.Causal())
+    assert bool(torch.isfinite(fwd.o).all()) and bool(torch.isfinite(bwd.dq).all())
+    for name, got, step, want in (
+        ("O", fwd.o, tfwd.o, ref.o),
+        ("LSE", fwd.lse, tfwd.lse, ref.lse),
+        ("dQ", bwd.dq, tbwd.dq, None),
+    ):
+        assert_close(got, step, rtol=TOL, name=f"{name}, native vs PyTorch step")
+        if want is not None:
+            assert_close(got, want, rtol=TOL, name=f"{name}, native vs oracle")
+
+
+def test_non_contiguous_inputs_run_on_both_steps(gen, assert_close):
+    """Heads sliced out of a larger tensor (strided K/V) are laid out once, for either step."""
+    q, k, v, do = (torch.randn(2, 4, 97, 24, dtype=f64, generator=gen) for _ in range(4))
+    k, v = k[:, ::2], v[:, 1::2]  # (2, 2, 97, 24), strided
+    ref = fl.reference_forward(q, k, v, mask=fl.Causal())
+    for ctx in (_native.disabled(), contextlib.nullcontext()):
+        with ctx:
+            fwd = fl.blocked_forward(q, k, v, mask=fl.Causal(), block_q=32, block_k=16)
+        assert_close(fwd.o, ref.o, rtol=TOL, name="O from strided K/V")
