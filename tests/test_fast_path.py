@@ -145,7 +145,7 @@ class _NativeCalls:
 @pytest.fixture
 def native_calls(monkeypatch: pytest.MonkeyPatch) -> _NativeCalls:
     if _native.kernels() is None:
-        pytest.skip(_native.status())
+        pytest.skip(_native.native_status())
     return _NativeCalls(monkeypatch)
 
 

@@ -28,7 +28,7 @@ f64 = torch.float64
 def native() -> _native.Kernels:
     kern = _native.kernels()
     if kern is None:
-        pytest.skip(_native.status())
+        pytest.skip(_native.native_status())
     return kern
 
 
@@ -55,8 +55,8 @@ def test_native_step_is_built_where_ci_runs():
     """CI installs a C compiler, so the native step must be on there (not silently off)."""
     if os.environ.get("CI", "").lower() not in ("1", "true", "yes"):
         pytest.skip("only required in CI")
-    assert _native.kernels() is not None, _native.status()
-    assert _native.status().startswith("native tile step: on ("), _native.status()
+    assert _native.kernels() is not None, _native.native_status()
+    assert _native.native_status().startswith("native tile step: on ("), _native.native_status()
 
 
 def test_switches_turn_the_native_step_off(native, monkeypatch, gen):
@@ -73,7 +73,7 @@ def test_switches_turn_the_native_step_off(native, monkeypatch, gen):
     assert calls == {"forward": 1, "backward": 1}
     monkeypatch.setenv("FLASHLEDGER_NATIVE", "0")
     assert _native.kernels() is None
-    assert _native.status() == "native tile step: off (FLASHLEDGER_NATIVE=0)"
+    assert _native.native_status() == "native tile step: off (FLASHLEDGER_NATIVE=0)"
     _both(q, k, v, do, block_q=32, block_k=32)
     assert calls == {"forward": 1, "backward": 1}
 
@@ -83,7 +83,7 @@ def test_a_failed_build_falls_back_to_the_pytorch_step(monkeypatch, tmp_path, ge
     monkeypatch.setenv("FLASHLEDGER_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "/bin/false")  # a "compiler" that always fails
     assert _native.kernels() is None
-    status = _native.status()
+    status = _native.native_status()
     assert status.startswith("native tile step: off (could not build it: false failed"), status
     assert status.endswith("the PyTorch step runs instead"), status
     q, k, v, do = (torch.randn(1, 2, 50, 8, dtype=f64, generator=gen) for _ in range(4))
@@ -93,7 +93,7 @@ def test_a_failed_build_falls_back_to_the_pytorch_step(monkeypatch, tmp_path, ge
 
 def test_a_cached_build_is_reused(native, monkeypatch):
     """The library is cached under a key of source, flags, compiler, CPU and PyTorch."""
-    status = _native.status()
+    status = _native.native_status()
     path = status[status.rindex(", ") + 2 : -1]
     assert path.endswith(".so") and os.path.exists(path), status
 

@@ -52,6 +52,7 @@ PUBLIC = [
     "memory_traffic",
     "merge",
     "merge_partials",
+    "native_status",
     "reference_backward",
     "reference_forward",
     "ring_attention",

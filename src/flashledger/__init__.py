@@ -42,6 +42,7 @@ _EXPORTS: dict[str, str] = {
     "merge_partials": "online",
     "Placement": "_problem",
     "alibi_slopes": "scores",
+    "native_status": "_native",
     # masks and conventions
     "Mask": "masks",
     "Causal": "masks",
@@ -112,6 +113,7 @@ __all__ = [
     "memory_traffic",
     "merge",
     "merge_partials",
+    "native_status",
     "reference_backward",
     "reference_forward",
     "ring_attention",
@@ -139,6 +141,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from ._native import native_status
     from ._problem import Placement
     from .accounting import memory_traffic, storage_and_work
     from .autograd import flash_attention

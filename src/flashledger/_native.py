@@ -10,8 +10,9 @@ The C source is compiled on first use (a C compiler with OpenMP is needed;
 about a second) against the OpenMP runtime and the BLAS PyTorch has loaded,
 and cached under ``$FLASHLEDGER_CACHE_DIR`` (default
 ``~/.cache/flashledger``). Without a compiler, or on a platform where that
-cannot be arranged, the loop keeps its PyTorch step: ``status()`` says which
-and why. ``FLASHLEDGER_NATIVE=0`` turns the native step off.
+cannot be arranged, the loop keeps its PyTorch step: ``native_status()``
+(``flashledger.native_status()``) says which and why. ``FLASHLEDGER_NATIVE=0``
+turns the native step off.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["Kernels", "TileCall", "disabled", "kernels", "status"]
+__all__ = ["Kernels", "TileCall", "disabled", "kernels", "native_status"]
 
 _SOURCE = Path(__file__).with_name("_native.c")
 _FLAGS = ["-O3", "-march=native", "-fPIC", "-fopenmp", "-fno-math-errno"]
@@ -119,8 +120,10 @@ class Kernels:
         Lk, d_v)`` with ``H = Hk·group``; ``state``: the forward's ``acc_t, m, ell`` or the
         backward's ``dout, lse, dd, dq_t, dk_t, dv_t`` (contiguous, the same dtype; see
         ``struct fl_args`` in ``_native.c`` for the shapes)."""
-        kt = k.mT.contiguous()  # Kᵀ (Hk, d, Lk)
-        vt = v.mT.contiguous()  # Vᵀ (Hk, d_v, Lk)
+        forward = "acc_t" in state
+        # the forward reads Vᵀ (for accᵀ += Vᵀ Pᵀ), the backward Kᵀ (for dQᵀ += Kᵀ dSᵀ)
+        kt = k if forward else k.mT.contiguous()  # Kᵀ (Hk, d, Lk), backward only
+        vt = v.mT.contiguous() if forward else v  # Vᵀ (Hk, d_v, Lk), forward only
         keep = [q, k, v, kt, vt, *state.values()]
         assert all(t.is_contiguous() and t.dtype == q.dtype for t in keep)
         work = torch.empty(self.max_threads() * work_per_thread, dtype=q.dtype)
@@ -128,9 +131,9 @@ class Kernels:
         args = _Args(
             q=q.data_ptr(),
             k=k.data_ptr(),
-            kt=kt.data_ptr(),
+            kt=None if forward else kt.data_ptr(),
             v=v.data_ptr(),
-            vt=vt.data_ptr(),
+            vt=vt.data_ptr() if forward else None,
             work=work.data_ptr(),
             heads=q.shape[0],
             group=group,
@@ -163,8 +166,13 @@ def kernels() -> Kernels | None:
     return _load()[0]
 
 
-def status() -> str:
-    """One line: whether the native tile step is on, and why not when it is off."""
+def native_status() -> str:
+    """One line: whether the native tile step is on (with the library's path), or why not.
+
+    >>> import flashledger as fl
+    >>> fl.native_status().startswith("native tile step: ")
+    True
+    """
     if os.environ.get("FLASHLEDGER_NATIVE", "1") == "0":
         return "native tile step: off (FLASHLEDGER_NATIVE=0)"
     kern, why = _load()

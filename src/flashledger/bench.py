@@ -435,7 +435,7 @@ def machine_info() -> dict[str, Any]:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "native_step": _native.status(),
+        "native_step": _native.native_status(),
     }
 
 
