@@ -5,8 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN="${BIN:-.venv/bin}"
 
-# 1. tile sweep at L = 4096 (how DEFAULT_BLOCK_Q / DEFAULT_BLOCK_K were chosen)
-"$BIN/flashledger" bench --lengths 4096 --tiles 128x128,256x256,256x512,512x256,512x512 \
+# 1. tile sweep at L = 8192 (how DEFAULT_BLOCK_Q / DEFAULT_BLOCK_K were chosen)
+"$BIN/flashledger" bench --lengths 8192 --tiles 256x256,256x512,512x512,1024x512 \
     --no-memory --no-naive --out benchmarks/results/tiles
 
 # 2. the comparison: L = 4096, 8192, 16384; float32 and float64; causal and not;

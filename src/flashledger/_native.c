@@ -22,8 +22,8 @@
  * The matmuls are BLAS gemm calls (the sgemm_/dgemm_ PyTorch itself uses), made from
  * inside the OpenMP loop over heads, so each runs on one core on cache-resident blocks.
  * Layouts (row-major, contiguous), H = B·Hq query heads, head h reading K/V head h / G:
- * q, dO (H, Lq, ·); k (Hk, Lk, d) and its transpose kt (Hk, d, Lk); vt = Vᵀ (Hk, d_v, Lk)
- * (and v (Hk, Lk, d_v) for the backward); the accumulators transposed, accᵀ (H, d_v, Lq),
+ * q, dO (H, Lq, ·); k (Hk, Lk, d); the forward reads vt = Vᵀ (Hk, d_v, Lk), the backward
+ * v (Hk, Lk, d_v) and kt = Kᵀ (Hk, d, Lk); the accumulators transposed, accᵀ (H, d_v, Lq),
  * dQᵀ (H, d, Lq), dK_jᵀ, dV_jᵀ (H, ·, bk): with those the matmuls take their fastest
  * forms (in float64 up to 1.6 x the untransposed ones). m, ℓ, λ, D (H, Lq).
  */
