@@ -10,7 +10,8 @@
  *             S[~visible] = -inf               (partial tiles only)
  *             m' = max(m, rowmax S); α = 2^(m - m'); P = 2^(S - m');
  *             ℓ' = α ℓ + Σ P; accᵀ' = α accᵀ + Vᵀ_j Pᵀ        (m' = -inf reads as 0)
- *   backward: S = scale · Q_i K_jᵀ (masked alike); P = 2^((S - λ) · log2 e);
+ *   backward: S = scale · Q_i K_jᵀ, formed as the PyTorch step forms it (masked alike);
+ *             P = 2^((S - λ) · log2 e);
  *             dP = dO_i V_jᵀ; dS = P ⊙ (dP - D);
  *             dV_j += Pᵀ dO_i; dK_j += scale · dSᵀ Q_i; dQ_i += scale · dS K_j
  *
@@ -151,17 +152,24 @@ struct fl_args {
     T *work;              /* per thread: 2 · rows · cols + rows */
     long long heads, group, lq, lk, d, dv, work_stride;
     double scale;
+    long long scale_exact; /* scale is a power of two: exact as the matmul's alpha */
 };
 
-/* S = factor · Q Kᵀ for rows [r0, r0 + nr) of head h and keys [k0, k0 + nc); masked to
- * -inf where the visibility row says 0. */
+/* S = factor · Q Kᵀ for rows [r0, r0 + nr) of head h and keys [k0, k0 + nc), the factor
+ * riding on the matmul, or, with `after`, (Q Kᵀ) · factor as the reference rounds it;
+ * masked to -inf where the visibility row says 0. */
 static void scores(const struct fl_args *a, long long h, long long r0, int nr, long long k0,
-                   int nc, T *s, const unsigned char *vis, long long vis_row, double factor) {
+                   int nc, T *s, const unsigned char *vis, long long vis_row, double factor,
+                   int after) {
     const T *qh = a->q + (h * a->lq + r0) * a->d;
     const T *kh = a->k + ((h / a->group) * a->lk + k0) * a->d;
     int id = (int)a->d;
-    T alpha = (T)factor, zero = 0;
+    T alpha = after ? (T)1 : (T)factor, zero = 0;
     GEMM("T", "N", &nc, &nr, &id, &alpha, kh, &id, qh, &id, &zero, s, &nc);
+    if (after) {
+        T f = (T)factor;
+        for (long long j = 0; j < (long long)nr * nc; ++j) s[j] *= f;
+    }
     if (vis)
         for (int r = 0; r < nr; ++r) {
             const unsigned char *vr = vis + r * vis_row;
@@ -247,7 +255,7 @@ static void forward_rows(const struct fl_args *a, long long h, long long r0, int
         if (lo == hi) return; /* nothing visible: m, ℓ and acc stay as they are */
     }
     int w = hi - lo, idv = (int)a->dv;
-    scores(a, h, r0, nr, k0 + lo, w, s, vis ? vis + lo : NULL, nc, a->scale * LOG2E);
+    scores(a, h, r0, nr, k0 + lo, w, s, vis ? vis + lo : NULL, nc, a->scale * LOG2E, 0);
     T *mh = a->m + h * a->lq + r0, *lh = a->ell + h * a->lq + r0;
     T *alpha = s + (long long)nr * w; /* α per row */
     int moved = 0;                     /* did any row's max move? */
@@ -316,7 +324,9 @@ static void backward_rows(const struct fl_args *a, long long h, long long r0, in
     }
     int w = hi - lo, id = (int)a->d, idv = (int)a->dv;
     T *dp = s + (long long)nr * w;
-    scores(a, h, r0, nr, k0 + lo, w, s, vis ? vis + lo : NULL, nc, a->scale);
+    /* the scores the PyTorch step (and the reference) form: the scale on the matmul only
+     * when it is a power of two, so that a forward run with that step is matched exactly */
+    scores(a, h, r0, nr, k0 + lo, w, s, vis ? vis + lo : NULL, nc, a->scale, !a->scale_exact);
     const T *doh = a->dout + (h * a->lq + r0) * a->dv;
     const T *vvh = a->v + ((h / a->group) * a->lk + k0 + lo) * a->dv;
     const T *qh = a->q + (h * a->lq + r0) * a->d;

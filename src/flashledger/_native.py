@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -52,6 +53,7 @@ class _Args(ctypes.Structure):
         [(name, ctypes.c_void_p) for name in _POINTERS.split()]
         + [(name, ctypes.c_longlong) for name in _SIZES.split()]
         + [("scale", ctypes.c_double)]
+        + [("scale_exact", ctypes.c_longlong)]
     )
 
 
@@ -143,6 +145,7 @@ class Kernels:
             dv=v.shape[2],
             work_stride=work_per_thread,
             scale=scale,
+            scale_exact=int(math.frexp(scale)[0] == 0.5),
             **{name: t.data_ptr() for name, t in state.items()},
         )
         return TileCall(self, q.dtype, keep, args)
