@@ -109,10 +109,10 @@ class Kernels:
 
     def call(
         self,
-        *,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        *,
         group: int,
         scale: float,
         work_per_thread: int,

@@ -389,11 +389,13 @@ def _native_step(pb: Problem, loop_order: str, obs: list[Any]) -> _native.Kernel
 
 
 def _native_vis(
-    pb: Problem, q0: int, q1: int, k0: int, k1: int
-) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]:
-    """A partial tile's visibility: ``(vis, tile, (address, stride per K/V head, stride per
-    group member))``, ``tile`` the uint8 bytes the native step reads (strides 0 where the
-    mask broadcasts)."""
+    pb: Problem, kind: int, q0: int, q1: int, k0: int, k1: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple[int, int, int] | None]:
+    """A tile's visibility for the native step: ``(vis, tile, (address, stride per K/V
+    head, stride per group member))``, ``tile`` the uint8 bytes the step reads (strides 0
+    where the mask broadcasts); all None for a full tile."""
+    if kind != PARTIAL:
+        return None, None, None
     vis = pb.mask_tile(q0, q1, k0, k1)  # (Bm, Hkv|1, G|1, bq, bk)
     area = (q1 - q0) * (k1 - k0)
     if vis.shape[:3] == (1, 1, 1):
@@ -407,6 +409,15 @@ def _native_vis(
 def _native_rows(pb: Problem, x5: torch.Tensor) -> torch.Tensor:
     """A ``(B, Hkv, G|1, L, X)`` tensor as contiguous ``(B·Hkv·(G|1), L, X)`` in the loop's dtype."""
     return x5.to(pb.dtype).reshape(-1, *x5.shape[-2:]).contiguous()
+
+
+def _native_call(
+    pb: Problem, kern: _native.Kernels, work_per_thread: int, **state: torch.Tensor
+) -> _native.TileCall:
+    """One pass's native arguments: the problem's Q, K, V, group size and scale, and ``state``."""
+    q, k, v = (_native_rows(pb, x) for x in (pb.q, pb.k, pb.v))
+    g, scale = pb.shape[3], pb.smod.scale
+    return kern.call(q, k, v, group=g, scale=scale, work_per_thread=work_per_thread, **state)
 
 
 def _forward_native(
@@ -426,7 +437,6 @@ def _forward_native(
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
     dt = pb.dtype
     heads = b * hq
-    q, k, v = _native_rows(pb, pb.q), _native_rows(pb, pb.k), _native_rows(pb, pb.v)
     acc_t = torch.zeros(heads, dv, lq, dtype=dt)  # accᵀ (B·Hq, d_v, Lq)
     m = torch.full((heads, lq), -math.inf, dtype=dt)  # (B·Hq, Lq)
     ell = torch.zeros(heads, lq, dtype=dt)  # (B·Hq, Lq)
@@ -435,17 +445,7 @@ def _forward_native(
     threads, chunk = kern.max_threads(), rows
     while heads * -(-rows // chunk) < threads and chunk > 32:
         chunk = -(-chunk // 2)
-    call = kern.call(
-        q=q,
-        k=k,
-        v=v,
-        group=g,
-        scale=pb.smod.scale,
-        work_per_thread=chunk * cols + chunk,  # S/P and α
-        acc_t=acc_t,
-        m=m,
-        ell=ell,
-    )
+    call = _native_call(pb, kern, chunk * cols + chunk, acc_t=acc_t, m=m, ell=ell)  # S/P, α
     for i, (q0, q1) in enumerate(_tiles(lq, block_q)):
         ran = False
         for j, (k0, k1) in enumerate(_tiles(lk, block_k)):
@@ -453,9 +453,7 @@ def _forward_native(
             if kind == EMPTY:
                 book.skip()
                 continue
-            vis, where = None, None
-            if kind == PARTIAL:
-                vis, tile, where = _native_vis(pb, q0, q1, k0, k1)
+            vis, tile, where = _native_vis(pb, kind, q0, q1, k0, k1)  # tile: alive for the call
             call.forward(q0, q1, k0, k1, chunk, where)
             book.run(kind, q1 - q0, k1 - k0, vis, None, forward=True)
             book.io(read=(k1 - k0) * (d + dv))
@@ -489,20 +487,16 @@ def _backward_native(
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
     dt = pb.dtype
     heads = b * hq
-    q, k, v = _native_rows(pb, pb.q), _native_rows(pb, pb.k), _native_rows(pb, pb.v)
     dq_t = torch.zeros(heads, d, lq, dtype=dt)  # dQᵀ (B·Hq, d, Lq)
     dk = torch.empty(b, hkv, 1, lk, d, dtype=dt)  # (B, Hkv, 1, Lk, d)
     dv_ = torch.empty(b, hkv, 1, lk, dv, dtype=dt)  # (B, Hkv, 1, Lk, d_v)
     rows, cols = min(block_q, lq), min(block_k, lk)
     dk_t = torch.empty(heads * d * cols, dtype=dt)  # dK_jᵀ per query head
     dv_t = torch.empty(heads * dv * cols, dtype=dt)  # dV_jᵀ per query head
-    call = kern.call(
-        q=q,
-        k=k,
-        v=v,
-        group=g,
-        scale=pb.smod.scale,
-        work_per_thread=2 * rows * cols,  # P and dP/dS
+    call = _native_call(
+        pb,
+        kern,
+        2 * rows * cols,  # P and dP/dS
         dout=_native_rows(pb, do5),
         lse=lse_safe.to(dt).reshape(heads, lq).contiguous(),
         dd=d_eff.to(dt).reshape(heads, lq).contiguous(),
@@ -521,9 +515,7 @@ def _backward_native(
             if kind == EMPTY:
                 book.skip()
                 continue
-            vis, where = None, None
-            if kind == PARTIAL:
-                vis, tile, where = _native_vis(pb, q0, q1, k0, k1)
+            vis, tile, where = _native_vis(pb, kind, q0, q1, k0, k1)  # tile: alive for the call
             call.backward(q0, q1, k0, k1, where)
             book.run(kind, q1 - q0, bk, vis, None, forward=False)
             book.io(read=(q1 - q0) * (2 * d + dv + 2), write=(q1 - q0) * d)
