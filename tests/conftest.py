@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 
 import flashledger as fl
+from flashledger import _native, blocked
 
 ALL_PRESETS = [fl.SEED, fl.FLASH_ATTN_2, fl.FLASH_ATTN_3, fl.FLEX_ATTENTION, fl.SDPA_CPU]
 
@@ -129,3 +131,20 @@ def _plain_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     (a CI runner may set ``COLUMNS``)."""
     for name in ("FORCE_COLOR", "TTY_COMPATIBLE", "COLUMNS"):
         monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def native_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts the passes that run with the native tile step (skips where it is not built)."""
+    if _native.kernels() is None:
+        pytest.skip(_native.native_status())
+    calls = {"forward": 0, "backward": 0}
+    for name, key in (("_forward_native", "forward"), ("_backward_native", "backward")):
+        real = getattr(blocked, name)
+
+        def counted(*a: Any, _real: Any = real, _key: str = key, **kw: Any) -> Any:
+            calls[_key] += 1
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(blocked, name, counted)
+    return calls

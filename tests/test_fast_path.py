@@ -21,7 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flashledger as fl
-from flashledger import _native, bench, blocked, cli
+from flashledger import _native, bench, cli
 from flashledger.blocked import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q
 
 TOL = 1e-12
@@ -123,32 +123,6 @@ def _outputs(fwd: fl.ForwardResult, bwd: fl.BackwardResult) -> dict[str, torch.T
     }
 
 
-class _NativeCalls:
-    """Counts the passes that ran with the native tile step."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.forward = self.backward = 0
-        fwd, bwd = blocked._forward_native, blocked._backward_native
-
-        def count_fwd(*a: Any, **kw: Any) -> Any:
-            self.forward += 1
-            return fwd(*a, **kw)
-
-        def count_bwd(*a: Any, **kw: Any) -> Any:
-            self.backward += 1
-            return bwd(*a, **kw)
-
-        monkeypatch.setattr(blocked, "_forward_native", count_fwd)
-        monkeypatch.setattr(blocked, "_backward_native", count_bwd)
-
-
-@pytest.fixture
-def native_calls(monkeypatch: pytest.MonkeyPatch) -> _NativeCalls:
-    if _native.kernels() is None:
-        pytest.skip(_native.native_status())
-    return _NativeCalls(monkeypatch)
-
-
 def _first_difference(t: torch.Tensor, s: torch.Tensor) -> tuple[int, ...] | None:
     same = (t == s) | (torch.isnan(t) & torch.isnan(s))
     if bool(same.all()):
@@ -168,7 +142,7 @@ def test_fast_path_equals_traced_path_and_oracle(name, tiles, step, gen, assert_
         calls = request.getfixturevalue("native_calls")
         fast = _run(q, k, v, do, trace=False, block_q=bq, block_k=bk, **opts)
         runs = (1, 1) if name in NATIVE_CASES else (0, 0)
-        assert (calls.forward, calls.backward) == runs, f"native passes {calls.__dict__}"
+        assert (calls["forward"], calls["backward"]) == runs, f"native passes {calls}"
     else:
         with _native.disabled():
             fast = _run(q, k, v, do, trace=False, block_q=bq, block_k=bk, **opts)

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flashledger as fl
-from flashledger import _native, blocked
+from flashledger import _native
 
 TOL = 1e-12
 f64 = torch.float64
@@ -30,19 +30,6 @@ def native() -> _native.Kernels:
     if kern is None:
         pytest.skip(_native.native_status())
     return kern
-
-
-def _spy(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    calls = {"forward": 0, "backward": 0}
-    for name, key in (("_forward_native", "forward"), ("_backward_native", "backward")):
-        real = getattr(blocked, name)
-
-        def counted(*a: Any, _real: Any = real, _key: str = key, **kw: Any) -> Any:
-            calls[_key] += 1
-            return _real(*a, **kw)
-
-        monkeypatch.setattr(blocked, name, counted)
-    return calls
 
 
 def _both(q, k, v, do, **opts):
@@ -59,9 +46,9 @@ def test_native_step_is_built_where_ci_runs():
     assert _native.native_status().startswith("native tile step: on ("), _native.native_status()
 
 
-def test_switches_turn_the_native_step_off(native, monkeypatch, gen):
+def test_switches_turn_the_native_step_off(native_calls, monkeypatch, gen):
     q, k, v, do = (torch.randn(1, 2, 70, 8, dtype=f64, generator=gen) for _ in range(4))
-    calls = _spy(monkeypatch)
+    calls = native_calls
     _both(q, k, v, do, block_q=32, block_k=32)
     assert calls == {"forward": 1, "backward": 1}
     with _native.disabled():

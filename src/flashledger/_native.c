@@ -87,7 +87,7 @@ static inline VT vscale(VT p, VT r) { return (VT)_mm512_scalef_ps((__m512)p, (__
 #endif
 #else
 /* round to nearest through the 1.5 · 2^(mantissa bits) trick; 2^r built in the exponent
- * bits, in two halves so that r down to the clamp's bound stays exact (then 0) */
+ * bits, in two normal halves so that r down to the clamp's bound stays exact (then 0) */
 #if FL_DOUBLE
 #define FL_MAGIC 6755399441055744.0
 #define FL_SHIFT 52
@@ -102,8 +102,7 @@ static inline VT vscale(VT p, VT r) {
     VI n = (VI)(r + (T)FL_MAGIC) - (VI)splat((T)FL_MAGIC); /* r as an integer */
     VI h = n >> 1;                                         /* n = h + (n - h) */
     VT a = (VT)((h + FL_BIAS) << FL_SHIFT), b = (VT)((n - h + FL_BIAS) << FL_SHIFT);
-    VI ok = (VI)(r > -(T)(2 * FL_BIAS - 2));               /* both halves normal */
-    return vsel(ok, p * a * b, splat(0));
+    return p * a * b;
 }
 #endif
 static inline VT loadv(const T *p) { VT v; memcpy(&v, p, sizeof v); return v; }
@@ -282,6 +281,18 @@ static void forward_rows(const struct fl_args *a, long long h, long long r0, int
     GEMM("T", "N", &nr, &idv, &w, &one, s, &w, vt, &ilk, &one, at, &ilq);
 }
 
+/* Work item w of a forward tile step: head w / chunks, its row block w % chunks. */
+static void forward_item(const struct fl_args *a, long long w, long long chunks,
+                         long long chunk, long long q0, long long q1, long long k0, int nc,
+                         const unsigned char *vis, long long vis_sn, long long vis_sg) {
+    long long h = w / chunks, c0 = (w % chunks) * chunk, r0 = q0 + c0;
+    int nr = (int)((r0 + chunk < q1 ? r0 + chunk : q1) - r0);
+    T *s = a->work + omp_get_thread_num() * a->work_stride;
+    const unsigned char *vh =
+        vis ? vis + (h / a->group) * vis_sn + (h % a->group) * vis_sg + c0 * nc : NULL;
+    forward_rows(a, h, r0, nr, k0, nc, vh, s);
+}
+
 /* One forward tile step, queries [q0, q1) x keys [k0, k1), every head; rows are split in
  * chunks of `chunk` (of FL_PARTIAL_ROWS in a partial tile) so that small head counts
  * still fill the threads. `vis` is the tile's visibility (rows x cols, uint8) for head h
@@ -294,23 +305,15 @@ void SUF(fl_forward_tile)(const struct fl_args *a, long long q0, long long q1, l
     long long rows = q1 - q0, chunks = (rows + chunk - 1) / chunk;
     int nc = (int)(k1 - k0);
     long long items = a->heads * chunks;
-#define FL_FORWARD_ITEM                                                                      \
-    {                                                                                        \
-        long long h = w / chunks, c0 = (w % chunks) * chunk, r0 = q0 + c0;                   \
-        int nr = (int)((r0 + chunk < q1 ? r0 + chunk : q1) - r0);                            \
-        T *s = a->work + omp_get_thread_num() * a->work_stride;                              \
-        const unsigned char *vh =                                                            \
-            vis ? vis + (h / a->group) * vis_sn + (h % a->group) * vis_sg + c0 * nc : NULL; \
-        forward_rows(a, h, r0, nr, k0, nc, vh, s);                                           \
-    }
     if (vis) { /* uneven spans: hand out items as threads free up */
 #pragma omp parallel for schedule(dynamic, 1)
-        for (long long w = 0; w < items; ++w) FL_FORWARD_ITEM
+        for (long long w = 0; w < items; ++w)
+            forward_item(a, w, chunks, chunk, q0, q1, k0, nc, vis, vis_sn, vis_sg);
     } else { /* a fixed head -> thread map keeps each head's accᵀ in its core's cache */
 #pragma omp parallel for schedule(static)
-        for (long long w = 0; w < items; ++w) FL_FORWARD_ITEM
+        for (long long w = 0; w < items; ++w)
+            forward_item(a, w, chunks, chunk, q0, q1, k0, nc, vis, vis_sn, vis_sg);
     }
-#undef FL_FORWARD_ITEM
 }
 
 /* Backward for rows [r0, r0 + nr) of head h against keys [k0, k0 + nc); `vis` (row stride

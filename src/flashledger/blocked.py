@@ -86,7 +86,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -111,8 +111,8 @@ __all__ = [
 LoopOrder = Literal["fa2", "fa1"]
 # Chosen by measurement (docs/perf.md, `flashledger bench --tiles ...`): on a 2-core
 # AVX-512 CPU, 512 x 512 tiles give the native step's per-core matmuls their best shapes
-# (256 x 256 and 256 x 512 lose 2-6 %, 128-row tiles 7-15 %), while the diagonal's waste
-# stays small because partial tiles run in 64-row blocks.
+# (256 x 256 loses 4-6 % forward + backward in float32, 1024 x 512 is no better), while the
+# diagonal's waste stays small because partial tiles run in 64-row blocks.
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 512
 
@@ -140,6 +140,27 @@ class BackwardResult:
 
 def _tiles(n: int, b: int) -> list[tuple[int, int]]:
     return [(s, min(s + b, n)) for s in range(0, n, b)]
+
+
+def _running(
+    book: _Book,
+    tiles: Sequence[tuple[int, int]],
+    kind_of: Callable[[int, int], int],
+    *,
+    i: int | None = None,
+    j: int | None = None,
+) -> Iterator[tuple[int, int, int, int]]:
+    """The inner loop's schedule: ``(index, start, stop, kind)`` of each tile that runs.
+
+    Key tiles of query tile ``i``, or query tiles of key tile ``j``; ``kind_of(i, j)``
+    classifies a tile. Empty tiles are booked as skipped and left out.
+    """
+    for n, (t0, t1) in enumerate(tiles):
+        kind = kind_of(i, n) if i is not None else kind_of(n, j)  # type: ignore[arg-type]
+        if kind == EMPTY:
+            book.skip()
+            continue
+        yield n, t0, t1, kind
 
 
 def _observers(ledger: Ledger, trace: bool, observer: Any) -> tuple[list[Any], bool]:
@@ -446,13 +467,10 @@ def _forward_native(
     while heads * -(-rows // chunk) < threads and chunk > 32:
         chunk = -(-chunk // 2)
     call = _native_call(pb, kern, chunk * cols + chunk, acc_t=acc_t, m=m, ell=ell)  # S/P, α
+    ktiles = _tiles(lk, block_k)
     for i, (q0, q1) in enumerate(_tiles(lq, block_q)):
         ran = False
-        for j, (k0, k1) in enumerate(_tiles(lk, block_k)):
-            kind = kind_of(i, j)
-            if kind == EMPTY:
-                book.skip()
-                continue
+        for _, k0, k1, kind in _running(book, ktiles, kind_of, i=i):
             vis, tile, where = _native_vis(pb, kind, q0, q1, k0, k1)  # tile: alive for the call
             call.forward(q0, q1, k0, k1, chunk, where)
             book.run(kind, q1 - q0, k1 - k0, vis, None, forward=True)
@@ -510,11 +528,7 @@ def _backward_native(
         dk_t.zero_()
         dv_t.zero_()
         ran = False
-        for i, (q0, q1) in enumerate(qtiles):
-            kind = kind_of(i, j)
-            if kind == EMPTY:
-                book.skip()
-                continue
+        for _, q0, q1, kind in _running(book, qtiles, kind_of, j=j):
             vis, tile, where = _native_vis(pb, kind, q0, q1, k0, k1)  # tile: alive for the call
             call.backward(q0, q1, k0, k1, where)
             book.run(kind, q1 - q0, bk, vis, None, forward=False)
@@ -588,11 +602,7 @@ def _forward(
                 acc=torch.zeros(n, dv, r, dtype=dt, device=dev).mT,  # (B·Hkv, G·bq, d_v)
             )
             ran = False
-            for j, (k0, k1) in enumerate(ktiles):
-                kind = kind_of(i, j)
-                if kind == EMPTY:
-                    book.skip()
-                    continue
+            for j, k0, k1, kind in _running(book, ktiles, kind_of, i=i):
                 kt, vj = kv_t[j]
                 s, _, vis, keep = _tile_scores(pb, ws, qi, kt, kind, q0, q1, k0, k1)
                 if wants:  # the step overwrites s and the state in place
@@ -649,11 +659,7 @@ def _forward(
     for j, (k0, k1) in enumerate(ktiles):
         kj, vj = _keys(pb.k, k0, k1), pb.v[..., k0:k1, :]  # (B·Hkv, bk, d), (B, Hkv, 1, bk, d_v)
         ran = False
-        for i, (q0, q1) in enumerate(qtiles):
-            kind = kind_of(i, j)
-            if kind == EMPTY:
-                book.skip()
-                continue
+        for i, q0, q1, kind in _running(book, qtiles, kind_of, j=j):
             qi = _rows(pb.q, q0, q1)  # (B·Hkv, G·bq, d)
             s3, _, vis, keep = _tile_scores(pb, ws, qi, kj.mT, kind, q0, q1, k0, k1)
             s = _unflat(pb, s3)  # (B, Hkv, G, bq, bk)
@@ -811,9 +817,9 @@ def _backward(
     book.io(read=lq * 2 * dv, write=lq)
     # a fully-masked row keeps every P = exp(-inf - λ) at 0, whatever LSE convention it carries
     lse_safe = torch.where(torch.isneginf(lse5), math.inf, lse5)  # (B, Hkv, G, Lq)
+    book.io(write=lq * d)  # dQ initialised
     kern = _native_step(pb, "fa2", obs)  # the backward loop is the same in both orders
     if kern is not None:
-        book.io(write=lq * d)  # dQ initialised
         dq5, dk5, dv5 = _backward_native(
             pb, kern, do5, lse_safe, d_eff, ledger, kind_of, book, block_q, block_k
         )
@@ -828,7 +834,6 @@ def _backward(
     # dQᵀ is kept tile by tile, each tile contiguous so that the matmul accumulates into it
     # in place (``baddbmm_``); it is laid out as (B, Hkv, G, Lq, d) at the end.
     dq_tiles = torch.zeros(n * g * lq * d, dtype=dt, device=dev)
-    book.io(write=lq * d)
     dqt_t = [
         dq_tiles[n * g * q0 * d : n * g * q1 * d].view(n, d, g * (q1 - q0)) for q0, q1 in qtiles
     ]
@@ -845,11 +850,7 @@ def _backward(
         # dK_j, dV_j stay on chip for the whole key tile (stored transposed)
         dkt_j, dvt_j = ws.get(4, n, d, bk).zero_(), ws.get(5, n, dv, bk).zero_()
         ran = False
-        for i, (q0, q1) in enumerate(qtiles):
-            kind = kind_of(i, j)
-            if kind == EMPTY:
-                book.skip()
-                continue
+        for i, q0, q1, kind in _running(book, qtiles, kind_of, j=j):
             qi, do_i = q_t[i], do_t[i]
             r = qi.shape[1]
             # -- recompute the scores; dP = dO Vᵀ --
