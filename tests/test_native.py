@@ -199,3 +199,85 @@ def test_non_contiguous_inputs_run_on_both_steps(gen, assert_close):
         with ctx:
             fwd = fl.blocked_forward(q, k, v, mask=fl.Causal(), block_q=32, block_k=16)
         assert_close(fwd.o, ref.o, rtol=TOL, name="O from strided K/V")
+
+
+@pytest.mark.parametrize(
+    "name", ["causal", "window", "padding", "varlen", "window&padding", "dense&causal"]
+)
+def test_interval_masks_run_without_mask_tiles(
+    native, native_calls, monkeypatch, gen, assert_close, name
+):
+    """Causal, window, padding and varlen masks (and their intersections) are intervals per
+    row: the native step reads them directly, so no boolean tile is built, and the visible
+    dots it counts equal the PyTorch step's. A dense mask still builds its tiles."""
+    from flashledger import masks
+
+    b, hq, hkv, lq, lk, d = 2, 4, 2, 300, 260, 16
+    opts: dict[str, Any] = dict(block_q=128, block_k=64)
+    if name == "causal":
+        opts["mask"] = fl.Causal("bottom_right")
+    elif name == "window":
+        opts["mask"] = fl.SlidingWindow(40, 3)
+    elif name == "padding":
+        opts["mask"] = fl.KeyPadding([260, 0])  # the second batch sees nothing
+    elif name == "varlen":
+        b, lk = 1, lq
+        opts.update(
+            cu_seqlens_q=torch.tensor([0, 90, 300], dtype=torch.int32),
+            cu_seqlens_k=torch.tensor([0, 130, 300], dtype=torch.int32),
+            mask=fl.Causal(),
+        )
+    elif name == "window&padding":
+        opts["mask"] = fl.SlidingWindow(70, 0) & fl.KeyPadding([200, 133])
+    else:
+        dense = torch.rand(b, hq, lq, lk, generator=gen) < 0.5
+        opts["mask"] = fl.Causal() & dense
+    lead_q, lead_k = ((b, hq), (b, hkv)) if "cu_seqlens_q" not in opts else ((hq,), (hkv,))
+    q, do = (torch.randn(*lead_q, lq, d, dtype=f64, generator=gen) for _ in range(2))
+    k, v = (torch.randn(*lead_k, lk, d, dtype=f64, generator=gen) for _ in range(2))
+    with _native.disabled():
+        want_f, want_b = _both(q, k, v, do, **opts)
+    built = []
+    block = masks.IntervalBound.block
+
+    def spy(self: Any, *args: Any) -> torch.Tensor:
+        built.append(args)
+        return block(self, *args)
+
+    monkeypatch.setattr(masks.IntervalBound, "block", spy)
+    fwd, bwd = _both(q, k, v, do, **opts)
+    assert native_calls == {"forward": 1, "backward": 1}
+    if name == "dense&causal":
+        assert built, "a dense mask is read from its tiles"
+    else:
+        assert built == [], f"{name}: the native step built {len(built)} mask tiles"
+    assert fwd.ledger.counters.tiles_partial > 0
+    assert fwd.ledger.counters == want_f.ledger.counters
+    assert bwd.ledger.counters == want_b.ledger.counters
+    for got, want, what in (
+        (fwd.o, want_f.o, "O"),
+        (fwd.lse, want_f.lse, "LSE"),
+        (bwd.dq, want_b.dq, "dQ"),
+        (bwd.dk, want_b.dk, "dK"),
+        (bwd.dv, want_b.dv, "dV"),
+    ):
+        assert_close(got, want, rtol=TOL, name=f"{name}: native {what} vs PyTorch step")
+
+
+def test_scratch_is_kept_between_passes_up_to_a_bound(native, monkeypatch, gen, assert_close):
+    """The per-thread tile buffers and the forward's laid-out Vᵀ are reused by the next
+    pass (no fresh pages); the backward takes the Vᵀ buffer for its Kᵀ and frees it; a
+    buffer above the bound is not kept; results are unaffected."""
+    q, k, v, do = (torch.randn(1, 2, 200, 16, dtype=f64, generator=gen) for _ in range(4))
+    ref = fl.reference_forward(q, k, v, mask=fl.Causal())
+    fl.blocked_forward(q, k, v, mask=fl.Causal(), block_q=64, block_k=64)
+    bufs = dict(_native._cache.bufs)
+    assert {("work", f64), ("kv_t", f64)} <= set(bufs)
+    fwd = fl.blocked_forward(q, k, v, mask=fl.Causal(), block_q=64, block_k=64)
+    assert all(_native._cache.bufs[key] is buf for key, buf in bufs.items()), "reallocated"
+    assert_close(fwd.o, ref.o, rtol=TOL, name="O with reused scratch")
+    fl.blocked_backward(q, k, v, fwd.o, fwd.lse, do, mask=fl.Causal(), block_q=64, block_k=64)
+    assert ("kv_t", f64) not in _native._cache.bufs, "the backward lets its Kᵀ go"
+    monkeypatch.setattr(_native, "SCRATCH_KEEP_BYTES", 1024)
+    big = _native._scratch("work", 4096, f64, keep=True)
+    assert big.numel() == 4096 and ("work", f64) not in _native._cache.bufs

@@ -18,15 +18,16 @@
  * Every exponent is a difference of two numbers carrying roundings of the same size (the
  * matmul's, and the running max's, itself one of the scores), then at most one product:
  * the error budget of the PyTorch step's exp(S - m'). In the forward, m stays in base-2
- * units during the pass (the Python side converts it once at the end); the backward reads
+ * units during a query tile (the Python side converts it when it finalises); the backward reads
  * λ in natural units, as the forward wrote it, so P does not inherit a rounding of λ·log2 e.
  * The matmuls are BLAS gemm calls (the sgemm_/dgemm_ PyTorch itself uses), made from
  * inside the OpenMP loop over heads, so each runs on one core on cache-resident blocks.
  * Layouts (row-major, contiguous), H = B·Hq query heads, head h reading K/V head h / G:
  * q, dO (H, Lq, ·); k (Hk, Lk, d); the forward reads vt = Vᵀ (Hk, d_v, Lk), the backward
- * v (Hk, Lk, d_v) and kt = Kᵀ (Hk, d, Lk); the accumulators transposed, accᵀ (H, d_v, Lq),
- * dQᵀ (H, d, Lq), dK_jᵀ, dV_jᵀ (H, ·, bk): with those the matmuls take their fastest
- * forms (in float64 up to 1.6 x the untransposed ones). m, ℓ, λ, D (H, Lq).
+ * v (Hk, Lk, d_v) and kt = Kᵀ (Hk, d, Lk); the accumulators transposed, accᵀ (H, d_v, R)
+ * of one query tile, dQᵀ (H, d, Lq), dK_jᵀ, dV_jᵀ (H, ·, bk): with those the matmuls take
+ * their fastest forms (in float64 up to 1.6 x the untransposed ones). m, ℓ (H, R); λ, D
+ * (H, Lq).
  */
 #include <math.h>
 #include <omp.h>
@@ -37,11 +38,13 @@ typedef double T;
 typedef long long TI;
 #define SUF(name) name##_f64
 #define GEMM dgemm
+#define LOG log
 #else
 typedef float T;
 typedef int TI;
 #define SUF(name) name##_f32
 #define GEMM sgemm
+#define LOG logf
 #endif
 
 #if defined(__AVX512F__)
@@ -143,13 +146,35 @@ static inline VT vexp2(VT x) {
 
 static inline T exp2s(T x) { return vexp2(splat(x))[0]; }
 
+/* dst (n, cols, rows) = src (n, rows, cols) transposed, in 64 x 64 blocks over the
+ * threads: the Kᵀ / Vᵀ a pass reads, laid out once. */
+void SUF(fl_transpose)(const T *src, T *dst, long long n, long long rows, long long cols) {
+    long long rb = (rows + 63) / 64;
+#pragma omp parallel for schedule(static)
+    for (long long w = 0; w < n * rb; ++w) {
+        long long b = w / rb, r0 = (w % rb) * 64, r1 = r0 + 64 < rows ? r0 + 64 : rows;
+        const T *sb = src + b * rows * cols;
+        T *db = dst + b * rows * cols;
+        for (long long c0 = 0; c0 < cols; c0 += 64) {
+            long long c1 = c0 + 64 < cols ? c0 + 64 : cols;
+            for (long long c = c0; c < c1; ++c)
+                for (long long r = r0; r < r1; ++r) db[c * rows + r] = sb[r * cols + c];
+        }
+    }
+}
+
 struct fl_args {
     const T *q, *k, *kt, *v, *vt; /* (H, Lq, d), (Hk, Lk, d), (Hk, d, Lk), (Hk, Lk, d_v), (Hk, d_v, Lk) */
-    T *acc_t, *m, *ell;   /* forward state: accᵀ (H, d_v, Lq), m (base-2 units) and ℓ (H, Lq) */
+    T *acc_t, *m, *ell;   /* forward state of one query tile: accᵀ (H, d_v, R), m (base-2
+                             units) and ℓ (H, R), R = state_rows */
     const T *dout, *lse, *dd; /* backward: dO (H, Lq, d_v); λ (+inf on empty rows), D (H, Lq) */
     T *dq_t, *dk_t, *dv_t; /* backward: dQᵀ (H, d, Lq); dK_jᵀ, dV_jᵀ (H, ·, bk) of the key tile */
     T *work;              /* per thread: 2 · rows · cols + rows */
+    const long long *iv_lo, *iv_hi; /* interval masks: row i of batch b sees keys
+                                       [iv_lo, iv_hi)[b · iv_bstride + i] (local), or NULL */
     long long heads, group, lq, lk, d, dv, work_stride;
+    long long hq, iv_bstride; /* query heads per batch; the intervals' batch stride (0: shared) */
+    long long state_rows;     /* R: rows of the forward state (the query tile's, at most) */
     double scale;
     long long scale_exact; /* scale is a power of two: exact as the matmul's alpha */
 };
@@ -244,87 +269,167 @@ static void visible_span(const unsigned char *vis, int nr, int nc, long long row
  * causal or banded diagonal) is narrow. */
 #define FL_PARTIAL_ROWS 64
 
-/* Forward for rows [r0, r0 + nr) of head h against keys [k0, k0 + nc); `vis` (row stride
- * nc) or NULL. s: nr · nc + nr scratch. */
-static void forward_rows(const struct fl_args *a, long long h, long long r0, int nr,
-                         long long k0, int nc, const unsigned char *vis, T *s) {
-    int lo = 0, hi = nc;
-    if (vis) {
-        visible_span(vis, nr, nc, nc, &lo, &hi);
-        if (lo == hi) return; /* nothing visible: m, ℓ and acc stay as they are */
+/* Which columns of a row block [r0, r0 + nr) of head h, in the tile of keys [k0, k0 + nc),
+ * a step computes: the span [*lo, *hi) of the tile (lo = hi: nothing visible) and, for an
+ * interval mask (nr <= FL_PARTIAL_ROWS), each row's visible columns [ca[r], cb[r]) relative
+ * to lo; otherwise (a full tile, or a byte mask `vis` whose zeros the scores turn into
+ * -inf) every row runs over the whole span and ca, cb are left alone. Returns the visible
+ * dots of an interval block (0 otherwise). */
+static long long row_ranges(const struct fl_args *a, long long h, long long r0, int nr,
+                            long long k0, int nc, const unsigned char *vis, int intervals,
+                            int *ca, int *cb, int *lo, int *hi) {
+    *lo = 0;
+    *hi = nc;
+    if (vis) visible_span(vis, nr, nc, nc, lo, hi);
+    if (!intervals) return 0;
+    long long off = (h / a->hq) * a->iv_bstride + r0, seen = 0;
+    const long long *il = a->iv_lo + off, *ih = a->iv_hi + off;
+    int mn = nc, mx = 0;
+    for (int r = 0; r < nr; ++r) {
+        long long x = il[r] - k0, y = ih[r] - k0;
+        x = x < 0 ? 0 : x > nc ? nc : x;
+        y = y < x ? x : y > nc ? nc : y;
+        ca[r] = (int)x;
+        cb[r] = (int)y;
+        if (x < y) {
+            seen += y - x;
+            mn = (int)x < mn ? (int)x : mn;
+            mx = (int)y > mx ? (int)y : mx;
+        }
     }
+    *lo = mn < mx ? mn : 0;
+    *hi = mn < mx ? mx : 0;
+    for (int r = 0; r < nr; ++r) { /* relative to lo; an empty row runs over nothing */
+        int e = ca[r] >= cb[r];
+        ca[r] = e ? 0 : ca[r] - *lo;
+        cb[r] = e ? 0 : cb[r] - *lo;
+    }
+    return seen;
+}
+
+/* Zero a row's columns outside [c0, c1) of [0, w). */
+static inline void zero_outside(T *row, int c0, int c1, int w) {
+    if (c0 > 0) memset(row, 0, (size_t)c0 * sizeof(T));
+    if (c1 < w) memset(row + c1, 0, (size_t)(w - c1) * sizeof(T));
+}
+
+/* Forward for rows [r0, r0 + nr) of head h against keys [k0, k0 + nc), the rows' state at
+ * state row sr0; `vis` (row stride nc) or NULL, `intervals` (see row_ranges). s: nr · nc +
+ * nr scratch. Returns the visible dots of an interval block. */
+static long long forward_rows(const struct fl_args *a, long long h, long long r0,
+                              long long sr0, int nr, long long k0, int nc,
+                              const unsigned char *vis, int intervals, T *s) {
+    int lo, hi, ca[FL_PARTIAL_ROWS], cb[FL_PARTIAL_ROWS];
+    long long seen = row_ranges(a, h, r0, nr, k0, nc, vis, intervals, ca, cb, &lo, &hi);
+    if (lo == hi) return 0; /* nothing visible: m, ℓ and acc stay as they are */
     int w = hi - lo, idv = (int)a->dv;
     scores(a, h, r0, nr, k0 + lo, w, s, vis ? vis + lo : NULL, nc, a->scale * LOG2E, 0);
-    T *mh = a->m + h * a->lq + r0, *lh = a->ell + h * a->lq + r0;
+    long long sr = a->state_rows;
+    T *mh = a->m + h * sr + sr0, *lh = a->ell + h * sr + sr0;
     T *alpha = s + (long long)nr * w; /* α per row */
     int moved = 0;                     /* did any row's max move? */
     for (int r = 0; r < nr; ++r) {
         T *row = s + (long long)r * w;
-        T m_old = mh[r], top = row_max(row, w);
+        int c0 = intervals ? ca[r] : 0, c1 = intervals ? cb[r] : w; /* the row's columns */
+        T m_old = mh[r], top = row_max(row + c0, c1 - c0);
         T m_new = m_old > top ? m_old : top, m_sub = m_new == -INFINITY ? 0 : m_new;
         alpha[r] = exp2s(m_old - m_sub); /* exactly 1 when the max did not move */
         moved |= alpha[r] != (T)1;
-        T sum = exp_row(row, w, m_sub);
+        T sum = exp_row(row + c0, c1 - c0, m_sub);
+        zero_outside(row, c0, c1, w); /* P = 0 where the row cannot see */
         mh[r] = m_new;
         lh[r] = sum + alpha[r] * lh[r];
     }
-    T *at = a->acc_t + h * a->dv * a->lq + r0; /* accᵀ columns [r0, r0 + nr) */
+    T *at = a->acc_t + h * a->dv * sr + sr0; /* accᵀ columns of the rows */
     if (moved)
         for (long long c = 0; c < a->dv; ++c) {
-            T *ac = at + c * a->lq;
+            T *ac = at + c * sr;
             for (int r = 0; r < nr; ++r) ac[r] *= alpha[r];
         }
     const T *vt = a->vt + (h / a->group) * a->dv * a->lk + k0 + lo;
     T one = 1;
-    int ilk = (int)a->lk, ilq = (int)a->lq;
+    int ilk = (int)a->lk, isr = (int)sr;
     /* accᵀ (d_v x nr) += Vᵀ_j (d_v x w) Pᵀ (w x nr) */
-    GEMM("T", "N", &nr, &idv, &w, &one, s, &w, vt, &ilk, &one, at, &ilq);
+    GEMM("T", "N", &nr, &idv, &w, &one, s, &w, vt, &ilk, &one, at, &isr);
+    return seen;
 }
 
 /* Work item w of a forward tile step: head w / chunks, its row block w % chunks. */
-static void forward_item(const struct fl_args *a, long long w, long long chunks,
-                         long long chunk, long long q0, long long q1, long long k0, int nc,
-                         const unsigned char *vis, long long vis_sn, long long vis_sg) {
+static long long forward_item(const struct fl_args *a, long long w, long long chunks,
+                              long long chunk, long long q0, long long q1, long long k0,
+                              int nc, int intervals, const unsigned char *vis,
+                              long long vis_sn, long long vis_sg) {
     long long h = w / chunks, c0 = (w % chunks) * chunk, r0 = q0 + c0;
     int nr = (int)((r0 + chunk < q1 ? r0 + chunk : q1) - r0);
     T *s = a->work + omp_get_thread_num() * a->work_stride;
     const unsigned char *vh =
         vis ? vis + (h / a->group) * vis_sn + (h % a->group) * vis_sg + c0 * nc : NULL;
-    forward_rows(a, h, r0, nr, k0, nc, vh, s);
+    return forward_rows(a, h, r0, c0, nr, k0, nc, vh, intervals, s);
 }
 
-/* One forward tile step, queries [q0, q1) x keys [k0, k1), every head; rows are split in
+/* One forward tile step, queries [q0, q1) x keys [k0, k1), every head, the state of row
+ * q0 + r at state row r (the Python loop finalises and resets it per query tile, as the
+ * PyTorch step's loop does); rows are split in
  * chunks of `chunk` (of FL_PARTIAL_ROWS in a partial tile) so that small head counts
- * still fill the threads. `vis` is the tile's visibility (rows x cols, uint8) for head h
- * at vis + (h / group) * vis_sn + (h % group) * vis_sg (strides 0 where the mask
- * broadcasts), or NULL for a full tile. */
-void SUF(fl_forward_tile)(const struct fl_args *a, long long q0, long long q1, long long k0,
-                          long long k1, long long chunk, const unsigned char *vis,
-                          long long vis_sn, long long vis_sg) {
-    if (vis && chunk > FL_PARTIAL_ROWS) chunk = FL_PARTIAL_ROWS;
-    long long rows = q1 - q0, chunks = (rows + chunk - 1) / chunk;
+ * still fill the threads. A partial tile's visibility is `vis`, its bytes (rows x cols,
+ * uint8) for head h at vis + (h / group) * vis_sn + (h % group) * vis_sg (strides 0 where
+ * the mask broadcasts), or, with vis NULL, the pass's intervals (a->iv_lo, a->iv_hi).
+ * Returns the visible dots of an interval tile (0 otherwise), summed over heads. */
+long long SUF(fl_forward_tile)(const struct fl_args *a, long long q0, long long q1,
+                               long long k0, long long k1, long long chunk, int partial,
+                               const unsigned char *vis, long long vis_sn, long long vis_sg) {
+    int intervals = partial && !vis;
+    if (partial && chunk > FL_PARTIAL_ROWS) chunk = FL_PARTIAL_ROWS;
+    long long rows = q1 - q0, chunks = (rows + chunk - 1) / chunk, seen = 0;
     int nc = (int)(k1 - k0);
     long long items = a->heads * chunks;
-    if (vis) { /* uneven spans: hand out items as threads free up */
-#pragma omp parallel for schedule(dynamic, 1)
+    if (partial) { /* uneven spans: hand out items as threads free up */
+#pragma omp parallel for schedule(dynamic, 1) reduction(+ : seen)
         for (long long w = 0; w < items; ++w)
-            forward_item(a, w, chunks, chunk, q0, q1, k0, nc, vis, vis_sn, vis_sg);
+            seen += forward_item(a, w, chunks, chunk, q0, q1, k0, nc, intervals, vis, vis_sn,
+                                 vis_sg);
     } else { /* a fixed head -> thread map keeps each head's accᵀ in its core's cache */
 #pragma omp parallel for schedule(static)
         for (long long w = 0; w < items; ++w)
-            forward_item(a, w, chunks, chunk, q0, q1, k0, nc, vis, vis_sn, vis_sg);
+            forward_item(a, w, chunks, chunk, q0, q1, k0, nc, 0, NULL, 0, 0);
+    }
+    return seen;
+}
+
+/* The end of query tile [q0, q1): o = acc / ℓ and lse = m · ln 2 + log ℓ (natural units)
+ * into o (H, Lq, d_v) and lse (H, Lq), an empty row (ℓ = 0) giving o = 0 and lse = -inf,
+ * as online.finalize does; then the state is reset (m = -inf, ℓ = 0, acc = 0) for the
+ * next query tile. Runs while the tile's accᵀ is still in the cores' caches. */
+void SUF(fl_forward_finish)(const struct fl_args *a, long long q0, long long q1, T *o,
+                            T *lse) {
+    long long sr = a->state_rows, n = q1 - q0, dv = a->dv;
+#pragma omp parallel for schedule(static)
+    for (long long h = 0; h < a->heads; ++h) {
+        T *mh = a->m + h * sr, *lh = a->ell + h * sr, *at = a->acc_t + h * dv * sr;
+        T *oh = o + (h * a->lq + q0) * dv, *lseh = lse + h * a->lq + q0;
+        for (long long r = 0; r < n; ++r) {
+            T l = lh[r], m_nat = mh[r] * (T)0.6931471805599453, *orow = oh + r * dv;
+            int empty = l == 0;
+            lseh[r] = empty ? -INFINITY : m_nat + LOG(l);
+            for (long long c = 0; c < dv; ++c) orow[c] = empty ? 0 : at[c * sr + r] / l;
+        }
+        for (long long r = 0; r < sr; ++r) {
+            mh[r] = -INFINITY;
+            lh[r] = 0;
+        }
+        memset(at, 0, (size_t)(dv * sr) * sizeof(T));
     }
 }
 
 /* Backward for rows [r0, r0 + nr) of head h against keys [k0, k0 + nc); `vis` (row stride
- * nc) or NULL; s: 2 · nr · nc scratch. */
-static void backward_rows(const struct fl_args *a, long long h, long long r0, int nr,
-                          long long k0, int nc, const unsigned char *vis, T *s) {
-    int lo = 0, hi = nc;
-    if (vis) {
-        visible_span(vis, nr, nc, nc, &lo, &hi);
-        if (lo == hi) return; /* every P is 0: no contribution */
-    }
+ * nc) or NULL, `intervals` (see row_ranges); s: 2 · nr · nc scratch. Returns the visible
+ * dots of an interval block. */
+static long long backward_rows(const struct fl_args *a, long long h, long long r0, int nr,
+                               long long k0, int nc, const unsigned char *vis, int intervals,
+                               T *s) {
+    int lo, hi, ca[FL_PARTIAL_ROWS], cb[FL_PARTIAL_ROWS];
+    long long seen = row_ranges(a, h, r0, nr, k0, nc, vis, intervals, ca, cb, &lo, &hi);
+    if (lo == hi) return 0; /* every P is 0: no contribution */
     int w = hi - lo, id = (int)a->d, idv = (int)a->dv;
     T *dp = s + (long long)nr * w;
     /* the scores the PyTorch step (and the reference) form: the scale on the matmul only
@@ -340,13 +445,15 @@ static void backward_rows(const struct fl_args *a, long long h, long long r0, in
     for (int r = 0; r < nr; ++r) {
         T *pr = s + (long long)r * w, *dr = dp + (long long)r * w;
         VT sh = splat(lam[r]), dv_ = splat(dd[r]), l2e = splat((T)LOG2E);
-        int j = 0;
-        for (; j + W <= w; j += W) {
+        int c0 = intervals ? ca[r] : 0, c1 = intervals ? cb[r] : w, j = c0;
+        zero_outside(pr, c0, c1, w); /* P = dS = 0 where the row cannot see */
+        zero_outside(dr, c0, c1, w);
+        for (; j + W <= c1; j += W) {
             VT p = vexp2((loadv(pr + j) - sh) * l2e);
             storev(pr + j, p);
             storev(dr + j, p * (loadv(dr + j) - dv_));
         }
-        for (; j < w; ++j) {
+        for (; j < c1; ++j) {
             T p = exp2s((pr[j] - lam[r]) * (T)LOG2E);
             pr[j] = p;
             dr[j] = p * (dr[j] - dd[r]);
@@ -360,24 +467,51 @@ static void backward_rows(const struct fl_args *a, long long h, long long r0, in
     GEMM("N", "T", &w, &idv, &nr, &one, s, &w, doh, &idv, &one, dvt, &nc);
     GEMM("N", "T", &w, &id, &nr, &sc, dp, &w, qh, &id, &one, dkt, &nc);
     GEMM("T", "N", &nr, &id, &w, &sc, dp, &w, kt, &ilk, &one, dqt, &ilq);
+    return seen;
 }
 
 /* One backward tile step (queries [q0, q1) x keys [k0, k1)), every head. dK_j and dV_j
  * accumulate (transposed) per query head in a->dk_t, a->dv_t ((H, ·, k1 - k0)); dQ_iᵀ in
- * a->dq_t. A partial tile runs in blocks of FL_PARTIAL_ROWS rows. */
-void SUF(fl_backward_tile)(const struct fl_args *a, long long q0, long long q1, long long k0,
-                           long long k1, const unsigned char *vis, long long vis_sn,
-                           long long vis_sg) {
-    int nc = (int)(k1 - k0);
-    long long rows = q1 - q0, step = vis ? FL_PARTIAL_ROWS : rows;
-#pragma omp parallel for schedule(static)
+ * a->dq_t. A partial tile (visibility as in fl_forward_tile) runs in blocks of
+ * FL_PARTIAL_ROWS rows. Returns the visible dots of an interval tile (0 otherwise). */
+long long SUF(fl_backward_tile)(const struct fl_args *a, long long q0, long long q1,
+                                long long k0, long long k1, int partial,
+                                const unsigned char *vis, long long vis_sn,
+                                long long vis_sg) {
+    int nc = (int)(k1 - k0), intervals = partial && !vis;
+    long long rows = q1 - q0, step = partial ? FL_PARTIAL_ROWS : rows, seen = 0;
+#pragma omp parallel for schedule(static) reduction(+ : seen)
     for (long long h = 0; h < a->heads; ++h) {
         T *s = a->work + omp_get_thread_num() * a->work_stride;
         const unsigned char *vh =
             vis ? vis + (h / a->group) * vis_sn + (h % a->group) * vis_sg : NULL;
         for (long long c0 = 0; c0 < rows; c0 += step) {
             int nr = (int)(c0 + step < rows ? step : rows - c0);
-            backward_rows(a, h, q0 + c0, nr, k0, nc, vh ? vh + c0 * nc : NULL, s);
+            seen += backward_rows(a, h, q0 + c0, nr, k0, nc, vh ? vh + c0 * nc : NULL,
+                                  intervals, s);
         }
+    }
+    return seen;
+}
+
+/* The end of key tile [k0, k1) in the backward: dK_j, dV_j of each K/V head, the sums of
+ * its group's per-query-head dK_jᵀ, dV_jᵀ (in group order), into rows [k0, k1) of dk
+ * (Hk, Lk, d) and dv (Hk, Lk, d_v); then dK_jᵀ, dV_jᵀ are zeroed for the next key tile. */
+void SUF(fl_backward_finish)(const struct fl_args *a, long long k0, long long k1, T *dk,
+                             T *dv) {
+    long long nc = k1 - k0, hk = a->heads / a->group;
+#pragma omp parallel for schedule(static)
+    for (long long kh = 0; kh < 2 * hk; ++kh) { /* dK of K/V head kh, then dV of kh - hk */
+        int is_v = kh >= hk;
+        long long hh = is_v ? kh - hk : kh, x = is_v ? a->dv : a->d;
+        T *src = (is_v ? a->dv_t : a->dk_t) + hh * a->group * x * nc; /* (G, x, nc) */
+        T *dst = (is_v ? dv : dk) + (hh * a->lk + k0) * x;             /* (nc, x) */
+        for (long long c = 0; c < nc; ++c)
+            for (long long e = 0; e < x; ++e) {
+                T sum = src[e * nc + c];
+                for (long long g = 1; g < a->group; ++g) sum += src[(g * x + e) * nc + c];
+                dst[c * x + e] = sum;
+            }
+        memset(src, 0, (size_t)(a->group * x * nc) * sizeof(T));
     }
 }

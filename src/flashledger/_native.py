@@ -42,8 +42,8 @@ _loaded: tuple[Kernels | None, str] | None = None
 _off = threading.local()
 
 
-_POINTERS = "q k kt v vt acc_t m ell dout lse dd dq_t dk_t dv_t work"
-_SIZES = "heads group lq lk d dv work_stride"
+_POINTERS = "q k kt v vt acc_t m ell dout lse dd dq_t dk_t dv_t work iv_lo iv_hi"
+_SIZES = "heads group lq lk d dv work_stride hq iv_bstride state_rows"
 
 
 class _Args(ctypes.Structure):
@@ -64,23 +64,42 @@ class TileCall:
         self._suffix = "f32" if dtype == torch.float32 else "f64"
         self._fwd = kern.fn("fl_forward_tile", self._suffix)
         self._bwd = kern.fn("fl_backward_tile", self._suffix)
+        self._finish = kern.fn("fl_forward_finish", self._suffix)
+        self._bfinish = kern.fn("fl_backward_finish", self._suffix)
         self._keep = keep
         self._args = args
         self._ref = ctypes.byref(args)
 
     def forward(
         self, q0: int, q1: int, k0: int, k1: int, chunk: int, vis: tuple[int, int, int] | None
-    ) -> None:
-        """One forward step over queries ``[q0, q1)`` and keys ``[k0, k1)``, every head."""
-        ptr, sn, sg = vis if vis is not None else (None, 0, 0)
-        self._fwd(self._ref, q0, q1, k0, k1, chunk, ptr, sn, sg)
+    ) -> int:
+        """One forward step over queries ``[q0, q1)`` and keys ``[k0, k1)``, every head.
 
-    def backward(
-        self, q0: int, q1: int, k0: int, k1: int, vis: tuple[int, int, int] | None
-    ) -> None:
-        """One backward step; dK_j, dV_j accumulate per query head in the pass's buffers."""
-        ptr, sn, sg = vis if vis is not None else (None, 0, 0)
-        self._bwd(self._ref, q0, q1, k0, k1, ptr, sn, sg)
+        ``vis``: None for a full tile; for a partial one ``(address, stride per K/V head,
+        stride per group member)`` of its uint8 visibility, or address 0 for the pass's
+        intervals. Returns the visible dots of an interval tile (0 otherwise)."""
+        ptr, sn, sg = vis if vis is not None else (0, 0, 0)
+        return int(self._fwd(self._ref, q0, q1, k0, k1, chunk, vis is not None, ptr, sn, sg))
+
+    def finish(self, q0: int, q1: int, o: torch.Tensor, lse: torch.Tensor) -> None:
+        """The end of query tile ``[q0, q1)``: ``o = acc / ℓ``, ``lse = m + log ℓ`` (an empty
+        row: 0 and -inf) into ``o`` ``(H, Lq, d_v)`` and ``lse`` ``(H, Lq)``; then the state
+        is reset for the next query tile."""
+        assert o.is_contiguous() and lse.is_contiguous() and o.dtype == lse.dtype
+        self._finish(self._ref, q0, q1, o.data_ptr(), lse.data_ptr())
+
+    def backward(self, q0: int, q1: int, k0: int, k1: int, vis: tuple[int, int, int] | None) -> int:
+        """One backward step (``vis`` and the result as in ``forward``); dK_j, dV_j
+        accumulate per query head in the pass's buffers."""
+        ptr, sn, sg = vis if vis is not None else (0, 0, 0)
+        return int(self._bwd(self._ref, q0, q1, k0, k1, vis is not None, ptr, sn, sg))
+
+    def finish_keys(self, k0: int, k1: int, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        """The end of key tile ``[k0, k1)``: each K/V head's ``dK_j``, ``dV_j`` (its group's
+        sum) into ``dk`` ``(Hk, Lk, d)`` and ``dv`` ``(Hk, Lk, d_v)``; the per-query-head
+        buffers are zeroed for the next key tile."""
+        assert dk.is_contiguous() and dv.is_contiguous()
+        self._bfinish(self._ref, k0, k1, dk.data_ptr(), dv.data_ptr())
 
 
 class Kernels:
@@ -88,20 +107,38 @@ class Kernels:
 
     def __init__(self, lib: ctypes.CDLL, gemms: dict[str, int]) -> None:
         self._lib = lib
-        ll, vp = ctypes.c_longlong, ctypes.c_void_p
+        ll, vp, i = ctypes.c_longlong, ctypes.c_void_p, ctypes.c_int
         for suffix, gemm in gemms.items():
             getattr(lib, f"fl_set_gemm_{suffix}").argtypes = [vp]
             getattr(lib, f"fl_set_gemm_{suffix}")(gemm)
             fwd = getattr(lib, f"fl_forward_tile_{suffix}")
-            fwd.argtypes = [vp, ll, ll, ll, ll, ll, vp, ll, ll]
-            fwd.restype = None
+            fwd.argtypes = [vp, ll, ll, ll, ll, ll, i, vp, ll, ll]
+            fwd.restype = ll
             bwd = getattr(lib, f"fl_backward_tile_{suffix}")
-            bwd.argtypes = [vp, ll, ll, ll, ll, vp, ll, ll]
-            bwd.restype = None
+            bwd.argtypes = [vp, ll, ll, ll, ll, i, vp, ll, ll]
+            bwd.restype = ll
+            fin = getattr(lib, f"fl_forward_finish_{suffix}")
+            fin.argtypes = [vp, ll, ll, vp, vp]
+            fin.restype = None
+            bfin = getattr(lib, f"fl_backward_finish_{suffix}")
+            bfin.argtypes = [vp, ll, ll, vp, vp]
+            bfin.restype = None
+            tr = getattr(lib, f"fl_transpose_{suffix}")
+            tr.argtypes = [vp, vp, ll, ll, ll]
+            tr.restype = None
         self.vector_bytes = int(lib.fl_vector_bytes_f32())
 
     def fn(self, name: str, suffix: str) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
         return getattr(self._lib, f"{name}_{suffix}")
+
+    def transposed(self, x: torch.Tensor, *, keep: bool) -> torch.Tensor:
+        """``x.mT.contiguous()`` of a contiguous float32/float64 ``(n, rows, cols)``, on the
+        step's threads, in the ``"kv_t"`` scratch (``keep``: see ``_scratch``)."""
+        n, rows, cols = x.shape
+        out = _scratch("kv_t", n * cols * rows, x.dtype, keep=keep).view(n, cols, rows)
+        suffix = "f32" if x.dtype == torch.float32 else "f64"
+        self.fn("fl_transpose", suffix)(x.data_ptr(), out.data_ptr(), n, rows, cols)
+        return out
 
     def max_threads(self) -> int:
         """OpenMP threads a parallel region started from this thread would use."""
@@ -116,20 +153,31 @@ class Kernels:
         group: int,
         scale: float,
         work_per_thread: int,
+        heads_per_batch: int,
+        intervals: tuple[torch.Tensor, torch.Tensor] | None = None,
         **state: torch.Tensor,
     ) -> TileCall:
         """Arguments of one pass. ``q`` ``(H, Lq, d)``, ``k`` ``(Hk, Lk, d)``, ``v`` ``(Hk,
-        Lk, d_v)`` with ``H = Hk·group``; ``state``: the forward's ``acc_t, m, ell`` or the
-        backward's ``dout, lse, dd, dq_t, dk_t, dv_t`` (contiguous, the same dtype; see
-        ``struct fl_args`` in ``_native.c`` for the shapes)."""
+        Lk, d_v)`` with ``H = Hk·group = B·heads_per_batch``; ``state``: the forward's
+        ``acc_t, m, ell`` (one query tile's) or the backward's ``dout, lse, dd, dq_t, dk_t,
+        dv_t`` (contiguous, the same dtype; see ``struct fl_args`` in ``_native.c`` for the
+        shapes).
+        ``intervals``: an interval mask's ``(lo, hi)``, int64 ``(B|1, Lq)``, row ``i``
+        seeing local keys ``lo[i] <= j < hi[i]`` (read for partial tiles given no bytes)."""
         forward = "acc_t" in state
         # the forward reads Vᵀ (for accᵀ += Vᵀ Pᵀ), the backward Kᵀ (for dQᵀ += Kᵀ dSᵀ)
-        kt = k if forward else k.mT.contiguous()  # Kᵀ (Hk, d, Lk), backward only
-        vt = v.mT.contiguous() if forward else v  # Vᵀ (Hk, d_v, Lk), forward only
+        # the forward's Vᵀ stays cached for the next forward; the backward takes the buffer
+        # for its Kᵀ and lets it go when done, before autograd's own copies of the gradients
+        kt = k if forward else self.transposed(k, keep=False)  # Kᵀ (Hk, d, Lk), backward only
+        vt = self.transposed(v, keep=True) if forward else v  # Vᵀ (Hk, d_v, Lk), forward only
         keep = [q, k, v, kt, vt, *state.values()]
         assert all(t.is_contiguous() and t.dtype == q.dtype for t in keep)
-        work = torch.empty(self.max_threads() * work_per_thread, dtype=q.dtype)
+        work = _scratch("work", self.max_threads() * work_per_thread, q.dtype, keep=True)
         keep.append(work)
+        iv_lo = iv_hi = None
+        if intervals is not None:
+            iv_lo, iv_hi = (t.to(torch.int64).contiguous() for t in intervals)  # (B|1, Lq)
+            keep += [iv_lo, iv_hi]
         args = _Args(
             q=q.data_ptr(),
             k=k.data_ptr(),
@@ -144,11 +192,37 @@ class Kernels:
             d=q.shape[2],
             dv=v.shape[2],
             work_stride=work_per_thread,
+            iv_lo=None if iv_lo is None else iv_lo.data_ptr(),
+            iv_hi=None if iv_hi is None else iv_hi.data_ptr(),
+            hq=heads_per_batch,
+            iv_bstride=0 if iv_lo is None or iv_lo.shape[0] == 1 else iv_lo.shape[1],
+            state_rows=state["acc_t"].shape[-1] if forward else 0,
             scale=scale,
             scale_exact=int(math.frexp(scale)[0] == 0.5),
             **{name: t.data_ptr() for name, t in state.items()},
         )
         return TileCall(self, q.dtype, keep, args)
+
+
+_cache = threading.local()
+SCRATCH_KEEP_BYTES = 64 << 20  # the largest scratch buffer kept between passes
+
+
+def _scratch(slot: str, numel: int, dtype: torch.dtype, *, keep: bool) -> torch.Tensor:
+    """A flat buffer of this thread for one pass's scratch (``"work"``: the per-thread
+    tiles; ``"kv_t"``: the Kᵀ or Vᵀ it lays out), the slot's cached one when it is large
+    enough. With ``keep`` a buffer up to ``SCRATCH_KEEP_BYTES`` stays cached for the next
+    pass (fresh memory costs a page fault per 4 KiB when first written: 1-2 % of a
+    float32 forward at L = 4096); without, the pass takes it out of the cache and it is
+    freed with the pass. Passes in one thread never overlap: one buffer per slot."""
+    bufs = _cache.__dict__.setdefault("bufs", {})
+    buf = bufs.pop((slot, dtype), None)
+    if buf is None or buf.numel() < numel:
+        buf = None  # free the smaller one first
+        buf = torch.empty(numel, dtype=dtype)
+    if keep and numel * buf.element_size() <= SCRATCH_KEEP_BYTES:
+        bufs[(slot, dtype)] = buf
+    return buf[:numel]
 
 
 @contextlib.contextmanager

@@ -97,7 +97,7 @@ from ._checks import check_size
 from ._problem import Placement, Problem, build_problem
 from .conventions import SEED, Conventions
 from .ledger import BackwardTileStep, Counters, ForwardTileStep, Ledger
-from .masks import EMPTY, FULL, PARTIAL, TILE_KINDS, Mask
+from .masks import EMPTY, FULL, PARTIAL, TILE_KINDS, IntervalBound, Mask
 from .reference import _backward_inputs, _conventional_lse
 
 __all__ = [
@@ -217,7 +217,10 @@ class _Book:
         keep: torch.Tensor | None,
         *,
         forward: bool,
+        visible: int = 0,
     ) -> None:
+        """Book one tile step; a partial tile's visible dots come from ``vis`` or, when
+        the step counted them itself (``vis`` None), from ``visible``."""
         c = self.c
         c.tiles_run += 1
         area = bq * bk * self.bh
@@ -226,9 +229,11 @@ class _Book:
             c.tiles_full += 1
             c.qk_dots_visible += area
         else:
-            assert vis is not None
             c.tiles_partial += 1
-            self._visible = _pending(self._visible, vis, area)
+            if vis is None:
+                c.qk_dots_visible += visible
+            else:
+                self._visible = _pending(self._visible, vis, area)
         c.exps += area + (bq * self.bh if forward else 0)
         if keep is not None:
             dropped = ~keep if vis is None else (~keep & vis)
@@ -414,9 +419,12 @@ def _native_vis(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple[int, int, int] | None]:
     """A tile's visibility for the native step: ``(vis, tile, (address, stride per K/V
     head, stride per group member))``, ``tile`` the uint8 bytes the step reads (strides 0
-    where the mask broadcasts); all None for a full tile."""
+    where the mask broadcasts); all None for a full tile. An interval mask needs no bytes:
+    the step reads the pass's intervals (address 0) and counts the visible dots itself."""
     if kind != PARTIAL:
         return None, None, None
+    if isinstance(pb.mask, IntervalBound):
+        return None, None, (0, 0, 0)
     vis = pb.mask_tile(q0, q1, k0, k1)  # (Bm, Hkv|1, G|1, bq, bk)
     area = (q1 - q0) * (k1 - k0)
     if vis.shape[:3] == (1, 1, 1):
@@ -435,10 +443,25 @@ def _native_rows(pb: Problem, x5: torch.Tensor) -> torch.Tensor:
 def _native_call(
     pb: Problem, kern: _native.Kernels, work_per_thread: int, **state: torch.Tensor
 ) -> _native.TileCall:
-    """One pass's native arguments: the problem's Q, K, V, group size and scale, and ``state``."""
+    """One pass's native arguments: the problem's Q, K, V, group size, scale and interval
+    mask (local half-open ``[lo, hi)`` per row), and ``state``."""
     q, k, v = (_native_rows(pb, x) for x in (pb.q, pb.k, pb.v))
     g, scale = pb.shape[3], pb.smod.scale
-    return kern.call(q, k, v, group=g, scale=scale, work_per_thread=work_per_thread, **state)
+    iv = None
+    if isinstance(pb.mask, IntervalBound):
+        ko = pb.geo.k_offset
+        iv = (pb.mask.lo - ko, pb.mask.hi - ko + 1)  # (Bm, Lq) each
+    return kern.call(
+        q,
+        k,
+        v,
+        group=g,
+        scale=scale,
+        work_per_thread=work_per_thread,
+        heads_per_batch=pb.shape[1],
+        intervals=iv,
+        **state,
+    )
 
 
 def _forward_native(
@@ -452,16 +475,20 @@ def _forward_native(
 ) -> tuple[torch.Tensor, torch.Tensor, Ledger]:
     """The FA2 forward loop with each tile step one native call (see ``_native``).
 
-    The schedule, the skipped and partial tiles and the booking are the PyTorch
-    loop's; the state ``(m, ℓ, acc)`` of every row lives in whole-length arrays.
+    The schedule, the skipped and partial tiles, the booking and the per-query-tile
+    state ``(m, ℓ, acc)``, finalised when the tile's keys are done, are the PyTorch
+    loop's; the state is one tile-sized buffer that the native finish (``online.finalize``'s
+    arithmetic, in C while the tile is in cache) writes out and resets.
     """
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
     dt = pb.dtype
     heads = b * hq
-    acc_t = torch.zeros(heads, dv, lq, dtype=dt)  # accᵀ (B·Hq, d_v, Lq)
-    m = torch.full((heads, lq), -math.inf, dtype=dt)  # (B·Hq, Lq)
-    ell = torch.zeros(heads, lq, dtype=dt)  # (B·Hq, Lq)
     rows, cols = min(block_q, lq), min(block_k, lk)
+    acc_t = torch.zeros(heads, dv, rows, dtype=dt)  # accᵀ of one query tile (B·Hq, d_v, bq)
+    m = torch.full((heads, rows), -math.inf, dtype=dt)  # (B·Hq, bq), base-2 units in the step
+    ell = torch.zeros(heads, rows, dtype=dt)  # (B·Hq, bq)
+    o = torch.empty(heads, lq, dv, dtype=dt)  # (B·Hq, Lq, d_v)
+    lse = torch.empty(heads, lq, dtype=dt)  # (B·Hq, Lq)
     # rows per work item: a whole tile, or fewer when the heads alone cannot fill the threads
     threads, chunk = kern.max_threads(), rows
     while heads * -(-rows // chunk) < threads and chunk > 32:
@@ -472,15 +499,14 @@ def _forward_native(
         ran = False
         for _, k0, k1, kind in _running(book, ktiles, kind_of, i=i):
             vis, tile, where = _native_vis(pb, kind, q0, q1, k0, k1)  # tile: alive for the call
-            call.forward(q0, q1, k0, k1, chunk, where)
-            book.run(kind, q1 - q0, k1 - k0, vis, None, forward=True)
+            seen = call.forward(q0, q1, k0, k1, chunk, where)
+            book.run(kind, q1 - q0, k1 - k0, vis, None, forward=True, visible=seen)
             book.io(read=(k1 - k0) * (d + dv))
             ran = True
         if ran:
             book.io(read=(q1 - q0) * d)
+        call.finish(q0, q1, o, lse)  # o, lse rows [q0, q1); the state reset
         book.io(write=(q1 - q0) * (dv + 1))
-    m.mul_(math.log(2.0))  # the step keeps m in base-2 units (see _native.c)
-    o, lse = online.finalize(online.OnlineState(m=m, ell=ell, acc=acc_t.mT))
     book.flush()
     return o.view(b, hkv, g, lq, dv), lse.view(b, hkv, g, lq), ledger
 
@@ -499,8 +525,8 @@ def _backward_native(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward loop with each tile step one native call: ``(dq, dk, dv)`` 5-D.
 
-    ``dK_j``, ``dV_j`` accumulate per query head for the key tile and are summed
-    over each K/V head's group when the tile is done.
+    ``dK_j``, ``dV_j`` accumulate per query head for the key tile; when the tile is done
+    the native finish sums each K/V head's group into ``dK``, ``dV``.
     """
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
     dt = pb.dtype
@@ -509,8 +535,8 @@ def _backward_native(
     dk = torch.empty(b, hkv, 1, lk, d, dtype=dt)  # (B, Hkv, 1, Lk, d)
     dv_ = torch.empty(b, hkv, 1, lk, dv, dtype=dt)  # (B, Hkv, 1, Lk, d_v)
     rows, cols = min(block_q, lq), min(block_k, lk)
-    dk_t = torch.empty(heads * d * cols, dtype=dt)  # dK_jᵀ per query head
-    dv_t = torch.empty(heads * dv * cols, dtype=dt)  # dV_jᵀ per query head
+    dk_t = torch.zeros(heads * d * cols, dtype=dt)  # dK_jᵀ per query head
+    dv_t = torch.zeros(heads * dv * cols, dtype=dt)  # dV_jᵀ per query head
     call = _native_call(
         pb,
         kern,
@@ -525,22 +551,18 @@ def _backward_native(
     qtiles = _tiles(lq, block_q)
     for j, (k0, k1) in enumerate(_tiles(lk, block_k)):
         bk = k1 - k0
-        dk_t.zero_()
-        dv_t.zero_()
         ran = False
         for _, q0, q1, kind in _running(book, qtiles, kind_of, j=j):
             vis, tile, where = _native_vis(pb, kind, q0, q1, k0, k1)  # tile: alive for the call
-            call.backward(q0, q1, k0, k1, where)
-            book.run(kind, q1 - q0, bk, vis, None, forward=False)
+            seen = call.backward(q0, q1, k0, k1, where)
+            book.run(kind, q1 - q0, bk, vis, None, forward=False, visible=seen)
             book.io(read=(q1 - q0) * (2 * d + dv + 2), write=(q1 - q0) * d)
             ran = True
         if ran:
             book.io(read=bk * (d + dv))
-        dk_j = dk_t[: heads * d * bk].view(b, hkv, g, d, bk).sum(2, keepdim=True)
-        dv_j = dv_t[: heads * dv * bk].view(b, hkv, g, dv, bk).sum(2, keepdim=True)
-        dk[..., k0:k1, :] = dk_j.mT
-        dv_[..., k0:k1, :] = dv_j.mT
+        call.finish_keys(k0, k1, dk, dv_)  # dK, dV rows [k0, k1); dK_jᵀ, dV_jᵀ zeroed
         book.io(write=bk * (d + dv))
+    # dQ as a view of dQᵀ (no copy: a whole-length tensor less at the memory peak)
     return dq_t.mT.reshape(b, hkv, g, lq, d), dk, dv_
 
 
@@ -804,13 +826,6 @@ def _backward(
     # that run fastest on CPU.
     plain = _plain_scores(pb)
     a = pb.smod.scale if plain else 1.0
-    rows, cols = g * min(block_q, lq), min(block_k, lk)
-    ws = _Workspace(
-        pb,
-        [n * rows * cols] * 4  # S (slot 0, as in the forward), dP, dS, P
-        + [n * d * cols, n * dv * cols],  # dKᵀ_j, dVᵀ_j
-    )
-
     # -- preprocess: D = rowsum(dO ⊙ O); a gradient on the LSE folds into it --
     D = (do5 * o5).sum(dim=-1)  # (B, Hkv, G, Lq)
     d_eff = D if dlse5 is None else D - dlse5  # dS = P ⊙ (dP - D + dλ)
@@ -825,6 +840,13 @@ def _backward(
         )
         book.flush()
         return dq5, dk5, dv5, None, D, ledger
+    rows, cols = g * min(block_q, lq), min(block_k, lk)
+    ws = _Workspace(
+        pb,
+        [n * rows * cols] * 4  # S (slot 0, as in the forward), dP, dS, P
+        + [n * d * cols, n * dv * cols],  # dKᵀ_j, dVᵀ_j
+    )
+
     q_t = [_rows(pb.q, q0, q1) for q0, q1 in qtiles]  # (B·Hkv, G·bq, d), as in the forward
     do_t = [_rows(do5, q0, q1) for q0, q1 in qtiles]  # (B·Hkv, G·bq, d_v)
     qt_t, dot_t = [x.mT for x in q_t], [x.mT for x in do_t]  # transposed views
