@@ -2,7 +2,9 @@
 
 For each configuration (sequence length ``L``, dtype, causal or not; batch
 ``B``, heads ``H`` and head dim ``d`` fixed) the same process times, in
-interleaved rounds so that a busy machine slows every side alike:
+interleaved rounds so that a busy machine slows both sides alike (the naive
+method, shown for contrast, in rounds of its own after them, since its
+multi-GB allocations slow whatever runs next to them):
 
 - ``flashledger``: ``flash_attention`` (the blocked loop, tracing off) with
   the chosen tiles; its tile step is the native one when it is on (the report
@@ -473,7 +475,10 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     methods = {
         cfg: [m for m in METHODS if m != "naive" or _naive_allowed(cfg, args)] for cfg in configs
     }
-    steps = sum(2 * args.repeats + (0 if args.no_memory else len(ms)) for ms in methods.values())
+    steps = sum(
+        2 * args.repeats * (2 if "naive" in ms else 1) + (0 if args.no_memory else len(ms))
+        for ms in methods.values()
+    )
     report: dict[str, Any] = {
         "machine": machine_info(),
         "settings": {
@@ -515,13 +520,19 @@ def _time_config(
         advance=advance,
     )
     floor_fwd, floor_fb = matmul_floor_runners(cfg)
+    # flashledger, SDPA and the matmul floor share rounds; the naive method gets rounds of
+    # its own: its multi-GB allocations and frees slow whatever runs next to them
+    pair = {m: f for m, f in fns.items() if m != "naive"}
     fwd = time_interleaved(
-        {**{m: _fwd_runner(f, q, k, v) for m, f in fns.items()}, "matmuls": floor_fwd}, **common
+        {**{m: _fwd_runner(f, q, k, v) for m, f in pair.items()}, "matmuls": floor_fwd}, **common
     )
     fb = time_interleaved(
-        {**{m: _fwdbwd_runner(f, q, k, v, do) for m, f in fns.items()}, "matmuls": floor_fb},
+        {**{m: _fwdbwd_runner(f, q, k, v, do) for m, f in pair.items()}, "matmuls": floor_fb},
         **common,
     )
+    if "naive" in fns:
+        fwd |= time_interleaved({"naive": _fwd_runner(fns["naive"], q, k, v)}, **common)
+        fb |= time_interleaved({"naive": _fwdbwd_runner(fns["naive"], q, k, v, do)}, **common)
     return fwd, fb, diff
 
 
