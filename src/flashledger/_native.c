@@ -67,7 +67,7 @@ void SUF(fl_set_gemm)(void *fn) { GEMM = (gemm_fn)fn; }
 int SUF(fl_max_threads)(void) { return omp_get_max_threads(); }
 int SUF(fl_vector_bytes)(void) { return VBYTES; }
 
-static const double LOG2E = 1.4426950408889634;
+static const double LOG2E = 1.4426950408889634, LN2 = 0.6931471805599453;
 
 static inline VT splat(T x) {
     VT v;
@@ -408,7 +408,7 @@ void SUF(fl_forward_finish)(const struct fl_args *a, long long q0, long long q1,
         T *mh = a->m + h * sr, *lh = a->ell + h * sr, *at = a->acc_t + h * dv * sr;
         T *oh = o + (h * a->lq + q0) * dv, *lseh = lse + h * a->lq + q0;
         for (long long r = 0; r < n; ++r) {
-            T l = lh[r], m_nat = mh[r] * (T)0.6931471805599453, *orow = oh + r * dv;
+            T l = lh[r], m_nat = mh[r] * (T)LN2, *orow = oh + r * dv;
             int empty = l == 0;
             lseh[r] = empty ? -INFINITY : m_nat + LOG(l);
             for (long long c = 0; c < dv; ++c) orow[c] = empty ? 0 : at[c * sr + r] / l;
