@@ -68,6 +68,7 @@ class TileCall:
         self._bfinish = kern.fn("fl_backward_finish", self._suffix)
         self._keep = keep
         self._args = args
+        self.intervals = bool(args.iv_lo)  # partial tiles may be given without bytes
         self._ref = ctypes.byref(args)
 
     def forward(

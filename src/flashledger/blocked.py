@@ -415,15 +415,15 @@ def _native_step(pb: Problem, loop_order: str, obs: list[Any]) -> _native.Kernel
 
 
 def _native_vis(
-    pb: Problem, kind: int, q0: int, q1: int, k0: int, k1: int
+    pb: Problem, call: _native.TileCall, kind: int, q0: int, q1: int, k0: int, k1: int
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple[int, int, int] | None]:
     """A tile's visibility for the native step: ``(vis, tile, (address, stride per K/V
     head, stride per group member))``, ``tile`` the uint8 bytes the step reads (strides 0
-    where the mask broadcasts); all None for a full tile. An interval mask needs no bytes:
-    the step reads the pass's intervals (address 0) and counts the visible dots itself."""
+    where the mask broadcasts); all None for a full tile. A pass given an interval mask
+    needs no bytes: the step reads its intervals (address 0) and counts the visible dots."""
     if kind != PARTIAL:
         return None, None, None
-    if isinstance(pb.mask, IntervalBound):
+    if call.intervals:
         return None, None, (0, 0, 0)
     vis = pb.mask_tile(q0, q1, k0, k1)  # (Bm, Hkv|1, G|1, bq, bk)
     area = (q1 - q0) * (k1 - k0)
@@ -498,7 +498,7 @@ def _forward_native(
     for i, (q0, q1) in enumerate(_tiles(lq, block_q)):
         ran = False
         for _, k0, k1, kind in _running(book, ktiles, kind_of, i=i):
-            vis, tile, where = _native_vis(pb, kind, q0, q1, k0, k1)  # tile: alive for the call
+            vis, tile, where = _native_vis(pb, call, kind, q0, q1, k0, k1)  # tile: alive
             seen = call.forward(q0, q1, k0, k1, chunk, where)
             book.run(kind, q1 - q0, k1 - k0, vis, None, forward=True, visible=seen)
             book.io(read=(k1 - k0) * (d + dv))
@@ -553,7 +553,7 @@ def _backward_native(
         bk = k1 - k0
         ran = False
         for _, q0, q1, kind in _running(book, qtiles, kind_of, j=j):
-            vis, tile, where = _native_vis(pb, kind, q0, q1, k0, k1)  # tile: alive for the call
+            vis, tile, where = _native_vis(pb, call, kind, q0, q1, k0, k1)  # tile: alive
             seen = call.backward(q0, q1, k0, k1, where)
             book.run(kind, q1 - q0, bk, vis, None, forward=False, visible=seen)
             book.io(read=(q1 - q0) * (2 * d + dv + 2), write=(q1 - q0) * d)
