@@ -17,8 +17,15 @@ worst entry's index and both values.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from typing import Any
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # test processes share the cores: OpenMP threads that spin at barriers (libgomp's
+    # default) would take the core another process's thread is waiting for (read before
+    # torch loads the runtime)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 import torch

@@ -305,6 +305,9 @@ def test_bench_runs_a_tiny_configuration_and_writes_json_and_png(
     assert set(report) >= {"machine", "settings", "gemm_peak_gflops", "results", "traced"}
     assert report["machine"]["threads"] == torch.get_num_threads()
     assert report["gemm_peak_gflops"]["float32"] > 0
+    step_mm = report["step_matmul_gflops"]["float32"]
+    assert (step_mm is None) == (_native.kernels() is None), step_mm
+    assert (row_pct := report["results"][0]["pct_step_matmul"]) is None or row_pct > 0
     (row,) = report["results"]
     assert (row["length"], row["dtype"], row["causal"], row["block_q"]) == (
         128,

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flashledger as fl
@@ -265,9 +265,9 @@ def test_interval_masks_run_without_mask_tiles(
 
 
 def test_scratch_is_kept_between_passes_up_to_a_bound(native, monkeypatch, gen, assert_close):
-    """The per-thread tile buffers and the forward's laid-out Vᵀ are reused by the next
-    pass (no fresh pages); the backward takes the Vᵀ buffer for its Kᵀ and frees it; a
-    buffer above the bound is not kept; results are unaffected."""
+    """The per-thread tile buffers and the forward's laid-out Kᵀ are reused by the next
+    pass (no fresh pages); the backward takes the Kᵀ buffer and frees it; a buffer above
+    the bound is not kept; results are unaffected."""
     q, k, v, do = (torch.randn(1, 2, 200, 16, dtype=f64, generator=gen) for _ in range(4))
     ref = fl.reference_forward(q, k, v, mask=fl.Causal())
     fl.blocked_forward(q, k, v, mask=fl.Causal(), block_q=64, block_k=64)
@@ -281,3 +281,98 @@ def test_scratch_is_kept_between_passes_up_to_a_bound(native, monkeypatch, gen, 
     monkeypatch.setattr(_native, "SCRATCH_KEEP_BYTES", 1024)
     big = _native._scratch("work", 4096, f64, keep=True)
     assert big.numel() == 4096 and ("work", f64) not in _native._cache.bufs
+
+
+@pytest.fixture(params=["own", "blas"])
+def gemm(request: Any, native: _native.Kernels) -> Any:
+    """The step's matmuls on its own AVX-512 kernel, then on PyTorch's BLAS."""
+    before = native.own_gemm
+    if native.use_own_gemm(request.param == "own") != (request.param == "own"):
+        native.use_own_gemm(before)
+        pytest.skip("the own matmul kernel is built for AVX-512 only")
+    yield request.param
+    native.use_own_gemm(before)
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    m=st.integers(1, 140),
+    n=st.integers(1, 20),
+    k=st.integers(1, 140),
+    dtype=st.sampled_from([torch.float32, f64]),
+    a_cols=st.booleans(),
+    pad=st.integers(0, 17),
+    alpha=st.sampled_from([1.0, 0.3]),
+    beta=st.sampled_from([0.0, 1.0]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_step_matmul_equals_torch(native, gemm, m, n, k, dtype, a_cols, pad, alpha, beta, seed):
+    """Every block shape of the kernel (row tails under masks, 1-6 columns), both layouts
+    of ``a`` (the two ways the step reads its B operand), padded rows, alpha, beta."""
+    gen = torch.Generator().manual_seed(seed)
+    a = (
+        torch.randn(k, m, dtype=dtype, generator=gen).T
+        if a_cols
+        else torch.randn(m, k, dtype=dtype, generator=gen)
+    )
+    b = torch.randn(k, n + pad, dtype=dtype, generator=gen)[:, :n]  # rows padded
+    c_rows = torch.randn(m, n + pad, dtype=dtype, generator=gen)
+    c = c_rows[:, :n]
+    want = alpha * (a.double() @ b.double()) + beta * c.double()
+    before = c_rows[:, n:].clone()  # the padding
+    native.matmul(a, b, c, alpha=alpha, beta=beta)
+    tol = (1e-5 if dtype == torch.float32 else 1e-13) * (k + 1)
+    err = (c.double() - want).abs() / (1 + want.abs())
+    worst = int(err.argmax())
+    assert err.max() <= tol, (
+        f"{gemm} matmul {m}x{k}x{n}: worst entry {divmod(worst, n)}: {c.flatten()[worst]} vs "
+        f"{want.flatten()[worst]}"
+    )
+    assert torch.equal(c_rows[:, n:], before), "wrote past the row's n columns"
+
+
+def test_step_matmul_rejects_bad_operands(native):
+    a, b, c = torch.zeros(3, 4), torch.zeros(4, 5), torch.zeros(3, 5)
+    with pytest.raises(ValueError, match="do not chain"):
+        native.matmul(a, b, torch.zeros(3, 4))
+    with pytest.raises(ValueError, match="beta must be 0 or 1"):
+        native.matmul(a, b, c, beta=0.5)
+    with pytest.raises(ValueError, match="one dtype"):
+        native.matmul(a, b.double(), c)
+    with pytest.raises(ValueError, match="unit column strides"):
+        native.matmul(a, b.T.contiguous().T, c)
+    with pytest.raises(ValueError, match="row- or column-major"):
+        native.matmul(torch.zeros(3, 8)[:, ::2], b, c)
+
+
+def test_step_matmul_rate_is_measured(native):
+    assert native.matmul_rate(torch.float32, n=64, seconds=0.02) > 0
+
+
+@pytest.mark.parametrize("kind", ["none", "causal", "dense"])
+def test_native_step_on_either_matmul_equals_the_oracle(native, gemm, assert_close, kind, gen):
+    """The step with its own kernel and with BLAS: lengths that break every tiling, GQA,
+    a ragged last tile, head dims that leave kernel row tails, fully-masked rows."""
+    b, hkv, g, lq, lk, d, dv = 2, 2, 2, 113, 97, 24, 40
+    q = torch.randn(b, hkv * g, lq, d, dtype=f64, generator=gen)
+    k = torch.randn(b, hkv, lk, d, dtype=f64, generator=gen)
+    v = torch.randn(b, hkv, lk, dv, dtype=f64, generator=gen)
+    do = torch.randn(b, hkv * g, lq, dv, dtype=f64, generator=gen)
+    mask: Any = {"none": None, "causal": fl.Causal("bottom_right")}.get(kind)
+    if kind == "dense":
+        mask = torch.rand(b, hkv * g, lq, lk, generator=gen) < 0.5
+        mask[..., :7, :] = False  # fully-masked rows
+    opts = dict(mask=mask, block_q=64, block_k=48)
+    ref = fl.reference_forward(q, k, v, mask=mask)
+    refb = fl.reference_backward(q, k, v, ref.o, ref.lse, do, mask=mask)
+    fwd, bwd = _both(q, k, v, do, **opts)
+    for got, want, what in (
+        (fwd.o, ref.o, "O"),
+        (fwd.lse, ref.lse, "LSE"),
+        (bwd.dq, refb.dq, "dQ"),
+        (bwd.dk, refb.dk, "dK"),
+        (bwd.dv, refb.dv, "dV"),
+    ):
+        assert_close(got, want, rtol=TOL, name=f"{gemm} matmuls, {kind}: {what}")

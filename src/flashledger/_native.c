@@ -9,7 +9,7 @@
  *   forward:  S = scale · log2(e) · Q_i K_jᵀ   (base-2 units: the factor rides on the matmul)
  *             S[~visible] = -inf               (partial tiles only)
  *             m' = max(m, rowmax S); α = 2^(m - m'); P = 2^(S - m');
- *             ℓ' = α ℓ + Σ P; accᵀ' = α accᵀ + Vᵀ_j Pᵀ        (m' = -inf reads as 0)
+ *             ℓ' = α ℓ + Σ P; acc' = α acc + P V_j            (m' = -inf reads as 0)
  *   backward: S = scale · Q_i K_jᵀ, formed as the PyTorch step forms it (masked alike);
  *             P = 2^((S - λ) · log2 e);
  *             dP = dO_i V_jᵀ; dS = P ⊙ (dP - D);
@@ -18,16 +18,19 @@
  * Every exponent is a difference of two numbers carrying roundings of the same size (the
  * matmul's, and the running max's, itself one of the scores), then at most one product:
  * the error budget of the PyTorch step's exp(S - m'). In the forward, m stays in base-2
- * units during a query tile (the Python side converts it when it finalises); the backward reads
- * λ in natural units, as the forward wrote it, so P does not inherit a rounding of λ·log2 e.
- * The matmuls are BLAS gemm calls (the sgemm_/dgemm_ PyTorch itself uses), made from
- * inside the OpenMP loop over heads, so each runs on one core on cache-resident blocks.
- * Layouts (row-major, contiguous), H = B·Hq query heads, head h reading K/V head h / G:
- * q, dO (H, Lq, ·); k (Hk, Lk, d); the forward reads vt = Vᵀ (Hk, d_v, Lk), the backward
- * v (Hk, Lk, d_v) and kt = Kᵀ (Hk, d, Lk); the accumulators transposed, accᵀ (H, d_v, R)
- * of one query tile, dQᵀ (H, d, Lq), dK_jᵀ, dV_jᵀ (H, ·, bk): with those the matmuls take
- * their fastest forms (in float64 up to 1.6 x the untransposed ones). m, ℓ (H, R); λ, D
- * (H, Lq).
+ * units during a query tile (the finish converts it); the backward reads λ in natural
+ * units, as the forward wrote it, so P does not inherit a rounding of λ·log2 e.
+ *
+ * The matmuls run on one core each, from inside the OpenMP loop over heads, on
+ * cache-resident blocks. Where the compiler targets AVX-512 they run on the step's own
+ * register-blocked kernel (own_mm: 4 vectors x 6 columns of C in 24 registers, A read in
+ * place, B by broadcasts, every entry summed in order by fused multiply-adds); otherwise,
+ * or when switched off, on the BLAS gemm PyTorch itself uses (sgemm_/dgemm_). Every
+ * operand is laid out so that the kernel needs no packing: A contiguous along m, B read
+ * along rows or columns. Layouts (row-major, contiguous), H = B·Hq query heads, head h
+ * reading K/V head h / G: q, dO (H, Lq, ·); k (Hk, Lk, d), kt = Kᵀ (Hk, d, Lk), v (Hk, Lk,
+ * d_v), and in the backward vt = Vᵀ (Hk, d_v, Lk); acc (H, R, d_v) of one query tile, dQ
+ * (H, Lq, d), dK_jᵀ, dV_jᵀ (H, ·, bk); m, ℓ (H, R); λ, D (H, Lq).
  */
 #include <math.h>
 #include <omp.h>
@@ -146,6 +149,124 @@ static inline VT vexp2(VT x) {
 
 static inline T exp2s(T x) { return vexp2(splat(x))[0]; }
 
+/* The step's matmuls: C (m x n, column-major, ldc) = alpha · A B + beta · C, beta 0 or 1,
+ * A (m x k) column-major (lda), B read as B(kk, j) = b[kk · sbk + j · sbn]. Every call site
+ * lays its operands out so that A needs no packing (its m index is contiguous) and B is
+ * read by broadcasts. With AVX-512 the step's own register-blocked kernel runs it (one
+ * core: the calls are made from inside the OpenMP loops); otherwise, or when switched off
+ * (fl_set_own_gemm), the BLAS gemm. */
+#if defined(__AVX512F__)
+#define FL_OWN 1
+#define MR 4 /* vectors of C's column per block (64 rows float32, 32 float64) */
+#define NR 6 /* columns per block: 24 accumulators */
+#if FL_DOUBLE
+typedef __mmask8 MT;
+static inline VT loadm(MT k, const T *p) { return (VT)_mm512_maskz_loadu_pd(k, p); }
+static inline void storem(T *p, MT k, VT v) { _mm512_mask_storeu_pd(p, k, (__m512d)v); }
+#else
+typedef __mmask16 MT;
+static inline VT loadm(MT k, const T *p) { return (VT)_mm512_maskz_loadu_ps(k, p); }
+static inline void storem(T *p, MT k, VT v) { _mm512_mask_storeu_ps(p, k, (__m512)v); }
+#endif
+/* One block of C: MR vectors of rows (vector r under mask mk[r]: a tail's last vector
+ * partly, the ones past it not at all; `full`: no masks) x NB columns, each entry summed
+ * over kk in order with one fused multiply-add per term; C = alpha · sum (+ C). */
+#define FL_MM_BLOCK(NB)                                                                      \
+    static void mm_block_##NB(int k, T alpha, const T *A, long long lda, const T *B,         \
+                              long long sbk, long long sbn, int accum, T *C, long long ldc,  \
+                              const MT *mk, int full) {                                      \
+        VT acc[NB][MR], zero = {0};                                                          \
+        for (int c = 0; c < NB; ++c)                                                         \
+            for (int r = 0; r < MR; ++r) acc[c][r] = zero;                                   \
+        if (full)                                                                            \
+            for (int kk = 0; kk < k; ++kk) {                                                 \
+                VT av[MR];                                                                   \
+                for (int r = 0; r < MR; ++r) av[r] = loadv(A + kk * lda + r * W);           \
+                for (int c = 0; c < NB; ++c) {                                               \
+                    VT b = zero + B[kk * sbk + c * sbn];                                     \
+                    for (int r = 0; r < MR; ++r) acc[c][r] += av[r] * b;                     \
+                }                                                                            \
+            }                                                                                \
+        else                                                                                 \
+            for (int kk = 0; kk < k; ++kk) {                                                 \
+                VT av[MR];                                                                   \
+                for (int r = 0; r < MR; ++r) av[r] = loadm(mk[r], A + kk * lda + r * W);     \
+                for (int c = 0; c < NB; ++c) {                                               \
+                    VT b = zero + B[kk * sbk + c * sbn];                                     \
+                    for (int r = 0; r < MR; ++r) acc[c][r] += av[r] * b;                     \
+                }                                                                            \
+            }                                                                                \
+        VT al = zero + alpha;                                                                \
+        for (int c = 0; c < NB; ++c)                                                         \
+            for (int r = 0; r < MR; ++r) {                                                   \
+                T *p = C + c * ldc + r * W;                                                  \
+                VT x = al * acc[c][r];                                                       \
+                storem(p, mk[r], accum ? loadm(mk[r], p) + x : x);                           \
+            }                                                                                \
+    }
+FL_MM_BLOCK(1)
+FL_MM_BLOCK(2)
+FL_MM_BLOCK(3)
+FL_MM_BLOCK(4)
+FL_MM_BLOCK(5)
+FL_MM_BLOCK(6)
+typedef void (*mm_block_fn)(int, T, const T *, long long, const T *, long long, long long, int,
+                            T *, long long, const MT *, int);
+static const mm_block_fn mm_blocks[NR + 1] = {0,          mm_block_1, mm_block_2, mm_block_3,
+                                              mm_block_4, mm_block_5, mm_block_6};
+
+static void own_mm(int m, int n, int k, T alpha, const T *A, long long lda, const T *B,
+                   long long sbk, long long sbn, int accum, T *C, long long ldc) {
+    for (int i0 = 0; i0 < m; i0 += MR * W) { /* a block of A's rows stays in L1 over all n */
+        int rows = m - i0 < MR * W ? m - i0 : MR * W;
+        MT mk[MR];
+        for (int r = 0; r < MR; ++r) {
+            int left = rows - r * W;
+            mk[r] = left >= W ? (MT)-1 : left > 0 ? (MT)((1u << left) - 1) : 0;
+        }
+        for (int j0 = 0; j0 < n; j0 += NR) {
+            int nb = n - j0 < NR ? n - j0 : NR;
+            mm_blocks[nb](k, alpha, A + i0, lda, B + j0 * sbn, sbk, sbn, accum,
+                          C + i0 + j0 * ldc, ldc, mk, rows == MR * W);
+        }
+    }
+}
+#else
+#define FL_OWN 0
+#endif
+static int use_own = FL_OWN;
+/* 1: the step's own kernel (where built), 0: the BLAS gemm. Returns the setting in force. */
+int SUF(fl_set_own_gemm)(int on) { return use_own = FL_OWN && on; }
+
+static void mm(int m, int n, int k, T alpha, const T *A, long long lda, const T *B,
+               long long sbk, long long sbn, T beta, T *C, long long ldc) {
+#if FL_OWN
+    if (use_own) {
+        own_mm(m, n, k, alpha, A, lda, B, sbk, sbn, beta != 0, C, ldc);
+        return;
+    }
+#endif
+    int ia = (int)lda, ic = (int)ldc, ib = (int)(sbk == 1 ? sbn : sbk);
+    GEMM("N", sbk == 1 ? "N" : "T", &m, &n, &k, &alpha, A, &ia, B, &ib, &beta, C, &ic);
+}
+
+/* The step's matmul on its own (tests, and the bench's rate): mm on the calling thread. */
+void SUF(fl_matmul)(int m, int n, int k, double alpha, const T *A, long long lda, const T *B,
+                    long long sbk, long long sbn, double beta, T *C, long long ldc) {
+    mm(m, n, k, (T)alpha, A, lda, B, sbk, sbn, (T)beta, C, ldc);
+}
+
+/* The step's matmul rate: every thread runs `reps` products C += A B of n x n by n x n on
+ * buffers of its own (bufs: threads x 3 x n x n), as the tile steps run theirs. */
+void SUF(fl_matmul_rate)(T *bufs, int n, int reps) {
+#pragma omp parallel
+    {
+        T *a = bufs + (long long)omp_get_thread_num() * 3 * n * n, *b = a + (long long)n * n;
+        T *c = b + (long long)n * n;
+        for (int r = 0; r < reps; ++r) mm(n, n, n, 1, a, n, b, 1, n, 1, c, n);
+    }
+}
+
 /* dst (n, cols, rows) = src (n, rows, cols) transposed, in 64 x 64 blocks over the
  * threads: the Kᵀ / Vᵀ a pass reads, laid out once. */
 void SUF(fl_transpose)(const T *src, T *dst, long long n, long long rows, long long cols) {
@@ -165,10 +286,10 @@ void SUF(fl_transpose)(const T *src, T *dst, long long n, long long rows, long l
 
 struct fl_args {
     const T *q, *k, *kt, *v, *vt; /* (H, Lq, d), (Hk, Lk, d), (Hk, d, Lk), (Hk, Lk, d_v), (Hk, d_v, Lk) */
-    T *acc_t, *m, *ell;   /* forward state of one query tile: accᵀ (H, d_v, R), m (base-2
+    T *acc, *m, *ell;     /* forward state of one query tile: acc (H, R, d_v), m (base-2
                              units) and ℓ (H, R), R = state_rows */
     const T *dout, *lse, *dd; /* backward: dO (H, Lq, d_v); λ (+inf on empty rows), D (H, Lq) */
-    T *dq_t, *dk_t, *dv_t; /* backward: dQᵀ (H, d, Lq); dK_jᵀ, dV_jᵀ (H, ·, bk) of the key tile */
+    T *dq, *dk_t, *dv_t;  /* backward: dQ (H, Lq, d); dK_jᵀ, dV_jᵀ (H, ·, bk) of the key tile */
     T *work;              /* per thread: 2 · rows · cols + rows */
     const long long *iv_lo, *iv_hi; /* interval masks: row i of batch b sees keys
                                        [iv_lo, iv_hi)[b · iv_bstride + i] (local), or NULL */
@@ -186,10 +307,9 @@ static void scores(const struct fl_args *a, long long h, long long r0, int nr, l
                    int nc, T *s, const unsigned char *vis, long long vis_row, double factor,
                    int after) {
     const T *qh = a->q + (h * a->lq + r0) * a->d;
-    const T *kh = a->k + ((h / a->group) * a->lk + k0) * a->d;
-    int id = (int)a->d;
-    T alpha = after ? (T)1 : (T)factor, zero = 0;
-    GEMM("T", "N", &nc, &nr, &id, &alpha, kh, &id, qh, &id, &zero, s, &nc);
+    const T *kt = a->kt + (h / a->group) * a->d * a->lk + k0;
+    /* S (nr x nc, row-major) = Q_i K_jᵀ, formed as Sᵀ = (Kᵀ_j)ᵀ-columns times Q's rows */
+    mm(nc, nr, (int)a->d, after ? (T)1 : (T)factor, kt, a->lk, qh, 1, a->d, 0, s, nc);
     if (after) {
         T f = (T)factor;
         for (long long j = 0; j < (long long)nr * nc; ++j) s[j] *= f;
@@ -340,17 +460,15 @@ static long long forward_rows(const struct fl_args *a, long long h, long long r0
         mh[r] = m_new;
         lh[r] = sum + alpha[r] * lh[r];
     }
-    T *at = a->acc_t + h * a->dv * sr + sr0; /* accᵀ columns of the rows */
+    T *acc = a->acc + (h * sr + sr0) * a->dv; /* the rows' acc */
     if (moved)
-        for (long long c = 0; c < a->dv; ++c) {
-            T *ac = at + c * sr;
-            for (int r = 0; r < nr; ++r) ac[r] *= alpha[r];
+        for (int r = 0; r < nr; ++r) {
+            T *ar = acc + r * a->dv;
+            for (long long c = 0; c < a->dv; ++c) ar[c] *= alpha[r];
         }
-    const T *vt = a->vt + (h / a->group) * a->dv * a->lk + k0 + lo;
-    T one = 1;
-    int ilk = (int)a->lk, isr = (int)sr;
-    /* accᵀ (d_v x nr) += Vᵀ_j (d_v x w) Pᵀ (w x nr) */
-    GEMM("T", "N", &nr, &idv, &w, &one, s, &w, vt, &ilk, &one, at, &isr);
+    const T *vh = a->v + ((h / a->group) * a->lk + k0 + lo) * a->dv;
+    /* acc (nr x d_v) += P (nr x w) V_j (w x d_v), formed as accᵀ += V_jᵀ Pᵀ */
+    mm(idv, nr, w, 1, vh, idv, s, 1, w, 1, acc, idv);
     return seen;
 }
 
@@ -396,6 +514,23 @@ long long SUF(fl_forward_tile)(const struct fl_args *a, long long q0, long long 
     return seen;
 }
 
+/* A run of full forward tile steps: queries [q0, q1) against the key tiles [k0, k0 + bk),
+ * [k0 + bk, k0 + 2 bk), ... up to k1 (the last may be shorter), every head, in that order.
+ * The same steps as calling fl_forward_tile on each tile in turn, in one parallel region:
+ * a work item owns its rows' state, so it runs through all the tiles with no barrier
+ * between them and keeps its accᵀ in its core's cache. */
+void SUF(fl_forward_full_tiles)(const struct fl_args *a, long long q0, long long q1,
+                                long long k0, long long k1, long long bk, long long chunk) {
+    long long rows = q1 - q0, chunks = (rows + chunk - 1) / chunk;
+    long long items = a->heads * chunks;
+#pragma omp parallel for schedule(static)
+    for (long long w = 0; w < items; ++w)
+        for (long long kk = k0; kk < k1; kk += bk) {
+            int nc = (int)(kk + bk < k1 ? bk : k1 - kk);
+            forward_item(a, w, chunks, chunk, q0, q1, kk, nc, 0, NULL, 0, 0);
+        }
+}
+
 /* The end of query tile [q0, q1): o = acc / ℓ and lse = m · ln 2 + log ℓ (natural units)
  * into o (H, Lq, d_v) and lse (H, Lq), an empty row (ℓ = 0) giving o = 0 and lse = -inf,
  * as online.finalize does; then the state is reset (m = -inf, ℓ = 0, acc = 0) for the
@@ -405,19 +540,19 @@ void SUF(fl_forward_finish)(const struct fl_args *a, long long q0, long long q1,
     long long sr = a->state_rows, n = q1 - q0, dv = a->dv;
 #pragma omp parallel for schedule(static)
     for (long long h = 0; h < a->heads; ++h) {
-        T *mh = a->m + h * sr, *lh = a->ell + h * sr, *at = a->acc_t + h * dv * sr;
+        T *mh = a->m + h * sr, *lh = a->ell + h * sr, *ah = a->acc + h * sr * dv;
         T *oh = o + (h * a->lq + q0) * dv, *lseh = lse + h * a->lq + q0;
         for (long long r = 0; r < n; ++r) {
             T l = lh[r], m_nat = mh[r] * (T)LN2, *orow = oh + r * dv;
             int empty = l == 0;
             lseh[r] = empty ? -INFINITY : m_nat + LOG(l);
-            for (long long c = 0; c < dv; ++c) orow[c] = empty ? 0 : at[c * sr + r] / l;
+            for (long long c = 0; c < dv; ++c) orow[c] = empty ? 0 : ah[r * dv + c] / l;
         }
         for (long long r = 0; r < sr; ++r) {
             mh[r] = -INFINITY;
             lh[r] = 0;
         }
-        memset(at, 0, (size_t)(dv * sr) * sizeof(T));
+        memset(ah, 0, (size_t)(dv * sr) * sizeof(T));
     }
 }
 
@@ -436,11 +571,11 @@ static long long backward_rows(const struct fl_args *a, long long h, long long r
      * when it is a power of two, so that a forward run with that step is matched exactly */
     scores(a, h, r0, nr, k0 + lo, w, s, vis ? vis + lo : NULL, nc, a->scale, !a->scale_exact);
     const T *doh = a->dout + (h * a->lq + r0) * a->dv;
-    const T *vvh = a->v + ((h / a->group) * a->lk + k0 + lo) * a->dv;
+    const T *vt = a->vt + (h / a->group) * a->dv * a->lk + k0 + lo;
     const T *qh = a->q + (h * a->lq + r0) * a->d;
-    T one = 1, zero = 0, sc = (T)a->scale;
+    T sc = (T)a->scale;
     /* dP (nr x w) = dO V_jᵀ */
-    GEMM("T", "N", &w, &nr, &idv, &one, vvh, &idv, doh, &idv, &zero, dp, &w);
+    mm(w, nr, idv, 1, vt, a->lk, doh, 1, idv, 0, dp, w);
     const T *lam = a->lse + h * a->lq + r0, *dd = a->dd + h * a->lq + r0;
     for (int r = 0; r < nr; ++r) {
         T *pr = s + (long long)r * w, *dr = dp + (long long)r * w;
@@ -460,19 +595,18 @@ static long long backward_rows(const struct fl_args *a, long long h, long long r
         }
     }
     T *dvt = a->dv_t + h * a->dv * nc + lo, *dkt = a->dk_t + h * a->d * nc + lo;
-    T *dqt = a->dq_t + h * a->d * a->lq + r0;
-    const T *kt = a->kt + (h / a->group) * a->d * a->lk + k0 + lo;
-    int ilk = (int)a->lk, ilq = (int)a->lq;
-    /* dV_jᵀ (d_v x w) += dOᵀ P;  dK_jᵀ (d x w) += scale Qᵀ dS;  dQᵀ (d x nr) += scale Kᵀ_j dSᵀ */
-    GEMM("N", "T", &w, &idv, &nr, &one, s, &w, doh, &idv, &one, dvt, &nc);
-    GEMM("N", "T", &w, &id, &nr, &sc, dp, &w, qh, &id, &one, dkt, &nc);
-    GEMM("T", "N", &nr, &id, &w, &sc, dp, &w, kt, &ilk, &one, dqt, &ilq);
+    T *dqh = a->dq + (h * a->lq + r0) * a->d;
+    const T *kh = a->k + ((h / a->group) * a->lk + k0 + lo) * a->d;
+    /* dV_jᵀ (d_v x w) += dOᵀ P;  dK_jᵀ (d x w) += scale Qᵀ dS;  dQ (nr x d) += scale dS K_j */
+    mm(w, idv, nr, 1, s, w, doh, idv, 1, 1, dvt, nc);
+    mm(w, id, nr, sc, dp, w, qh, id, 1, 1, dkt, nc);
+    mm(id, nr, w, sc, kh, id, dp, 1, w, 1, dqh, id);
     return seen;
 }
 
 /* One backward tile step (queries [q0, q1) x keys [k0, k1)), every head. dK_j and dV_j
  * accumulate (transposed) per query head in a->dk_t, a->dv_t ((H, ·, k1 - k0)); dQ_iᵀ in
- * a->dq_t. A partial tile (visibility as in fl_forward_tile) runs in blocks of
+ * a->dq. A partial tile (visibility as in fl_forward_tile) runs in blocks of
  * FL_PARTIAL_ROWS rows. Returns the visible dots of an interval tile (0 otherwise). */
 long long SUF(fl_backward_tile)(const struct fl_args *a, long long q0, long long q1,
                                 long long k0, long long k1, int partial,

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,7 +43,7 @@ _loaded: tuple[Kernels | None, str] | None = None
 _off = threading.local()
 
 
-_POINTERS = "q k kt v vt acc_t m ell dout lse dd dq_t dk_t dv_t work iv_lo iv_hi"
+_POINTERS = "q k kt v vt acc m ell dout lse dd dq dk_t dv_t work iv_lo iv_hi"
 _SIZES = "heads group lq lk d dv work_stride hq iv_bstride state_rows"
 
 
@@ -64,6 +65,7 @@ class TileCall:
         self._suffix = "f32" if dtype == torch.float32 else "f64"
         self._fwd = kern.fn("fl_forward_tile", self._suffix)
         self._bwd = kern.fn("fl_backward_tile", self._suffix)
+        self._run = kern.fn("fl_forward_full_tiles", self._suffix)
         self._finish = kern.fn("fl_forward_finish", self._suffix)
         self._bfinish = kern.fn("fl_backward_finish", self._suffix)
         self._keep = keep
@@ -81,6 +83,12 @@ class TileCall:
         intervals. Returns the visible dots of an interval tile (0 otherwise)."""
         ptr, sn, sg = vis if vis is not None else (0, 0, 0)
         return int(self._fwd(self._ref, q0, q1, k0, k1, chunk, vis is not None, ptr, sn, sg))
+
+    def forward_full(self, q0: int, q1: int, k0: int, k1: int, bk: int, chunk: int) -> None:
+        """Full forward steps over queries ``[q0, q1)`` and the key tiles ``[k0, k0 + bk)``,
+        ``[k0 + bk, k0 + 2·bk)``, ... up to ``k1``, in that order: ``forward`` on each in
+        turn, in one native call."""
+        self._run(self._ref, q0, q1, k0, k1, bk, chunk)
 
     def finish(self, q0: int, q1: int, o: torch.Tensor, lse: torch.Tensor) -> None:
         """The end of query tile ``[q0, q1)``: ``o = acc / ℓ``, ``lse = m + log ℓ`` (an empty
@@ -108,13 +116,16 @@ class Kernels:
 
     def __init__(self, lib: ctypes.CDLL, gemms: dict[str, int]) -> None:
         self._lib = lib
-        ll, vp, i = ctypes.c_longlong, ctypes.c_void_p, ctypes.c_int
+        ll, vp, i, d = ctypes.c_longlong, ctypes.c_void_p, ctypes.c_int, ctypes.c_double
         for suffix, gemm in gemms.items():
             getattr(lib, f"fl_set_gemm_{suffix}").argtypes = [vp]
             getattr(lib, f"fl_set_gemm_{suffix}")(gemm)
             fwd = getattr(lib, f"fl_forward_tile_{suffix}")
             fwd.argtypes = [vp, ll, ll, ll, ll, ll, i, vp, ll, ll]
             fwd.restype = ll
+            run = getattr(lib, f"fl_forward_full_tiles_{suffix}")
+            run.argtypes = [vp, ll, ll, ll, ll, ll, ll]
+            run.restype = None
             bwd = getattr(lib, f"fl_backward_tile_{suffix}")
             bwd.argtypes = [vp, ll, ll, ll, ll, i, vp, ll, ll]
             bwd.restype = ll
@@ -127,16 +138,93 @@ class Kernels:
             tr = getattr(lib, f"fl_transpose_{suffix}")
             tr.argtypes = [vp, vp, ll, ll, ll]
             tr.restype = None
+            getattr(lib, f"fl_set_own_gemm_{suffix}").argtypes = [i]
+            # m n k alpha A lda B sbk sbn beta C ldc
+            mm = [i, i, i, d, vp, ll, vp, ll, ll, d, vp, ll]
+            getattr(lib, f"fl_matmul_{suffix}").argtypes = mm
+            getattr(lib, f"fl_matmul_{suffix}").restype = None
+            getattr(lib, f"fl_matmul_rate_{suffix}").argtypes = [vp, i, i]
+            getattr(lib, f"fl_matmul_rate_{suffix}").restype = None
         self.vector_bytes = int(lib.fl_vector_bytes_f32())
+        self.own_gemm = self.use_own_gemm(os.environ.get("FLASHLEDGER_GEMM", "own") != "blas")
+
+    def use_own_gemm(self, on: bool) -> bool:
+        """Run the step's matmuls on its own AVX-512 kernel (``on``, where it was built for
+        AVX-512) or on PyTorch's BLAS gemm; for every thread. Returns the setting now in
+        force. ``FLASHLEDGER_GEMM=blas`` starts with the BLAS."""
+        self.own_gemm = all(
+            bool(getattr(self._lib, f"fl_set_own_gemm_{suffix}")(int(on)))
+            for suffix in ("f32", "f64")
+        )
+        return self.own_gemm
 
     def fn(self, name: str, suffix: str) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
         return getattr(self._lib, f"{name}_{suffix}")
 
-    def transposed(self, x: torch.Tensor, *, keep: bool) -> torch.Tensor:
+    def matmul(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        c: torch.Tensor,
+        *,
+        alpha: float = 1.0,
+        beta: float = 0.0,
+    ) -> None:
+        """``c = alpha · a @ b + beta · c`` on the step's matmul (see ``use_own_gemm``), in
+        this thread. ``a`` ``(m, k)`` row- or column-major; ``b`` ``(k, n)`` and ``c`` ``(m, n)``
+        with unit column stride (rows may be padded); one float dtype; ``beta`` 0 or 1."""
+        (m, k), n = a.shape, b.shape[1]
+        if b.shape[0] != k or c.shape != (m, n):
+            raise ValueError(
+                f"shapes do not chain: a {tuple(a.shape)}, b {tuple(b.shape)}, c {tuple(c.shape)}"
+            )
+        if beta not in (0.0, 1.0):
+            raise ValueError(f"beta must be 0 or 1, got {beta}")
+        if not (a.dtype == b.dtype == c.dtype and a.dtype in (torch.float32, torch.float64)):
+            raise ValueError("a, b and c must share one dtype, float32 or float64")
+        # strides as the kernel reads them (a dimension of size 1 may report any stride)
+        ldb = b.stride(0) if k > 1 else n
+        ldc = c.stride(0) if m > 1 else n
+        if (n > 1 and (b.stride(1) != 1 or c.stride(1) != 1)) or ldb < n or ldc < n:
+            raise ValueError("b and c need unit column strides (rows may be padded)")
+        if (k == 1 or a.stride(1) == 1) and (m == 1 or a.stride(0) >= k):
+            sbk, sbn = 1, a.stride(0) if m > 1 else k  # row-major a
+        elif (m == 1 or a.stride(0) == 1) and (k == 1 or a.stride(1) >= m):
+            sbk, sbn = a.stride(1) if k > 1 else m, 1  # column-major a
+        else:
+            raise ValueError("a must be row- or column-major")
+        # row-major c = a b is column-major cᵀ = bᵀ aᵀ: the kernel's A is b, its B is a
+        fn = self.fn("fl_matmul", "f32" if a.dtype == torch.float32 else "f64")
+        args = (b.data_ptr(), ldb, a.data_ptr(), sbk, sbn, beta, c.data_ptr(), ldc)
+        fn(n, m, k, alpha, *args)
+
+    def matmul_rate(self, dtype: torch.dtype, *, n: int = 512, seconds: float = 0.5) -> float:
+        """GFLOP/s of the step's matmul on all threads: each runs ``n x n x n`` products on
+        buffers of its own (a tile step's size), as the tile steps run theirs; the best of
+        five timings of at least ``seconds`` / 5 each."""
+        threads = self.max_threads()
+        bufs = torch.randn(
+            threads * 3 * n * n, dtype=dtype, generator=torch.Generator().manual_seed(0)
+        )
+        fn = self.fn("fl_matmul_rate", "f32" if dtype == torch.float32 else "f64")
+        fn(bufs.data_ptr(), n, 1)  # warm up (pages, caches)
+        flop, reps, best = 2.0 * n**3 * threads, 1, 0.0
+        for _ in range(5):
+            while True:
+                t0 = time.perf_counter()
+                fn(bufs.data_ptr(), n, reps)
+                dt = time.perf_counter() - t0
+                if dt >= seconds / 5:
+                    break
+                reps *= 2
+            best = max(best, flop * reps / dt / 1e9)
+        return best
+
+    def transposed(self, x: torch.Tensor, slot: str, *, keep: bool) -> torch.Tensor:
         """``x.mT.contiguous()`` of a contiguous float32/float64 ``(n, rows, cols)``, on the
-        step's threads, in the ``"kv_t"`` scratch (``keep``: see ``_scratch``)."""
+        step's threads, in scratch ``slot`` (``keep``: see ``_scratch``)."""
         n, rows, cols = x.shape
-        out = _scratch("kv_t", n * cols * rows, x.dtype, keep=keep).view(n, cols, rows)
+        out = _scratch(slot, n * cols * rows, x.dtype, keep=keep).view(n, cols, rows)
         suffix = "f32" if x.dtype == torch.float32 else "f64"
         self.fn("fl_transpose", suffix)(x.data_ptr(), out.data_ptr(), n, rows, cols)
         return out
@@ -160,17 +248,17 @@ class Kernels:
     ) -> TileCall:
         """Arguments of one pass. ``q`` ``(H, Lq, d)``, ``k`` ``(Hk, Lk, d)``, ``v`` ``(Hk,
         Lk, d_v)`` with ``H = Hk·group = B·heads_per_batch``; ``state``: the forward's
-        ``acc_t, m, ell`` (one query tile's) or the backward's ``dout, lse, dd, dq_t, dk_t,
+        ``acc, m, ell`` (one query tile's) or the backward's ``dout, lse, dd, dq, dk_t,
         dv_t`` (contiguous, the same dtype; see ``struct fl_args`` in ``_native.c`` for the
         shapes).
         ``intervals``: an interval mask's ``(lo, hi)``, int64 ``(B|1, Lq)``, row ``i``
         seeing local keys ``lo[i] <= j < hi[i]`` (read for partial tiles given no bytes)."""
-        forward = "acc_t" in state
-        # the forward reads Vᵀ (for accᵀ += Vᵀ Pᵀ), the backward Kᵀ (for dQᵀ += Kᵀ dSᵀ)
-        # the forward's Vᵀ stays cached for the next forward; the backward takes the buffer
-        # for its Kᵀ and lets it go when done, before autograd's own copies of the gradients
-        kt = k if forward else self.transposed(k, keep=False)  # Kᵀ (Hk, d, Lk), backward only
-        vt = self.transposed(v, keep=True) if forward else v  # Vᵀ (Hk, d_v, Lk), forward only
+        forward = "acc" in state
+        # both passes read Kᵀ (for S = Q Kᵀ), the backward Vᵀ too (for dP = dO Vᵀ). The
+        # forward's Kᵀ stays cached for the next forward; the backward takes that buffer
+        # and lets both go when done, before autograd's own copies of the gradients
+        kt = self.transposed(k, "kv_t", keep=forward)  # Kᵀ (Hk, d, Lk)
+        vt = v if forward else self.transposed(v, "v_t", keep=False)  # Vᵀ (Hk, d_v, Lk)
         keep = [q, k, v, kt, vt, *state.values()]
         assert all(t.is_contiguous() and t.dtype == q.dtype for t in keep)
         work = _scratch("work", self.max_threads() * work_per_thread, q.dtype, keep=True)
@@ -182,9 +270,9 @@ class Kernels:
         args = _Args(
             q=q.data_ptr(),
             k=k.data_ptr(),
-            kt=None if forward else kt.data_ptr(),
+            kt=kt.data_ptr(),
             v=v.data_ptr(),
-            vt=vt.data_ptr() if forward else None,
+            vt=None if forward else vt.data_ptr(),
             work=work.data_ptr(),
             heads=q.shape[0],
             group=group,
@@ -197,7 +285,7 @@ class Kernels:
             iv_hi=None if iv_hi is None else iv_hi.data_ptr(),
             hq=heads_per_batch,
             iv_bstride=0 if iv_lo is None or iv_lo.shape[0] == 1 else iv_lo.shape[1],
-            state_rows=state["acc_t"].shape[-1] if forward else 0,
+            state_rows=state["acc"].shape[1] if forward else 0,
             scale=scale,
             scale_exact=int(math.frexp(scale)[0] == 0.5),
             **{name: t.data_ptr() for name, t in state.items()},
@@ -211,7 +299,7 @@ SCRATCH_KEEP_BYTES = 64 << 20  # the largest scratch buffer kept between passes
 
 def _scratch(slot: str, numel: int, dtype: torch.dtype, *, keep: bool) -> torch.Tensor:
     """A flat buffer of this thread for one pass's scratch (``"work"``: the per-thread
-    tiles; ``"kv_t"``: the Kᵀ or Vᵀ it lays out), the slot's cached one when it is large
+    tiles; ``"kv_t"``, ``"v_t"``: the Kᵀ, Vᵀ it lays out), the slot's cached one when it is large
     enough. With ``keep`` a buffer up to ``SCRATCH_KEEP_BYTES`` stays cached for the next
     pass (fresh memory costs a page fault per 4 KiB when first written: 1-2 % of a
     float32 forward at L = 4096); without, the pass takes it out of the cache and it is
@@ -256,7 +344,9 @@ def native_status() -> str:
     kern, why = _load()
     if kern is None:
         return f"native tile step: off ({why}); the PyTorch step runs instead"
-    return f"native tile step: on ({why})"
+    head, path = why.rsplit(", ", 1)
+    gemm = "own matmul kernel" if kern.own_gemm else "BLAS matmuls"
+    return f"native tile step: on ({head}, {gemm}, {path})"
 
 
 def _load() -> tuple[Kernels | None, str]:

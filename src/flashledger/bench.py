@@ -16,9 +16,11 @@ multi-GB allocations slow whatever runs next to them):
 
 Forward alone (under ``no_grad``) and forward + backward are timed; the
 median is reported. Attention FLOPs: ``4·B·H·L²·d`` forward, 2.5× that
-backward, halved for causal. The GEMM peak (a square 2048 matmul into a
-preallocated output) is measured in the same run, so "% of peak" compares
-like with like.
+backward, halved for causal. The GEMM peak (PyTorch's square 2048 matmul into
+a preallocated output) is measured in the same run, so "% of peak" compares
+like with like; so is the rate of the native step's own matmul (``512³``
+products on every thread, as its tile steps run them; "% step mm"): where
+the step's kernel outruns PyTorch's GEMM, that is the higher bar.
 
 Peak extra memory is measured per method in a fresh subprocess
 (``python -m flashledger.bench --measure-memory ...``): the resident-set
@@ -247,6 +249,13 @@ def gemm_peak(dtype: str, *, repeats: int = 5) -> float:
         torch.mm(a, b, out=c)
         times.append(time.perf_counter() - t0)
     return 2.0 * GEMM_N**3 / statistics.median(times) / 1e9
+
+
+def step_matmul_rate(dtype: str) -> float | None:
+    """GFLOP/s of the native step's matmul on every thread (``Kernels.matmul_rate``);
+    None when the native step is off."""
+    kern = _native.kernels()
+    return None if kern is None else kern.matmul_rate(DTYPES[dtype])
 
 
 def time_interleaved(
@@ -494,12 +503,17 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "memory": not args.no_memory,
         },
         "gemm_peak_gflops": {dt: gemm_peak(dt) for dt in args.dtypes},
+        "step_matmul_gflops": {dt: step_matmul_rate(dt) for dt in args.dtypes},
         "results": [],
     }
     with progress("bench", total=steps + 1) as advance:
         for cfg in configs:
             row = _measure(cfg, methods[cfg], args, advance)
-            _derive(row, report["gemm_peak_gflops"][cfg.dtype])
+            _derive(
+                row,
+                report["gemm_peak_gflops"][cfg.dtype],
+                report["step_matmul_gflops"][cfg.dtype],
+            )
             report["results"].append(row)
         report["traced"] = traced_overhead()
         advance(1.0)
@@ -576,8 +590,8 @@ def _measure(
     return row
 
 
-def _derive(row: dict[str, Any], peak: float) -> None:
-    """Ratios against SDPA and the share of the GEMM peak."""
+def _derive(row: dict[str, Any], peak: float, step_mm: float | None) -> None:
+    """Ratios against SDPA, the shares of the GEMM peak and of the step's matmul rate."""
     fl, sd = row["flashledger"], row["sdpa"]
     row["ratio_fwd"] = fl["fwd_ms"] / sd["fwd_ms"]
     row["ratio_fwdbwd"] = fl["fwdbwd_ms"] / sd["fwdbwd_ms"]
@@ -586,6 +600,7 @@ def _derive(row: dict[str, Any], peak: float) -> None:
     row["floor_fwdbwd"] = mm["fwdbwd_ms"] / sd["fwdbwd_ms"]
     row["pct_gemm_peak"] = 100.0 * fl["fwdbwd_gflops"] / peak
     row["sdpa_pct_gemm_peak"] = 100.0 * sd["fwdbwd_gflops"] / peak
+    row["pct_step_matmul"] = None if not step_mm else 100.0 * fl["fwdbwd_gflops"] / step_mm
     if fl["peak_extra_mb"] is not None and sd["peak_extra_mb"]:
         row["mem_ratio"] = fl["peak_extra_mb"] / sd["peak_extra_mb"]
     else:
@@ -606,12 +621,15 @@ def print_table(report: dict[str, Any]) -> None:
     table = Table(
         title="flashledger (FL) vs SDPA's CPU flash kernel: medians; ratio < 1: FL is faster; "
         "matmuls alone: the tiles' matmuls as batched PyTorch calls, nothing else, / SDPA",
-        caption="GEMM peak (2048² matmul, this run): "
-        + ", ".join(f"{dt} {v:.0f} GFLOP/s" for dt, v in peaks.items()),
+        caption="GEMM peak (PyTorch's 2048² matmul, this run): "
+        + ", ".join(f"{dt} {v:.0f} GFLOP/s" for dt, v in peaks.items())
+        + "; the native step's matmul (512³ on every thread): "
+        + ", ".join(f"{dt} {_fmt(v, '.0f')}" for dt, v in report["step_matmul_gflops"].items()),
     )
     cols = [
         "L", "dtype", "causal", "tiles", "fwd ms FL/SDPA", "ratio", "f+b ms FL/SDPA", "ratio",
-        "matmuls alone f/f+b", "naive f+b ms", "GFLOP/s", "% peak", "MB FL/SDPA/naive",
+        "matmuls alone f/f+b", "naive f+b ms", "GFLOP/s", "% peak", "% step mm",
+        "MB FL/SDPA/naive",
         "ratio",
     ]  # fmt: skip
     for c in cols:
@@ -631,6 +649,7 @@ def print_table(report: dict[str, Any]) -> None:
             _fmt(None if nv is None else nv["fwdbwd_ms"], ".1f"),
             f"{fl['fwdbwd_gflops']:.0f}",
             f"{r['pct_gemm_peak']:.0f}",
+            _fmt(r["pct_step_matmul"], ".0f"),
             "/".join(_fmt(None if x is None else x["peak_extra_mb"], ".0f") for x in (fl, sd, nv)),
             _fmt(r["mem_ratio"], ".2f"),
         )

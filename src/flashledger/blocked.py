@@ -464,6 +464,15 @@ def _native_call(
     )
 
 
+def _run_full(
+    call: _native.TileCall, q0: int, q1: int, keys: tuple[int, int], block_k: int, chunk: int
+) -> None:
+    """The full tiles of query tile ``[q0, q1)`` whose keys make up ``keys`` (in
+    ``block_k`` steps, in order), in one native call; nothing when empty."""
+    if keys[0] < keys[1]:
+        call.forward_full(q0, q1, keys[0], keys[1], block_k, chunk)
+
+
 def _forward_native(
     pb: Problem,
     kern: _native.Kernels,
@@ -484,7 +493,7 @@ def _forward_native(
     dt = pb.dtype
     heads = b * hq
     rows, cols = min(block_q, lq), min(block_k, lk)
-    acc_t = torch.zeros(heads, dv, rows, dtype=dt)  # accᵀ of one query tile (B·Hq, d_v, bq)
+    acc = torch.zeros(heads, rows, dv, dtype=dt)  # acc of one query tile (B·Hq, bq, d_v)
     m = torch.full((heads, rows), -math.inf, dtype=dt)  # (B·Hq, bq), base-2 units in the step
     ell = torch.zeros(heads, rows, dtype=dt)  # (B·Hq, bq)
     o = torch.empty(heads, lq, dv, dtype=dt)  # (B·Hq, Lq, d_v)
@@ -493,16 +502,27 @@ def _forward_native(
     threads, chunk = kern.max_threads(), rows
     while heads * -(-rows // chunk) < threads and chunk > 32:
         chunk = -(-chunk // 2)
-    call = _native_call(pb, kern, chunk * cols + chunk, acc_t=acc_t, m=m, ell=ell)  # S/P, α
+    call = _native_call(pb, kern, chunk * cols + chunk, acc=acc, m=m, ell=ell)  # S/P, α
     ktiles = _tiles(lk, block_k)
     for i, (q0, q1) in enumerate(_tiles(lq, block_q)):
         ran = False
+        full = (0, 0)  # keys of the consecutive full tiles not yet run (one call, in order)
         for _, k0, k1, kind in _running(book, ktiles, kind_of, i=i):
+            book.io(read=(k1 - k0) * (d + dv))
+            ran = True
+            if kind == FULL:
+                if full[1] != k0:  # not contiguous (a skipped tile between)
+                    _run_full(call, q0, q1, full, block_k, chunk)
+                    full = (k0, k0)
+                full = (full[0], k1)
+                book.run(kind, q1 - q0, k1 - k0, None, None, forward=True)
+                continue
+            _run_full(call, q0, q1, full, block_k, chunk)
+            full = (k1, k1)
             vis, tile, where = _native_vis(pb, call, kind, q0, q1, k0, k1)  # tile: alive
             seen = call.forward(q0, q1, k0, k1, chunk, where)
             book.run(kind, q1 - q0, k1 - k0, vis, None, forward=True, visible=seen)
-            book.io(read=(k1 - k0) * (d + dv))
-            ran = True
+        _run_full(call, q0, q1, full, block_k, chunk)
         if ran:
             book.io(read=(q1 - q0) * d)
         call.finish(q0, q1, o, lse)  # o, lse rows [q0, q1); the state reset
@@ -531,7 +551,7 @@ def _backward_native(
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
     dt = pb.dtype
     heads = b * hq
-    dq_t = torch.zeros(heads, d, lq, dtype=dt)  # dQᵀ (B·Hq, d, Lq)
+    dq = torch.zeros(heads, lq, d, dtype=dt)  # dQ (B·Hq, Lq, d)
     dk = torch.empty(b, hkv, 1, lk, d, dtype=dt)  # (B, Hkv, 1, Lk, d)
     dv_ = torch.empty(b, hkv, 1, lk, dv, dtype=dt)  # (B, Hkv, 1, Lk, d_v)
     rows, cols = min(block_q, lq), min(block_k, lk)
@@ -544,7 +564,7 @@ def _backward_native(
         dout=_native_rows(pb, do5),
         lse=lse_safe.to(dt).reshape(heads, lq).contiguous(),
         dd=d_eff.to(dt).reshape(heads, lq).contiguous(),
-        dq_t=dq_t,
+        dq=dq,
         dk_t=dk_t,
         dv_t=dv_t,
     )
@@ -562,8 +582,7 @@ def _backward_native(
             book.io(read=bk * (d + dv))
         call.finish_keys(k0, k1, dk, dv_)  # dK, dV rows [k0, k1); dK_jᵀ, dV_jᵀ zeroed
         book.io(write=bk * (d + dv))
-    # dQ as a view of dQᵀ (no copy: a whole-length tensor less at the memory peak)
-    return dq_t.mT.reshape(b, hkv, g, lq, d), dk, dv_
+    return dq.view(b, hkv, g, lq, d), dk, dv_
 
 
 # ----------------------------------------------------------------------------------------
