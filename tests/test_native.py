@@ -351,11 +351,15 @@ def test_step_matmul_rate_is_measured(native):
     assert native.matmul_rate(torch.float32, n=64, seconds=0.02) > 0
 
 
+@pytest.mark.parametrize("d, dv", [(24, 40), (1, 1)])
 @pytest.mark.parametrize("kind", ["none", "causal", "dense"])
-def test_native_step_on_either_matmul_equals_the_oracle(native, gemm, assert_close, kind, gen):
+def test_native_step_on_either_matmul_equals_the_oracle(
+    native, gemm, assert_close, kind, d, dv, gen
+):
     """The step with its own kernel and with BLAS: lengths that break every tiling, GQA,
-    a ragged last tile, head dims that leave kernel row tails, fully-masked rows."""
-    b, hkv, g, lq, lk, d, dv = 2, 2, 2, 113, 97, 24, 40
+    a ragged last tile, head dims that leave kernel row tails (and single columns),
+    fully-masked rows."""
+    b, hkv, g, lq, lk = 2, 2, 2, 113, 97
     q = torch.randn(b, hkv * g, lq, d, dtype=f64, generator=gen)
     k = torch.randn(b, hkv, lk, d, dtype=f64, generator=gen)
     v = torch.randn(b, hkv, lk, dv, dtype=f64, generator=gen)
@@ -376,3 +380,16 @@ def test_native_step_on_either_matmul_equals_the_oracle(native, gemm, assert_clo
         (bwd.dv, refb.dv, "dV"),
     ):
         assert_close(got, want, rtol=TOL, name=f"{gemm} matmuls, {kind}: {what}")
+
+
+def test_an_unknown_matmul_choice_warns_and_keeps_the_default(native, monkeypatch):
+    before = native.own_gemm
+    monkeypatch.setenv("FLASHLEDGER_GEMM", "mkl")
+    try:
+        with pytest.warns(UserWarning, match="FLASHLEDGER_GEMM='mkl' is not 'own' or 'blas'"):
+            kern = _native.Kernels(native._lib, native._gemms)
+        assert kern.own_gemm == native.use_own_gemm(True)  # own, where built for it
+        monkeypatch.setenv("FLASHLEDGER_GEMM", "blas")
+        assert _native.Kernels(native._lib, native._gemms).own_gemm is False
+    finally:
+        native.use_own_gemm(before)

@@ -246,8 +246,11 @@ static void mm(int m, int n, int k, T alpha, const T *A, long long lda, const T 
         return;
     }
 #endif
-    int ia = (int)lda, ic = (int)ldc, ib = (int)(sbk == 1 ? sbn : sbk);
-    GEMM("N", sbk == 1 ? "N" : "T", &m, &n, &k, &alpha, A, &ia, B, &ib, &beta, C, &ic);
+    /* B as BLAS sees it: "N" (column j at b + j·ldb) when it runs along kk, else "T"; a
+     * single column runs along kk whatever sbn says */
+    int bn = sbk == 1 && (n == 1 || sbn >= k);
+    int ia = (int)lda, ic = (int)ldc, ib = (int)(bn ? (n == 1 ? (k > 1 ? k : 1) : sbn) : sbk);
+    GEMM("N", bn ? "N" : "T", &m, &n, &k, &alpha, A, &ia, B, &ib, &beta, C, &ic);
 }
 
 /* The step's matmul on its own (tests, and the bench's rate): mm on the calling thread. */

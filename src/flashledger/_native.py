@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -116,6 +117,7 @@ class Kernels:
 
     def __init__(self, lib: ctypes.CDLL, gemms: dict[str, int]) -> None:
         self._lib = lib
+        self._gemms = gemms
         ll, vp, i, d = ctypes.c_longlong, ctypes.c_void_p, ctypes.c_int, ctypes.c_double
         for suffix, gemm in gemms.items():
             getattr(lib, f"fl_set_gemm_{suffix}").argtypes = [vp]
@@ -146,7 +148,12 @@ class Kernels:
             getattr(lib, f"fl_matmul_rate_{suffix}").argtypes = [vp, i, i]
             getattr(lib, f"fl_matmul_rate_{suffix}").restype = None
         self.vector_bytes = int(lib.fl_vector_bytes_f32())
-        self.own_gemm = self.use_own_gemm(os.environ.get("FLASHLEDGER_GEMM", "own") != "blas")
+        choice = os.environ.get("FLASHLEDGER_GEMM", "own")
+        if choice not in ("own", "blas"):
+            warnings.warn(
+                f"FLASHLEDGER_GEMM={choice!r} is not 'own' or 'blas'; using 'own'", stacklevel=2
+            )
+        self.own_gemm = self.use_own_gemm(choice != "blas")
 
     def use_own_gemm(self, on: bool) -> bool:
         """Run the step's matmuls on its own AVX-512 kernel (``on``, where it was built for
