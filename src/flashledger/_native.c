@@ -23,8 +23,9 @@
  *
  * The matmuls run on one core each, from inside the OpenMP loop over heads, on
  * cache-resident blocks. Where the compiler targets AVX-512 they run on the step's own
- * register-blocked kernel (own_mm: 4 vectors x 6 columns of C in 24 registers, A read in
- * place, B by broadcasts, every entry summed in order by fused multiply-adds); otherwise,
+ * register-blocked kernel (own_mm: 4 vectors x 6 columns of C in 24 registers, the last
+ * rows 3 x 8, 2 x 12 or 1 x 12; A read in place, B by broadcasts, every entry summed in
+ * order by fused multiply-adds); otherwise,
  * or when switched off, on the BLAS gemm PyTorch itself uses (sgemm_/dgemm_). Every
  * operand is laid out so that the kernel needs no packing: A contiguous along m, B read
  * along rows or columns. Layouts (row-major, contiguous), H = B·Hq query heads, head h
@@ -157,8 +158,6 @@ static inline T exp2s(T x) { return vexp2(splat(x))[0]; }
  * (fl_set_own_gemm), the BLAS gemm. */
 #if defined(__AVX512F__)
 #define FL_OWN 1
-#define MR 4 /* vectors of C's column per block (64 rows float32, 32 float64) */
-#define NR 6 /* columns per block: 24 accumulators */
 #if FL_DOUBLE
 typedef __mmask8 MT;
 static inline VT loadm(MT k, const T *p) { return (VT)_mm512_maskz_loadu_pd(k, p); }
@@ -168,67 +167,84 @@ typedef __mmask16 MT;
 static inline VT loadm(MT k, const T *p) { return (VT)_mm512_maskz_loadu_ps(k, p); }
 static inline void storem(T *p, MT k, VT v) { _mm512_mask_storeu_ps(p, k, (__m512)v); }
 #endif
-/* One block of C: MR vectors of rows (vector r under mask mk[r]: a tail's last vector
- * partly, the ones past it not at all; `full`: no masks) x NB columns, each entry summed
- * over kk in order with one fused multiply-add per term; C = alpha · sum (+ C). */
-#define FL_MM_BLOCK(NB)                                                                      \
-    static void mm_block_##NB(int k, T alpha, const T *A, long long lda, const T *B,         \
-                              long long sbk, long long sbn, int accum, T *C, long long ldc,  \
-                              const MT *mk, int full) {                                      \
-        VT acc[NB][MR], zero = {0};                                                          \
+/* One block of C: MV vectors of rows (vector r under mask mk[r]: a tail's last vector
+ * partly; `full`: no masks) x NB columns in MV·NB registers, each entry summed over kk in
+ * order with one fused multiply-add per term; C = alpha · sum (+ C). */
+#define FL_MM_BLOCK(MV, NB)                                                                  \
+    static void mm_block_##MV##_##NB(int k, T alpha, const T *A, long long lda,              \
+                                     const T *B, long long sbk, long long sbn, int accum,    \
+                                     T *C, long long ldc, const MT *mk, int full) {          \
+        VT acc[NB][MV], zero = {0};                                                          \
         for (int c = 0; c < NB; ++c)                                                         \
-            for (int r = 0; r < MR; ++r) acc[c][r] = zero;                                   \
+            for (int r = 0; r < MV; ++r) acc[c][r] = zero;                                   \
         if (full)                                                                            \
             for (int kk = 0; kk < k; ++kk) {                                                 \
-                VT av[MR];                                                                   \
-                for (int r = 0; r < MR; ++r) av[r] = loadv(A + kk * lda + r * W);           \
+                VT av[MV];                                                                   \
+                for (int r = 0; r < MV; ++r) av[r] = loadv(A + kk * lda + r * W);           \
                 for (int c = 0; c < NB; ++c) {                                               \
                     VT b = zero + B[kk * sbk + c * sbn];                                     \
-                    for (int r = 0; r < MR; ++r) acc[c][r] += av[r] * b;                     \
+                    for (int r = 0; r < MV; ++r) acc[c][r] += av[r] * b;                     \
                 }                                                                            \
             }                                                                                \
         else                                                                                 \
             for (int kk = 0; kk < k; ++kk) {                                                 \
-                VT av[MR];                                                                   \
-                for (int r = 0; r < MR; ++r) av[r] = loadm(mk[r], A + kk * lda + r * W);     \
+                VT av[MV];                                                                   \
+                for (int r = 0; r < MV; ++r) av[r] = loadm(mk[r], A + kk * lda + r * W);     \
                 for (int c = 0; c < NB; ++c) {                                               \
                     VT b = zero + B[kk * sbk + c * sbn];                                     \
-                    for (int r = 0; r < MR; ++r) acc[c][r] += av[r] * b;                     \
+                    for (int r = 0; r < MV; ++r) acc[c][r] += av[r] * b;                     \
                 }                                                                            \
             }                                                                                \
         VT al = zero + alpha;                                                                \
         for (int c = 0; c < NB; ++c)                                                         \
-            for (int r = 0; r < MR; ++r) {                                                   \
+            for (int r = 0; r < MV; ++r) {                                                   \
                 T *p = C + c * ldc + r * W;                                                  \
                 VT x = al * acc[c][r];                                                       \
                 storem(p, mk[r], accum ? loadm(mk[r], p) + x : x);                           \
             }                                                                                \
     }
-FL_MM_BLOCK(1)
-FL_MM_BLOCK(2)
-FL_MM_BLOCK(3)
-FL_MM_BLOCK(4)
-FL_MM_BLOCK(5)
-FL_MM_BLOCK(6)
+/* the shapes: 4 vectors x 6 columns, and for the last rows of C 3 x 8, 2 x 12, 1 x 12
+ * (24 accumulators where the rows allow), each with its narrower column tails */
+#define FL_COLS_6(MV) \
+    FL_MM_BLOCK(MV, 1) FL_MM_BLOCK(MV, 2) FL_MM_BLOCK(MV, 3) FL_MM_BLOCK(MV, 4) \
+    FL_MM_BLOCK(MV, 5) FL_MM_BLOCK(MV, 6)
+#define FL_COLS_8(MV) FL_COLS_6(MV) FL_MM_BLOCK(MV, 7) FL_MM_BLOCK(MV, 8)
+#define FL_COLS_12(MV) \
+    FL_COLS_8(MV) FL_MM_BLOCK(MV, 9) FL_MM_BLOCK(MV, 10) FL_MM_BLOCK(MV, 11) FL_MM_BLOCK(MV, 12)
+FL_COLS_6(4)
+FL_COLS_8(3)
+FL_COLS_12(2)
+FL_COLS_12(1)
 typedef void (*mm_block_fn)(int, T, const T *, long long, const T *, long long, long long, int,
                             T *, long long, const MT *, int);
-static const mm_block_fn mm_blocks[NR + 1] = {0,          mm_block_1, mm_block_2, mm_block_3,
-                                              mm_block_4, mm_block_5, mm_block_6};
+#define FL_TABLE_6(MV) 0, mm_block_##MV##_1, mm_block_##MV##_2, mm_block_##MV##_3, \
+    mm_block_##MV##_4, mm_block_##MV##_5, mm_block_##MV##_6
+#define FL_TABLE_8(MV) FL_TABLE_6(MV), mm_block_##MV##_7, mm_block_##MV##_8
+#define FL_TABLE_12(MV) FL_TABLE_8(MV), mm_block_##MV##_9, mm_block_##MV##_10, \
+    mm_block_##MV##_11, mm_block_##MV##_12
+static const mm_block_fn blocks_1[13] = {FL_TABLE_12(1)}, blocks_2[13] = {FL_TABLE_12(2)},
+                         blocks_3[9] = {FL_TABLE_8(3)}, blocks_4[7] = {FL_TABLE_6(4)};
+static const mm_block_fn *const mm_blocks[5] = {0, blocks_1, blocks_2, blocks_3, blocks_4};
+static const int mm_cols[5] = {0, 12, 12, 8, 6};
 
 static void own_mm(int m, int n, int k, T alpha, const T *A, long long lda, const T *B,
                    long long sbk, long long sbn, int accum, T *C, long long ldc) {
-    for (int i0 = 0; i0 < m; i0 += MR * W) { /* a block of A's rows stays in L1 over all n */
-        int rows = m - i0 < MR * W ? m - i0 : MR * W;
-        MT mk[MR];
-        for (int r = 0; r < MR; ++r) {
-            int left = rows - r * W;
-            mk[r] = left >= W ? (MT)-1 : left > 0 ? (MT)((1u << left) - 1) : 0;
+    /* C's rows in blocks of 4 vectors; the last 1-3 vectors (5 as 3 + 2) in a block of
+     * their own, with more columns. A block of A's rows stays in L1 over all of n. */
+    for (int i0 = 0; i0 < m;) {
+        int left = (m - i0 + W - 1) / W, mv = left == 5 ? 3 : left < 4 ? left : 4;
+        int rows = m - i0 < mv * W ? m - i0 : mv * W, nr = mm_cols[mv];
+        MT mk[4];
+        for (int r = 0; r < mv; ++r) {
+            int x = rows - r * W;
+            mk[r] = x >= W ? (MT)-1 : (MT)((1u << x) - 1);
         }
-        for (int j0 = 0; j0 < n; j0 += NR) {
-            int nb = n - j0 < NR ? n - j0 : NR;
-            mm_blocks[nb](k, alpha, A + i0, lda, B + j0 * sbn, sbk, sbn, accum,
-                          C + i0 + j0 * ldc, ldc, mk, rows == MR * W);
+        for (int j0 = 0; j0 < n; j0 += nr) {
+            int nb = n - j0 < nr ? n - j0 : nr;
+            mm_blocks[mv][nb](k, alpha, A + i0, lda, B + j0 * sbn, sbk, sbn, accum,
+                              C + i0 + j0 * ldc, ldc, mk, rows == mv * W);
         }
+        i0 += rows;
     }
 }
 #else
