@@ -4,7 +4,10 @@ The blocked loop (schedule, skipping, masks, ledger) stays in Python; with
 tracing off, on CPU, for float32/float64 plain scores without dropout, each
 step's arithmetic (``_native.c``: scores, online update or gradient rebuild,
 matmuls) runs as one call, threads over heads, the tile kept in a per-thread
-buffer. Same math as the PyTorch step, its own rounding.
+buffer. Same math as the PyTorch step, its own rounding. The matmuls run on the
+step's own AVX-512 kernel where the compiler targets AVX-512, else on the BLAS
+gemm PyTorch uses (``FLASHLEDGER_GEMM=blas``, or ``Kernels.use_own_gemm``,
+chooses the BLAS there too).
 
 The C source is compiled on first use (a C compiler with OpenMP is needed;
 about a second) against the OpenMP runtime and the BLAS PyTorch has loaded,
