@@ -393,3 +393,27 @@ def test_an_unknown_matmul_choice_warns_and_keeps_the_default(native, monkeypatc
         assert _native.Kernels(native._lib, native._gemms).own_gemm is False
     finally:
         native.use_own_gemm(before)
+
+
+def test_a_run_of_full_tiles_equals_its_steps_one_call_each(native, monkeypatch, gen):
+    """The forward runs consecutive full tiles in one call; calling the step once per
+    tile (a full tile given to ``TileCall.forward``) gives the same bits."""
+    from flashledger import blocked
+
+    q = torch.randn(1, 3, 200, 24, dtype=f64, generator=gen)
+    k, v = (torch.randn(1, 3, 300, 24, dtype=f64, generator=gen) for _ in range(2))
+    opts = dict(mask=fl.Causal("bottom_right"), block_q=64, block_k=48)
+    runs = blocked.blocked_forward(q, k, v, **opts)
+    calls: list[tuple[int, int]] = []
+
+    def one_call_each(call, q0, q1, keys, block_k, chunk):
+        for k0 in range(keys[0], keys[1], block_k):
+            k1 = min(k0 + block_k, keys[1])
+            calls.append((k0, k1))
+            assert call.forward(q0, q1, k0, k1, chunk, None) == 0
+
+    monkeypatch.setattr(blocked, "_run_full", one_call_each)
+    steps = blocked.blocked_forward(q, k, v, **opts)
+    assert len(calls) == runs.ledger.counters.tiles_full > 0
+    assert torch.equal(steps.o, runs.o) and torch.equal(steps.lse, runs.lse)
+    assert steps.ledger.counters == runs.ledger.counters

@@ -504,40 +504,11 @@ static long long forward_item(const struct fl_args *a, long long w, long long ch
     return forward_rows(a, h, r0, c0, nr, k0, nc, vh, intervals, s);
 }
 
-/* One forward tile step, queries [q0, q1) x keys [k0, k1), every head, the state of row
- * q0 + r at state row r (the Python loop finalises and resets it per query tile, as the
- * PyTorch step's loop does); rows are split in
- * chunks of `chunk` (of FL_PARTIAL_ROWS in a partial tile) so that small head counts
- * still fill the threads. A partial tile's visibility is `vis`, its bytes (rows x cols,
- * uint8) for head h at vis + (h / group) * vis_sn + (h % group) * vis_sg (strides 0 where
- * the mask broadcasts), or, with vis NULL, the pass's intervals (a->iv_lo, a->iv_hi).
- * Returns the visible dots of an interval tile (0 otherwise), summed over heads. */
-long long SUF(fl_forward_tile)(const struct fl_args *a, long long q0, long long q1,
-                               long long k0, long long k1, long long chunk, int partial,
-                               const unsigned char *vis, long long vis_sn, long long vis_sg) {
-    int intervals = partial && !vis;
-    if (partial && chunk > FL_PARTIAL_ROWS) chunk = FL_PARTIAL_ROWS;
-    long long rows = q1 - q0, chunks = (rows + chunk - 1) / chunk, seen = 0;
-    int nc = (int)(k1 - k0);
-    long long items = a->heads * chunks;
-    if (partial) { /* uneven spans: hand out items as threads free up */
-#pragma omp parallel for schedule(dynamic, 1) reduction(+ : seen)
-        for (long long w = 0; w < items; ++w)
-            seen += forward_item(a, w, chunks, chunk, q0, q1, k0, nc, intervals, vis, vis_sn,
-                                 vis_sg);
-    } else { /* a fixed head -> thread map keeps each head's accᵀ in its core's cache */
-#pragma omp parallel for schedule(static)
-        for (long long w = 0; w < items; ++w)
-            forward_item(a, w, chunks, chunk, q0, q1, k0, nc, 0, NULL, 0, 0);
-    }
-    return seen;
-}
-
 /* A run of full forward tile steps: queries [q0, q1) against the key tiles [k0, k0 + bk),
  * [k0 + bk, k0 + 2 bk), ... up to k1 (the last may be shorter), every head, in that order.
- * The same steps as calling fl_forward_tile on each tile in turn, in one parallel region:
+ * Each tile's full step in turn, in one parallel region:
  * a work item owns its rows' state, so it runs through all the tiles with no barrier
- * between them and keeps its accᵀ in its core's cache. */
+ * between them and keeps its acc in its core's cache (static: a fixed item -> thread map). */
 void SUF(fl_forward_full_tiles)(const struct fl_args *a, long long q0, long long q1,
                                 long long k0, long long k1, long long bk, long long chunk) {
     long long rows = q1 - q0, chunks = (rows + chunk - 1) / chunk;
@@ -548,6 +519,33 @@ void SUF(fl_forward_full_tiles)(const struct fl_args *a, long long q0, long long
             int nc = (int)(kk + bk < k1 ? bk : k1 - kk);
             forward_item(a, w, chunks, chunk, q0, q1, kk, nc, 0, NULL, 0, 0);
         }
+}
+
+/* One forward tile step, queries [q0, q1) x keys [k0, k1), every head, the state of row
+ * q0 + r at state row r (the Python loop finalises and resets it per query tile, as the
+ * PyTorch step's loop does); rows are split in chunks of `chunk` (of FL_PARTIAL_ROWS in
+ * a partial tile) so that small head counts still fill the threads. A full tile is a run
+ * of one (fl_forward_full_tiles). A partial tile's visibility is `vis`, its bytes (rows x
+ * cols, uint8) for head h at vis + (h / group) * vis_sn + (h % group) * vis_sg (strides 0
+ * where the mask broadcasts), or, with vis NULL, the pass's intervals (a->iv_lo,
+ * a->iv_hi); its uneven spans are handed out as threads free up. Returns the visible dots
+ * of an interval tile (0 otherwise), summed over heads. */
+long long SUF(fl_forward_tile)(const struct fl_args *a, long long q0, long long q1,
+                               long long k0, long long k1, long long chunk, int partial,
+                               const unsigned char *vis, long long vis_sn, long long vis_sg) {
+    if (!partial) {
+        SUF(fl_forward_full_tiles)(a, q0, q1, k0, k1, k1 - k0, chunk);
+        return 0;
+    }
+    int intervals = !vis;
+    if (chunk > FL_PARTIAL_ROWS) chunk = FL_PARTIAL_ROWS;
+    long long rows = q1 - q0, chunks = (rows + chunk - 1) / chunk, seen = 0;
+    int nc = (int)(k1 - k0);
+    long long items = a->heads * chunks;
+#pragma omp parallel for schedule(dynamic, 1) reduction(+ : seen)
+    for (long long w = 0; w < items; ++w)
+        seen += forward_item(a, w, chunks, chunk, q0, q1, k0, nc, intervals, vis, vis_sn, vis_sg);
+    return seen;
 }
 
 /* The end of query tile [q0, q1): o = acc / ℓ and lse = m · ln 2 + log ℓ (natural units)
