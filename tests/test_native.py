@@ -38,6 +38,19 @@ def _both(q, k, v, do, **opts):
     return fwd, bwd
 
 
+def _outputs_close(assert_close, got: tuple, want: tuple, label: str) -> None:
+    """O, LSE, dQ, dK, dV of ``got`` = (forward, backward) against ``want``'s (1e-12 rule)."""
+    (fwd, bwd), (want_f, want_b) = got, want
+    for what, x, y in (
+        ("O", fwd.o, want_f.o),
+        ("LSE", fwd.lse, want_f.lse),
+        ("dQ", bwd.dq, want_b.dq),
+        ("dK", bwd.dk, want_b.dk),
+        ("dV", bwd.dv, want_b.dv),
+    ):
+        assert_close(x, y, rtol=TOL, name=f"{label}: {what}")
+
+
 def test_native_step_is_built_where_ci_runs():
     """CI installs a C compiler, so the native step must be on there (not silently off)."""
     if os.environ.get("CI", "").lower() not in ("1", "true", "yes"):
@@ -135,15 +148,8 @@ def test_native_step_equals_the_oracle_and_the_pytorch_step(native, assert_close
     with _native.disabled():
         tfwd, tbwd = _both(q, k, v, do, **opts)
     where = f"{p['shape']}, {type(p['mask']).__name__}, tiles {p['tiles']}"
-    for name, got, step, want in (
-        ("O", fwd.o, tfwd.o, ref.o),
-        ("LSE", fwd.lse, tfwd.lse, ref.lse),
-        ("dQ", bwd.dq, tbwd.dq, refb.dq),
-        ("dK", bwd.dk, tbwd.dk, refb.dk),
-        ("dV", bwd.dv, tbwd.dv, refb.dv),
-    ):
-        assert_close(got, want, rtol=TOL, name=f"native {name} vs oracle ({where})")
-        assert_close(got, step, rtol=TOL, name=f"native {name} vs PyTorch step ({where})")
+    _outputs_close(assert_close, (fwd, bwd), (ref, refb), f"native vs oracle ({where})")
+    _outputs_close(assert_close, (fwd, bwd), (tfwd, tbwd), f"native vs PyTorch step ({where})")
     assert fwd.ledger.counters == tfwd.ledger.counters
     assert bwd.ledger.counters == tbwd.ledger.counters
 
@@ -254,14 +260,7 @@ def test_interval_masks_run_without_mask_tiles(
     assert fwd.ledger.counters.tiles_partial > 0
     assert fwd.ledger.counters == want_f.ledger.counters
     assert bwd.ledger.counters == want_b.ledger.counters
-    for got, want, what in (
-        (fwd.o, want_f.o, "O"),
-        (fwd.lse, want_f.lse, "LSE"),
-        (bwd.dq, want_b.dq, "dQ"),
-        (bwd.dk, want_b.dk, "dK"),
-        (bwd.dv, want_b.dv, "dV"),
-    ):
-        assert_close(got, want, rtol=TOL, name=f"{name}: native {what} vs PyTorch step")
+    _outputs_close(assert_close, (fwd, bwd), (want_f, want_b), f"{name}: native vs PyTorch step")
 
 
 def test_scratch_is_kept_between_passes_up_to_a_bound(native, monkeypatch, gen, assert_close):
@@ -372,14 +371,7 @@ def test_native_step_on_either_matmul_equals_the_oracle(
     ref = fl.reference_forward(q, k, v, mask=mask)
     refb = fl.reference_backward(q, k, v, ref.o, ref.lse, do, mask=mask)
     fwd, bwd = _both(q, k, v, do, **opts)
-    for got, want, what in (
-        (fwd.o, ref.o, "O"),
-        (fwd.lse, ref.lse, "LSE"),
-        (bwd.dq, refb.dq, "dQ"),
-        (bwd.dk, refb.dk, "dK"),
-        (bwd.dv, refb.dv, "dV"),
-    ):
-        assert_close(got, want, rtol=TOL, name=f"{gemm} matmuls, {kind}: {what}")
+    _outputs_close(assert_close, (fwd, bwd), (ref, refb), f"{gemm} matmuls, {kind}")
 
 
 def test_an_unknown_matmul_choice_warns_and_keeps_the_default(native, monkeypatch):

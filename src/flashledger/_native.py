@@ -156,7 +156,7 @@ class Kernels:
             warnings.warn(
                 f"FLASHLEDGER_GEMM={choice!r} is not 'own' or 'blas'; using 'own'", stacklevel=2
             )
-        self.own_gemm = self.use_own_gemm(choice != "blas")
+        self.use_own_gemm(choice != "blas")  # sets self.own_gemm
 
     def use_own_gemm(self, on: bool) -> bool:
         """Run the step's matmuls on its own AVX-512 kernel (``on``, where it was built for
