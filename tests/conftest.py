@@ -94,6 +94,21 @@ def assert_same(actual: torch.Tensor, expected: torch.Tensor, *, name: str) -> N
         )
 
 
+def outputs_close(got: tuple[Any, Any], want: tuple[Any, Any], *, rtol: float, name: str) -> None:
+    """O, LSE, dQ, dK, dV of ``got`` = (forward result, backward result) against ``want``'s:
+    no NaN, then ``assert_close`` on each, named ``"{what} ({name})"``."""
+    (fwd, bwd), (want_f, want_b) = got, want
+    for what, actual, expected in (
+        ("O", fwd.o, want_f.o),
+        ("LSE", fwd.lse, want_f.lse),
+        ("dQ", bwd.dq, want_b.dq),
+        ("dK", bwd.dk, want_b.dk),
+        ("dV", bwd.dv, want_b.dv),
+    ):
+        assert not bool(torch.isnan(actual).any()), f"NaN in {what} ({name})"
+        assert_close(actual, expected, rtol=rtol, name=f"{what} ({name})")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Long sweeps (``@pytest.mark.slow``) run only when a ``-m`` expression names them.
 
@@ -112,6 +127,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def assert_close_fixture() -> Callable[..., None]:
     """The ``assert_close(actual, expected, *, rtol, atol=0.0, name)`` helper."""
     return assert_close
+
+
+@pytest.fixture(scope="session", name="outputs_close")
+def outputs_close_fixture() -> Callable[..., None]:
+    """The ``outputs_close(got, want, *, rtol, name)`` helper."""
+    return outputs_close
 
 
 @pytest.fixture(scope="session", name="assert_same")

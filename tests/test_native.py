@@ -38,19 +38,6 @@ def _both(q, k, v, do, **opts):
     return fwd, bwd
 
 
-def _outputs_close(assert_close, got: tuple, want: tuple, label: str) -> None:
-    """O, LSE, dQ, dK, dV of ``got`` = (forward, backward) against ``want``'s (1e-12 rule)."""
-    (fwd, bwd), (want_f, want_b) = got, want
-    for what, x, y in (
-        ("O", fwd.o, want_f.o),
-        ("LSE", fwd.lse, want_f.lse),
-        ("dQ", bwd.dq, want_b.dq),
-        ("dK", bwd.dk, want_b.dk),
-        ("dV", bwd.dv, want_b.dv),
-    ):
-        assert_close(x, y, rtol=TOL, name=f"{label}: {what}")
-
-
 def test_native_step_is_built_where_ci_runs():
     """CI installs a C compiler, so the native step must be on there (not silently off)."""
     if os.environ.get("CI", "").lower() not in ("1", "true", "yes"):
@@ -134,7 +121,7 @@ def problems(draw: Any) -> dict[str, Any]:
 
 @settings(max_examples=60, deadline=None)
 @given(problems())
-def test_native_step_equals_the_oracle_and_the_pytorch_step(native, assert_close, p):
+def test_native_step_equals_the_oracle_and_the_pytorch_step(native, outputs_close, p):
     b, hkv, g, lq, lk, d, dv = p["shape"]
     gen = torch.Generator().manual_seed(p["seed"])
     q = torch.randn(b, hkv * g, lq, d, dtype=f64, generator=gen)
@@ -148,8 +135,8 @@ def test_native_step_equals_the_oracle_and_the_pytorch_step(native, assert_close
     with _native.disabled():
         tfwd, tbwd = _both(q, k, v, do, **opts)
     where = f"{p['shape']}, {type(p['mask']).__name__}, tiles {p['tiles']}"
-    _outputs_close(assert_close, (fwd, bwd), (ref, refb), f"native vs oracle ({where})")
-    _outputs_close(assert_close, (fwd, bwd), (tfwd, tbwd), f"native vs PyTorch step ({where})")
+    outputs_close((fwd, bwd), (ref, refb), rtol=TOL, name=f"native vs oracle, {where}")
+    outputs_close((fwd, bwd), (tfwd, tbwd), rtol=TOL, name=f"native vs PyTorch step, {where}")
     assert fwd.ledger.counters == tfwd.ledger.counters
     assert bwd.ledger.counters == tbwd.ledger.counters
 
@@ -211,7 +198,7 @@ def test_non_contiguous_inputs_run_on_both_steps(gen, assert_close):
     "name", ["causal", "window", "padding", "varlen", "window&padding", "dense&causal"]
 )
 def test_interval_masks_run_without_mask_tiles(
-    native, native_calls, monkeypatch, gen, assert_close, name
+    native, native_calls, monkeypatch, gen, outputs_close, name
 ):
     """Causal, window, padding and varlen masks (and their intersections) are intervals per
     row: the native step reads them directly, so no boolean tile is built, and the visible
@@ -260,7 +247,7 @@ def test_interval_masks_run_without_mask_tiles(
     assert fwd.ledger.counters.tiles_partial > 0
     assert fwd.ledger.counters == want_f.ledger.counters
     assert bwd.ledger.counters == want_b.ledger.counters
-    _outputs_close(assert_close, (fwd, bwd), (want_f, want_b), f"{name}: native vs PyTorch step")
+    outputs_close((fwd, bwd), (want_f, want_b), rtol=TOL, name=f"{name}: native vs PyTorch step")
 
 
 def test_scratch_is_kept_between_passes_up_to_a_bound(native, monkeypatch, gen, assert_close):
@@ -353,7 +340,7 @@ def test_step_matmul_rate_is_measured(native):
 @pytest.mark.parametrize("d, dv", [(24, 40), (1, 1)])
 @pytest.mark.parametrize("kind", ["none", "causal", "dense"])
 def test_native_step_on_either_matmul_equals_the_oracle(
-    native, gemm, assert_close, kind, d, dv, gen
+    native, gemm, outputs_close, kind, d, dv, gen
 ):
     """The step with its own kernel and with BLAS: lengths that break every tiling, GQA,
     a ragged last tile, head dims that leave kernel row tails (and single columns),
@@ -371,7 +358,7 @@ def test_native_step_on_either_matmul_equals_the_oracle(
     ref = fl.reference_forward(q, k, v, mask=mask)
     refb = fl.reference_backward(q, k, v, ref.o, ref.lse, do, mask=mask)
     fwd, bwd = _both(q, k, v, do, **opts)
-    _outputs_close(assert_close, (fwd, bwd), (ref, refb), f"{gemm} matmuls, {kind}")
+    outputs_close((fwd, bwd), (ref, refb), rtol=TOL, name=f"{gemm} matmuls, {kind}")
 
 
 def test_an_unknown_matmul_choice_warns_and_keeps_the_default(native, monkeypatch):
