@@ -324,7 +324,7 @@ RULE_TEXT = (
     "A row passes when error <= factor x (error of a naive PyTorch attention in the same dtype) + floor, "
     "all against the float64 oracle with the row's conventions; factor 2 for O and LSE, 3 for dQ, dK, dV; "
     "floor = (eps(dtype) + eps(acc) sqrt(n)) max(1, max|oracle|), acc = float32 for half inputs, "
-    "n = length of the longest sum. mpmath rows: ulps of the largest element against 50 digits. "
+    "n = length of the longest chain of sums (Lk for O, LSE; + d_v for dQ, dK: dP - D). mpmath rows: ulps of the largest element against 50 digits. "
     "Tile rows: number of tiles classified differently."
 )
 

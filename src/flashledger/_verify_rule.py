@@ -15,11 +15,18 @@ input dtype otherwise)::
 
     floor = (eps(dtype) + eps(acc) * sqrt(n)) * max(1, max |oracle|)
 
-where ``n`` is the length of the longest sum behind the quantity: ``Lk`` for
-O, LSE and dQ; ``Lq * Hq / Hkv`` for dK and dV. The floor matters where the
-naive implementation's own error is a poor yardstick: in float64 the naive
-and the oracle share a precision, and their difference measures only
-summation order. Errors are maximum absolute errors over all elements. Entries where the oracle is not
+where ``n`` is the length of the longest chain of sums behind the quantity:
+``Lk`` for O and LSE; ``Lq * Hq / Hkv`` for dV; ``Lk + d_v`` for dQ and
+``Lq * Hq / Hkv + d_v`` for dK, whose ``dS = P ⊙ (dP - D)`` subtracts two
+separately rounded dot products of length ``d_v`` (``dP = dO·Vᵀ`` and ``D =
+rowsum(dO ⊙ O)``). A FlashAttention backward needs ``D`` before it forms any
+``dP`` and no BLAS promises to sum the two in one order, so that difference
+carries a rounding every such kernel has, even on a row that sees one key
+(``P = 1``, exact answer 0), where the naive softmax backward's
+``rowsum(P ⊙ dP)`` cancels ``dP`` exactly and gives no yardstick. The floor
+matters where the naive implementation's own error is a poor yardstick: in
+float64 the naive and the oracle share a precision, and their difference
+measures only summation order. Errors are maximum absolute errors over all elements. Entries where the oracle is not
 finite (the LSE of a fully-masked row: -inf or +inf by convention) must be
 matched exactly; a NaN anywhere counts as an infinite error.
 """
@@ -300,8 +307,9 @@ def check_case(
     try:
         o, lse = _split_output(fn(q, k, v, case))
         _check_shape("O", o, (s.batch, s.heads_q, s.len_q, s.head_dim_v), "(B, Hq, Lq, d_v)")
-        rows_k = s.len_k  # terms behind O, LSE and dQ
-        cols_q = s.len_q * (s.heads_q // s.heads_kv)  # terms behind dK and dV
+        rows_k = s.len_k  # terms behind O and LSE
+        cols_q = s.len_q * (s.heads_q // s.heads_kv)  # terms behind dV
+        dots = s.head_dim_v  # dP - D: two dot products of d_v terms, rounded apart
         comps = [_compare(base, "O", o, output_factor, rows_k)]
         if check_lse and lse is None:
             notes.append("LSE not returned")
@@ -313,7 +321,7 @@ def check_case(
         elif check_grads:
             grads = torch.autograd.grad(o, (q, k, v), do.to(o.dtype), allow_unused=True)
             for name, g, leaf, n in zip(
-                ("dQ", "dK", "dV"), grads, (q, k, v), (rows_k, cols_q, cols_q)
+                ("dQ", "dK", "dV"), grads, (q, k, v), (rows_k + dots, cols_q + dots, cols_q)
             ):
                 g = torch.zeros_like(leaf) if g is None else g
                 _check_shape(name, g, tuple(leaf.shape), f"the shape of {name[1].lower()}")

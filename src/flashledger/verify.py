@@ -12,7 +12,8 @@ The rule (flash-attn's): ``error(fn) <= factor * error(naive) + floor``, where
 and LSE and 3 for gradients, and ``floor = (eps(dtype) + eps(acc) * sqrt(n)) *
 max(1, max |oracle|)`` covers the rounding no implementation can avoid
 (``acc``: float32 for half inputs, else the input dtype; ``n``: the length of
-the longest sum behind the quantity).
+the longest chain of sums behind the quantity, ``d_v`` more for dQ and dK,
+whose ``dP - D`` subtracts two dot products rounded apart).
 
 The callable's contract::
 
