@@ -88,16 +88,16 @@ import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Unpack
 
 import torch
 
 from . import _native, online
 from ._checks import check_size
+from ._options import AttentionOptions, check_options
 from ._problem import Placement, Problem, build_problem
-from .conventions import SEED, Conventions
 from .ledger import BackwardTileStep, Counters, ForwardTileStep, Ledger
-from .masks import EMPTY, FULL, PARTIAL, TILE_KINDS, IntervalBound, Mask
+from .masks import EMPTY, FULL, PARTIAL, TILE_KINDS, IntervalBound
 from .reference import _backward_inputs, _conventional_lse
 
 __all__ = [
@@ -755,16 +755,6 @@ def blocked_forward(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    mask: Mask | torch.Tensor | None = None,
-    scale: float | None = None,
-    conventions: Conventions | str = SEED,
-    dropout_p: float = 0.0,
-    seed: int = 0,
-    softcap: float | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    cu_seqlens_q: torch.Tensor | None = None,
-    cu_seqlens_k: torch.Tensor | None = None,
     placement: Placement | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
@@ -772,6 +762,7 @@ def blocked_forward(
     trace: bool = False,
     observer: Any = None,
     raw_lse: bool = False,
+    **opts: Unpack[AttentionOptions],
 ) -> ForwardResult:
     """Blocked attention forward.
 
@@ -779,26 +770,14 @@ def blocked_forward(
     ``()``, ``(H,)`` or ``(B, H)`` (K/V may have fewer heads: GQA). Tiles of
     ``block_q x block_k`` (default 512 x 512; any sizes >= 1, ragged last
     tiles). ``trace=True`` records every tile step in ``result.ledger.records``.
+    ``opts``: ``AttentionOptions`` (mask, scale, conventions, dropout, softcap,
+    ALiBi, bias, cu_seqlens).
     ``raw_lse=True`` reports -inf for fully-masked rows whatever the
     conventions (a partial result to merge, as split-KV and ring attention do).
     """
     _check_options(block_q, block_k, loop_order)
-    pb = build_problem(
-        q,
-        k,
-        v,
-        mask=mask,
-        scale=scale,
-        conventions=conventions,
-        dropout_p=dropout_p,
-        seed=seed,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        bias=bias,
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k,
-        placement=placement,
-    )
+    check_options("blocked_forward", opts)
+    pb = build_problem(q, k, v, placement=placement, **opts)
     o, lse, ledger = _forward(
         pb,
         block_q=block_q,
@@ -987,22 +966,13 @@ def blocked_backward(
     do: torch.Tensor,
     *,
     dlse: torch.Tensor | None = None,
-    mask: Mask | torch.Tensor | None = None,
-    scale: float | None = None,
-    conventions: Conventions | str = SEED,
-    dropout_p: float = 0.0,
-    seed: int = 0,
-    softcap: float | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    cu_seqlens_q: torch.Tensor | None = None,
-    cu_seqlens_k: torch.Tensor | None = None,
     placement: Placement | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
     loop_order: LoopOrder = "fa2",
     trace: bool = False,
     observer: Any = None,
+    **opts: Unpack[AttentionOptions],
 ) -> BackwardResult:
     """Blocked attention backward from the saved ``o`` and ``lse`` (any conventions' LSE).
 
@@ -1010,22 +980,8 @@ def blocked_backward(
     arguments as for ``blocked_forward`` (they must match the forward call).
     """
     _check_options(block_q, block_k, loop_order)
-    pb = build_problem(
-        q,
-        k,
-        v,
-        mask=mask,
-        scale=scale,
-        conventions=conventions,
-        dropout_p=dropout_p,
-        seed=seed,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        bias=bias,
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k,
-        placement=placement,
-    )
+    check_options("blocked_backward", opts)
+    pb = build_problem(q, k, v, placement=placement, **opts)
     o5, do5, dlse5 = _backward_inputs(pb, o, lse, do, dlse)
     lse5 = pb.to_internal_rows(lse.to(pb.dtype))
     dq, dk, dv, dbias5, D, ledger = _backward(
@@ -1040,7 +996,7 @@ def blocked_backward(
         trace=trace,
         observer=observer,
     )
-    dbias = None
+    dbias, bias = None, opts.get("bias")
     if dbias5 is not None and bias is not None:
         dbias = dbias5.reshape(bias.shape).to(bias.dtype)
     return BackwardResult(
@@ -1062,16 +1018,9 @@ def split_kv_forward(
     v: torch.Tensor,
     *,
     num_splits: int,
-    mask: Mask | torch.Tensor | None = None,
-    scale: float | None = None,
-    conventions: Conventions | str = SEED,
-    dropout_p: float = 0.0,
-    seed: int = 0,
-    softcap: float | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
+    **opts: Unpack[AttentionOptions],
 ) -> ForwardResult:
     """Split the keys into ``num_splits`` chunks, attend each independently, merge.
 
@@ -1081,19 +1030,8 @@ def split_kv_forward(
     answer. The ledger's counters are the sum over chunks.
     """
     check_size("num_splits", num_splits)
-    pb = build_problem(
-        q,
-        k,
-        v,
-        mask=mask,
-        scale=scale,
-        conventions=conventions,
-        dropout_p=dropout_p,
-        seed=seed,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        bias=bias,
-    )
+    check_options("split_kv_forward", opts, refused=("cu_seqlens_q", "cu_seqlens_k"))
+    pb = build_problem(q, k, v, **opts)
     lq, lk = pb.shape[4], pb.shape[5]
     if num_splits > lk:
         raise ValueError(f"num_splits must be between 1 and Lk = {lk}, got {num_splits}")
@@ -1105,15 +1043,8 @@ def split_kv_forward(
             q,
             k[..., start:stop, :],
             v[..., start:stop, :],
-            mask=mask,
-            scale=scale,
-            conventions=conventions,
-            dropout_p=dropout_p,
-            seed=seed,
-            softcap=softcap,
-            alibi_slopes=alibi_slopes,
-            bias=bias,
             placement=Placement(q_offset=0, k_offset=start, lq_total=lq, lk_total=lk),
+            **opts,
         )
         po, pl, led = _forward(
             part, block_q=block_q, block_k=block_k, loop_order="fa2", trace=False, observer=None
