@@ -502,31 +502,31 @@ def _forward_native(
     threads, chunk = kern.max_threads(), rows
     while heads * -(-rows // chunk) < threads and chunk > 32:
         chunk = -(-chunk // 2)
-    call = _native_call(pb, kern, chunk * cols + chunk, acc=acc, m=m, ell=ell)  # S/P, α
     ktiles = _tiles(lk, block_k)
-    for i, (q0, q1) in enumerate(_tiles(lq, block_q)):
-        ran = False
-        full = (0, 0)  # keys of the consecutive full tiles not yet run (one call, in order)
-        for _, k0, k1, kind in _running(book, ktiles, kind_of, i=i):
-            book.io(read=(k1 - k0) * (d + dv))
-            ran = True
-            if kind == FULL:
-                if full[1] != k0:  # not contiguous (a skipped tile between)
-                    _run_full(call, q0, q1, full, block_k, chunk)
-                    full = (k0, k0)
-                full = (full[0], k1)
-                book.run(kind, q1 - q0, k1 - k0, None, None, forward=True)
-                continue
+    with _native_call(pb, kern, chunk * cols + chunk, acc=acc, m=m, ell=ell) as call:  # S/P, α
+        for i, (q0, q1) in enumerate(_tiles(lq, block_q)):
+            ran = False
+            full = (0, 0)  # keys of the consecutive full tiles not yet run (one call, in order)
+            for _, k0, k1, kind in _running(book, ktiles, kind_of, i=i):
+                book.io(read=(k1 - k0) * (d + dv))
+                ran = True
+                if kind == FULL:
+                    if full[1] != k0:  # not contiguous (a skipped tile between)
+                        _run_full(call, q0, q1, full, block_k, chunk)
+                        full = (k0, k0)
+                    full = (full[0], k1)
+                    book.run(kind, q1 - q0, k1 - k0, None, None, forward=True)
+                    continue
+                _run_full(call, q0, q1, full, block_k, chunk)
+                full = (k1, k1)
+                vis, tile, where = _native_vis(pb, call, kind, q0, q1, k0, k1)  # tile: alive
+                seen = call.forward(q0, q1, k0, k1, chunk, where)
+                book.run(kind, q1 - q0, k1 - k0, vis, None, forward=True, visible=seen)
             _run_full(call, q0, q1, full, block_k, chunk)
-            full = (k1, k1)
-            vis, tile, where = _native_vis(pb, call, kind, q0, q1, k0, k1)  # tile: alive
-            seen = call.forward(q0, q1, k0, k1, chunk, where)
-            book.run(kind, q1 - q0, k1 - k0, vis, None, forward=True, visible=seen)
-        _run_full(call, q0, q1, full, block_k, chunk)
-        if ran:
-            book.io(read=(q1 - q0) * d)
-        call.finish(q0, q1, o, lse)  # o, lse rows [q0, q1); the state reset
-        book.io(write=(q1 - q0) * (dv + 1))
+            if ran:
+                book.io(read=(q1 - q0) * d)
+            call.finish(q0, q1, o, lse)  # o, lse rows [q0, q1); the state reset
+            book.io(write=(q1 - q0) * (dv + 1))
     book.flush()
     return o.view(b, hkv, g, lq, dv), lse.view(b, hkv, g, lq), ledger
 
@@ -557,7 +557,8 @@ def _backward_native(
     rows, cols = min(block_q, lq), min(block_k, lk)
     dk_t = torch.zeros(heads * d * cols, dtype=dt)  # dK_jᵀ per query head
     dv_t = torch.zeros(heads * dv * cols, dtype=dt)  # dV_jᵀ per query head
-    call = _native_call(
+    qtiles = _tiles(lq, block_q)
+    with _native_call(
         pb,
         kern,
         2 * rows * cols,  # P and dP/dS
@@ -567,21 +568,20 @@ def _backward_native(
         dq=dq,
         dk_t=dk_t,
         dv_t=dv_t,
-    )
-    qtiles = _tiles(lq, block_q)
-    for j, (k0, k1) in enumerate(_tiles(lk, block_k)):
-        bk = k1 - k0
-        ran = False
-        for _, q0, q1, kind in _running(book, qtiles, kind_of, j=j):
-            vis, tile, where = _native_vis(pb, call, kind, q0, q1, k0, k1)  # tile: alive
-            seen = call.backward(q0, q1, k0, k1, where)
-            book.run(kind, q1 - q0, bk, vis, None, forward=False, visible=seen)
-            book.io(read=(q1 - q0) * (2 * d + dv + 2), write=(q1 - q0) * d)
-            ran = True
-        if ran:
-            book.io(read=bk * (d + dv))
-        call.finish_keys(k0, k1, dk, dv_)  # dK, dV rows [k0, k1); dK_jᵀ, dV_jᵀ zeroed
-        book.io(write=bk * (d + dv))
+    ) as call:
+        for j, (k0, k1) in enumerate(_tiles(lk, block_k)):
+            bk = k1 - k0
+            ran = False
+            for _, q0, q1, kind in _running(book, qtiles, kind_of, j=j):
+                vis, tile, where = _native_vis(pb, call, kind, q0, q1, k0, k1)  # tile: alive
+                seen = call.backward(q0, q1, k0, k1, where)
+                book.run(kind, q1 - q0, bk, vis, None, forward=False, visible=seen)
+                book.io(read=(q1 - q0) * (2 * d + dv + 2), write=(q1 - q0) * d)
+                ran = True
+            if ran:
+                book.io(read=bk * (d + dv))
+            call.finish_keys(k0, k1, dk, dv_)  # dK, dV rows [k0, k1); dK_jᵀ, dV_jᵀ zeroed
+            book.io(write=bk * (d + dv))
     return dq.view(b, hkv, g, lq, d), dk, dv_
 
 
