@@ -333,8 +333,12 @@ def test_default_tiles_and_layouts(gen, assert_close):
     res = fl.blocked_forward(q, q, q, mask=fl.Causal())
     from flashledger.blocked import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q
 
-    assert (res.ledger.block_q, res.ledger.block_k) == (DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K)
-    want = (-(-200 // DEFAULT_BLOCK_Q), -(-200 // DEFAULT_BLOCK_K))
+    kern = _native.kernels()  # the native step's default tiles are its calibration's
+    bq, bk = kern.tiles(torch.float64) if kern else (DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K)
+    assert (res.ledger.block_q, res.ledger.block_k) == (bq, bk)
+    traced = fl.blocked_forward(q, q, q, mask=fl.Causal(), trace=True)  # the PyTorch step's
+    assert (traced.ledger.block_q, traced.ledger.block_k) == (DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K)
+    want = (-(-200 // bq), -(-200 // bk))
     assert (res.ledger.tiles_q, res.ledger.tiles_k) == want
     assert res.o.shape == (3, 200, 4) and res.lse.shape == (3, 200)
     ref = fl.reference_forward(q, q, q, mask=fl.Causal())

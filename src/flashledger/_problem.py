@@ -42,8 +42,8 @@ class Problem:
     """Everything a loop needs, validated. Shapes in the comments."""
 
     q: torch.Tensor  # (B, Hkv, G, Lq, d) accumulation dtype
-    k: torch.Tensor  # (B, Hkv, 1, Lk, d)
-    v: torch.Tensor  # (B, Hkv, 1, Lk, d_v)
+    k_in: torch.Tensor  # (B, Hkv, 1, Lk, d) in the input dtype (``k``: in the accumulation dtype)
+    v_in: torch.Tensor  # (B, Hkv, 1, Lk, d_v) likewise
     ndim: int  # caller's rank: 2, 3 or 4
     out_dtype: torch.dtype
     conventions: Conventions
@@ -58,10 +58,25 @@ class Problem:
         return self.q.dtype
 
     @property
+    def k(self) -> torch.Tensor:
+        """K ``(B, Hkv, 1, Lk, d)`` in the accumulation dtype (converted once, when first
+        asked: a decode step reading a half-precision cache in place never asks)."""
+        if "_k" not in self.__dict__:
+            self.__dict__["_k"] = self.k_in.to(self.dtype)
+        return self.__dict__["_k"]  # type: ignore[no-any-return]
+
+    @property
+    def v(self) -> torch.Tensor:
+        """V ``(B, Hkv, 1, Lk, d_v)`` in the accumulation dtype (converted once)."""
+        if "_v" not in self.__dict__:
+            self.__dict__["_v"] = self.v_in.to(self.dtype)
+        return self.__dict__["_v"]  # type: ignore[no-any-return]
+
+    @property
     def shape(self) -> tuple[int, int, int, int, int, int, int, int]:
         """``(B, Hq, Hkv, G, Lq, Lk, d, d_v)``."""
         b, hkv, g, lq, d = self.q.shape
-        return b, hkv * g, hkv, g, lq, self.k.shape[-2], d, self.v.shape[-1]
+        return b, hkv * g, hkv, g, lq, self.k_in.shape[-2], d, self.v_in.shape[-1]
 
     # -- layout -----------------------------------------------------------------------
     def user_q(self, x: torch.Tensor) -> torch.Tensor:
@@ -278,8 +293,8 @@ def build_problem(
         # contiguous once here (a copy only for strided inputs, e.g. heads sliced out of a
         # larger tensor), so that every tile of the loop is a view
         q=q4.to(acc_dtype).contiguous().view(b, hkv, g, lq, d),
-        k=k4.to(acc_dtype).contiguous().unsqueeze(2),
-        v=v4.to(acc_dtype).contiguous().unsqueeze(2),
+        k_in=k4.contiguous().unsqueeze(2),
+        v_in=v4.contiguous().unsqueeze(2),
         ndim=ndim,
         out_dtype=q.dtype,
         conventions=conv,

@@ -14,7 +14,7 @@ from typing import Any, Unpack
 import torch
 
 from ._options import AttentionOptions, check_options
-from .blocked import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, LoopOrder, blocked_backward, blocked_forward
+from .blocked import LoopOrder, blocked_backward, blocked_forward
 from .conventions import SEED, get_conventions
 
 __all__ = ["flash_attention"]
@@ -58,8 +58,8 @@ def flash_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    block_q: int = DEFAULT_BLOCK_Q,
-    block_k: int = DEFAULT_BLOCK_K,
+    block_q: int | None = None,
+    block_k: int | None = None,
     loop_order: LoopOrder = "fa2",
     return_lse: bool = False,
     **opts: Unpack[AttentionOptions],
