@@ -281,9 +281,11 @@ def test_attention_with_each_kind_of_mask(gen, assert_close, masks_seen):
     o, _ = attention_forward(m, q, k, v, bias)
     assert_close(o, _sdpa(q, k, v, bias), rtol=1e-12, name="additive bias")
     assert masks_seen[-1][1] is None
-    tri = torch.ones(9, 9, dtype=torch.bool).tril().expand(2, 1, 9, 9)
-    o, _ = attention_forward(m, q, k, v, tri)
-    assert repr(masks_seen[-1][1]) == "Causal(align='bottom_right')"
+    tri = torch.ones(9, 9, dtype=torch.bool).tril()
+    for shaped in (tri, tri[None], tri.expand(2, 1, 9, 9)):  # (Lq, Lk), (B, Lq, Lk), 4-D
+        o, _ = attention_forward(m, q, k, v, shaped)
+        assert repr(masks_seen[-1][1]) == "Causal(align='bottom_right')"
+        assert_close(o, _sdpa(q, k, v, causal=True), rtol=1e-12, name="bool causal tensor")
 
 
 def test_attention_softcap_sinks_and_position_bias(gen, assert_close):
@@ -319,8 +321,8 @@ def test_attention_refuses_what_it_cannot_read(gen):
         attention_forward(_Module(), q, k, v, plan)
     with pytest.raises(ValueError, match=r"must be \(B, H, L, d\)"):
         attention_forward(_Module(), q[0], k[0], v[0], None)
-    with pytest.raises(ValueError, match="must be 4-D"):
-        attention_forward(_Module(), q, k, v, torch.ones(9, 9, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"must be \(B, 1, Lq, Lk\), \(B, Lq, Lk\) or \(Lq, Lk\)"):
+        attention_forward(_Module(), q, k, v, torch.ones(9, dtype=torch.bool))
 
 
 def test_row_intervals_bind_only_to_their_lengths():

@@ -333,7 +333,7 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=pos, default=8, help="query heads (default 8)")
     parser.add_argument(
         "--kv-heads", type=pos, default=None,
-        help="key/value heads, dividing --heads (default 2; bert: --heads)",
+        help="key/value heads, dividing --heads (default 2, or 1 for an odd --heads; bert: --heads)",
     )  # fmt: skip
     parser.add_argument(
         "--window", type=pos, default=None,
@@ -370,12 +370,15 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.generate and args.arch == "bert":
         raise ValueError("--generate needs a decoder; bert is an encoder")
     dtype = getattr(torch, args.dtype)
+    kv_heads = args.kv_heads
+    if kv_heads is None:
+        kv_heads = args.heads if args.arch == "bert" else (2 if args.heads % 2 == 0 else 1)
     model = hf.random_model(
         args.arch,
         layers=args.layers,
         hidden=args.hidden,
         heads=args.heads,
-        kv_heads=args.kv_heads,
+        kv_heads=kv_heads,
         sliding_window=args.window if args.window is not None else max(args.seq // 4, 1),
         max_positions=args.seq + args.generate,
         dtype=dtype,

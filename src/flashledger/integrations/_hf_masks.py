@@ -241,12 +241,15 @@ def _finish(
 
 
 def plan_dense(vis: torch.Tensor) -> PlannedMask:
-    """A bool mask broadcastable to ``(B, H, Lq, Lk)`` (True = attend), as a planned mask:
+    """A bool mask ``(B, H, Lq, Lk)``, ``(B, Lq, Lk)`` or ``(Lq, Lk)`` (True = attend), as a planned mask:
     structured or row intervals when every row is one interval, else ``DenseMask``."""
-    if vis.ndim != 4:
+    if not 2 <= vis.ndim <= 4:
         raise ValueError(
-            f"an attention mask tensor must be 4-D (B, 1, Lq, Lk), got shape {tuple(vis.shape)}"
+            "an attention mask tensor must be (B, 1, Lq, Lk), (B, Lq, Lk) or (Lq, Lk), got shape "
+            f"{tuple(vis.shape)}"
         )
+    while vis.ndim < 4:  # (Lq, Lk) as paged attention passes it, (B, Lq, Lk)
+        vis = vis.unsqueeze(1 if vis.ndim == 3 else 0)
     b, h, lq, lk = vis.shape
     if h == 1:
         flat = vis[:, 0]
