@@ -565,3 +565,22 @@ def test_without_transformers_the_library_works_and_the_integration_says_how(tmp
     )
     assert "pip install flashledger[transformers]" in res.stderr
     assert res.stderr.count("\n") == 1, res.stderr
+
+
+def test_the_training_example_runs(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "train_tiny_lm.py"
+    spec = importlib.util.spec_from_file_location("train_tiny_lm", path)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    out = tmp_path / "loss.png"
+    argv = ["--steps", "3", "--batch", "2", "--seq", "16", "--hidden", "32", "--out", str(out)]
+    assert example.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "step    2  loss  flashledger" in text and "largest loss difference over 3 steps" in text
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit):
+        example.main(["--dropout", "1.5"])
