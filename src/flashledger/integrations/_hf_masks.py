@@ -224,7 +224,9 @@ def _finish(
         top = torch.where(lo <= top, top, -1)
     keys = max(int(top.max()) + 1, 1)
     hi = hi.clamp(max=keys - 1)
-    padm = None if pad is None else _padding_mask(pad[0], pad[1].clamp(max=keys), keys)
+    padm = None
+    if pad is not None:
+        padm = _padding_mask(pad[0].clamp(max=keys), pad[1].clamp(max=keys), keys)
     # -- one diagonal for every row, or row intervals --
     base: Mask | bool | None = False
     if lo.shape[0] == 1:
