@@ -263,6 +263,20 @@ def plan_dense(vis: torch.Tensor) -> PlannedMask:
     return PlannedMask(DenseMask(vis), b, lq, lk, lk, "dense", padded=False)
 
 
+def _unpadded(causal: bool, delta: int, batch: int, lq: int, lk: int) -> PlannedMask | None:
+    """The plan of an unpadded causal (``kv_idx <= q_idx``, query row ``i`` at key
+    ``i + delta``) or bidirectional call when the queries are the last ``Lq`` of the keys
+    kept; None otherwise (the general path decides)."""
+    if not causal:
+        return PlannedMask(None, batch, lq, lk, lk, "full", padded=False)
+    keys = lq + delta  # one past the last row's diagonal key
+    if delta < 0 or keys > lk:
+        return None
+    if lq == 1:  # one row that sees every key it keeps
+        return PlannedMask(None, batch, lq, lk, keys, "full", padded=False)
+    return PlannedMask(Causal("bottom_right"), batch, lq, lk, keys, "causal", padded=False)
+
+
 def plan_mask(
     *,
     batch_size: int,
@@ -304,8 +318,13 @@ def plan_mask(
                 assert vis is not None
                 return PlannedMask(DenseMask(vis), batch_size, lq, lk, lk, "dense", padded=True)
     # -- the pattern's rows --
+    causal = mask_function is None or mask_function is mu.causal_mask_function
+    if pad is None and (causal or mask_function is mu.bidirectional_mask_function):
+        fast = _unpadded(causal, q_off - kv_offset, batch_size, lq, lk)
+        if fast is not None:  # the common calls, planned without a tensor operation
+            return fast
     rows = torch.arange(lq)  # (Lq,)
-    if mask_function is None or mask_function is mu.causal_mask_function:
+    if causal:
         lo = torch.zeros(1, lq, dtype=torch.int64)
         hi = (rows + (q_off - kv_offset))[None, :]  # (1, Lq) kv_idx <= q_idx
     elif mask_function is mu.bidirectional_mask_function:
