@@ -106,11 +106,14 @@ def _pair(arch: str, **kw: Any) -> tuple[Any, Any]:
     )
 
 
-def _batch(arch: str, gen: torch.Generator, length: int = 19) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two sequences, the first padded by 5 tokens: on the right for bert, else on the left."""
+def _batch(
+    arch: str, gen: torch.Generator, length: int = 19, side: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two sequences, the first padded by 5 tokens on ``side`` (default: on the right for
+    bert, on the left, as generation pads, for decoders)."""
     ids = torch.randint(1, 128, (2, length), generator=gen)
     att = torch.ones_like(ids)
-    if arch == "bert":
+    if (side or ("right" if arch == "bert" else "left")) == "right":
         att[0, -5:] = 0
     else:
         att[0, :5] = 0
@@ -335,10 +338,14 @@ def test_row_intervals_bind_only_to_their_lengths():
 # ----------------------------------------------------------------------------------------
 # whole models
 # ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("arch", list(REFERENCE))
-def test_logits_and_gradients_equal_the_reference(arch, gen, assert_close, masks_seen):
+CASES = [(a, "right" if a == "bert" else "left") for a in REFERENCE]
+CASES += [("llama", "right"), ("gemma2", "right")]
+
+
+@pytest.mark.parametrize(("arch", "side"), CASES, ids=[f"{a}-{s}" for a, s in CASES])
+def test_logits_and_gradients_equal_the_reference(arch, side, gen, assert_close, masks_seen):
     ours, ref = _pair(arch)
-    ids, att = _batch(arch, gen)
+    ids, att = _batch(arch, gen, side=side)
     real = att.bool()
     w = torch.randn(2, ids.shape[1], 128, generator=gen, dtype=F64)  # a fixed linear loss
     out = {}
@@ -362,8 +369,12 @@ def test_logits_and_gradients_equal_the_reference(arch, gen, assert_close, masks
     kinds = {type(m).__name__ if m is not None else "None" for _, m in masks_seen}
     assert "DenseMask" not in kinds and "RowIntervals" not in kinds, kinds
     text = " ".join(repr(m) for _, m in masks_seen)
-    side = "" if arch == "bert" else ", side='left'"
-    assert f"KeyPadding([14, 19]{side})" in text, text
+    if side == "left":
+        assert "KeyPadding([14, 19], side='left')" in text, text
+    else:  # right padding: keys no query row sees are cut off (causal: the last 5 of row 0)
+        assert "KeyPadding([14" in text and "side='left'" not in text, text
+    # GQA: K/V keep their own heads, never repeated to the query heads
+    assert {keys[1] for keys, _ in masks_seen} == {4 if arch == "bert" else 2}
     if arch in ("mistral", "qwen2", "gemma2", "gpt_oss"):
         assert "SlidingWindow(left=5, right=0, align='bottom_right')" in text, text
     if arch != "bert":
