@@ -67,6 +67,8 @@ def _planned(
         return attention_mask, None
     if attention_mask is None:
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        if lq == 1 and (not sliding_window or lk <= sliding_window):
+            causal = False  # one query row (bottom-right) sees every key: no mask to classify
         if causal and sliding_window:
             window = SlidingWindow(int(sliding_window) - 1, 0, "bottom_right")
             return PlannedMask(window, b, lq, lk, lk, "window", padded=False), None
