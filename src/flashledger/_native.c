@@ -370,6 +370,8 @@ struct fl_args {
     long long scale_exact; /* scale is a power of two: exact as the matmul's alpha */
 };
 #define FL_TILE 8
+/* below this many FLOPs a pass runs on the calling thread only */
+#define FL_SERIAL_FLOPS 4e6
 
 /* Rows per block inside a partial tile: small, so that each block's visible span (a
  * causal or banded diagonal) is narrow. */
@@ -701,14 +703,18 @@ void SUF(fl_forward)(const struct fl_args *a) {
         order[j] = x;
     }
     long long items = 0;
+    double flops = 0;
     for (long long n = 0; n < rows; ++n) {
         long long i = order[n], len = a->stacked ? a->group * a->lq : a->bounds[2 * i + 1] - a->bounds[2 * i];
         chunks[n] = (len + a->chunk - 1) / a->chunk;
         first[n] = items;
         items += chunks[n] * a->splits * units;
+        flops += 2.0 * (double)(len * units) * (double)cost[i] * (double)(a->d + a->dv);
     }
     first[rows] = items;
-#pragma omp parallel for schedule(dynamic, 1)
+    /* a pass of a few microseconds of work runs on this thread alone: waking the team
+     * would cost more than it saves */
+#pragma omp parallel for schedule(dynamic, 1) if (flops > FL_SERIAL_FLOPS)
     for (long long w = 0; w < items; ++w) {
         long long n = 0;
         while (first[n + 1] <= w) ++n;

@@ -391,6 +391,7 @@ def _new_ledger(pb: Problem, name: str, block_q: int, block_k: int, order: str) 
         tiles_q=-(-lq // block_q),
         tiles_k=-(-lk // block_k),
         lead=pb.ndim - 2,
+        element_bytes=pb.out_dtype.itemsize,
     )
     return led
 
@@ -1107,6 +1108,7 @@ def split_kv_forward(
         tiles_k=-(-lk // block_k),
         counters=total,
         lead=pb.ndim - 2,
+        element_bytes=pb.out_dtype.itemsize,
     )
     lse = _conventional_lse(lse_acc, pb.conventions)
     return ForwardResult(o=pb.user_q(o_acc).to(pb.out_dtype), lse=pb.user_rows(lse), ledger=ledger)
