@@ -579,3 +579,52 @@ def test_decode_reads_a_half_precision_cache_in_place(native, monkeypatch, gen, 
     )
     assert torch.allclose(got.lse, want.lse, rtol=1e-5, atol=1e-5)
     assert got.ledger.counters == want.ledger.counters
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+    b=st.integers(1, 2),
+    hkv=st.integers(1, 2),
+    g=st.integers(1, 3),
+    lq=st.sampled_from([1, 2, 16, 97, 113]),
+    lk=st.sampled_from([1, 97, 113, 300]),
+    d=st.sampled_from([8, 24, 64]),
+    mask=st.sampled_from(
+        ["none", "causal_top_left", "causal_bottom_right", "padding", "empty_rows"]
+    ),
+    seed=st.integers(0, 2**16),
+)
+def test_half_inputs_on_the_native_step_keep_the_rule(
+    native_calls, dtype, b, hkv, g, lq, lk, d, mask, seed
+):
+    """bfloat16/float16 inputs on the native step (accumulating in float32; decode rows
+    reading the cache in place) against the float64 oracle under verify's rule: error
+    within 2x (O, LSE) / 3x (gradients) of naive attention in the same dtype, plus the
+    floor; no NaN on fully-masked rows."""
+    from flashledger._verify_cases import Shape
+    from flashledger.verify import assert_attention_close, make_case
+
+    case = make_case(Shape(b, hkv * g, hkv, lq, lk, d), mask, dtype, seed=seed)
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: Any) -> Any:
+        return fl.flash_attention(
+            q,
+            k,
+            v,
+            mask=c.mask,
+            scale=c.scale,
+            conventions=c.conventions,
+            block_q=32,
+            block_k=48,
+            return_lse=True,
+        )
+
+    before = dict(native_calls)
+    assert_attention_close(fn, cases=[case])
+    assert (
+        native_calls["forward"] > before["forward"]
+        and native_calls["backward"] > before["backward"]
+    )
