@@ -807,6 +807,7 @@ def blocked_forward(
         trace=trace,
         observer=observer,
     )
+    pb.check_forward_lse(lse, o)
     if not raw_lse:
         lse = _conventional_lse(lse, pb.conventions)
     return ForwardResult(o=pb.user_q(o).to(pb.out_dtype), lse=pb.user_rows(lse), ledger=ledger)
@@ -1028,6 +1029,7 @@ def blocked_backward(
     )
     o5, do5, dlse5 = _backward_inputs(pb, o, lse, do, dlse)
     lse5 = pb.to_internal_rows(lse.to(pb.dtype))
+    pb.check_saved_lse(lse5, whole=placement is None)
     dq, dk, dv, dbias5, D, ledger = _backward(
         pb,
         o5,
@@ -1040,6 +1042,7 @@ def blocked_backward(
         trace=trace,
         observer=observer,
     )
+    pb.check_gradients(dq=dq, dk=dk, dv=dv)
     dbias = None
     if dbias5 is not None and bias is not None:
         dbias = dbias5.reshape(bias.shape).to(bias.dtype)
@@ -1081,6 +1084,7 @@ def split_kv_forward(
     answer. The ledger's counters are the sum over chunks.
     """
     check_size("num_splits", num_splits)
+    _check_options(block_q, block_k, "fa2")
     pb = build_problem(
         q,
         k,
@@ -1127,6 +1131,7 @@ def split_kv_forward(
             # -- the one merge: rescale both partial states onto the larger max --
             o_acc, lse_acc = online.merge_partials(o_acc, lse_acc, po, pl)
     assert o_acc is not None and lse_acc is not None
+    pb.check_forward_lse(lse_acc, o_acc)
     ledger = Ledger(
         pass_name=f"forward (split-KV, {num_splits} splits)",
         block_q=block_q,
