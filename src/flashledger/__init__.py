@@ -59,6 +59,7 @@ _EXPORTS: dict[str, str] = {
     # ledgers and accounting
     "Ledger": "ledger",
     "Counters": "ledger",
+    "Trace": "ledger",
     "ForwardTileStep": "ledger",
     "BackwardTileStep": "ledger",
     "storage_and_work": "accounting",
@@ -102,6 +103,7 @@ __all__ = [
     "ReferenceForward",
     "RingLedger",
     "SlidingWindow",
+    "Trace",
     "__version__",
     "alibi_slopes",
     "assert_attention_close",
@@ -161,7 +163,7 @@ if TYPE_CHECKING:
         SEED,
         Conventions,
     )
-    from .ledger import BackwardTileStep, Counters, ForwardTileStep, Ledger
+    from .ledger import BackwardTileStep, Counters, ForwardTileStep, Ledger, Trace
     from .masks import Causal, DenseMask, KeyPadding, Mask, SlidingWindow
     from .online import OnlineSoftmax, OnlineState, merge, merge_partials
     from .reference import (

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-__all__ = ["MAX_SIZE"]
+__all__ = ["BACKWARD_CLI_MAX_SCORES", "MAX_SIZE", "TRACE_MAX_BYTES"]
 
 MAX_SIZE = 2**31 - 1
 """Largest length, tile size, head dim or count accepted: the int32 index range kernels use."""
+
+TRACE_MAX_BYTES = 2**30
+"""Default budget of ``trace=True``: 1 GiB of ledger records (they grow as ``B·H·Lq·Lk``)."""
+
+BACKWARD_CLI_MAX_SCORES = 2**22
+"""Most scores (``B·H·Lq·Lk``) ``flashledger backward --input`` takes: it prints every tile's
+P and checks against the dense reference, both of that size."""

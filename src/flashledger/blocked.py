@@ -96,7 +96,7 @@ from . import _native, online
 from ._checks import check_size
 from ._problem import Placement, Problem, build_problem
 from .conventions import SEED, Conventions
-from .ledger import BackwardTileStep, Counters, ForwardTileStep, Ledger
+from .ledger import BackwardTileStep, Counters, ForwardTileStep, Ledger, Trace, ordinal
 from .masks import EMPTY, FULL, PARTIAL, TILE_KINDS, IntervalBound, Mask
 from .reference import _backward_inputs, _conventional_lse
 
@@ -163,31 +163,132 @@ def _running(
         yield n, t0, t1, kind
 
 
-def _observers(ledger: Ledger, trace: bool, observer: Any) -> tuple[list[Any], bool]:
+def _observers(
+    ledger: Ledger, trace: Trace | None, observer: Any
+) -> tuple[list[Any], Callable[[int], bool]]:
+    """The loop's observers and ``wants(index)``: whether step ``index`` must hand its tensors
+    to an observer (the recorder keeps every ``trace.every``-th step)."""
     obs: list[Any] = []
-    if trace:
-        obs.append(_Recorder(ledger))
+    if trace is not None:
+        obs.append(_Recorder(ledger, trace.every))
     if observer is not None:
         if not (hasattr(observer, "forward_tile") or hasattr(observer, "backward_tile")):
             raise TypeError("observer must have forward_tile(step) and/or backward_tile(step)")
         obs.append(observer)
-    wants = any(getattr(o, "wants_tensors", True) for o in obs)
+    others = any(getattr(o, "wants_tensors", True) for o in obs if not isinstance(o, _Recorder))
+    every = trace.every if trace is not None else 0
+
+    def wants(index: int) -> bool:
+        return others or (every > 0 and index % every == 0)
+
     return obs, wants
 
 
 class _Recorder:
-    """The ``trace=True`` observer: appends every step to the ledger."""
+    """The ``trace=`` observer: appends every ``every``-th step to the ledger."""
 
     wants_tensors = True
 
-    def __init__(self, ledger: Ledger) -> None:
-        self.ledger = ledger
+    def __init__(self, ledger: Ledger, every: int) -> None:
+        self.ledger, self.every = ledger, every
+        ledger.record_every = every
 
     def forward_tile(self, step: ForwardTileStep) -> None:
-        self.ledger.records.append(step)
+        if step.index % self.every == 0:
+            self.ledger.records.append(step)
 
     def backward_tile(self, step: BackwardTileStep) -> None:
-        self.ledger.records.append(step)
+        if step.index % self.every == 0:
+            self.ledger.records.append(step)
+
+
+def _record_bytes(
+    pb: Problem,
+    classes: list[list[int]] | None,
+    qtiles: Sequence[tuple[int, int]],
+    ktiles: Sequence[tuple[int, int]],
+    pass_name: str,
+    every: int,
+) -> tuple[int, int, int]:
+    """``(bytes, steps kept, steps run)`` of the records ``trace`` keeps, in closed form.
+
+    Per tile step of ``bq x bk`` (in the accumulation dtype's bytes, ``B·Hq`` query heads,
+    ``B·Hkv`` K/V heads; the dropout keep mask adds one byte per ``B·Hq·bq·bk``):
+    forward fa2 ``B·Hq·(2·bq·bk + 5·bq + 2·bq·d_v)`` (s, p; block max, m before/after, α,
+    ℓ; acc, o), fa1 the same without acc, backward ``B·Hq·(4·bq·bk + bq·d) + B·Hkv·bk·(d +
+    d_v)`` (s, p, dP, dS; the step's dQ, dK, dV). Steps are numbered in loop order
+    (query-tile major for the fa2 forward, key-tile major otherwise); step ``n`` is kept
+    when ``n % every == 0``.
+    """
+    b, hq, hkv, g, lq, lk, d, dv = pb.shape
+    elem = pb.q.element_size()
+    bq = torch.tensor([q1 - q0 for q0, q1 in qtiles], dtype=torch.int64)[:, None]  # (Tq, 1)
+    bk = torch.tensor([k1 - k0 for k0, k1 in ktiles], dtype=torch.int64)[None, :]  # (1, Tk)
+    bh, bkv = b * hq, b * hkv
+    if pass_name == "backward":
+        per = (bh * (4 * bq * bk + bq * d) + bkv * bk * (d + dv)) * elem
+    else:
+        rows = 2 * dv if pass_name == "forward fa2" else dv
+        per = bh * (2 * bq * bk + 5 * bq + rows * bq) * elem
+    if pb.dropout_p > 0.0:
+        per = per + bh * bq * bk  # (Tq, Tk) bytes of one step's record
+    run = torch.ones(len(qtiles), len(ktiles), dtype=torch.bool)
+    if classes is not None:
+        run = torch.tensor(classes) != EMPTY  # (Tq, Tk)
+    if pass_name != "forward fa2":  # key-tile major
+        run, per = run.T, per.T
+    run, per = run.reshape(-1), per.expand(run.shape).reshape(-1)
+    index = torch.cumsum(run.to(torch.int64), 0) - 1  # loop step number of each tile run
+    kept = run & (index % every == 0)
+    return int(per[kept].sum()), int(kept.sum()), int(run.sum())
+
+
+def _check_trace_budget(
+    pb: Problem,
+    trace: Trace,
+    classes: list[list[int]] | None,
+    qtiles: Sequence[tuple[int, int]],
+    ktiles: Sequence[tuple[int, int]],
+    pass_name: str,
+) -> None:
+    """Raise ``ValueError`` before the loop runs when its records would exceed the budget."""
+    budget = trace.max_bytes
+    if budget is None:
+        return
+    need, kept, run = _record_bytes(pb, classes, qtiles, ktiles, pass_name, trace.every)
+    if need <= budget:
+        return
+    every = trace.every
+    k = max(every + 1, -(-need * every // max(budget, 1)))
+    fits = None
+    while k <= max(run, 1):
+        size = _record_bytes(pb, classes, qtiles, ktiles, pass_name, k)[0]
+        if size <= budget:
+            fits = (k, size)
+            break
+        k *= 2
+    b, hq = pb.shape[:2]
+    hint = (
+        f"record fewer steps (trace=flashledger.Trace(every={fits[0]}) keeps every "
+        f"{ordinal(fits[0])} step: {_size(fits[1])}), "
+        if fits is not None
+        else "use smaller tiles (even one step's record is over the budget), "
+    )
+    raise ValueError(
+        f"trace: the {pass_name.split()[0]} ledger would record {_size(need)} ({kept:,} of "
+        f"{run:,} tile steps, each with its tensors for all B·H = {b * hq} heads: records grow "
+        f"as B·H·Lq·Lk), over the trace budget of {_size(budget)}; {hint}raise the budget "
+        "(flashledger.Trace(max_bytes=...), None for no limit), or trace a shorter sequence "
+        "or fewer heads"
+    )
+
+
+def _size(n: int) -> str:
+    """Bytes as ``"1.24 GiB"``-style text."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} B"
 
 
 class _Book:
@@ -594,7 +695,7 @@ def _forward(
     block_q: int,
     block_k: int,
     loop_order: str,
-    trace: bool,
+    trace: Trace | None,
     observer: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, Ledger]:
     """The forward loop. Returns ``o`` ``(B, Hkv, G, Lq, d_v)``, ``lse`` with -inf on empty rows."""
@@ -605,6 +706,8 @@ def _forward(
     obs, wants = _observers(ledger, trace, observer)
     book = _Book(pb, ledger.counters)
     qtiles, ktiles = _tiles(lq, block_q), _tiles(lk, block_k)
+    if trace is not None:
+        _check_trace_budget(pb, trace, classes, qtiles, ktiles, f"forward {loop_order}")
     kind_of = (lambda i, j: FULL) if classes is None else (lambda i, j: classes[i][j])
     dt, dev = pb.dtype, pb.geo.device
     kern = _native_step(pb, loop_order, obs)
@@ -646,7 +749,8 @@ def _forward(
             for j, k0, k1, kind in _running(book, ktiles, kind_of, i=i):
                 kt, vj = kv_t[j]
                 s, _, vis, keep = _tile_scores(pb, ws, qi, kt, kind, q0, q1, k0, k1)
-                if wants:  # the step overwrites s and the state in place
+                want = bool(obs) and wants(steps)
+                if want:  # the step overwrites s and the state in place
                     s_seen, m_before = s.clone(), state.m.clone()
                 # -- update m, ell, acc (the seed's section 01) --
                 alpha, p = online.step_(
@@ -661,7 +765,7 @@ def _forward(
                 ran = True
                 if obs:
                     tens = {}
-                    if wants:
+                    if want:
                         o_now, _ = online.finalize(state)
                         tens = dict(
                             s=user_q(s_seen),
@@ -714,7 +818,7 @@ def _forward(
                 keep=keep,
                 keep_scale=pb.keep_scale,
             )
-            if obs and wants:
+            if obs and wants(steps):
                 tens = dict(
                     s=pb.user_q(s.clone()),
                     block_max=pb.user_rows(s.amax(dim=-1)),
@@ -769,7 +873,7 @@ def blocked_forward(
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
     loop_order: LoopOrder = "fa2",
-    trace: bool = False,
+    trace: bool | int | Trace = False,
     observer: Any = None,
     raw_lse: bool = False,
 ) -> ForwardResult:
@@ -778,7 +882,10 @@ def blocked_forward(
     q ``(..., Lq, d)``, k ``(..., Lk, d)``, v ``(..., Lk, d_v)`` with ``...`` =
     ``()``, ``(H,)`` or ``(B, H)`` (K/V may have fewer heads: GQA). Tiles of
     ``block_q x block_k`` (default 512 x 512; any sizes >= 1, ragged last
-    tiles). ``trace=True`` records every tile step in ``result.ledger.records``.
+    tiles). ``trace=True`` records every tile step in ``result.ledger.records``,
+    ``trace=k`` every k-th, ``trace=Trace(every=k, max_bytes=n)`` with a budget: the
+    records' size is computed before the loop runs and over the budget (1 GiB by
+    default) a ``ValueError`` says how large they would be and how to reduce them.
     ``raw_lse=True`` reports -inf for fully-masked rows whatever the
     conventions (a partial result to merge, as split-KV and ring attention do).
     """
@@ -804,7 +911,7 @@ def blocked_forward(
         block_q=block_q,
         block_k=block_k,
         loop_order=loop_order,
-        trace=trace,
+        trace=Trace.of(trace),
         observer=observer,
     )
     pb.check_forward_lse(lse, o)
@@ -826,7 +933,7 @@ def _backward(
     block_q: int,
     block_k: int,
     loop_order: str,
-    trace: bool,
+    trace: Trace | None,
     observer: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, Ledger]:
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
@@ -836,6 +943,8 @@ def _backward(
     obs, wants = _observers(ledger, trace, observer)
     book = _Book(pb, ledger.counters)
     qtiles, ktiles = _tiles(lq, block_q), _tiles(lk, block_k)
+    if trace is not None:
+        _check_trace_budget(pb, trace, classes, qtiles, ktiles, "backward")
     kind_of = (lambda i, j: FULL) if classes is None else (lambda i, j: classes[i][j])
     dt, dev = pb.dtype, pb.geo.device
     n = b * hkv
@@ -901,12 +1010,13 @@ def _backward(
             ds, p = ws.get(2, n, r, bk), ws.get(3, n, r, bk)  # (B·Hkv, G·bq, bk)
             # -- rebuild the probability block from the whole row's LSE --
             online.exp_shifted(s, lse_t[i], out=p)  # P = exp(S - λ)
-            p_seen = p.clone() if wants else None
+            want = bool(obs) and wants(steps)
+            p_seen = p.clone() if want else None
             if keep is not None:
                 keep3 = keep.reshape(p.shape)
                 dp.mul_(keep3).mul_(pb.keep_scale)
             torch.sub(dp, d_t[i], out=ds).mul_(p)  # dS = P ⊙ (dP - D)
-            ds_seen = ds.clone() if wants else None
+            ds_seen = ds.clone() if want else None
             if dbias5 is not None:
                 _add_bias_grad(dbias5, _unflat(pb, ds), pb, q0, q1, k0, k1)
             if keep is not None:
@@ -923,7 +1033,7 @@ def _backward(
             if obs:
                 book.flush()
                 tens = {}
-                if wants:
+                if want:
                     assert p_seen is not None and ds_seen is not None
 
                     def user_q(x: torch.Tensor) -> torch.Tensor:
@@ -1002,7 +1112,7 @@ def blocked_backward(
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
     loop_order: LoopOrder = "fa2",
-    trace: bool = False,
+    trace: bool | int | Trace = False,
     observer: Any = None,
 ) -> BackwardResult:
     """Blocked attention backward from the saved ``o`` and ``lse`` (any conventions' LSE).
@@ -1039,7 +1149,7 @@ def blocked_backward(
         block_q=block_q,
         block_k=block_k,
         loop_order=loop_order,
-        trace=trace,
+        trace=Trace.of(trace),
         observer=observer,
     )
     pb.check_gradients(dq=dq, dk=dk, dv=dv)
@@ -1120,7 +1230,7 @@ def split_kv_forward(
             placement=Placement(q_offset=0, k_offset=start, lq_total=lq, lk_total=lk),
         )
         po, pl, led = _forward(
-            part, block_q=block_q, block_k=block_k, loop_order="fa2", trace=False, observer=None
+            part, block_q=block_q, block_k=block_k, loop_order="fa2", trace=None, observer=None
         )
         for key, val in led.counters.to_dict().items():
             setattr(total, key, getattr(total, key) + val)
