@@ -519,7 +519,7 @@ def test_scores_that_overflow_blame_the_inputs(entry, sign):
     _raises(
         lambda: ENTRY_FORWARD[entry](q, k, v),
         ValueError,
-        "the scores of output row (1, 2) overflow float64",
+        "the scores of output row o[1, 2, :] overflow float64",
         "q, k and v are finite",
         "scale q or k down",
     )

@@ -189,12 +189,12 @@ class Problem:
             if not bool(bad.any()):
                 bad = None
         if bad is not None:
-            idx = self._user_index(bad)
-            raise ValueError(self._overflow_message(f"the scores of output row {idx}"))
+            idx = ", ".join(map(str, self._user_index(bad)))
+            raise ValueError(self._overflow_message(f"the scores of output row o[{idx}, :]"))
         if o is not None and not all_finite(o):
             bad = ~torch.isfinite(o).all(dim=-1)  # (B, Hkv, G, Lq)
-            idx = self._user_index(bad)
-            raise ValueError(self._overflow_message(f"output row {idx}"))
+            idx = ", ".join(map(str, self._user_index(bad)))
+            raise ValueError(self._overflow_message(f"output row o[{idx}, :]"))
 
     def check_gradients(self, **grads: torch.Tensor) -> None:
         """Raise ``ValueError`` when a gradient is not finite (its sums overflowed)."""
@@ -231,10 +231,11 @@ class Problem:
         )
 
     def _overflow_message(self, where: str) -> str:
+        bound = self.score_bound()
+        reach = f"may reach {bound:.3g}" if math.isfinite(bound) else "exceeds float64's range"
         return (
             f"{where} overflow {_dtype_name(self.dtype)} although q, k and v are finite: the "
-            f"inputs are too large (|scale·q·k| may reach {self.score_bound():.3g}); scale q "
-            "or k down" + self._wider_hint()
+            f"inputs are too large (|scale·q·k| {reach}); scale q or k down" + self._wider_hint()
         )
 
     def _wider_hint(self) -> str:
