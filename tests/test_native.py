@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
+import threading
 from typing import Any
 
 import pytest
@@ -83,6 +86,26 @@ def test_a_cached_build_is_reused(native, monkeypatch):
     status = _native.native_status()
     path = status[status.rindex(", ") + 2 : -1]
     assert path.endswith(".so") and os.path.exists(path), status
+
+
+def test_a_damaged_cached_library_is_rebuilt(native, tmp_path):
+    """A cached library that is not byte for byte the one built (here: truncated) is
+    rebuilt on the next load, not loaded, and the native step stays on."""
+    env = {**os.environ, "FLASHLEDGER_CACHE_DIR": str(tmp_path)}
+    code = "import flashledger as fl; print(fl.native_status())"
+
+    def status() -> str:
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True)
+        assert done.returncode == 0, done.stderr.decode()[-2000:]
+        return done.stdout.decode().strip()
+
+    assert status().startswith("native tile step: on ("), status
+    (lib,) = tmp_path.glob("native-*.so")
+    good = lib.read_bytes()
+    lib.write_bytes(good[: len(good) // 2])
+    assert not _native._intact(lib)
+    assert status().startswith("native tile step: on ("), "a truncated library was loaded"
+    assert _native._intact(lib) and lib.stat().st_size == len(good)
 
 
 LENGTHS = st.sampled_from([1, 2, 63, 64, 65, 97, 113, 200, 300])
@@ -251,22 +274,55 @@ def test_interval_masks_run_without_mask_tiles(
 
 
 def test_scratch_is_kept_between_passes_up_to_a_bound(native, monkeypatch, gen, assert_close):
-    """The per-thread tile buffers and the forward's laid-out Kᵀ are reused by the next
-    pass (no fresh pages); the backward takes the Kᵀ buffer and frees it; a buffer above
-    the bound is not kept; results are unaffected."""
+    """The tile buffers and the forward's laid-out Kᵀ go back to the pool and are reused
+    by the next pass (no fresh pages); the backward takes the Kᵀ buffer and frees it; a
+    buffer above the bound is not kept; results are unaffected."""
+    _native.release_scratch()
+    pool = _native._pool.bufs
     q, k, v, do = (torch.randn(1, 2, 200, 16, dtype=f64, generator=gen) for _ in range(4))
     ref = fl.reference_forward(q, k, v, mask=fl.Causal())
     fl.blocked_forward(q, k, v, mask=fl.Causal(), block_q=64, block_k=64)
-    bufs = dict(_native._cache.bufs)
+    bufs = dict(pool)
     assert {("work", f64), ("kv_t", f64)} <= set(bufs)
     fwd = fl.blocked_forward(q, k, v, mask=fl.Causal(), block_q=64, block_k=64)
-    assert all(_native._cache.bufs[key] is buf for key, buf in bufs.items()), "reallocated"
+    assert all(pool[key] is buf for key, buf in bufs.items()), "reallocated"
     assert_close(fwd.o, ref.o, rtol=TOL, name="O with reused scratch")
     fl.blocked_backward(q, k, v, fwd.o, fwd.lse, do, mask=fl.Causal(), block_q=64, block_k=64)
-    assert ("kv_t", f64) not in _native._cache.bufs, "the backward lets its Kᵀ go"
+    assert ("kv_t", f64) not in pool, "the backward lets its Kᵀ go"
+    assert _native.release_scratch() > 0 and not pool
     monkeypatch.setattr(_native, "SCRATCH_KEEP_BYTES", 1024)
-    big = _native._scratch("work", 4096, f64, keep=True)
-    assert big.numel() == 4096 and ("work", f64) not in _native._cache.bufs
+    big = _native._pool.take("work", 4096, f64)
+    _native._pool.give("work", big)
+    assert big.numel() == 4096 and ("work", f64) not in pool
+
+
+def test_scratch_kept_is_bounded_whatever_the_threads(native, gen, assert_close):
+    """Passes running in many threads at once each take scratch of their own; what stays
+    kept afterwards is one buffer per (slot, dtype), not one set per thread."""
+    _native.release_scratch()
+    q, k, v = (torch.randn(1, 2, 300, 16, dtype=f64, generator=gen) for _ in range(3))
+    ref = fl.reference_forward(q, k, v)
+    errors: list[BaseException] = []
+    outs: list[torch.Tensor] = []
+    start = threading.Barrier(8)
+
+    def run() -> None:
+        try:
+            start.wait()
+            for _ in range(3):
+                outs.append(fl.blocked_forward(q, k, v, block_q=64, block_k=64).o)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for o in outs:
+        assert_close(o, ref.o, rtol=TOL, name="O from a concurrent pass")
+    assert set(_native._pool.bufs) == {("work", f64), ("kv_t", f64)}, set(_native._pool.bufs)
 
 
 @pytest.fixture(params=["own", "blas"])

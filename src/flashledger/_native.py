@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["Kernels", "TileCall", "disabled", "kernels", "native_status"]
+__all__ = ["Kernels", "TileCall", "disabled", "kernels", "native_status", "release_scratch"]
 
 _SOURCE = Path(__file__).with_name("_native.c")
 _FLAGS = ["-O3", "-march=native", "-fPIC", "-fopenmp", "-fno-math-errno"]
@@ -63,9 +63,17 @@ class _Args(ctypes.Structure):
 
 
 class TileCall:
-    """The fixed arguments of one pass (pointers and sizes); tensors are kept alive here."""
+    """The fixed arguments of one pass (pointers and sizes); tensors are kept alive here.
+    A context manager: on exit (``close``) the pass's scratch goes back to the pool."""
 
-    def __init__(self, kern: Kernels, dtype: torch.dtype, keep: list[torch.Tensor], args: _Args):
+    def __init__(
+        self,
+        kern: Kernels,
+        dtype: torch.dtype,
+        keep: list[torch.Tensor],
+        args: _Args,
+        give_back: list[tuple[str, torch.Tensor]],
+    ):
         self._suffix = "f32" if dtype == torch.float32 else "f64"
         self._fwd = kern.fn("fl_forward_tile", self._suffix)
         self._bwd = kern.fn("fl_backward_tile", self._suffix)
@@ -74,8 +82,21 @@ class TileCall:
         self._bfinish = kern.fn("fl_backward_finish", self._suffix)
         self._keep = keep
         self._args = args
+        self._give_back = give_back
         self.intervals = bool(args.iv_lo)  # partial tiles may be given without bytes
         self._ref = ctypes.byref(args)
+
+    def __enter__(self) -> TileCall:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """The pass is over: its scratch worth keeping goes back to the pool."""
+        for slot, buf in self._give_back:
+            _pool.give(slot, buf)
+        self._give_back = []
 
     def forward(
         self, q0: int, q1: int, k0: int, k1: int, chunk: int, vis: tuple[int, int, int] | None
@@ -230,11 +251,11 @@ class Kernels:
             best = max(best, flop * reps / dt / 1e9)
         return best
 
-    def transposed(self, x: torch.Tensor, slot: str, *, keep: bool) -> torch.Tensor:
+    def transposed(self, x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
         """``x.mT.contiguous()`` of a contiguous float32/float64 ``(n, rows, cols)``, on the
-        step's threads, in scratch ``slot`` (``keep``: see ``_scratch``)."""
+        step's threads, written into the flat scratch ``buf``."""
         n, rows, cols = x.shape
-        out = _scratch(slot, n * cols * rows, x.dtype, keep=keep).view(n, cols, rows)
+        out = buf[: n * cols * rows].view(n, cols, rows)
         suffix = "f32" if x.dtype == torch.float32 else "f64"
         self.fn("fl_transpose", suffix)(x.data_ptr(), out.data_ptr(), n, rows, cols)
         return out
@@ -265,14 +286,16 @@ class Kernels:
         seeing local keys ``lo[i] <= j < hi[i]`` (read for partial tiles given no bytes)."""
         forward = "acc" in state
         # both passes read Kᵀ (for S = Q Kᵀ), the backward Vᵀ too (for dP = dO Vᵀ). The
-        # forward's Kᵀ stays cached for the next forward; the backward takes that buffer
-        # and lets both go when done, before autograd's own copies of the gradients
-        kt = self.transposed(k, "kv_t", keep=forward)  # Kᵀ (Hk, d, Lk)
-        vt = v if forward else self.transposed(v, "v_t", keep=False)  # Vᵀ (Hk, d_v, Lk)
+        # forward gives its Kᵀ buffer back for the next forward; the backward takes that
+        # buffer and lets both go when done, before autograd's own copies of the gradients
+        kt_buf = _pool.take("kv_t", k.numel(), q.dtype)
+        kt = self.transposed(k, kt_buf)  # Kᵀ (Hk, d, Lk)
+        vt = v if forward else self.transposed(v, torch.empty_like(v).view(-1))  # Vᵀ
         keep = [q, k, v, kt, vt, *state.values()]
         assert all(t.is_contiguous() and t.dtype == q.dtype for t in keep)
-        work = _scratch("work", self.max_threads() * work_per_thread, q.dtype, keep=True)
+        work = _pool.take("work", self.max_threads() * work_per_thread, q.dtype)
         keep.append(work)
+        give_back = [("work", work)] + ([("kv_t", kt_buf)] if forward else [])
         iv_lo = iv_hi = None
         if intervals is not None:
             iv_lo, iv_hi = (t.to(torch.int64).contiguous() for t in intervals)  # (B|1, Lq)
@@ -300,28 +323,60 @@ class Kernels:
             scale_exact=int(math.frexp(scale)[0] == 0.5),
             **{name: t.data_ptr() for name, t in state.items()},
         )
-        return TileCall(self, q.dtype, keep, args)
+        return TileCall(self, q.dtype, keep, args, give_back)
 
 
-_cache = threading.local()
 SCRATCH_KEEP_BYTES = 64 << 20  # the largest scratch buffer kept between passes
 
 
-def _scratch(slot: str, numel: int, dtype: torch.dtype, *, keep: bool) -> torch.Tensor:
-    """A flat buffer of this thread for one pass's scratch (``"work"``: the per-thread
-    tiles; ``"kv_t"``, ``"v_t"``: the Kᵀ, Vᵀ it lays out), the slot's cached one when it is large
-    enough. With ``keep`` a buffer up to ``SCRATCH_KEEP_BYTES`` stays cached for the next
-    pass (fresh memory costs a page fault per 4 KiB when first written: 1-2 % of a
-    float32 forward at L = 4096); without, the pass takes it out of the cache and it is
-    freed with the pass. Passes in one thread never overlap: one buffer per slot."""
-    bufs = _cache.__dict__.setdefault("bufs", {})
-    buf = bufs.pop((slot, dtype), None)
-    if buf is None or buf.numel() < numel:
-        buf = None  # free the smaller one first
-        buf = torch.empty(numel, dtype=dtype)
-    if keep and numel * buf.element_size() <= SCRATCH_KEEP_BYTES:
-        bufs[(slot, dtype)] = buf
-    return buf[:numel]
+class _ScratchPool:
+    """Scratch buffers of finished passes, kept for the next pass of any thread.
+
+    A pass takes its buffers out (``take``: the pool's one when large enough, else a
+    fresh one) and gives back those worth keeping when it ends (``give``): fresh memory
+    costs a page fault per 4 KiB when first written (1-2 % of a float32 forward at
+    L = 4096). The pool keeps at most one buffer per (slot, dtype), the largest, and
+    none above ``SCRATCH_KEEP_BYTES``, so however many threads ran passes at once, what
+    stays between passes is bounded (a few buffers, not one set per thread);
+    ``release_scratch()`` empties it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.bufs: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def take(self, slot: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        with self._lock:
+            buf = self.bufs.pop((slot, dtype), None)
+        if buf is None or buf.numel() < numel:
+            buf = None  # free the smaller one first
+            buf = torch.empty(numel, dtype=dtype)
+        return buf
+
+    def give(self, slot: str, buf: torch.Tensor) -> None:
+        if buf.numel() * buf.element_size() > SCRATCH_KEEP_BYTES:
+            return
+        key = (slot, buf.dtype)
+        with self._lock:
+            old = self.bufs.get(key)
+            if old is None or old.numel() < buf.numel():
+                self.bufs[key] = buf
+
+    def release(self) -> int:
+        """Drop every kept buffer; returns the bytes let go."""
+        with self._lock:
+            freed = sum(b.numel() * b.element_size() for b in self.bufs.values())
+            self.bufs.clear()
+        return freed
+
+
+_pool = _ScratchPool()
+
+
+def release_scratch() -> int:
+    """Let go of the scratch the native step keeps between passes (e.g. when a server
+    goes idle); returns the bytes released. The next pass allocates afresh."""
+    return _pool.release()
 
 
 @contextlib.contextmanager
@@ -415,7 +470,7 @@ def _build_and_load() -> tuple[Kernels | None, str]:
         or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flashledger"
     )
     lib_path = cache / f"native-{key}.so"
-    if not lib_path.exists():
+    if not _intact(lib_path):  # missing, or not the file that was built (truncated, edited)
         try:
             cache.mkdir(parents=True, exist_ok=True)
             _compile(cc, gomp, lib_path)
@@ -428,8 +483,22 @@ def _build_and_load() -> tuple[Kernels | None, str]:
     return kern, f"{isa}, {kern.max_threads()} threads, {lib_path}"
 
 
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _intact(lib: Path) -> bool:
+    """The cached library exists and is byte for byte the one built: its SHA-256 equals
+    the one written beside it (``.sha256``) when it was built."""
+    try:
+        return _digest(lib) == lib.with_suffix(".sha256").read_text().strip()
+    except OSError:
+        return False
+
+
 def _compile(cc: str, gomp: Path, out: Path) -> None:
-    """Compile float32 and float64 objects and link them against the loaded libgomp."""
+    """Compile float32 and float64 objects, link them against the loaded libgomp, and write
+    the library's SHA-256 beside it (checked before every load: ``_intact``)."""
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         objs = []
         for name, flag in (("f32", "0"), ("f64", "1")):
@@ -440,7 +509,12 @@ def _compile(cc: str, gomp: Path, out: Path) -> None:
         tmp_lib = Path(tmp) / out.name
         rpath = f"-Wl,-rpath,{gomp.parent}"
         _run([cc, "-shared", *objs, str(gomp), rpath, "-o", str(tmp_lib)])
-        os.replace(tmp_lib, out)  # atomic: concurrent builders never see half a file
+        tmp_sum = Path(tmp) / "digest"
+        tmp_sum.write_text(_digest(tmp_lib) + "\n")
+        # atomic: concurrent builders never see half a file; the digest goes first, so a
+        # reader that sees the new library also sees its digest (identical builds agree)
+        os.replace(tmp_sum, out.with_suffix(".sha256"))
+        os.replace(tmp_lib, out)
 
 
 class _BuildError(RuntimeError):

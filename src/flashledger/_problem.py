@@ -19,7 +19,14 @@ from .dropout import dropout_keep
 from .masks import BoundMask, Geometry, Mask, _SequenceBounds, as_mask
 from .scores import ScoreMod
 
-__all__ = ["FLOAT_DTYPES", "SEED_LIMIT", "Placement", "Problem", "build_problem", "check_options"]
+__all__ = [
+    "FLOAT_DTYPES",
+    "SEED_LIMIT",
+    "Placement",
+    "Problem",
+    "build_problem",
+    "check_option_values",
+]
 
 
 @dataclass(frozen=True)
@@ -282,7 +289,7 @@ SEED_LIMIT = 2**64
 """Seeds are integers in ``0..2**64 - 1``: the dropout hash keys on all 64 bits of the seed."""
 
 
-def check_options(
+def check_option_values(
     *,
     scale: Any,
     dropout_p: Any,
@@ -361,7 +368,7 @@ def build_problem(
     # -- options --
     if scale is None:
         scale = 1.0 / math.sqrt(d)
-    check_options(
+    check_option_values(
         scale=scale,
         dropout_p=dropout_p,
         seed=seed,

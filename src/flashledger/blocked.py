@@ -88,16 +88,16 @@ import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Unpack
 
 import torch
 
 from . import _native, online
 from ._checks import check_size
+from ._options import AttentionOptions, check_options
 from ._problem import Placement, Problem, build_problem
-from .conventions import SEED, Conventions
 from .ledger import BackwardTileStep, Counters, ForwardTileStep, Ledger, Trace, ordinal
-from .masks import EMPTY, FULL, PARTIAL, TILE_KINDS, IntervalBound, Mask
+from .masks import EMPTY, FULL, PARTIAL, TILE_KINDS, IntervalBound
 from .reference import _backward_inputs, _conventional_lse
 
 __all__ = [
@@ -603,31 +603,31 @@ def _forward_native(
     threads, chunk = kern.max_threads(), rows
     while heads * -(-rows // chunk) < threads and chunk > 32:
         chunk = -(-chunk // 2)
-    call = _native_call(pb, kern, chunk * cols + chunk, acc=acc, m=m, ell=ell)  # S/P, α
     ktiles = _tiles(lk, block_k)
-    for i, (q0, q1) in enumerate(_tiles(lq, block_q)):
-        ran = False
-        full = (0, 0)  # keys of the consecutive full tiles not yet run (one call, in order)
-        for _, k0, k1, kind in _running(book, ktiles, kind_of, i=i):
-            book.io(read=(k1 - k0) * (d + dv))
-            ran = True
-            if kind == FULL:
-                if full[1] != k0:  # not contiguous (a skipped tile between)
-                    _run_full(call, q0, q1, full, block_k, chunk)
-                    full = (k0, k0)
-                full = (full[0], k1)
-                book.run(kind, q1 - q0, k1 - k0, None, None, forward=True)
-                continue
+    with _native_call(pb, kern, chunk * cols + chunk, acc=acc, m=m, ell=ell) as call:  # S/P, α
+        for i, (q0, q1) in enumerate(_tiles(lq, block_q)):
+            ran = False
+            full = (0, 0)  # keys of the consecutive full tiles not yet run (one call, in order)
+            for _, k0, k1, kind in _running(book, ktiles, kind_of, i=i):
+                book.io(read=(k1 - k0) * (d + dv))
+                ran = True
+                if kind == FULL:
+                    if full[1] != k0:  # not contiguous (a skipped tile between)
+                        _run_full(call, q0, q1, full, block_k, chunk)
+                        full = (k0, k0)
+                    full = (full[0], k1)
+                    book.run(kind, q1 - q0, k1 - k0, None, None, forward=True)
+                    continue
+                _run_full(call, q0, q1, full, block_k, chunk)
+                full = (k1, k1)
+                vis, tile, where = _native_vis(pb, call, kind, q0, q1, k0, k1)  # tile: alive
+                seen = call.forward(q0, q1, k0, k1, chunk, where)
+                book.run(kind, q1 - q0, k1 - k0, vis, None, forward=True, visible=seen)
             _run_full(call, q0, q1, full, block_k, chunk)
-            full = (k1, k1)
-            vis, tile, where = _native_vis(pb, call, kind, q0, q1, k0, k1)  # tile: alive
-            seen = call.forward(q0, q1, k0, k1, chunk, where)
-            book.run(kind, q1 - q0, k1 - k0, vis, None, forward=True, visible=seen)
-        _run_full(call, q0, q1, full, block_k, chunk)
-        if ran:
-            book.io(read=(q1 - q0) * d)
-        call.finish(q0, q1, o, lse)  # o, lse rows [q0, q1); the state reset
-        book.io(write=(q1 - q0) * (dv + 1))
+            if ran:
+                book.io(read=(q1 - q0) * d)
+            call.finish(q0, q1, o, lse)  # o, lse rows [q0, q1); the state reset
+            book.io(write=(q1 - q0) * (dv + 1))
     book.flush()
     return o.view(b, hkv, g, lq, dv), lse.view(b, hkv, g, lq), ledger
 
@@ -658,7 +658,8 @@ def _backward_native(
     rows, cols = min(block_q, lq), min(block_k, lk)
     dk_t = torch.zeros(heads * d * cols, dtype=dt)  # dK_jᵀ per query head
     dv_t = torch.zeros(heads * dv * cols, dtype=dt)  # dV_jᵀ per query head
-    call = _native_call(
+    qtiles = _tiles(lq, block_q)
+    with _native_call(
         pb,
         kern,
         2 * rows * cols,  # P and dP/dS
@@ -668,21 +669,20 @@ def _backward_native(
         dq=dq,
         dk_t=dk_t,
         dv_t=dv_t,
-    )
-    qtiles = _tiles(lq, block_q)
-    for j, (k0, k1) in enumerate(_tiles(lk, block_k)):
-        bk = k1 - k0
-        ran = False
-        for _, q0, q1, kind in _running(book, qtiles, kind_of, j=j):
-            vis, tile, where = _native_vis(pb, call, kind, q0, q1, k0, k1)  # tile: alive
-            seen = call.backward(q0, q1, k0, k1, where)
-            book.run(kind, q1 - q0, bk, vis, None, forward=False, visible=seen)
-            book.io(read=(q1 - q0) * (2 * d + dv + 2), write=(q1 - q0) * d)
-            ran = True
-        if ran:
-            book.io(read=bk * (d + dv))
-        call.finish_keys(k0, k1, dk, dv_)  # dK, dV rows [k0, k1); dK_jᵀ, dV_jᵀ zeroed
-        book.io(write=bk * (d + dv))
+    ) as call:
+        for j, (k0, k1) in enumerate(_tiles(lk, block_k)):
+            bk = k1 - k0
+            ran = False
+            for _, q0, q1, kind in _running(book, qtiles, kind_of, j=j):
+                vis, tile, where = _native_vis(pb, call, kind, q0, q1, k0, k1)  # tile: alive
+                seen = call.backward(q0, q1, k0, k1, where)
+                book.run(kind, q1 - q0, bk, vis, None, forward=False, visible=seen)
+                book.io(read=(q1 - q0) * (2 * d + dv + 2), write=(q1 - q0) * d)
+                ran = True
+            if ran:
+                book.io(read=bk * (d + dv))
+            call.finish_keys(k0, k1, dk, dv_)  # dK, dV rows [k0, k1); dK_jᵀ, dV_jᵀ zeroed
+            book.io(write=bk * (d + dv))
     return dq.view(b, hkv, g, lq, d), dk, dv_
 
 
@@ -859,16 +859,6 @@ def blocked_forward(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    mask: Mask | torch.Tensor | None = None,
-    scale: float | None = None,
-    conventions: Conventions | str = SEED,
-    dropout_p: float = 0.0,
-    seed: int = 0,
-    softcap: float | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    cu_seqlens_q: torch.Tensor | None = None,
-    cu_seqlens_k: torch.Tensor | None = None,
     placement: Placement | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
@@ -876,6 +866,7 @@ def blocked_forward(
     trace: bool | int | Trace = False,
     observer: Any = None,
     raw_lse: bool = False,
+    **opts: Unpack[AttentionOptions],
 ) -> ForwardResult:
     """Blocked attention forward.
 
@@ -886,26 +877,14 @@ def blocked_forward(
     ``trace=k`` every k-th, ``trace=Trace(every=k, max_bytes=n)`` with a budget: the
     records' size is computed before the loop runs and over the budget (1 GiB by
     default) a ``ValueError`` says how large they would be and how to reduce them.
+    ``opts``: ``AttentionOptions`` (mask, scale, conventions, dropout, softcap,
+    ALiBi, bias, cu_seqlens).
     ``raw_lse=True`` reports -inf for fully-masked rows whatever the
     conventions (a partial result to merge, as split-KV and ring attention do).
     """
     _check_options(block_q, block_k, loop_order)
-    pb = build_problem(
-        q,
-        k,
-        v,
-        mask=mask,
-        scale=scale,
-        conventions=conventions,
-        dropout_p=dropout_p,
-        seed=seed,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        bias=bias,
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k,
-        placement=placement,
-    )
+    check_options("blocked_forward", opts)
+    pb = build_problem(q, k, v, placement=placement, **opts)
     o, lse, ledger = _forward(
         pb,
         block_q=block_q,
@@ -1098,22 +1077,13 @@ def blocked_backward(
     do: torch.Tensor,
     *,
     dlse: torch.Tensor | None = None,
-    mask: Mask | torch.Tensor | None = None,
-    scale: float | None = None,
-    conventions: Conventions | str = SEED,
-    dropout_p: float = 0.0,
-    seed: int = 0,
-    softcap: float | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    cu_seqlens_q: torch.Tensor | None = None,
-    cu_seqlens_k: torch.Tensor | None = None,
     placement: Placement | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
     loop_order: LoopOrder = "fa2",
     trace: bool | int | Trace = False,
     observer: Any = None,
+    **opts: Unpack[AttentionOptions],
 ) -> BackwardResult:
     """Blocked attention backward from the saved ``o`` and ``lse`` (any conventions' LSE).
 
@@ -1121,22 +1091,8 @@ def blocked_backward(
     arguments as for ``blocked_forward`` (they must match the forward call).
     """
     _check_options(block_q, block_k, loop_order)
-    pb = build_problem(
-        q,
-        k,
-        v,
-        mask=mask,
-        scale=scale,
-        conventions=conventions,
-        dropout_p=dropout_p,
-        seed=seed,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        bias=bias,
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k,
-        placement=placement,
-    )
+    check_options("blocked_backward", opts)
+    pb = build_problem(q, k, v, placement=placement, **opts)
     o5, do5, dlse5 = _backward_inputs(pb, o, lse, do, dlse)
     lse5 = pb.to_internal_rows(lse.to(pb.dtype))
     pb.check_saved_lse(lse5, whole=placement is None)
@@ -1153,7 +1109,7 @@ def blocked_backward(
         observer=observer,
     )
     pb.check_gradients(dq=dq, dk=dk, dv=dv)
-    dbias = None
+    dbias, bias = None, opts.get("bias")
     if dbias5 is not None and bias is not None:
         dbias = dbias5.reshape(bias.shape).to(bias.dtype)
     return BackwardResult(
@@ -1175,16 +1131,9 @@ def split_kv_forward(
     v: torch.Tensor,
     *,
     num_splits: int,
-    mask: Mask | torch.Tensor | None = None,
-    scale: float | None = None,
-    conventions: Conventions | str = SEED,
-    dropout_p: float = 0.0,
-    seed: int = 0,
-    softcap: float | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
+    **opts: Unpack[AttentionOptions],
 ) -> ForwardResult:
     """Split the keys into ``num_splits`` chunks, attend each independently, merge.
 
@@ -1195,19 +1144,8 @@ def split_kv_forward(
     """
     check_size("num_splits", num_splits)
     _check_options(block_q, block_k, "fa2")
-    pb = build_problem(
-        q,
-        k,
-        v,
-        mask=mask,
-        scale=scale,
-        conventions=conventions,
-        dropout_p=dropout_p,
-        seed=seed,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        bias=bias,
-    )
+    check_options("split_kv_forward", opts, refused=("cu_seqlens_q", "cu_seqlens_k"))
+    pb = build_problem(q, k, v, **opts)
     lq, lk = pb.shape[4], pb.shape[5]
     if num_splits > lk:
         raise ValueError(f"num_splits must be between 1 and Lk = {lk}, got {num_splits}")
@@ -1219,15 +1157,8 @@ def split_kv_forward(
             q,
             k[..., start:stop, :],
             v[..., start:stop, :],
-            mask=mask,
-            scale=scale,
-            conventions=conventions,
-            dropout_p=dropout_p,
-            seed=seed,
-            softcap=softcap,
-            alibi_slopes=alibi_slopes,
-            bias=bias,
             placement=Placement(q_offset=0, k_offset=start, lq_total=lq, lk_total=lk),
+            **opts,
         )
         po, pl, led = _forward(
             part, block_q=block_q, block_k=block_k, loop_order="fa2", trace=None, observer=None
