@@ -206,3 +206,53 @@ def test_lse_of_fully_masked_rows_keeps_second_order_finite(gen):
     assert all(bool(torch.isfinite(g).all()) for g in grads)
     assert not bool(grads[0][0, 0, :2].any()), "rows with no key get no gradient"
     assert math.isfinite(float(sum(g.sum() for g in grads)))
+
+
+def test_entry_points_without_a_graph_refuse_inputs_that_require_one(gen):
+    """blocked_forward and friends record no graph: an input that requires a gradient would
+    silently get none (the native path returned an O without grad_fn)."""
+    q, k, v = _inputs(gen, 1, 2, 2, 5, 5)
+    fwd = fl.blocked_forward(q.detach(), k.detach(), v.detach())
+    calls = {
+        "blocked_forward": lambda: fl.blocked_forward(q, k, v),
+        "split_kv_forward": lambda: fl.split_kv_forward(q, k, v, num_splits=2),
+        "blocked_backward": lambda: fl.blocked_backward(q, k, v, fwd.o, fwd.lse, fwd.o),
+    }
+    for where, call in calls.items():
+        with pytest.raises(ValueError, match=rf"{where} is not differentiable.*q, k, v require"):
+            call()
+        with torch.no_grad():
+            call()  # no graph is asked for: fine
+
+
+def test_ring_refuses_second_order_gradients(gen):
+    """Under create_graph=True the ring's backward would return constant gradients: every
+    rank raises before any shard moves."""
+    import threading
+
+    from flashledger._ring_core import _rank_run, _RingFunction
+    from flashledger._ring_transport import LocalHub, LocalTransport
+    from flashledger.ring import shard_sequence
+
+    q, k, v = _inputs(gen, 1, 2, 1, 8, 8)
+    hub = LocalHub(2, timeout=10.0)
+    errors: list[BaseException | None] = [None, None]
+
+    def rank(r: int) -> None:
+        xs = [shard_sequence(x.detach(), r, 2, "contiguous").requires_grad_() for x in (q, k, v)]
+        run = _rank_run(
+            LocalTransport(hub, r), layout="contiguous", block_q=4, block_k=4, ledger=None, opts={}
+        )
+        o, _ = _RingFunction.apply(*xs, run)
+        try:
+            torch.autograd.grad((o**2).sum(), xs[0], create_graph=True)
+        except BaseException as e:
+            errors[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=40)
+    for r, e in enumerate(errors):
+        assert isinstance(e, ValueError) and "no second-order gradients" in str(e), (r, e)

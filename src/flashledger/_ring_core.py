@@ -514,6 +514,12 @@ class _RankRun:
         # the upstream gradients are this rank's own: agree before anything travels
         err: Exception | None = None
         try:
+            if torch.is_grad_enabled():
+                raise ValueError(
+                    "ring attention has no second-order gradients: its backward records no "
+                    "graph, so create_graph=True would silently give gradients of gradients "
+                    "without the attention term; take them with flash_attention on one process"
+                )
             check_finite("do (the gradient of o)", do)
             if dlse is not None:
                 check_finite("dlse (the gradient of the LSE)", dlse)

@@ -129,6 +129,20 @@ class DistTransport(Transport):
         what = f"rank {self.rank}'s exchange with ranks {self.prev} and {self.next}"
         return _DistPending(dist.batch_isend_irecv(ops), list(recv), self.timeout, what)
 
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data`` (any length), indexed by rank, within the timeout."""
+        device = torch.device("cpu")
+        if self.dist.get_backend(self.group) == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        lengths = [row[0] for row in self.all_gather_ints([len(data)], device=device)]
+        mine = torch.zeros(max(1, *lengths), dtype=torch.uint8, device=device)  # (n,)
+        if data:
+            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        work = self.dist.all_gather(every, mine, group=self.group, async_op=True)
+        _wait(work, self.timeout, f"every rank's part of an all-gather (rank {self.rank} waiting)")
+        return [t[:n].cpu().numpy().tobytes() for t, n in zip(every, lengths)]
+
     def all_gather_ints(self, values: Sequence[int], *, device: torch.device) -> list[list[int]]:
         mine = torch.tensor(list(values), dtype=torch.int64, device=device)  # (n,)
         every = [torch.empty_like(mine) for _ in range(self.world_size)]

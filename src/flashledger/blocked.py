@@ -475,6 +475,21 @@ def _finish_scores(
     return s, t, vis, keep
 
 
+def _refuse_graph(where: str, tensors: dict[str, Any]) -> None:
+    """The loop fills buffers in place and records no graph: with grad mode on, an input that
+    requires a gradient would silently get none from it. Refuse, and name the op that does."""
+    if not torch.is_grad_enabled():
+        return
+    names = [n for n, t in tensors.items() if isinstance(t, torch.Tensor) and t.requires_grad]
+    if names:
+        raise ValueError(
+            f"{where} is not differentiable (its loop records no graph), but "
+            f"{', '.join(names)} require{'s' if len(names) == 1 else ''} a gradient: use "
+            "flash_attention(q, k, v, ...) for gradients, or pass detached tensors "
+            "(or call it under torch.no_grad())"
+        )
+
+
 def _check_options(block_q: Any, block_k: Any, loop_order: Any) -> None:
     check_size("block_q", block_q)
     check_size("block_k", block_k)
@@ -884,6 +899,7 @@ def blocked_forward(
     """
     _check_options(block_q, block_k, loop_order)
     check_options("blocked_forward", opts)
+    _refuse_graph("blocked_forward", dict(q=q, k=k, v=v, bias=opts.get("bias")))
     pb = build_problem(q, k, v, placement=placement, **opts)
     o, lse, ledger = _forward(
         pb,
@@ -1092,6 +1108,10 @@ def blocked_backward(
     """
     _check_options(block_q, block_k, loop_order)
     check_options("blocked_backward", opts)
+    _refuse_graph(
+        "blocked_backward",
+        dict(q=q, k=k, v=v, o=o, lse=lse, do=do, dlse=dlse, bias=opts.get("bias")),
+    )
     pb = build_problem(q, k, v, placement=placement, **opts)
     o5, do5, dlse5 = _backward_inputs(pb, o, lse, do, dlse)
     lse5 = pb.to_internal_rows(lse.to(pb.dtype))
@@ -1145,6 +1165,7 @@ def split_kv_forward(
     check_size("num_splits", num_splits)
     _check_options(block_q, block_k, "fa2")
     check_options("split_kv_forward", opts, refused=("cu_seqlens_q", "cu_seqlens_k"))
+    _refuse_graph("split_kv_forward", dict(q=q, k=k, v=v, bias=opts.get("bias")))
     pb = build_problem(q, k, v, **opts)
     lq, lk = pb.shape[4], pb.shape[5]
     if num_splits > lk:
