@@ -159,10 +159,7 @@ class Problem:
         if sm.softcap is not None:
             bound = sm.softcap
         else:
-            f64 = torch.float64
-            qn = float(torch.linalg.vector_norm(self.q.detach(), dim=-1, dtype=f64).amax())
-            kn = float(torch.linalg.vector_norm(self.k.detach(), dim=-1, dtype=f64).amax())
-            bound = abs(sm.scale) * qn * kn
+            bound = abs(sm.scale) * _max_norm(self.q) * _max_norm(self.k)
         if sm.slopes is not None:
             bound += float(sm.slopes.detach().abs().amax()) * (
                 self.geo.lq_total + self.geo.lk_total
@@ -219,12 +216,14 @@ class Problem:
         call covers every key of the rows, so the upper limit applies). Rows that see no key
         may carry any convention's value (-inf, +inf, 0). ``lse`` ``(B, Hkv, G, Lq)``."""
         lse = lse.detach()
-        rows = self.rows_with_keys()
         bound = self.score_bound()
         slack = 1e-3 * bound + 1.0  # rounding of the scores in the accumulation dtype
         lo = -(bound + slack)
         hi = bound + slack + math.log(self.geo.lk_total) if whole else math.inf
         ok = torch.isfinite(lse) & (lse >= lo) & (lse <= hi)
+        if bool(ok.all()):
+            return
+        rows = self.rows_with_keys()  # only when needed: a dense mask makes it O(Lq·Lk)
         bad = ~ok if rows is None else ~ok & rows
         if not bool(bad.any()):
             return
@@ -247,6 +246,15 @@ class Problem:
 
     def _wider_hint(self) -> str:
         return "" if self.dtype == torch.float64 else ", or compute in float64"
+
+
+def _max_norm(x: torch.Tensor) -> float:
+    """Largest row norm of ``(..., L, d)``, in the tensor's dtype (float64 only if that
+    overflows)."""
+    n = float(torch.linalg.vector_norm(x.detach(), dim=-1).amax())
+    if math.isinf(n) and x.dtype != torch.float64:
+        n = float(torch.linalg.vector_norm(x.detach(), dim=-1, dtype=torch.float64).amax())
+    return n
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
