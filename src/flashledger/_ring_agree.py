@@ -71,10 +71,11 @@ def describe_mask(mask: Mask | None) -> str:
     if isinstance(mask, DenseMask):
         return f"DenseMask({_tensor_text(mask.mask)})"
     text = repr(mask)
+    attrs = sorted(getattr(mask, "__dict__", {}).items())
     if " at 0x" in text:  # the default repr names an address, different in every process
-        attrs = ", ".join(f"{n}={_value_text(x)}" for n, x in sorted(vars(mask).items()))
-        text = f"{type(mask).__qualname__}({attrs})"
-    return text
+        return f"{type(mask).__qualname__}({', '.join(f'{n}={_value_text(x)}' for n, x in attrs)})"
+    tensors = [f"{n}: {_tensor_text(x)}" for n, x in attrs if isinstance(x, torch.Tensor)]
+    return text + (f" [{'; '.join(tensors)}]" if tensors else "")  # a repr may summarise them
 
 
 def _conventions_text(c: Conventions) -> str:

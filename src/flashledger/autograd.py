@@ -12,11 +12,17 @@ with this op and runs the blocked backward of ``_backward_graph`` (out-of-place
 tile steps), so the gradients are themselves differentiable, exactly, to any
 order (``gradgradcheck`` in float64). That graph holds every tile's
 intermediates: memory ``O(B·H·Lq·Lk)``, like PyTorch's math backend.
+
+``_FlashAttention.apply(q, k, v, bias, opts, sink)`` is the op itself; ``sink``
+(or None) is called with each pass's ``Ledger`` as the pass ends, which is how
+a model's ledger (``flashledger.model.ledger_of``) books both passes of every
+attention call (a backward that builds a graph has no blocked ledger to book).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Unpack
 
@@ -26,6 +32,7 @@ from ._backward_graph import graph_backward
 from ._options import AttentionOptions, check_options
 from .blocked import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, LoopOrder, blocked_backward, blocked_forward
 from .conventions import SEED, get_conventions
+from .ledger import Ledger
 
 __all__ = ["flash_attention"]
 
@@ -39,11 +46,14 @@ class _FlashAttention(torch.autograd.Function):
         v: torch.Tensor,
         bias: torch.Tensor | None,
         opts: dict[str, Any],
+        sink: Callable[[Ledger], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         res = blocked_forward(q, k, v, bias=bias, **opts)
         ctx.set_materialize_grads(False)  # an unused LSE output costs no zero tensor and no pass
         ctx.save_for_backward(q, k, v, bias, res.o, res.lse)
-        ctx.opts = opts
+        ctx.opts, ctx.sink = opts, sink
+        if sink is not None:
+            sink(res.ledger)
         return res.o, res.lse
 
     @staticmethod
@@ -54,7 +64,7 @@ class _FlashAttention(torch.autograd.Function):
         opts = ctx.opts
         use_dlse = get_conventions(opts["conventions"]).lse_differentiable and dlse is not None
         if do is None and not use_dlse:  # neither output carries a gradient
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         do = torch.zeros_like(o) if do is None else do.contiguous()
         if torch.is_grad_enabled():  # create_graph=True: gradients autograd can differentiate
             conv = get_conventions(opts["conventions"])
@@ -63,12 +73,14 @@ class _FlashAttention(torch.autograd.Function):
             dq, dk, dv, dbias = graph_backward(
                 q, k, v, o_g, lse_g, do, dlse if use_dlse else None, bias, opts
             )
-            return dq, dk, dv, dbias if ctx.needs_input_grad[3] else None, None
+            return dq, dk, dv, dbias if ctx.needs_input_grad[3] else None, None, None
         res = blocked_backward(
             q, k, v, o, lse, do, dlse=dlse if use_dlse else None, bias=bias, **opts
         )
+        if ctx.sink is not None:
+            ctx.sink(res.ledger)
         dbias = res.dbias if bias is not None and ctx.needs_input_grad[3] else None
-        return res.dq, res.dk, res.dv, dbias, None
+        return res.dq, res.dk, res.dv, dbias, None, None
 
 
 def flash_attention(
