@@ -59,7 +59,7 @@ import torch
 
 from . import _calibrate, _native
 from ._limits import MAX_SIZE
-from ._progress import int_arg, make_console, progress
+from ._progress import figure_png, int_arg, make_console, output_problem, progress, write_file
 from .autograd import flash_attention
 from .blocked import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, blocked_backward, blocked_forward
 from .masks import Causal
@@ -950,8 +950,9 @@ def plot(report: dict[str, Any], path: Path) -> bool:
         axes[1][col].set_title(f"{dt}: peak extra memory, forward + backward")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    png = figure_png(fig)
     plt.close(fig)
+    write_file(path, png)
     return True
 
 
@@ -1112,8 +1113,12 @@ def run_cli(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)  # before the run: a bad path fails now, not later
     if args.decode or args.contention:
         return _run_side_benchmark(args, out)
+    for name in ("bench.json", "bench.png"):
+        problem = output_problem(out / name)
+        if problem:
+            raise ValueError(f"--out {out}: cannot write {name} there: {problem}")
     report = run_benchmark(args)
-    (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_file(out / "bench.json", (json.dumps(report, indent=2) + "\n").encode())
     plotted = plot(report, out / "bench.png")
     if args.json:
         print(json.dumps(report, indent=2))
@@ -1132,6 +1137,10 @@ def _run_side_benchmark(args: argparse.Namespace, out: Path) -> int:
     """``--decode`` or ``--contention``: run it, print its table, write its JSON."""
     from rich.table import Table
 
+    name = "decode.json" if args.decode else "contention.json"
+    problem = output_problem(out / name)
+    if problem:
+        raise ValueError(f"--out {out}: cannot write {name} there: {problem}")
     machine = machine_info()
     head = f"{machine['cpu']} ({machine['isa']}), {machine['threads']} threads, torch {machine['torch']}"
     if args.decode:
@@ -1139,7 +1148,6 @@ def _run_side_benchmark(args: argparse.Namespace, out: Path) -> int:
         lengths = args.lengths if given else DECODE_LENGTHS
         dtypes = args.dtypes if args.dtypes != DEFAULT_DTYPES else ("float32", "bfloat16")
         rows = decode(lengths, dtypes, (1, 8), repeats=args.repeats, memory=not args.no_memory)
-        name = "decode.json"
         table = Table(
             title="decode: Lq = 1 against a KV cache of Lk keys, 32 query / 8 K/V heads, d = 128; "
             "medians, ratio < 1: flashledger is faster",
@@ -1157,7 +1165,6 @@ def _run_side_benchmark(args: argparse.Namespace, out: Path) -> int:
             )  # fmt: skip
     else:
         rows = contention(args.repeats)
-        name = "contention.json"
         table = Table(
             title="a busy machine: forward + backward (float32, B=1, H=4) quiet and with one "
             "other busy process; slowdown = busy / quiet; ratio = FL's slowdown / SDPA's",
@@ -1183,7 +1190,7 @@ def _run_side_benchmark(args: argparse.Namespace, out: Path) -> int:
                 f"{r['slowdown_ratio']:.2f}",
             )  # fmt: skip
     report = {"machine": machine, "results": rows}
-    (out / name).write_text(json.dumps(report, indent=2) + "\n")
+    write_file(out / name, (json.dumps(report, indent=2) + "\n").encode())
     if args.json:
         print(json.dumps(report, indent=2))
     else:
