@@ -628,3 +628,17 @@ def test_half_inputs_on_the_native_step_keep_the_rule(
         native_calls["forward"] > before["forward"]
         and native_calls["backward"] > before["backward"]
     )
+
+
+def test_a_key_tile_no_query_sees_wider_than_every_tile_run(native, gen, outputs_close):
+    """The backward zeroes dK, dV of a key tile no query sees without touching scratch
+    sized for the tiles that run (here the only tile run is one key wide, the skipped key
+    tile four: scratch for four would overrun)."""
+    mask = torch.tensor([[False, False, False, False, True]])
+    for _ in range(50):
+        q, do = (torch.randn(2, 3, 1, 1, dtype=f64, generator=gen) for _ in range(2))
+        k, v = (torch.randn(2, 3, 5, 1, dtype=f64, generator=gen) for _ in range(2))
+        ref = fl.reference_forward(q, k, v, mask=mask, scale=0.3)
+        refb = fl.reference_backward(q, k, v, ref.o, ref.lse, do, mask=mask, scale=0.3)
+        fwd, bwd = _both(q, k, v, do, mask=mask, scale=0.3, block_q=5, block_k=4)
+        outputs_close((fwd, bwd), (ref, refb), rtol=TOL, name="one key seen")

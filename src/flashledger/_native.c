@@ -795,7 +795,15 @@ static void backward_item(const struct fl_args *a, long long kh, long long j0, l
     for (long long j = j0; j < j1; ++j) {
         long long ta = a->row_start[j], tb = a->row_start[j + 1];
         long long k0 = a->bounds[2 * j], nc = a->bounds[2 * j + 1] - k0;
+        T *dk = a->dk + (kh * a->lk + k0) * id, *dv = a->dvo + (kh * a->lk + k0) * idv;
+        if (ta == tb) { /* a key tile no query sees: dK_j = dV_j = 0, no scratch needed */
+            memset(dk, 0, (size_t)(nc * id) * sizeof(T));
+            memset(dv, 0, (size_t)(nc * idv) * sizeof(T));
+            continue;
+        }
         const long long *t;
+        /* scratch: dK_jᵀ, dV_jᵀ of the key tile (its width: some tile of this row runs, so
+         * the pass's widest run tile bounds it), then P and dP/dS */
         T *dkt = a->work + omp_get_thread_num() * a->work_stride, *dvt = dkt + id * nc;
         T *s = dvt + idv * nc;
         memset(dkt, 0, (size_t)((id + idv) * nc) * sizeof(T));
@@ -815,7 +823,6 @@ static void backward_item(const struct fl_args *a, long long kh, long long j0, l
                 a->seen[ti] += seen;
             }
         }
-        T *dk = a->dk + (kh * a->lk + k0) * id, *dv = a->dvo + (kh * a->lk + k0) * idv;
         for (long long c = 0; c < nc; ++c) {
             for (long long e = 0; e < id; ++e) dk[c * id + e] = dkt[e * nc + c];
             for (long long e = 0; e < idv; ++e) dv[c * idv + e] = dvt[e * nc + c];
