@@ -17,6 +17,7 @@ import torch
 import flashledger as fl
 
 PUBLIC = [
+    "AttentionOptions",
     "BackwardResult",
     "BackwardTileStep",
     "Causal",
@@ -104,9 +105,27 @@ def test_options_are_keyword_only(name):
     positional = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
     assert len(positional) == n, f"{name}: positional parameters {positional}"
     rest = params[n:]
-    assert rest and all(p.kind is p.KEYWORD_ONLY for p in rest), f"{name}: {rest}"
-    for option in ("mask", "scale", "conventions", "dropout_p", "seed", "softcap"):
-        assert option in {p.name for p in rest}, f"{name} lacks the {option}= option"
+    assert rest and all(p.kind is p.KEYWORD_ONLY for p in rest[:-1]), f"{name}: {rest}"
+    # the attention options, spelled once: ``**opts: Unpack[AttentionOptions]``
+    assert rest[-1].kind is rest[-1].VAR_KEYWORD and "AttentionOptions" in str(rest[-1].annotation)
+    for option in ("mask", "scale", "conventions", "dropout_p", "seed", "softcap", "bias"):
+        assert option in fl.AttentionOptions.__annotations__, option
+
+
+@pytest.mark.parametrize("name", list(ENTRY_POINTS))
+def test_an_unknown_option_is_named(name):
+    q = torch.randn(4, 3, dtype=torch.float64)
+    args = [q] * ENTRY_POINTS[name]
+    kw = {"num_splits": 2} if name == "split_kv_forward" else {}
+    with pytest.raises(TypeError, match=rf"{name}\(\) got an unexpected keyword argument 'maks'"):
+        getattr(fl, name)(*args, maks=fl.Causal(), **kw)
+
+
+def test_split_kv_refuses_varlen():
+    q = torch.randn(4, 3, dtype=torch.float64)
+    cu = torch.tensor([0, 4])
+    with pytest.raises(ValueError, match="does not take cu_seqlens_q"):
+        fl.split_kv_forward(q, q, q, num_splits=2, cu_seqlens_q=cu, cu_seqlens_k=cu)
 
 
 def test_presets():

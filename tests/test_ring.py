@@ -374,16 +374,7 @@ def test_autograd_op_on_threads_equals_the_twin() -> None:
     )
     hub = LocalHub(w, timeout=30.0)
     opts = _Options.build(
-        mask=fl.Causal(),
-        scale=None,
-        conventions=fl.SEED,
-        dropout_p=0.0,
-        seed=0,
-        softcap=None,
-        alibi_slopes=None,
-        bias=None,
-        block_q=4,
-        block_k=4,
+        "ring_attention", {"mask": fl.Causal(), "conventions": fl.SEED}, block_q=4, block_k=4
     )
     out: dict[int, tuple[torch.Tensor, ...]] = {}
     errors: list[BaseException] = []
@@ -674,16 +665,7 @@ def _op_on_threads(w: int, layout: Layout, record_states: bool) -> list[RingLedg
     q, k, v, do, _ = make(1, 2, 1, 14, 14, 4, seed=12)
     hub = LocalHub(w, timeout=30.0)
     opts = _Options.build(
-        mask=fl.Causal(),
-        scale=None,
-        conventions=fl.SEED,
-        dropout_p=0.0,
-        seed=0,
-        softcap=None,
-        alibi_slopes=None,
-        bias=None,
-        block_q=3,
-        block_k=3,
+        "ring_attention", {"mask": fl.Causal(), "conventions": fl.SEED}, block_q=3, block_k=3
     )
     ledgers = [RingLedger(record_states=record_states) for _ in range(w)]
     errors: list[BaseException] = []

@@ -41,6 +41,7 @@ _EXPORTS: dict[str, str] = {
     "merge": "online",
     "merge_partials": "online",
     "Placement": "_problem",
+    "AttentionOptions": "_options",
     "alibi_slopes": "scores",
     "native_status": "_native",
     # masks and conventions
@@ -84,6 +85,7 @@ __all__ = [
     "PRESETS",
     "SDPA_CPU",
     "SEED",
+    "AttentionOptions",
     "BackwardResult",
     "BackwardTileStep",
     "Causal",
@@ -142,6 +144,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from ._native import native_status
+    from ._options import AttentionOptions
     from ._problem import Placement
     from .accounting import memory_traffic, storage_and_work
     from .autograd import flash_attention

@@ -39,13 +39,15 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
 from . import online
 from ._checks import check_qkv, check_size
+from ._options import AttentionOptions, check_options
 from ._problem import Placement, build_problem
 from ._ring_layout import (
     Chunk,
@@ -83,46 +85,27 @@ class _Options:
     """Everything a pair's blocked call takes besides tensors and placement."""
 
     mask: Mask | None
-    scale: float | None
     conventions: Conventions
-    dropout_p: float
-    seed: int
-    softcap: float | None
-    alibi_slopes: torch.Tensor | None
-    bias: torch.Tensor | None
+    rest: dict[str, Any]  # the other attention options, as given (values checked per call)
     block_q: int
     block_k: int
 
     @staticmethod
-    def build(
-        *,
-        mask: Mask | torch.Tensor | None,
-        scale: float | None,
-        conventions: Conventions | str,
-        dropout_p: float,
-        seed: int,
-        softcap: float | None,
-        alibi_slopes: torch.Tensor | None,
-        bias: torch.Tensor | None,
-        block_q: int,
-        block_k: int,
-    ) -> _Options:
+    def build(where: str, opts: Mapping[str, Any], *, block_q: int, block_k: int) -> _Options:
+        check_options(where, opts, refused=("cu_seqlens_q", "cu_seqlens_k"))
         check_size("block_q", block_q)
         check_size("block_k", block_k)
+        bias = opts.get("bias")
         if bias is not None and isinstance(bias, torch.Tensor) and bias.requires_grad:
             raise ValueError(
                 "ring attention does not compute a gradient for bias; pass bias.detach() "
                 "(bias is allowed as a constant of global shape (B, H, Lq, Lk))"
             )
+        rest = {n: x for n, x in opts.items() if n not in ("mask", "conventions")}
         return _Options(
-            mask=as_mask(mask),
-            scale=scale,
-            conventions=get_conventions(conventions),
-            dropout_p=dropout_p,
-            seed=seed,
-            softcap=softcap,
-            alibi_slopes=alibi_slopes,
-            bias=bias,
+            mask=as_mask(opts.get("mask")),
+            conventions=get_conventions(opts.get("conventions", SEED)),
+            rest=rest,
             block_q=block_q,
             block_k=block_k,
         )
@@ -130,13 +113,8 @@ class _Options:
     def blocked_kwargs(self) -> dict[str, Any]:
         return dict(
             mask=self.mask,
-            scale=self.scale,
             conventions=self.conventions,
-            dropout_p=self.dropout_p,
-            seed=self.seed,
-            softcap=self.softcap,
-            alibi_slopes=self.alibi_slopes,
-            bias=self.bias,
+            **self.rest,
             block_q=self.block_q,
             block_k=self.block_k,
         )
@@ -538,18 +516,11 @@ def ring_attention(
     *,
     group: Any = None,
     layout: Layout = "contiguous",
-    mask: Mask | torch.Tensor | None = None,
-    scale: float | None = None,
-    conventions: Conventions | str = SEED,
-    dropout_p: float = 0.0,
-    seed: int = 0,
-    softcap: float | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
     return_lse: bool = False,
     ledger: RingLedger | None = None,
+    **opts: Unpack[AttentionOptions],
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a sequence sharded across the ranks of ``group``, differentiable.
 
@@ -566,19 +537,8 @@ def ring_attention(
     end of every ring step (``RankState``; pass the same value on every rank).
     Runs on gloo (CPU) and nccl (GPU); the device follows the tensors.
     """
-    opts = _Options.build(
-        mask=mask,
-        scale=scale,
-        conventions=conventions,
-        dropout_p=dropout_p,
-        seed=seed,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        bias=bias,
-        block_q=block_q,
-        block_k=block_k,
-    )
-    run = _RankRun(DistTransport(group), check_layout(layout), opts, ledger)
+    run_opts = _Options.build("ring_attention", opts, block_q=block_q, block_k=block_k)
+    run = _RankRun(DistTransport(group), check_layout(layout), run_opts, ledger)
     o, lse = _RingFunction.apply(q, k, v, run)
     return (o, lse) if return_lse else o
 
@@ -613,18 +573,11 @@ def simulate_ring(
     layout: Layout = "contiguous",
     do: torch.Tensor | None = None,
     dlse: torch.Tensor | None = None,
-    mask: Mask | torch.Tensor | None = None,
-    scale: float | None = None,
-    conventions: Conventions | str = SEED,
-    dropout_p: float = 0.0,
-    seed: int = 0,
-    softcap: float | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
     timeout: float = 60.0,
     record_states: bool = False,
+    **opts: Unpack[AttentionOptions],
 ) -> RingResult:
     """Run ring attention with ``world_size`` simulated ranks in this process.
 
@@ -639,18 +592,7 @@ def simulate_ring(
     """
     w = check_world(world_size)
     lay = check_layout(layout)
-    opts = _Options.build(
-        mask=mask,
-        scale=scale,
-        conventions=conventions,
-        dropout_p=dropout_p,
-        seed=seed,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        bias=bias,
-        block_q=block_q,
-        block_k=block_k,
-    )
+    run_opts = _Options.build("simulate_ring", opts, block_q=block_q, block_k=block_k)
     check_qkv(q, k, v)
     chunk_bounds(q.shape[-2], w, lay, what="Lq")
     chunk_bounds(k.shape[-2], w, lay, what="Lk")
@@ -678,7 +620,7 @@ def simulate_ring(
     qs, ks, vs = shards(q), shards(k), shards(v)
     dos = None if do is None else shards(do)
     dlses = None if dlse is None else shards(dlse, -1)
-    use_dlse = opts.conventions.lse_differentiable
+    use_dlse = run_opts.conventions.lse_differentiable
     hub = LocalHub(w, timeout=float(timeout))
     out: list[tuple[Any, ...] | None] = [None] * w
     errors: list[BaseException | None] = [None] * w
@@ -687,7 +629,7 @@ def simulate_ring(
         try:
             with torch.no_grad():
                 led = RingLedger(record_states=record_states)
-                run = _RankRun(LocalTransport(hub, r), lay, opts, led)
+                run = _RankRun(LocalTransport(hub, r), lay, run_opts, led)
                 o, lse = run.forward(qs[r], ks[r], vs[r])
                 grads: tuple[torch.Tensor, ...] | tuple[None, None, None] = (None, None, None)
                 if dos is not None:

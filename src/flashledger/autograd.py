@@ -9,13 +9,13 @@ otherwise (flash-attn, SDPA). Passes ``torch.autograd.gradcheck`` in float64.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
+from ._options import AttentionOptions, check_options
 from .blocked import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, LoopOrder, blocked_backward, blocked_forward
-from .conventions import SEED, Conventions, get_conventions
-from .masks import Mask
+from .conventions import SEED, get_conventions
 
 __all__ = ["flash_attention"]
 
@@ -58,43 +58,25 @@ def flash_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    mask: Mask | torch.Tensor | None = None,
-    scale: float | None = None,
-    conventions: Conventions | str = SEED,
-    dropout_p: float = 0.0,
-    seed: int = 0,
-    softcap: float | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    cu_seqlens_q: torch.Tensor | None = None,
-    cu_seqlens_k: torch.Tensor | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
     loop_order: LoopOrder = "fa2",
     return_lse: bool = False,
+    **opts: Unpack[AttentionOptions],
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention ``softmax(f(q kᵀ)) v`` computed blockwise, differentiable.
 
     q ``(..., Lq, d)``, k ``(..., Lk, d)``, v ``(..., Lk, d_v)``; returns ``o``
     ``(..., Lq, d_v)`` (and ``lse`` ``(..., Lq)`` with ``return_lse=True``).
-    Options as for ``blocked_forward``; ``bias`` receives a gradient when it
-    requires one.
+    ``opts``: ``AttentionOptions``, as for ``blocked_forward``; ``bias`` receives
+    a gradient when it requires one.
     """
-    opts: dict[str, Any] = dict(
-        mask=mask,
-        scale=scale,
-        conventions=conventions,
-        dropout_p=dropout_p,
-        seed=seed,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k,
-        block_q=block_q,
-        block_k=block_k,
-        loop_order=loop_order,
-    )
-    o, lse = _FlashAttention.apply(q, k, v, bias, opts)
+    check_options("flash_attention", opts)
+    rest: dict[str, Any] = dict(opts)
+    bias = rest.pop("bias", None)
+    rest.setdefault("conventions", SEED)
+    rest.update(block_q=block_q, block_k=block_k, loop_order=loop_order)
+    o, lse = _FlashAttention.apply(q, k, v, bias, rest)
     return (o, lse) if return_lse else o
 
 

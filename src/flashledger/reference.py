@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Unpack
 
 import torch
 
 from ._checks import all_finite
+from ._options import AttentionOptions, check_options
 from ._problem import Placement, Problem, build_problem
-from .conventions import SEED, Conventions
-from .masks import Mask
+from .conventions import Conventions
 
 __all__ = ["ReferenceBackward", "ReferenceForward", "reference_backward", "reference_forward"]
 
@@ -93,41 +94,18 @@ def reference_forward(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    mask: Mask | torch.Tensor | None = None,
-    scale: float | None = None,
-    conventions: Conventions | str = SEED,
-    dropout_p: float = 0.0,
-    seed: int = 0,
-    softcap: float | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    cu_seqlens_q: torch.Tensor | None = None,
-    cu_seqlens_k: torch.Tensor | None = None,
     placement: Placement | None = None,
     dtype: torch.dtype = torch.float64,
+    **opts: Unpack[AttentionOptions],
 ) -> ReferenceForward:
     """Dense attention forward in ``dtype`` (default float64).
 
     q ``(..., Lq, d)``, k ``(..., Lk, d)``, v ``(..., Lk, d_v)`` with ``...`` =
-    ``()``, ``(H,)`` or ``(B, H)``; scale defaults to ``1/sqrt(d)``.
+    ``()``, ``(H,)`` or ``(B, H)``; ``opts``: ``AttentionOptions`` (mask, scale
+    [``1/sqrt(d)``], conventions, dropout, softcap, ALiBi, bias, cu_seqlens).
     """
-    pb = build_problem(
-        q,
-        k,
-        v,
-        mask=mask,
-        scale=scale,
-        conventions=conventions,
-        dropout_p=dropout_p,
-        seed=seed,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        bias=bias,
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k,
-        placement=placement,
-        acc_dtype=dtype,
-    )
+    check_options("reference_forward", opts)
+    pb = build_problem(q, k, v, placement=placement, acc_dtype=dtype, **opts)
     lq, lk = pb.shape[4], pb.shape[5]
     s, _ = _dense_scores(pb)  # (B, Hkv, G, Lq, Lk)
     p, lse = _softmax_rows(s)
@@ -152,18 +130,9 @@ def reference_backward(
     do: torch.Tensor,
     *,
     dlse: torch.Tensor | None = None,
-    mask: Mask | torch.Tensor | None = None,
-    scale: float | None = None,
-    conventions: Conventions | str = SEED,
-    dropout_p: float = 0.0,
-    seed: int = 0,
-    softcap: float | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    cu_seqlens_q: torch.Tensor | None = None,
-    cu_seqlens_k: torch.Tensor | None = None,
     placement: Placement | None = None,
     dtype: torch.dtype = torch.float64,
+    **opts: Unpack[AttentionOptions],
 ) -> ReferenceBackward:
     """Closed-form dense backward in ``dtype`` (default float64).
 
@@ -171,23 +140,8 @@ def reference_backward(
     shape only (the reference recomputes ``P`` from the scores); ``dlse``
     ``(..., Lq)`` is an optional gradient on the LSE.
     """
-    pb = build_problem(
-        q,
-        k,
-        v,
-        mask=mask,
-        scale=scale,
-        conventions=conventions,
-        dropout_p=dropout_p,
-        seed=seed,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        bias=bias,
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k,
-        placement=placement,
-        acc_dtype=dtype,
-    )
+    check_options("reference_backward", opts)
+    pb = build_problem(q, k, v, placement=placement, acc_dtype=dtype, **opts)
     o5, do5, dlse5 = _backward_inputs(pb, o, lse, do, dlse)
     lq, lk = pb.shape[4], pb.shape[5]
     s, t = _dense_scores(pb)  # (B, Hkv, G, Lq, Lk)
@@ -208,7 +162,7 @@ def reference_backward(
     dq = dqk @ pb.k  # (B, Hkv, G, Lq, d)
     dk = (dqk.transpose(-1, -2) @ pb.q).sum(dim=2, keepdim=True)  # (B, Hkv, 1, Lk, d)
     dv = (pd.transpose(-1, -2) @ do5).sum(dim=2, keepdim=True)  # (B, Hkv, 1, Lk, d_v)
-    dbias = None
+    dbias, bias = None, opts.get("bias")
     if bias is not None:
         dbias = reduce_to_bias(pb.user_q(ds), bias)
     return ReferenceBackward(

@@ -1,0 +1,66 @@
+"""The options every attention entry point takes, spelled once.
+
+``reference_forward``, ``blocked_forward``, ``flash_attention``,
+``split_kv_forward``, ``ring_attention`` (and their backwards) take these as
+keyword-only ``**opts: Unpack[AttentionOptions]``: one typed definition instead
+of the same keywords written out in every signature. ``build_problem`` checks
+their values; ``check_options`` checks their names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, TypedDict
+
+import torch
+
+from .conventions import Conventions
+from .masks import Mask
+
+__all__ = ["OPTION_NAMES", "AttentionOptions", "check_options"]
+
+
+class AttentionOptions(TypedDict, total=False):
+    """Keyword options of every entry point (all optional; defaults in brackets).
+
+    - ``mask``: a ``Mask`` (``Causal``, ``SlidingWindow``, ``KeyPadding``,
+      ``DenseMask``, their ``&``) or a boolean tensor broadcastable to
+      ``(B, H, Lq, Lk)``, True = visible [None: every key visible].
+    - ``scale``: multiplies ``q kᵀ`` [``1/sqrt(d)``].
+    - ``conventions``: a ``Conventions`` preset or its name [``SEED``].
+    - ``dropout_p``, ``seed``: dropout probability in ``[0, 1)`` and the seed of
+      its counter-based keep mask [0.0, 0].
+    - ``softcap``: ``softcap · tanh(s / softcap)`` on the scores [None].
+    - ``alibi_slopes``: ``(H,)`` or ``(B, H)`` ALiBi slopes [None].
+    - ``bias``: additive, broadcastable to ``(B, H, Lq, Lk)`` [None].
+    - ``cu_seqlens_q``, ``cu_seqlens_k``: packed variable-length sequences,
+      int ``(n + 1,)`` cumulative lengths, given together [None].
+    """
+
+    mask: Mask | torch.Tensor | None
+    scale: float | None
+    conventions: Conventions | str
+    dropout_p: float
+    seed: int
+    softcap: float | None
+    alibi_slopes: torch.Tensor | None
+    bias: torch.Tensor | None
+    cu_seqlens_q: torch.Tensor | None
+    cu_seqlens_k: torch.Tensor | None
+
+
+OPTION_NAMES: frozenset[str] = frozenset(AttentionOptions.__annotations__)
+
+
+def check_options(where: str, opts: Mapping[str, Any], *, refused: Iterable[str] = ()) -> None:
+    """Unknown option names raise ``TypeError`` (naming the allowed ones); an option
+    in ``refused`` given a value other than None raises ``ValueError``."""
+    unknown = sorted(set(opts) - OPTION_NAMES)
+    if unknown:
+        raise TypeError(
+            f"{where}() got an unexpected keyword argument {unknown[0]!r}; "
+            f"its attention options are {', '.join(sorted(OPTION_NAMES))}"
+        )
+    for name in refused:
+        if opts.get(name) is not None:
+            raise ValueError(f"{where}() does not take {name}")
