@@ -137,9 +137,13 @@ WIDTHS = """() => ({
 })"""
 
 
-@pytest.mark.parametrize("lang", ["en", "zh"])
-def test_phone_width_every_section_fits(visit_at: Any, lang: str) -> None:
-    v, page = open_page(visit_at, PHONE, f"?lang={lang}")
+@pytest.mark.parametrize(
+    ("size", "lang"),
+    [(PHONE, "en"), (PHONE, "zh"), (DESKTOP, "zh")],
+    ids=["390-en", "390-zh", "1400-zh"],
+)
+def test_every_section_fits_its_width(visit_at: Any, size: tuple[int, int], lang: str) -> None:
+    v, page = open_page(visit_at, size, f"?lang={lang}")
     header = page.locator(".topbar").bounding_box()
     assert header is not None and header["height"] <= 110, f"the header takes {header}"
     for sec in TABS:
@@ -155,8 +159,8 @@ def test_phone_width_every_section_fits(visit_at: Any, lang: str) -> None:
         assert not w["spills"], f"{sec}: readouts spill out of their boxes: {w['spills']}"
         small = [x for x in page.evaluate(SVG_TEXT_SIZES) if x[2] < 9.5]
         assert not small, f"{sec}: SVG text drawn below 9.5 px: {small[:5]}"
-        visit = page.locator(".topbar").bounding_box()
-        assert visit is not None and visit["height"] <= 110
+        bar = page.locator(".topbar").bounding_box()
+        assert bar is not None and bar["height"] <= 110, f"{sec}: the header takes {bar}"
     assert not quiet_errors(v), v.console_errors
 
 

@@ -781,8 +781,10 @@ function buildStats(fwd) {
     statRows.push({ tr, key: null });
     body.append(tr);
   });
-  const head = fwd ? ["s4.thRow", "s4.thM", "s4.thEll", "s4.thOsoFar", "s4.thLse"] : ["s4.thRow", "s4.thLse", "s4.thO", "s4.thD"];
-  fill(document.getElementById("bw-stats"), h("thead", {}, h("tr", {}, head.map((key, i) => h("th", { class: i % 2 ? "num-col" : "" }, t(key))))), body);
+  const head = fwd
+    ? [["s4.thRow", ""], ["s4.thM", "num-col"], ["s4.thEll", "num-col"], ["s4.thOsoFar", ""], ["s4.thLse", "num-col"]]
+    : [["s4.thRow", ""], ["s4.thLse", "num-col"], ["s4.thO", ""], ["s4.thD", "num-col"]];
+  fill(document.getElementById("bw-stats"), h("thead", {}, h("tr", {}, head.map(([key, cls]) => h("th", { class: cls }, t(key))))), body);
 }
 
 function updateStats(step) {
