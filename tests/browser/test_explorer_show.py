@@ -150,9 +150,14 @@ def test_the_row_picture_draws_the_engines_numbers_and_takes_drags(visit_at: Any
 # ----------------------------------------------------------------------------- the forward loop
 
 
-def test_the_five_positions_step_through_the_forward_loop(visit_at: Any) -> None:
-    v = visit_at(*DESKTOP, reduced_motion="reduce")
-    page = v.open("?sec=backward")
+@pytest.mark.parametrize(
+    ("size", "lang"), [(DESKTOP, "en"), ((390, 844), "zh")], ids=["1400-en", "390-zh"]
+)
+def test_the_five_positions_step_through_the_forward_loop(
+    visit_at: Any, size: tuple[int, int], lang: str
+) -> None:
+    v = visit_at(*size, reduced_motion="reduce")
+    page = v.open(f"?sec=backward&lang={lang}")
     expect(page.locator("#bw-stats tbody tr")).to_have_count(5)
     saved = numbers(page.locator('#bw-stats [data-col="lse"] .num'))
     page.click('#bw-pass button[data-pass="forward"]')

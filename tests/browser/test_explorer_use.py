@@ -213,6 +213,9 @@ def test_errors_in_chinese_state_the_one_true_limit(visit_at: Any) -> None:
     expect(scores_error).to_have_text("")
     expect(rows.nth(0).locator("td").nth(1)).to_have_text("[−1, −2]")
     expect(rows.nth(2).locator("td").nth(1)).to_have_text("[0, −2.5]")
+    page.fill("#f-scores", "\u22122e\u22121, 2, \u22121, 3, 0, 2.5")  # two minus signs in one entry
+    expect(rows.nth(0).locator("td").nth(1)).to_have_text("[−0.2, 2]")
+    expect(scores_error).to_have_text("")
     page.fill("#f-scores", "1, 2, 3")  # three scores for six value vectors: the server says so
     values_error = page.locator('#sec-ledger [data-error-for="values"]')
     expect(values_error).to_contain_text("6")
@@ -305,7 +308,7 @@ def _matrix(rows: int, cols: int, salt: int) -> str:
 
 
 DOM_SIZE = "() => document.getElementsByTagName('*').length"
-COUNT_ADDED = """(selector) => new Promise(resolve => {
+COUNT_ADDED = """([selector, readout, expected]) => new Promise(resolve => {
   let added = 0;
   const obs = new MutationObserver(list => {
     for (const m of list) for (const n of m.addedNodes) if (n.nodeType === 1)
@@ -313,7 +316,11 @@ COUNT_ADDED = """(selector) => new Promise(resolve => {
   });
   obs.observe(document.body, {childList: true, subtree: true});
   document.querySelector(selector).click();
-  setTimeout(() => { obs.disconnect(); resolve(added); }, 400);
+  const done = () => document.querySelector(readout)?.textContent === expected;
+  const wait = () => done()
+    ? setTimeout(() => { obs.disconnect(); resolve(added); }, 100)
+    : setTimeout(wait, 20);
+  wait();
 })"""
 
 
@@ -330,10 +337,14 @@ def test_a_64_by_64_problem_in_1x1_tiles_steps_cheaply(visit_at: Any) -> None:
         }
     )
     v, page = open_page(visit_at, DESKTOP, f"?{query}")
-    expect(page.locator('[data-readout="bw-progress"] .readout-value')).to_have_text("0 / 2080")
+    progress = '[data-readout="bw-progress"] .readout-value'
+    # the server traces 2 x 2080 tiles: allow it time on a busy machine
+    expect(page.locator(progress)).to_have_text("0 / 2080", timeout=90_000)
     before = page.evaluate(DOM_SIZE)
     assert before < 20_000, f"{before} elements on the page"
-    added = page.evaluate(COUNT_ADDED, '#bw-stepper [data-action="forward"]')
+    added = page.evaluate(
+        COUNT_ADDED, ['#bw-stepper [data-action="forward"]', progress, "1 / 2080"]
+    )
     expect(page.locator('[data-readout="bw-progress"] .readout-value')).to_have_text("1 / 2080")
     assert added < 400, f"one Next added {added} elements (of {before})"
     for _ in range(5):

@@ -186,6 +186,14 @@ function resizeTo(text) {
   if (length === null || length < 1 || length > maxLen) {
     return showFieldError(section, "length", t("err.range", { min: 1, max: maxLen }));
   }
+  for (const key of MATRIX_KEYS) {
+    const parsed = parseMatrix(get(key));
+    if (parsed.error) {
+      // the rows there are kept: fix them first rather than lose them to made-up ones
+      const [msg, vars] = parsed.error;
+      return inputError(key, t(msg, vars));
+    }
+  }
   const width = (key, fallback) => parseMatrix(get(key)).rows?.[0]?.length ?? fallback;
   const d = width("q", 2);
   const dv = width("v", 2);

@@ -98,10 +98,14 @@ export function drawRowChart(holder, data, step, prev, callbacks) {
       "data-handle": j,
     });
     bar.append(handle);
+    // on a touch screen the page scrolls except from a handle, which drags its bar
+    handle.addEventListener("touchstart", (ev) => ev.preventDefault(), { passive: false });
     const r = Math.max(4, Math.min(8, bw * 0.3));
     if (bw >= 18) bar.append(s("text", { x: x(j) + bw / 2, y: v >= 0 ? y1 - r - 4 : y1 + r + 12, "text-anchor": "middle", class: "score-text" }, fmtNumber(v, 3)));
     if (bw >= 14) bar.append(s("text", { x: x(j) + bw / 2, y: TOP_H + 10 + 12, "text-anchor": "middle", class: "pos-text" }, String(j)));
-    bar.addEventListener("pointerdown", (ev) => startDrag(ev, j, v, top));
+    bar.addEventListener("pointerdown", (ev) => {
+      if (ev.pointerType !== "touch" || ev.target === handle) startDrag(ev, j, v, top);
+    });
     bar.addEventListener("pointerenter", () => onHover(j));
     bar.addEventListener("pointerleave", () => onHover(null));
     handle.addEventListener("keydown", (ev) => {
