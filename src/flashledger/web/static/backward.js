@@ -602,7 +602,7 @@ function tileTable(current) {
   const [c, d] = current.k_range;
   return h(
     "div",
-    { class: "table-scroll" },
+    {},
     h(
       "table",
       { class: "data compact" },
@@ -634,7 +634,7 @@ function stepsWindow(step, total, rowOf, head) {
   }
   return [
     h("h4", { class: "steps-title" }, t(mode() === "forward" ? "s4.stepsTitleFwd" : "s4.stepsTitle", { lo: lo + 1, hi, total })),
-    h("div", { class: "table-scroll" }, h("table", { class: "data compact", id: "bw-steps" }, h("thead", {}, h("tr", {}, head.map((key) => h("th", {}, t(key))))), body)),
+    h("div", {}, h("table", { class: "data compact", id: "bw-steps" }, h("thead", {}, h("tr", {}, head.map((key) => h("th", {}, t(key))))), body)),
   ];
 }
 
@@ -649,7 +649,7 @@ function renderBackwardStep(step) {
       tileTable(current),
       h(
         "div",
-        { class: "table-scroll" },
+        {},
         h(
           "table",
           { class: "data compact", id: "bw-prows" },
@@ -718,7 +718,7 @@ function renderForwardStep(step, prev) {
       tileTable(current),
       h(
         "div",
-        { class: "table-scroll" },
+        {},
         h(
           "table",
           { class: "data compact", id: "fw-rows" },

@@ -262,10 +262,14 @@ export function watchScroll(box) {
   };
   box.addEventListener("scroll", update, { passive: true });
   const observer = new ResizeObserver(update);
-  observer.observe(box);
-  for (const child of box.children) observer.observe(child);
-  new MutationObserver(() => {
+  const watch = () => {
+    observer.disconnect(); // let go of children that were replaced
+    observer.observe(box);
     for (const child of box.children) observer.observe(child);
+  };
+  watch();
+  new MutationObserver(() => {
+    watch();
     update();
   }).observe(box, { childList: true });
   update();
