@@ -407,7 +407,7 @@ def _workspace(pb: Problem, block_q: int, block_k: int) -> _Workspace:
 def _native_step(pb: Problem, loop_order: str, obs: list[Any]) -> _native.Kernels | None:
     """The native tile step when it applies (tracing off, FA2 order, CPU, float32/float64,
     plain scores, no dropout) and is available; else None (the PyTorch step runs)."""
-    if obs or loop_order != "fa2" or pb.geo.device.type != "cpu" or pb.dropout_p != 0.0:
+    if obs or loop_order != "fa2" or pb.geo.device.type != "cpu" or pb.has_dropout:
         return None
     if pb.dtype not in (torch.float32, torch.float64) or not _plain_scores(pb):
         return None
