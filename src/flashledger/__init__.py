@@ -33,6 +33,10 @@ _EXPORTS: dict[str, str] = {
     "blocked_forward": "blocked",
     "blocked_backward": "blocked",
     "split_kv_forward": "blocked",
+    "attention_with_kvcache": "_kvcache",
+    "KVCacheResult": "_kvcache",
+    "KVCacheLedger": "_kvcache",
+    "apply_rotary": "_kvcache",
     "ForwardResult": "blocked",
     "BackwardResult": "blocked",
     "flash_attention": "autograd",
@@ -50,6 +54,7 @@ _EXPORTS: dict[str, str] = {
     "SlidingWindow": "masks",
     "KeyPadding": "masks",
     "DenseMask": "masks",
+    "Padding": "masks",
     "Conventions": "conventions",
     "PRESETS": "conventions",
     "SEED": "conventions",
@@ -94,11 +99,14 @@ __all__ = [
     "DenseMask",
     "ForwardResult",
     "ForwardTileStep",
+    "KVCacheLedger",
+    "KVCacheResult",
     "KeyPadding",
     "Ledger",
     "Mask",
     "OnlineSoftmax",
     "OnlineState",
+    "Padding",
     "Placement",
     "ReferenceBackward",
     "ReferenceForward",
@@ -106,7 +114,9 @@ __all__ = [
     "SlidingWindow",
     "__version__",
     "alibi_slopes",
+    "apply_rotary",
     "assert_attention_close",
+    "attention_with_kvcache",
     "blocked_backward",
     "blocked_forward",
     "flash_attention",
@@ -143,6 +153,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from ._kvcache import KVCacheLedger, KVCacheResult, apply_rotary, attention_with_kvcache
     from ._native import native_status
     from ._options import AttentionOptions
     from ._problem import Placement
@@ -165,7 +176,7 @@ if TYPE_CHECKING:
         Conventions,
     )
     from .ledger import BackwardTileStep, Counters, ForwardTileStep, Ledger
-    from .masks import Causal, DenseMask, KeyPadding, Mask, SlidingWindow
+    from .masks import Causal, DenseMask, KeyPadding, Mask, Padding, SlidingWindow
     from .online import OnlineSoftmax, OnlineState, merge, merge_partials
     from .reference import (
         ReferenceBackward,
