@@ -405,8 +405,10 @@ def _check_used(
 
 def causal_in_fa_terms(mask: Mask | None, geo: Geometry) -> bool:
     """flash-attn's ``is_causal`` for a mask: the windows of its ``&`` chain
-    (``Causal`` = no left bound, right 0), each read as the geometry reads it and all
-    bottom-right aligned, intersect to no left bound and a right bound of 0."""
+    (``Causal`` = no left bound, right 0), all bottom-right aligned, with sides dropped
+    where flash-attn 2 drops them (``>= seqlen_k``), intersect to no left bound and a
+    right bound of 0 (``flash_api.cpp`` decides ``is_causal`` before it turns a
+    remaining -1 side into ``seqlen_k``)."""
     left: int | None = None
     right: int | None = None
     found = False
@@ -414,7 +416,7 @@ def causal_in_fa_terms(mask: Mask | None, geo: Geometry) -> bool:
         if isinstance(leaf, Causal):
             sides: tuple[int | None, int | None] = (None, 0)
         elif isinstance(leaf, SlidingWindow):
-            sides = leaf.sides(geo)
+            sides = leaf.sides(geo, clip_only=True)
         else:
             continue
         if (leaf.align or geo.causal_align) != "bottom_right":

@@ -228,23 +228,26 @@ def _per_batch(t: torch.Tensor | None, full: int, batch: int, dev: torch.device)
     return t.to(device=dev, dtype=torch.int64).reshape(-1).expand(batch)
 
 
-def fa2_window(left: int | None, right: int | None, seqlen_k: int) -> tuple[int | None, int | None]:
-    """A window's sides as flash-attn 2 runs them (``None`` = unbounded).
+def fa2_clip(left: int | None, right: int | None, seqlen_k: int) -> tuple[int | None, int | None]:
+    """flash-attn 2's first step (``flash_api.cpp``): a side ``>= seqlen_k`` is dropped
+    (``None`` = unbounded). Its ``is_causal`` is judged here: no left side, right 0."""
+    lo = None if left is None or left >= seqlen_k else left
+    hi = None if right is None or right >= seqlen_k else right
+    return lo, hi
 
-    ``flash_api.cpp``: a side ``>= seqlen_k`` is set to -1; then, when exactly one
-    side is -1, that side becomes ``seqlen_k``.
+
+def fa2_window(left: int | None, right: int | None, seqlen_k: int) -> tuple[int | None, int | None]:
+    """A window's sides as flash-attn 2's kernel reads them (``None`` = unbounded).
+
+    ``flash_api.cpp``: a side ``>= seqlen_k`` is dropped; then, when exactly one side is
+    unbounded, that side becomes ``seqlen_k``.
     """
-    lo = -1 if left is None else left
-    hi = -1 if right is None else right
-    if lo >= seqlen_k:
-        lo = -1
-    if hi >= seqlen_k:
-        hi = -1
-    if lo < 0 and hi >= 0:
+    lo, hi = fa2_clip(left, right, seqlen_k)
+    if lo is None and hi is not None:
         lo = seqlen_k
-    if lo >= 0 and hi < 0:
+    if hi is None and lo is not None:
         hi = seqlen_k
-    return (None if lo < 0 else lo), (None if hi < 0 else hi)
+    return lo, hi
 
 
 class BoundMask(ABC):
@@ -472,13 +475,15 @@ class SlidingWindow(Mask):
                     f"unbounded; got {val!r}"
                 )
 
-    def sides(self, geo: Geometry) -> tuple[int | None, int | None]:
+    def sides(self, geo: Geometry, *, clip_only: bool = False) -> tuple[int | None, int | None]:
         """``(left, right)`` as this geometry reads them (None = unbounded): as given, or
-        rewritten as flash-attn 2 does (``geo.window_len`` set)."""
+        rewritten as flash-attn 2 does (``geo.window_len`` set; ``clip_only``: its first
+        step only, where its ``is_causal`` is decided)."""
         left = None if self.left in (None, -1) else self.left
         right = None if self.right in (None, -1) else self.right
         if geo.window_len is not None:
-            return fa2_window(left, right, geo.window_len)
+            rewrite = fa2_clip if clip_only else fa2_window
+            return rewrite(left, right, geo.window_len)
         return left, right
 
     def bind(self, geo: Geometry) -> BoundMask:
