@@ -206,15 +206,15 @@ def flash_attn_edge_rows(quick: bool = False) -> list[VerifyRow]:
     seed_br = dataclasses.replace(SEED, name="seed_bottom_right", causal_align="bottom_right")
     edges: list[tuple[str, Conventions, int, dict[str, Any], tuple[int, int]]] = [
         ("flash-attn 2 window -1", FLASH_ATTN_2, 2, {"window": (7, -1)}, (24, 12)),
-        ("flash-attn 2 window >= Lk", FLASH_ATTN_2, 2, {"window": (-1, 20)}, (40, 12)),
-        ("flash-attn 2 causal ALiBi", FLASH_ATTN_2, 2, {"causal": True, "alibi": True}, (9, 13)),
+        ("flash-attn 2 side ≥ Lk", FLASH_ATTN_2, 2, {"window": (-1, 20)}, (40, 12)),
+        ("flash-attn 2 ALiBi LSE", FLASH_ATTN_2, 2, {"causal": True, "alibi": True}, (9, 13)),
         ("flash-attn 3 windows", FLASH_ATTN_3, 3, {"window": (40, 2)}, (24, 12)),
     ]  # fmt: skip
     if not quick:
         edges += [
             ("flash-attn 2 window -1", FLASH_ATTN_2, 2, {"window": (3, -1)}, (33, 9)),
-            ("flash-attn 2 causal ALiBi", FLASH_ATTN_2, 2, {"causal": True, "alibi": True, "softcap": 3.0}, (17, 5)),
-            ("flash-attn 2 causal ALiBi", FLASH_ATTN_2, 2, {"window": (-1, 0), "alibi": True}, (6, 6)),
+            ("flash-attn 2 ALiBi LSE", FLASH_ATTN_2, 2, {"causal": True, "alibi": True, "softcap": 3.0}, (17, 5)),
+            ("flash-attn 2 ALiBi LSE", FLASH_ATTN_2, 2, {"window": (-1, 0), "alibi": True}, (6, 6)),
         ]  # fmt: skip
     for system, conv, version, kw, (lq, lk) in edges:
         q = torch.randn(1, 2, lq, 8, generator=gen, dtype=F64)
@@ -242,9 +242,9 @@ def flash_attn_edge_rows(quick: bool = False) -> list[VerifyRow]:
     for conv, name in ((FLASH_ATTN_2, "flash-attn 2"), (FLASH_ATTN_3, "flash-attn 3")):
         rows.append(
             _refusal_row(
-                f"{name} softcap+dropout",
+                f"{name} cap+drop",
                 conv,
-                "softcap 2, dropout 0.1",
+                "softcap 2 with dropout 0.1",
                 lambda conv=conv: blocked_forward(
                     x, x, x, softcap=2.0, dropout_p=0.1, conventions=conv
                 ),  # type: ignore[misc]
