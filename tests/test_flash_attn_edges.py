@@ -677,3 +677,19 @@ def test_the_ring_takes_padding_but_refuses_seqused(gen):
     q, k, v, _ = qkvd(gen, 1, 2, 2, 8, 8)
     with pytest.raises(ValueError, match="does not take seqused_k"):
         fl.simulate_ring(q, k, v, world_size=2, seqused_k=torch.tensor([5]))
+
+
+def test_padding_dense_and_tiles_are_the_formula(assert_same):
+    m = fl.Causal("bottom_right") & fl.Padding([5, 2], [3, 6])
+    got = m.dense(6, 7, batch=2)  # (B, 1, Lq, Lk)
+    for b, (a, n) in enumerate(((5, 3), (2, 6))):
+        want = torch.zeros(6, 7, dtype=torch.bool)
+        want[:a, :n] = causal_visible(a, n, "bottom_right")
+        assert_same(got[b, 0], want, name=f"batch {b}")
+    classes = m.tile_classes(6, 7, 2, 3, batch=2)
+    dense = got.expand(2, 1, 6, 7)
+    for i in range(3):
+        for j in range(3):
+            tile = dense[..., 2 * i : 2 * i + 2, 3 * j : 3 * j + 3]
+            want_c = 0 if not bool(tile.any()) else (2 if bool(tile.all()) else 1)
+            assert int(classes[i, j]) == want_c, (i, j)

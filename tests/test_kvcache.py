@@ -500,3 +500,32 @@ def test_any_cache_equals_the_reference(case, assert_close):
     check(
         got, want, (kc, vc), assert_close, str({k_: case[k_] for k_ in ("mask", "lens", "paged")})
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_low_precision_cache_follows_the_float64_answer(dtype, gen):
+    q, kc, vc, k, v = make(gen, 2, 4, 2, 2, 16, 8, 8, 2)
+    cos, sin = tables(gen, 20, 4)
+    lens = torch.tensor([5, 12])
+    opts: dict[str, Any] = dict(cache_seqlens=lens, mask=fl.Causal(), block_k=4)
+    exact = fl.attention_with_kvcache(
+        *(x.to(dtype).double() for x in (q, kc, vc, k, v)), rotary_cos=cos, rotary_sin=sin, **opts
+    )
+    kc_, vc_ = kc.to(dtype), vc.to(dtype)
+    low = fl.attention_with_kvcache(
+        q.to(dtype),
+        kc_,
+        vc_,
+        k.to(dtype),
+        v.to(dtype),
+        rotary_cos=cos,
+        rotary_sin=sin,
+        **opts,  # type: ignore[union-attr]
+    )
+    assert low.o.dtype == dtype and low.lse.dtype == torch.float32
+    eps = torch.finfo(dtype).eps
+    # inputs rounded once, rotated keys rounded once more when written to the cache
+    err = float((low.o.double() - exact.o).abs().max())
+    assert err < 64 * eps, f"O off by {err:.3g} (eps {eps:.3g})"
+    assert torch.equal(vc_[0, :, 5:7], v[0].to(dtype))  # type: ignore[index]
+    assert low.ledger.itemsize == torch.empty((), dtype=dtype).element_size()
