@@ -693,3 +693,51 @@ def test_padding_dense_and_tiles_are_the_formula(assert_same):
             tile = dense[..., 2 * i : 2 * i + 2, 3 * j : 3 * j + 3]
             want_c = 0 if not bool(tile.any()) else (2 if bool(tile.all()) else 1)
             assert int(classes[i, j]) == want_c, (i, j)
+
+
+@pytest.mark.parametrize("conv", [fl.SEED, fl.FLASH_ATTN_2], ids=lambda c: c.name)
+def test_lengths_that_break_tiling(conv, gen, assert_close):
+    """97 queries, 113 keys, real lengths 97/50 and 113/71, GQA, a keep mask, ragged tiles."""
+    q, k, v, do = qkvd(gen, 2, 3, 1, 97, 113, d=8, dv=8)
+    pad = fl.Padding([97, 50], [113, 71])
+    keep = torch.rand(2, 3, 97, 113, generator=gen) < 0.85
+    slopes = torch.rand(2, 3, generator=gen, dtype=F64)
+    o, lse = per_sequence(
+        q,
+        k,
+        v,
+        [97, 50],
+        [113, 71],
+        mask_kind="causal",
+        align=conv.causal_align,
+        slopes=slopes,
+        conv=conv,
+    )
+    all_paths(
+        q,
+        k,
+        v,
+        do,
+        assert_close,
+        want_o=o,
+        want_lse=lse,
+        tiles=((32, 32), (64, 48)),
+        mask=fl.Causal() & pad,
+        alibi_slopes=slopes,
+        conventions=conv,
+    )
+    opts: dict[str, Any] = dict(
+        mask=fl.Causal() & pad, conventions=conv, dropout_p=0.15, dropout_mask=keep
+    )
+    ref = fl.reference_forward(q, k, v, **opts)
+    refb = fl.reference_backward(q, k, v, ref.o, ref.lse, do, **opts)
+    for bq, bk in ((32, 32), (64, 48)):
+        fwd = fl.blocked_forward(q, k, v, block_q=bq, block_k=bk, **opts)
+        bwd = fl.blocked_backward(q, k, v, fwd.o, fwd.lse, do, block_q=bq, block_k=bk, **opts)
+        for name, a, b in (
+            ("O", fwd.o, ref.o),
+            ("dQ", bwd.dq, refb.dq),
+            ("dK", bwd.dk, refb.dk),
+            ("dV", bwd.dv, refb.dv),
+        ):
+            assert_close(a, b, rtol=TOL, name=f"{name} with the keep mask ({bq}x{bk})")
