@@ -62,9 +62,8 @@ class Problem:
     smod: ScoreMod
     dropout_p: float
     seed: int
-    keep_mask: torch.Tensor | None = (
-        None  # outside keep mask (B|1, Hkv|1, G|1, Lq_total|1, Lk_total|1)
-    )
+    # an outside keep mask, (B|1, Hkv|1, G|1, Lq_total|1, Lk_total|1), or None
+    keep_mask: torch.Tensor | None = None
 
     @property
     def has_dropout(self) -> bool:
