@@ -153,10 +153,15 @@ def fa2_sides(left: int | None, right: int | None, seqlen_k: int) -> tuple[int, 
     return sides[0], sides[1]
 
 
-def padding_visible(lq: int, lk: int, lengths: list[int]) -> torch.Tensor:
-    """Batch b sees keys ``j < lengths[b]``: bool ``(B, 1, Lq, Lk)``."""
+def padding_visible(lq: int, lk: int, lengths: list[int], side: str = "right") -> torch.Tensor:
+    """Batch b sees keys ``j < lengths[b]`` (right padding) or ``j >= Lk - lengths[b]``
+    (left padding): bool ``(B, 1, Lq, Lk)``."""
+
+    def sees(j: int, n: int) -> bool:
+        return j < n if side == "right" else j >= lk - n
+
     return torch.tensor(
-        [[[[j < n for j in range(lk)] for _ in range(lq)]] for n in lengths], dtype=torch.bool
+        [[[[sees(j, n) for j in range(lk)] for _ in range(lq)]] for n in lengths], dtype=torch.bool
     ).view(len(lengths), 1, lq, lk)
 
 
