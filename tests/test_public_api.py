@@ -46,6 +46,7 @@ PUBLIC = [
     "SDPA_CPU",
     "SEED",
     "SlidingWindow",
+    "Trace",
     "__version__",
     "alibi_slopes",
     "apply_rotary",
