@@ -525,7 +525,7 @@ def _native_step(pb: Problem, loop_order: str, observed: bool) -> _native.Kernel
     """The native step when it applies (nothing observes the steps, FA2 order, CPU,
     float32/float64 accumulation, plain scores, no dropout) and is available; else None
     (the PyTorch step runs)."""
-    if observed or loop_order != "fa2" or pb.geo.device.type != "cpu" or pb.dropout_p != 0.0:
+    if observed or loop_order != "fa2" or pb.geo.device.type != "cpu" or pb.has_dropout:
         return None
     if pb.dtype not in (torch.float32, torch.float64) or not _plain_scores(pb):
         return None
@@ -1192,6 +1192,7 @@ def split_kv_forward(
     num_splits: int,
     block_q: int | None = None,
     block_k: int | None = None,
+    placement: Placement | None = None,
     **opts: Unpack[AttentionOptions],
 ) -> ForwardResult:
     """Split the keys into ``num_splits`` chunks, attend each independently, merge.
@@ -1199,17 +1200,19 @@ def split_kv_forward(
     Each chunk's partial ``(o, lse)`` comes from ``blocked_forward`` with global
     positions (so masks, ALiBi, bias and dropout see the whole sequence); a
     chunk where a row sees no key has partial LSE -inf and merges to the right
-    answer. The ledger's counters are the sum over chunks.
+    answer. The ledger's counters are the sum over chunks. ``placement``: the
+    call is part of a longer sequence (its chunks are placed inside it).
     """
     check_size("num_splits", num_splits)
     _check_options(block_q, block_k, "fa2")
     check_options("split_kv_forward", opts, refused=("cu_seqlens_q", "cu_seqlens_k"))
     _refuse_graph("split_kv_forward", dict(q=q, k=k, v=v, bias=opts.get("bias")))
-    pb = build_problem(q, k, v, **opts)
+    pb = build_problem(q, k, v, placement=placement, **opts)
     block_q, block_k = _resolve_tiles(pb, _native_step(pb, "fa2", False), block_q, block_k)
     lq, lk = pb.shape[4], pb.shape[5]
     if num_splits > lk:
         raise ValueError(f"num_splits must be between 1 and Lk = {lk}, got {num_splits}")
+    geo = pb.geo
     bounds = [(s * lk) // num_splits for s in range(num_splits + 1)]
     o_acc = lse_acc = None
     total = Counters()
@@ -1218,7 +1221,12 @@ def split_kv_forward(
             q,
             k[..., start:stop, :],
             v[..., start:stop, :],
-            placement=Placement(q_offset=0, k_offset=start, lq_total=lq, lk_total=lk),
+            placement=Placement(
+                q_offset=geo.q_offset,
+                k_offset=geo.k_offset + start,
+                lq_total=geo.lq_total,
+                lk_total=geo.lk_total,
+            ),
             **opts,
         )
         po, pl, led = _forward(
