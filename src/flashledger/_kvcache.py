@@ -609,7 +609,8 @@ def _gather(
     """The used keys of every sequence, left-aligned: ``(B, Hkv, lview, X)`` (zeros past use)."""
     j = torch.arange(lview)[None, :]  # (1, lview)
     live = j < used[:, None]  # (B, lview)
-    pos = start[:, None] + torch.where(live, j, 0)  # (B, lview) a valid position everywhere
+    # a valid position everywhere: a sequence using nothing may start past the cache's end
+    pos = torch.where(live, start[:, None] + j, 0)  # (B, lview)
     r, p = _slots(pos, rows, table, page)
     dev = cache.device
     out = cache[r.to(dev), :, p.to(dev)]  # (B, lview, Hkv, X)
