@@ -581,3 +581,25 @@ def test_reference_dtype_must_be_floating():
         lambda: fl.reference_backward(q, k, v, fwd.o, fwd.lse, fwd.o, dtype=torch.bool),
     ):
         _raises(call, TypeError, "dtype must be a floating dtype", "float64")
+
+
+@pytest.mark.parametrize("trace", [False, True])
+def test_input_values_are_checked_where_a_score_reads_them(trace):
+    """q, k, v values are checked when a result is not finite: a NaN at a key no row sees
+    changes nothing (and is not read twice on every call: a decode step reads the cache
+    once); one a visible score reads is named, with its index."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 1, 6, 4, dtype=torch.float64, generator=g) for _ in range(3))
+    mask = fl.KeyPadding([4, 6])  # batch 0 sees keys 0..3 only
+    clean = fl.blocked_forward(q, k, v, mask=mask, block_q=4, block_k=4, trace=trace)
+    k_bad = k.clone()
+    k_bad[0, 0, 5, 1] = math.nan  # a key batch 0 never sees
+    got = fl.blocked_forward(q, k_bad, v, mask=mask, block_q=4, block_k=4, trace=trace)
+    assert torch.equal(got.o, clean.o) and torch.equal(got.lse, clean.lse)
+    k_bad[0, 0, 2, 1] = math.nan  # a key batch 0 sees
+    with pytest.raises(ValueError, match=r"k contains NaN or inf at index \(0, 0, 2, 1\)"):
+        fl.blocked_forward(q, k_bad, v, mask=mask, block_q=4, block_k=4, trace=trace)
+    v_bad = v.clone()
+    v_bad[1, 0, 3, 0] = math.inf
+    with pytest.raises(ValueError, match=r"v contains NaN or inf at index \(1, 0, 3, 0\)"):
+        fl.reference_forward(q, k, v_bad, mask=mask)

@@ -14,6 +14,7 @@ __all__ = [
     "check_finite",
     "check_float_tensor",
     "check_qkv",
+    "check_qkv_finite",
     "check_size",
 ]
 
@@ -74,8 +75,9 @@ def check_size(name: str, value: Any, *, low: int = 1) -> int:
     return value
 
 
-def check_qkv(q: Any, k: Any, v: Any) -> None:
-    """Shapes ``(L, d)``, ``(H, L, d)`` or ``(B, H, L, d)``; K/V heads divide Q heads."""
+def check_qkv(q: Any, k: Any, v: Any, *, finite: bool = True) -> None:
+    """Shapes ``(L, d)``, ``(H, L, d)`` or ``(B, H, L, d)``; K/V heads divide Q heads; with
+    ``finite`` (default) every value finite too (``check_qkv_finite``)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_float_tensor(name, x)
         if x.ndim not in (2, 3, 4):
@@ -126,6 +128,12 @@ def check_qkv(q: Any, k: Any, v: Any) -> None:
         raise ValueError(f"head dims must be >= 1: q {tuple(q.shape)}, v {tuple(v.shape)}")
     if k.shape[-2] < 1 or q.shape[-2] < 1:
         raise ValueError(f"sequence lengths must be >= 1: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if finite:
+        check_qkv_finite(q, k, v)
+
+
+def check_qkv_finite(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise ``ValueError`` naming the first NaN or infinite element of q, k or v."""
     check_finite("q", q)
     check_finite("k", k)
     check_finite("v", v)

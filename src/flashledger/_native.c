@@ -172,6 +172,13 @@ static inline T exp2s(T x) { return vexp2(splat(x))[0]; }
  * (fl_set_own_gemm), the BLAS gemm. */
 #if defined(__AVX512F__)
 #define FL_OWN 1
+/* x broadcast from memory: a load µop alone (no shuffle on the port an FMA needs, as a
+ * register broadcast costs on Intel, nor the add of `zero + x`) */
+#if FL_DOUBLE
+static inline VT bcast(const T *p) { return (VT)_mm512_set1_pd(*p); }
+#else
+static inline VT bcast(const T *p) { return (VT)_mm512_set1_ps(*p); }
+#endif
 #if FL_DOUBLE
 typedef __mmask8 MT;
 static inline VT loadm(MT k, const T *p) { return (VT)_mm512_maskz_loadu_pd(k, p); }
@@ -198,7 +205,7 @@ static inline void storem(T *p, MT k, VT v) { _mm512_mask_storeu_ps(p, k, (__m51
                 VT av[MV];                                                                   \
                 for (int r = 0; r < MV; ++r) av[r] = loadv(A + kk * lda + r * W);           \
                 for (int c = 0; c < NB; ++c) {                                               \
-                    VT b = zero + B[kk * sbk + c * sbn];                                     \
+                    VT b = bcast(B + kk * sbk + c * sbn);                                     \
                     for (int r = 0; r < MV; ++r) acc[c][r] += av[r] * b;                     \
                 }                                                                            \
             }                                                                                \
@@ -207,7 +214,7 @@ static inline void storem(T *p, MT k, VT v) { _mm512_mask_storeu_ps(p, k, (__m51
                 VT av[MV];                                                                   \
                 for (int r = 0; r < MV; ++r) av[r] = loadm(mk[r], A + kk * lda + r * W);     \
                 for (int c = 0; c < NB; ++c) {                                               \
-                    VT b = zero + B[kk * sbk + c * sbn];                                     \
+                    VT b = bcast(B + kk * sbk + c * sbn);                                     \
                     for (int r = 0; r < MV; ++r) acc[c][r] += av[r] * b;                     \
                 }                                                                            \
             }                                                                                \
@@ -862,7 +869,7 @@ void SUF(fl_backward)(const struct fl_args *a) {
 /* Fused multiply-adds on registers only, every thread, `reps` x 1024 rounds of 12
  * independent vector chains (enough to cover the FMA latency on every port): the rate no
  * kernel can beat. Returns a value depending on the results, so nothing is optimised
- * away. */
+ * away (without -ffast-math the compiler may not fold c·x + y chains). */
 double SUF(fl_fma_peak)(long long reps) {
     double sink = 0;
 #pragma omp parallel reduction(+ : sink)
@@ -870,12 +877,8 @@ double SUF(fl_fma_peak)(long long reps) {
         VT x = splat((T)1.0000001), y = splat((T)-0.0000001), c[12];
         for (int i = 0; i < 12; ++i) c[i] = splat((T)i);
         for (long long r = 0; r < reps; ++r)
-            for (int it = 0; it < 1024; ++it) {
+            for (int it = 0; it < 1024; ++it) /* the chains stay in registers: no barrier */
                 for (int i = 0; i < 12; ++i) c[i] = c[i] * x + y;
-                __asm__ volatile("" : "+v"(c[0]), "+v"(c[1]), "+v"(c[2]), "+v"(c[3]), "+v"(c[4]),
-                                 "+v"(c[5]), "+v"(c[6]), "+v"(c[7]), "+v"(c[8]), "+v"(c[9]),
-                                 "+v"(c[10]), "+v"(c[11]));
-            }
         for (int i = 0; i < 12; ++i) sink += (double)c[i][0];
     }
     return sink;

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ._checks import all_finite, check_finite, check_float_tensor, check_qkv
+from ._checks import all_finite, check_finite, check_float_tensor, check_qkv, check_qkv_finite
 from .conventions import Conventions, get_conventions
 from .dropout import dropout_keep
 from .masks import (
@@ -71,6 +71,9 @@ class Problem:
     seed: int
     # an outside keep mask, (B|1, Hkv|1, G|1, Lq_total|1, Lk_total|1), or None
     keep_mask: torch.Tensor | None = None
+    # the caller's q, k, v: their values are checked only when a result is not finite
+    # (``_blame_inputs``), so that a decode step does not read the whole cache once more
+    inputs: tuple[torch.Tensor, ...] = ()
 
     @property
     def has_dropout(self) -> bool:
@@ -230,9 +233,11 @@ class Problem:
             if not bool(bad.any()):
                 bad = None
         if bad is not None:
+            self._blame_inputs()
             idx = ", ".join(map(str, self._user_index(bad)))
             raise ValueError(self._overflow_message(f"the scores of output row o[{idx}, :]"))
         if o is not None and not all_finite(o):
+            self._blame_inputs()
             bad = ~torch.isfinite(o).all(dim=-1)  # (B, Hkv, G, Lq)
             idx = ", ".join(map(str, self._user_index(bad)))
             raise ValueError(self._overflow_message(f"output row o[{idx}, :]"))
@@ -241,6 +246,7 @@ class Problem:
         """Raise ``ValueError`` when a gradient is not finite (its sums overflowed)."""
         for name, x in grads.items():
             if not all_finite(x):
+                self._blame_inputs()
                 raise ValueError(
                     f"the gradient {name} overflows {_dtype_name(self.dtype)} although every "
                     "input is finite: the inputs (q, k, v, o, do) are too large for it; scale "
@@ -264,6 +270,7 @@ class Problem:
         bad = ~ok if rows is None else ~ok & rows
         if not bool(bad.any()):
             return
+        self._blame_inputs()  # a NaN input makes the bound NaN: name the input instead
         idx = self._user_index(bad)
         value = float(self.user_rows(lse)[idx])
         raise ValueError(
@@ -272,6 +279,12 @@ class Problem:
             "inputs; pass the lse the forward returned for the same q, k, v and options (a row "
             "that sees no key may carry -inf, +inf or 0)"
         )
+
+    def _blame_inputs(self) -> None:
+        """A result is not finite: raise ``ValueError`` naming the first NaN or infinite
+        element of q, k or v if there is one (else the caller explains the overflow)."""
+        if self.inputs:
+            check_qkv_finite(*self.inputs)
 
     def _overflow_message(self, where: str) -> str:
         bound = self.score_bound()
@@ -396,8 +409,10 @@ def build_problem(
     placement: Placement | None = None,
     acc_dtype: torch.dtype | None = None,
 ) -> Problem:
-    """Validate every input and option and lay the problem out for a loop."""
-    check_qkv(q, k, v)
+    """Validate every input and option and lay the problem out for a loop. The values of
+    q, k, v are checked when a result is not finite (a NaN or inf no visible score reads
+    changes nothing), not here: that check reads every input once more."""
+    check_qkv(q, k, v, finite=False)
     conv = get_conventions(conventions)
     ndim = q.ndim
     q4 = _add_leading(q, 4)
@@ -559,6 +574,7 @@ def build_problem(
         dropout_p=float(dropout_p),
         seed=seed,
         keep_mask=keep_mask,
+        inputs=(q, k, v),
     )
 
 

@@ -533,7 +533,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "batch": args.batch,
             "heads": args.heads,
             "head_dim": args.head_dim,
-            "tiles": [list(t) for t in args.tiles],
+            "tiles": [list(t) for t in args.tiles] if args.tiles else "calibrated",
             "repeats": args.repeats,
             "budget_s": args.budget_s,
             "memory": not args.no_memory,
