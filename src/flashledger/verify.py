@@ -578,6 +578,19 @@ def _flex_backward_rows(quick: bool) -> list[VerifyRow]:
     return rows
 
 
+DECODE_SHAPES: tuple[Shape, ...] = (Shape(2, 8, 2, 1, 300, 64), Shape(1, 4, 1, 3, 257, 24))
+"""Decode shapes: a few query rows (GQA, MQA) against many keys, for the native step's
+decode form (a group's heads as one block of rows, the key tiles split, K read in place)."""
+
+
+def _decode_system() -> _System:
+    """flashledger on decode shapes, with key tiles of 64 so that each row's keys split."""
+    fn = _flashledger("fa2", 64, 64)
+    fn.__name__ = "flashledger decode"
+    masks = ("none", "causal_bottom_right", "padding")
+    return _System("flashledger decode (split keys)", fn, SEED, masks=masks)
+
+
 def _plan(quick: bool) -> list[tuple[Case, list[_System]]]:
     """Each case of the sweep with the systems that run it (the oracle is computed once per case)."""
     sys_list = _systems(quick)
@@ -592,6 +605,10 @@ def _plan(quick: bool) -> list[tuple[Case, list[_System]]]:
             ]
             if users:
                 plan.append((case, users))
+    dec = _decode_system()
+    shapes = DECODE_SHAPES[:1] if quick else DECODE_SHAPES
+    for case in attention_cases(conventions=SEED, shapes=shapes, masks=dec.masks, gqa=True):
+        plan.append((case, [dec]))
     return plan
 
 
