@@ -200,3 +200,40 @@ def test_dense_mask_tile_is_full_only_if_full_in_every_batch_and_head(assert_sam
     got = (fl.DenseMask(t) & fl.Causal("top_left")).bind(geo).tile_classes(2, 2)
     want = torch.tensor([[PARTIAL, EMPTY], [FULL, PARTIAL]], dtype=torch.int8)
     assert_same(got, want, name="dense & causal")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    b=st.integers(1, 3),
+    lq=st.integers(1, 40),
+    lk=st.integers(1, 60),
+    bq=st.integers(1, 17),
+    bk=st.integers(1, 17),
+    kind=st.sampled_from(["causal", "causal-br", "window", "padding", "causal&padding"]),
+    data=st.data(),
+)
+def test_interval_tiles_in_integers_equal_the_tensor_rule(b, lq, lk, bq, bk, kind, data):
+    """A few rows (decode) are classified in plain integers; the classes equal the tensor
+    rule's, tile for tile."""
+    from flashledger import masks
+    from flashledger._problem import build_problem
+
+    pad = fl.KeyPadding(data.draw(st.lists(st.integers(0, lk), min_size=b, max_size=b)))
+    mask = {
+        "causal": fl.Causal(),
+        "causal-br": fl.Causal("bottom_right"),
+        "window": fl.SlidingWindow(data.draw(st.integers(0, 10)), data.draw(st.integers(-1, 5))),
+        "padding": pad,
+        "causal&padding": fl.Causal("bottom_right") & pad,
+    }[kind]
+    q, k = torch.randn(b, 2, lq, 4), torch.randn(b, 2, lk, 4)
+    bound = build_problem(q, k, k, mask=mask).mask
+    assert isinstance(bound, masks.IntervalBound)
+    few = bound._tile_classes_few(bq, bk, -(-lq // bq), -(-lk // bk))
+    masks_few = masks._FEW_ROWS
+    try:
+        masks._FEW_ROWS = -1  # the tensor rule
+        want = bound.tile_classes(bq, bk)
+    finally:
+        masks._FEW_ROWS = masks_few
+    assert torch.equal(few, want), (few, want)

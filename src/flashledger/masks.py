@@ -300,6 +300,8 @@ class IntervalBound(BoundMask):
     def tile_classes(self, block_q: int, block_k: int) -> torch.Tensor:
         g = self.geo
         tq, tk = -(-g.lq // block_q), -(-g.lk // block_k)
+        if self.lo.numel() <= _FEW_ROWS and tq * tk <= _FEW_TILES:
+            return self._tile_classes_few(block_q, block_k, tq, tk)
         pad = tq * block_q - g.lq
         k0 = torch.arange(tk, device=g.device) * block_k + g.k_offset  # (Tk,) global first key
         k1 = torch.clamp(k0 + block_k, max=g.k_offset + g.lk) - 1  # (Tk,) global last key
@@ -326,6 +328,39 @@ class IntervalBound(BoundMask):
         out[~nonempty] = EMPTY
         out[full & nonempty] = FULL
         return out.cpu()
+
+
+    def _tile_classes_few(self, block_q: int, block_k: int, tq: int, tk: int) -> torch.Tensor:
+        """``tile_classes`` in plain integers, for a few rows (decode): the same rule
+        without the two dozen small tensor operations, which there cost more than the
+        attention itself."""
+        g = self.geo
+        ko, lk = g.k_offset, g.lk
+        lo_rows, hi_rows = self.lo.cpu().tolist(), self.hi.cpu().tolist()  # (Bm, Lq) global
+        out = []
+        for qi in range(tq):
+            r0, r1 = qi * block_q, min(qi * block_q + block_q, g.lq)
+            max_lo = max(lo[r] for lo in lo_rows for r in range(r0, r1))
+            min_hi = min(hi[r] for hi in hi_rows for r in range(r0, r1))
+            diff = [0] * (tk + 1)  # +1 where a row's run of hit key tiles starts, -1 after it
+            for lo, hi in zip(lo_rows, hi_rows):
+                for r in range(r0, r1):
+                    a, b = lo[r] - ko, hi[r] - ko  # local
+                    if a <= b and b >= 0 and a <= lk - 1:
+                        diff[max(a, 0) // block_k] += 1
+                        diff[min(b, lk - 1) // block_k + 1] -= 1
+            row, hits = [], 0
+            for kj in range(tk):
+                hits += diff[kj]
+                k0 = kj * block_k + ko
+                k1 = min(k0 + block_k, ko + lk) - 1
+                full = max_lo <= k0 and min_hi >= k1
+                row.append(EMPTY if hits <= 0 else FULL if full else PARTIAL)
+            out.append(row)
+        return torch.tensor(out, dtype=torch.int8)
+
+
+_FEW_ROWS, _FEW_TILES = 512, 4096  # classified in plain integers below these sizes
 
 
 class DenseBound(BoundMask):
