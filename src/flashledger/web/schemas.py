@@ -12,7 +12,14 @@ from __future__ import annotations
 from itertools import pairwise
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from flashledger.conventions import PRESETS
 from flashledger.ring import chunk_bounds
@@ -23,6 +30,8 @@ __all__ = [
     "BackwardResponse",
     "ConventionsRequest",
     "ConventionsResponse",
+    "ErrorItem",
+    "ErrorResponse",
     "ExamplesResponse",
     "InputError",
     "LedgerRequest",
@@ -78,7 +87,12 @@ LIMITS: dict[str, float] = {
 Finite = Annotated[float, Field(allow_inf_nan=False, ge=-MAX_ABS_INPUT, le=MAX_ABS_INPUT)]
 Row = Annotated[list[Finite], Field(min_length=1, max_length=MAX_HEAD_DIM)]
 Matrix = Annotated[list[Row], Field(min_length=1, max_length=MAX_TRACE_LEN)]
-Num = float
+Num = Annotated[
+    float,
+    WithJsonSchema(
+        {"anyOf": [{"type": "number"}, {"type": "string", "enum": ["Infinity", "-Infinity"]}]}
+    ),
+]
 """A float64 in a response; non-finite values serialise as ``"Infinity"``/``"-Infinity"``."""
 Vec = list[Num]
 Mat = list[list[Num]]
@@ -96,7 +110,8 @@ class InputError(ValueError):
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # strict: a number is a JSON number (not "1", not true), an integer has no fraction
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class _Response(BaseModel):
@@ -129,14 +144,20 @@ class MaskSpec(_Request):
     ``causal_bottom_right`` fix it; ``sliding_window`` keeps keys
     ``c - left <= j <= c + right`` (-1 = unbounded) around the diagonal ``c`` of
     ``align`` (None: the preset's alignment); ``custom`` takes ``dense``, an
-    ``(Lq, Lk)`` grid of booleans (True = attend).
+    ``(Lq, Lk)`` grid of booleans (True = attend). With any other kind ``dense`` is
+    absent, null or empty (``[]``: no grid); a grid there would be ignored, so it is refused.
     """
 
     kind: MaskKind = "none"
     left: int = Field(default=-1, ge=-1, le=MAX_STORAGE_LEN)
     right: int = Field(default=0, ge=-1, le=MAX_STORAGE_LEN)
     align: Literal["top_left", "bottom_right"] | None = None
-    dense: list[list[bool]] | None = Field(default=None, max_length=MAX_TRACE_LEN)
+    dense: list[list[bool]] | None = Field(
+        default=None,
+        max_length=MAX_TRACE_LEN,
+        description="kind 'custom' only: the Lq x Lk grid, true = attend; "
+        "null or [] with any other kind",
+    )
 
     @model_validator(mode="after")
     def _dense_only_for_custom(self) -> MaskSpec:
@@ -144,10 +165,14 @@ class MaskSpec(_Request):
             raise InputError(
                 "mask", "mask: kind 'custom' needs 'dense', an Lq x Lk grid of true/false"
             )
-        if self.kind != "custom" and self.dense is not None:
+        if self.kind != "custom" and self.dense:
             raise InputError(
-                "mask", f"mask: 'dense' is only used with kind 'custom', not {self.kind!r}"
+                "mask",
+                f"mask: 'dense' is only used with kind 'custom', not {self.kind!r} "
+                "(leave it out, null or [])",
             )
+        if self.kind != "custom":
+            self.dense = None  # an empty grid is no grid
         return self
 
     def check_shape(self, lq: int, lk: int) -> None:
@@ -692,3 +717,25 @@ class RingResponse(_Response):
         "ring's result| over O, LSE, dQ and the dK/dV it passes on to their owner (0: the "
         "per-step states are the loop's own)"
     )
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+class ErrorItem(BaseModel):
+    """One problem with a request (more keys may follow these three)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    field: str = Field(description="the top-level request field to blame, '' when none")
+    path: str = Field(description="where in the body, e.g. 'q[3][1]'; '' when none")
+    message: str = Field(
+        description="one line naming the field, what was wrong and what is allowed"
+    )
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error answer (400, 408, 413, 422, 503)."""
+
+    detail: str = Field(description="every message of ``errors``, on one line")
+    errors: list[ErrorItem]
