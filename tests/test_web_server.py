@@ -607,6 +607,14 @@ def test_wrong_method_is_405_with_allow(client: TestClient) -> None:
         assert allow in res.headers.get("allow", ""), f"{method} {path}: {res.headers}"
 
 
+def test_head_is_answered_wherever_get_is(client: TestClient) -> None:
+    for path in ("/", "/api/examples", "/static/style.css", "/docs"):
+        head, get = client.head(path), client.get(path)
+        assert head.status_code == 200 and head.content == b"", (path, head.status_code)
+        assert head.headers["content-length"] == str(len(get.content)), path
+    assert "HEAD" in client.post("/api/examples").headers["allow"]
+
+
 def test_body_that_is_not_utf8_is_422(client: TestClient) -> None:
     res = client.post(
         "/api/ledger",

@@ -7,7 +7,8 @@
 - :class:`BodyGuard` reads each request body before the app sees it: over the
   size limit, 413; not complete within ``timeout_s`` seconds (a slow or
   half-sent body), 408 and the connection is closed.
-- :class:`SecurityHeaders` adds the Content-Security-Policy and ``nosniff``.
+- :class:`SecurityHeaders` adds the Content-Security-Policy and ``nosniff``;
+  :class:`HeadAsGet` answers ``HEAD`` wherever ``GET`` is answered.
 - :func:`protocol_class` is uvicorn's h11 protocol plus a header timeout (a
   request whose headers are not complete within ``header_timeout_s`` is
   answered 408 and closed; a silent connection is closed) and a cap on open
@@ -30,6 +31,7 @@ from typing import Any
 
 __all__ = [
     "BodyGuard",
+    "HeadAsGet",
     "HostCheck",
     "HostRule",
     "SecurityHeaders",
@@ -247,6 +249,26 @@ class SecurityHeaders:
             await send(message)
 
         await self.app(scope, receive, send_with_headers)
+
+
+class HeadAsGet:
+    """ASGI middleware: ``HEAD`` is answered as ``GET`` without the body (RFC 9110), so
+    every page, file and GET endpoint answers it."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def without_body(message: Message) -> None:
+            if message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, without_body)
 
 
 # ----------------------------------------------------------------------------- connections

@@ -282,7 +282,10 @@ def create_app(
             message = "the request body is not valid JSON (it is not UTF-8 text)"
             return _error(422, [{"field": "", "path": "", "message": message}])
         message = str(exc.detail)
-        return _error(exc.status_code, [{"field": "", "path": "", "message": message}], exc.headers)
+        headers = dict(exc.headers or {})
+        if "GET" in headers.get("Allow", "").split(", ") and "HEAD" not in headers["Allow"]:
+            headers["Allow"] += ", HEAD"  # answered by HeadAsGet
+        return _error(exc.status_code, [{"field": "", "path": "", "message": message}], headers)
 
     @app.exception_handler(ValueError)
     async def _value_error(_request: Request, exc: ValueError) -> JSONResponse:
@@ -405,6 +408,7 @@ def create_app(
     )
     app.add_middleware(_guard.BodyGuard, limit=sc.MAX_BODY_BYTES, timeout_s=body_timeout_s)
     app.add_middleware(_queue.Admission, routes=routes)
+    app.add_middleware(_guard.HeadAsGet)
     app.add_middleware(_guard.HostCheck, rule=_guard.HostRule(host, allow_hosts))
     return app
 
