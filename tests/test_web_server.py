@@ -246,6 +246,27 @@ def test_trivial_requests_and_memory_under_50_worst_case_requests() -> None:
 # ----------------------------------------------------------------------------- the queue
 
 
+def _run(main: Any) -> Any:
+    """``asyncio.run(main())`` in a thread of its own (the browser tests' Playwright keeps
+    an event loop running in this one)."""
+    out: list[Any] = []
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            out.append(asyncio.run(main()))
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "the scenario did not finish within 60 s"
+    if errors:
+        raise errors[0]
+    return out[0]
+
+
 async def _never() -> dict[str, Any]:
     await asyncio.Event().wait()
     return {"type": "http.disconnect"}
@@ -282,7 +303,7 @@ def test_lane_runs_workers_queues_waiting_and_refuses_beyond() -> None:
         gate.set()
         return [await first, await second]
 
-    assert asyncio.run(scenario()) == [1, 2]
+    assert _run(scenario) == [1, 2]
     assert ran == [1, 2] and lane.admitted == 0
     assert (lane.stats.done, lane.stats.refused) == (2, 1)
 
@@ -312,7 +333,7 @@ def test_lane_stops_running_work_and_drops_waiting_work_when_the_client_leaves()
         waiting = asyncio.ensure_future(lane.run(endless(1), lambda: leaves_after(0.1)))
         return [await running, await waiting]
 
-    assert asyncio.run(scenario()) == [None, None]
+    assert _run(scenario) == [None, None]
     _wait_for(lambda: lane.admitted == 0, f"the lane did not drain: {lane.stats}")
     assert started.is_set() and steps[0] > 0, "the running work never ran"
     assert steps[1] == 0, "work whose client left while it waited was run"
@@ -327,7 +348,7 @@ def test_lanes_give_memory_back_when_idle(monkeypatch: pytest.MonkeyPatch) -> No
     async def one() -> Any:
         return await lanes.heavy.run(lambda _check: 7, _never)
 
-    assert asyncio.run(one()) == 7
+    assert _run(one) == 7
     _wait_for(lambda: lanes.releases == 1, "memory was not given back after the queue drained")
     assert calls == [1]
 
@@ -351,7 +372,7 @@ def test_full_lane_is_refused_before_the_body_is_read() -> None:
     async def occupy() -> Any:
         return await lanes.heavy.run(lambda _check: gate.wait(20), _never)
 
-    holder = threading.Thread(target=lambda: asyncio.run(occupy()))
+    holder = threading.Thread(target=lambda: asyncio.run(occupy()))  # a thread of its own
     holder.start()
     try:
         _wait_for(lambda: lanes.heavy.full(), "the lane did not fill")

@@ -338,10 +338,12 @@ def create_app(
     )
     async def backward(req: sc.BackwardRequest, request: Request) -> Response:
         """Section 04: blocked forward, traced blocked backward, reference and autograd check."""
-        compute.check_work(req, limit=max_work)
-        return await run(
-            lanes.heavy, request, lambda check: compute.backward_steps(req, check=check)
-        )
+
+        def work(check: compute.Check) -> sc.BackwardResponse:
+            compute.check_work(req, limit=max_work)  # on the worker: it may build the native step
+            return compute.backward_steps(req, check=check)
+
+        return await run(lanes.heavy, request, work)
 
     @app.post(
         "/api/storage",
@@ -361,10 +363,12 @@ def create_app(
     )
     async def conventions(req: sc.ConventionsRequest, request: Request) -> Response:
         """Section 06: O and LSE of every row under each conventions preset."""
-        compute.check_work(req, limit=max_work)
-        return await run(
-            lanes.heavy, request, lambda check: compute.conventions_table(req, check=check)
-        )
+
+        def work(check: compute.Check) -> sc.ConventionsResponse:
+            compute.check_work(req, limit=max_work)
+            return compute.conventions_table(req, check=check)
+
+        return await run(lanes.heavy, request, work)
 
     @app.post(
         "/api/measure",
