@@ -64,6 +64,8 @@ _EXPORTS: dict[str, str] = {
     "BackwardTileStep": "ledger",
     "storage_and_work": "accounting",
     "memory_traffic": "accounting",
+    "ledger_of": "model",
+    "ModelLedger": "model",
     # verification
     "assert_attention_close": "verify",
     "run_matrix": "verify",
@@ -97,6 +99,7 @@ __all__ = [
     "KeyPadding",
     "Ledger",
     "Mask",
+    "ModelLedger",
     "OnlineSoftmax",
     "OnlineState",
     "Placement",
@@ -110,6 +113,7 @@ __all__ = [
     "blocked_backward",
     "blocked_forward",
     "flash_attention",
+    "ledger_of",
     "lse_from_base2",
     "lse_to_base2",
     "memory_traffic",
@@ -166,6 +170,7 @@ if TYPE_CHECKING:
     )
     from .ledger import BackwardTileStep, Counters, ForwardTileStep, Ledger
     from .masks import Causal, DenseMask, KeyPadding, Mask, SlidingWindow
+    from .model import ModelLedger, ledger_of
     from .online import OnlineSoftmax, OnlineState, merge, merge_partials
     from .reference import (
         ReferenceBackward,

@@ -5,10 +5,16 @@ The forward saves ``q, k, v, o`` and one LSE per row; the backward is
 gradient flowing into the returned LSE is propagated when the conventions say
 the LSE is differentiable (``SEED`` and ``FLEX_ATTENTION``) and ignored
 otherwise (flash-attn, SDPA). Passes ``torch.autograd.gradcheck`` in float64.
+
+``_FlashAttention.apply(q, k, v, bias, opts, sink)`` is the op itself; ``sink``
+(or None) is called with each pass's ``Ledger`` as the pass ends, which is how
+a model's ledger (``flashledger.model.ledger_of``) books both passes of every
+attention call.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Unpack
 
 import torch
@@ -16,6 +22,7 @@ import torch
 from ._options import AttentionOptions, check_options
 from .blocked import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, LoopOrder, blocked_backward, blocked_forward
 from .conventions import SEED, get_conventions
+from .ledger import Ledger
 
 __all__ = ["flash_attention"]
 
@@ -29,11 +36,14 @@ class _FlashAttention(torch.autograd.Function):
         v: torch.Tensor,
         bias: torch.Tensor | None,
         opts: dict[str, Any],
+        sink: Callable[[Ledger], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         res = blocked_forward(q, k, v, bias=bias, **opts)
         ctx.set_materialize_grads(False)  # an unused LSE output costs no zero tensor and no pass
         ctx.save_for_backward(q, k, v, bias, res.o, res.lse)
-        ctx.opts = opts
+        ctx.opts, ctx.sink = opts, sink
+        if sink is not None:
+            sink(res.ledger)
         return res.o, res.lse
 
     @staticmethod
@@ -44,13 +54,15 @@ class _FlashAttention(torch.autograd.Function):
         opts = ctx.opts
         use_dlse = get_conventions(opts["conventions"]).lse_differentiable and dlse is not None
         if do is None and not use_dlse:  # neither output carries a gradient
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         do = torch.zeros_like(o) if do is None else do.contiguous()
         res = blocked_backward(
             q, k, v, o, lse, do, dlse=dlse if use_dlse else None, bias=bias, **opts
         )
+        if ctx.sink is not None:
+            ctx.sink(res.ledger)
         dbias = res.dbias if bias is not None and ctx.needs_input_grad[3] else None
-        return res.dq, res.dk, res.dv, dbias, None
+        return res.dq, res.dk, res.dv, dbias, None, None
 
 
 def flash_attention(

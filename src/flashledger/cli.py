@@ -3,8 +3,8 @@
 Subcommands: ``online`` (the running state, block by block), ``backward``
 (rebuild and differentiate), ``account`` (storage and work), ``traffic``
 (slow-memory traffic, ``--sweep`` for the plot), ``explore`` (the web
-explorer), and ``verify``, ``bench``, ``ring``, whose options live in their
-own modules and are loaded only when used.
+explorer), and ``verify``, ``bench``, ``ring``, ``model``, whose options live
+in their own modules and are loaded only when used.
 
 Bad input never shows a traceback: the command prints one line naming the
 option and what is allowed, and exits with status 2.
@@ -50,6 +50,7 @@ DELEGATED = {
     "verify": "check attention against PyTorch and an exact answer",
     "bench": "time the blocked loop against PyTorch",
     "ring": "ring attention (context parallelism) over torch.distributed",
+    "model": "the attention ledger of a random-initialised transformers model",
 }
 COMMANDS = ("online", "backward", "account", "traffic", "explore", *DELEGATED)
 DTYPES = ("float64", "float32", "float16", "bfloat16")

@@ -26,7 +26,9 @@ Conventions (flash-attn semantics):
 - ``SlidingWindow(left, right)``: iff ``c - left <= j <= c + right`` with
   ``c = i`` (top-left) or ``c = i + Lk - Lq`` (bottom-right); ``None`` or -1
   means unbounded on that side; ``SlidingWindow(None, 0)`` is causal.
-- ``KeyPadding(lengths)``: batch ``b`` sees keys ``j < lengths[b]``.
+- ``KeyPadding(lengths)``: batch ``b`` sees keys ``j < lengths[b]`` (right
+  padding); ``KeyPadding(lengths, side="left")``: keys ``j >= Lk - lengths[b]``
+  (left padding: the real keys are the last ``lengths[b]``).
 - ``DenseMask(t)``: any bool tensor broadcastable to ``(B, H, Lq, Lk)``.
 """
 
@@ -370,9 +372,19 @@ class SlidingWindow(Mask):
 
 
 class KeyPadding(Mask):
-    """Batch element ``b`` sees keys ``j < lengths[b]`` (``lengths``: ``(B,)`` ints)."""
+    """Batch element ``b`` sees only its ``lengths[b]`` real keys (``lengths``: ``(B,)`` ints).
 
-    def __init__(self, lengths: torch.Tensor | list[int] | tuple[int, ...]) -> None:
+    ``side="right"`` (default): the real keys come first, ``j < lengths[b]``;
+    ``side="left"``: they come last, ``j >= Lk - lengths[b]`` (left-padded
+    batches, as generation pads them; ``Lk`` is the call's whole key length).
+    """
+
+    def __init__(
+        self,
+        lengths: torch.Tensor | list[int] | tuple[int, ...],
+        *,
+        side: Literal["right", "left"] = "right",
+    ) -> None:
         t = torch.as_tensor(lengths)
         if t.ndim != 1 or t.numel() < 1 or t.is_floating_point() or t.dtype == torch.bool:
             raise ValueError(
@@ -380,10 +392,14 @@ class KeyPadding(Mask):
             )
         if bool((t < 0).any()):
             raise ValueError(f"KeyPadding lengths must be >= 0, got {t.tolist()}")
+        if side not in ("right", "left"):
+            raise ValueError(f"KeyPadding side must be 'right' or 'left', got {side!r}")
         self.lengths = t.to(torch.int64)
+        self.side = side
 
     def __repr__(self) -> str:
-        return f"KeyPadding({self.lengths.tolist()})"
+        side = "" if self.side == "right" else ", side='left'"
+        return f"KeyPadding({self.lengths.tolist()}{side})"
 
     def bind(self, geo: Geometry) -> BoundMask:
         if geo.varlen:
@@ -395,9 +411,11 @@ class KeyPadding(Mask):
             raise ValueError(
                 f"KeyPadding lengths has {n} entries; it needs one per batch element ({geo.batch})"
             )
-        lengths = self.lengths.to(geo.device)
-        hi = (lengths - 1)[:, None].expand(n, geo.lq)  # (B, Lq)
-        return IntervalBound(geo, geo.k_lo[None, :].expand(n, geo.lq), hi)
+        lengths = self.lengths.to(geo.device)[:, None].expand(n, geo.lq)  # (B, Lq)
+        if self.side == "left":
+            lo = geo.lk_total - lengths  # (B, Lq) first real key
+            return IntervalBound(geo, lo, (geo.k_hi - 1)[None, :].expand(n, geo.lq))
+        return IntervalBound(geo, geo.k_lo[None, :].expand(n, geo.lq), lengths - 1)
 
 
 class DenseMask(Mask):
