@@ -43,6 +43,7 @@ PUBLIC = [
     "SDPA_CPU",
     "SEED",
     "SlidingWindow",
+    "Trace",
     "__version__",
     "alibi_slopes",
     "assert_attention_close",

@@ -60,6 +60,7 @@ _EXPORTS: dict[str, str] = {
     # ledgers and accounting
     "Ledger": "ledger",
     "Counters": "ledger",
+    "Trace": "ledger",
     "ForwardTileStep": "ledger",
     "BackwardTileStep": "ledger",
     "storage_and_work": "accounting",
@@ -107,6 +108,7 @@ __all__ = [
     "ReferenceForward",
     "RingLedger",
     "SlidingWindow",
+    "Trace",
     "__version__",
     "alibi_slopes",
     "assert_attention_close",
@@ -168,7 +170,7 @@ if TYPE_CHECKING:
         SEED,
         Conventions,
     )
-    from .ledger import BackwardTileStep, Counters, ForwardTileStep, Ledger
+    from .ledger import BackwardTileStep, Counters, ForwardTileStep, Ledger, Trace
     from .masks import Causal, DenseMask, KeyPadding, Mask, SlidingWindow
     from .model import ModelLedger, ledger_of
     from .online import OnlineSoftmax, OnlineState, merge, merge_partials

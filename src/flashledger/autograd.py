@@ -6,19 +6,29 @@ gradient flowing into the returned LSE is propagated when the conventions say
 the LSE is differentiable (``SEED`` and ``FLEX_ATTENTION``) and ignored
 otherwise (flash-attn, SDPA). Passes ``torch.autograd.gradcheck`` in float64.
 
+Second order: when autograd asks the backward for a graph (``create_graph=True``:
+gradient penalties, Hessian-vector products), the backward recomputes ``(o, lse)``
+with this op and runs the blocked backward of ``_backward_graph`` (out-of-place
+tile steps), so the gradients are themselves differentiable, exactly, to any
+order (``gradgradcheck`` in float64). That graph holds every tile's
+intermediates: memory ``O(B·H·Lq·Lk)``, like PyTorch's math backend.
+
 ``_FlashAttention.apply(q, k, v, bias, opts, sink)`` is the op itself; ``sink``
 (or None) is called with each pass's ``Ledger`` as the pass ends, which is how
 a model's ledger (``flashledger.model.ledger_of``) books both passes of every
-attention call.
+attention call (a backward that builds a graph has no blocked ledger to book).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Unpack
 
 import torch
 
+from ._backward_graph import graph_backward
 from ._options import AttentionOptions, check_options
 from .blocked import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, LoopOrder, blocked_backward, blocked_forward
 from .conventions import SEED, get_conventions
@@ -56,6 +66,14 @@ class _FlashAttention(torch.autograd.Function):
         if do is None and not use_dlse:  # neither output carries a gradient
             return None, None, None, None, None, None
         do = torch.zeros_like(o) if do is None else do.contiguous()
+        if torch.is_grad_enabled():  # create_graph=True: gradients autograd can differentiate
+            conv = get_conventions(opts["conventions"])
+            raw = replace(conv, masked_row_lse=-math.inf, lse_differentiable=True)
+            o_g, lse_g = _FlashAttention.apply(q, k, v, bias, {**opts, "conventions": raw})
+            dq, dk, dv, dbias = graph_backward(
+                q, k, v, o_g, lse_g, do, dlse if use_dlse else None, bias, opts
+            )
+            return dq, dk, dv, dbias if ctx.needs_input_grad[3] else None, None, None
         res = blocked_backward(
             q, k, v, o, lse, do, dlse=dlse if use_dlse else None, bias=bias, **opts
         )
@@ -84,6 +102,12 @@ def flash_attention(
     a gradient when it requires one.
     """
     check_options("flash_attention", opts)
+    slopes = opts.get("alibi_slopes")
+    if isinstance(slopes, torch.Tensor) and slopes.requires_grad:
+        raise ValueError(
+            "flash_attention does not compute a gradient for alibi_slopes (they are an option, "
+            "like the scale); pass alibi_slopes.detach()"
+        )
     rest: dict[str, Any] = dict(opts)
     bias = rest.pop("bias", None)
     rest.setdefault("conventions", SEED)

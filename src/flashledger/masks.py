@@ -176,6 +176,10 @@ class BoundMask(ABC):
         """The whole visibility matrix, bool ``(Bm, Hm, Lq, Lk)``."""
         return self.block(0, self.geo.lq, 0, self.geo.lk)
 
+    def rows_with_keys(self) -> torch.Tensor:
+        """Rows that see at least one key of the call, bool ``(Bm, Hm, Lq)``."""
+        return self.dense().any(dim=-1)
+
 
 class IntervalBound(BoundMask):
     """Row ``i`` sees global keys ``lo[i] <= j <= hi[i]`` (``lo``, ``hi``: ``(Bm, Lq)``)."""
@@ -190,6 +194,11 @@ class IntervalBound(BoundMask):
         lo = self.lo[:, q0:q1, None]  # (Bm, bq, 1)
         hi = self.hi[:, q0:q1, None]
         return ((j >= lo) & (j <= hi)).unsqueeze(1)  # (Bm, 1, bq, bk)
+
+    def rows_with_keys(self) -> torch.Tensor:
+        g = self.geo
+        lo_l, hi_l = self.lo - g.k_offset, self.hi - g.k_offset  # (Bm, Lq) local
+        return ((lo_l <= hi_l) & (hi_l >= 0) & (lo_l <= g.lk - 1)).unsqueeze(1)  # (Bm, 1, Lq)
 
     def tile_classes(self, block_q: int, block_k: int) -> torch.Tensor:
         g = self.geo

@@ -95,16 +95,18 @@ class ScoreMod:
         return ScoreMod(scale, geo, hkv, g, softcap, slopes, b5)
 
     def tile(
-        self, qk: torch.Tensor, q0: int, q1: int, k0: int, k1: int
+        self, qk: torch.Tensor, q0: int, q1: int, k0: int, k1: int, *, inplace: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Final scores of a tile from ``qk = q k^T`` (modified in place); returns ``(s, t)``.
+        """Final scores of a tile from ``qk = q k^T``; returns ``(s, t)``.
 
-        ``t = tanh(scale * qk / c)`` is kept for the backward when softcap is on.
+        ``qk`` is modified in place unless ``inplace=False`` (out-of-place ops only, for
+        a graph autograd differentiates again). ``t = tanh(scale * qk / c)`` is kept for
+        the backward when softcap is on.
         """
-        s = qk.mul_(self.scale)  # (B, Hkv, G, bq, bk)
+        s = qk.mul_(self.scale) if inplace else qk * self.scale  # (B, Hkv, G, bq, bk)
         t = None
         if self.softcap is not None:
-            t = s.div_(self.softcap).tanh_()
+            t = s.div_(self.softcap).tanh_() if inplace else torch.tanh(s / self.softcap)
             s = t * self.softcap
         if self.slopes is not None:
             geo = self.geo
