@@ -62,7 +62,10 @@ def _error(res: Any, status: int) -> dict[str, Any]:
     assert res.status_code == status, f"status {res.status_code}: {res.text[:300]}"
     data = res.json()
     assert isinstance(data["detail"], str) and data["detail"] and "\n" not in data["detail"]
-    assert data["errors"] and all({"field", "path", "message"} <= set(e) for e in data["errors"])
+    assert data["errors"], data
+    for e in data["errors"]:
+        assert {"field", "path", "message", "kind", "limits"} <= set(e), e
+        assert e["kind"] in sc.ERROR_KINDS and isinstance(e["limits"], dict), e
     return data  # type: ignore[no-any-return]
 
 
@@ -391,6 +394,15 @@ def test_full_lane_is_refused_before_the_body_is_read() -> None:
 # ----------------------------------------------------------------------------- work limits
 
 
+def test_the_pages_largest_traced_problem_is_within_the_work_limit() -> None:
+    """Section 04 steps a 64 x 64 causal problem in 1 x 1 tiles (2080 tiles run)."""
+    body = {name: _problem(64, 2)[name] for name in ("q", "k", "v")} | {"g": _problem(64, 2)["q"]}
+    req = sc.BackwardRequest(**body, block_q=1, block_k=1, mask={"kind": "causal_top_left"})
+    compute.check_work(req)
+    with pytest.raises(sc.InputError, match="too much work"):  # without the mask it is not
+        compute.check_work(sc.BackwardRequest(**body, block_q=1, block_k=1))
+
+
 def test_seed_examples_and_page_defaults_are_far_below_the_work_limit() -> None:
     ex = examples.five_position_example()
     page = {name: ex[name].tolist() for name in ("q", "k", "v")}
@@ -424,6 +436,9 @@ def test_too_much_work_is_refused_with_the_limit_named(
     data = _error(client.post(path, json=body), 422)
     assert "block_q" in [e["field"] for e in data["errors"]]
     assert "too much work" in data["detail"] and f"{compute.MAX_WORK:,}" in data["detail"]
+    (error,) = data["errors"]
+    assert error["kind"] == "work" and error["limits"]["max"] == compute.MAX_WORK
+    assert error["limits"]["units"] > compute.MAX_WORK, error
     assert "tiles run" in data["detail"] and "larger tiles" in data["detail"]
 
 
@@ -598,7 +613,8 @@ def test_openapi_documents_the_error_body_and_every_status(client: TestClient) -
     error = schemas["ErrorResponse"]
     assert error["properties"]["detail"]["type"] == "string"
     item = schemas["ErrorItem"]
-    assert {"field", "path", "message"} <= set(item["required"])
+    assert {"field", "path", "message", "kind", "limits"} <= set(item["required"])
+    assert set(item["properties"]["kind"]["enum"]) == set(sc.ERROR_KINDS)
     for (method, path), op in _operations(client).items():
         codes = set(op["responses"])
         want = {"200", "400", "503"} | ({"408", "413", "422"} if method == "POST" else set())

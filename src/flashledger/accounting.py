@@ -46,7 +46,6 @@ from .masks import (
     FULL,
     PARTIAL,
     Causal,
-    Geometry,
     IntervalBound,
     Mask,
     SlidingWindow,
@@ -227,10 +226,7 @@ def _tiling(
             visible=shape.lq * shape.lk * shape.bh,
         )  # fmt: skip
     _check_masked_size(shape, tq, tk)
-    geo = Geometry.build(
-        lq=shape.lq, lk=shape.lk, batch=shape.batch, heads=shape.heads,
-        causal_align=conv.causal_align,
-    )  # fmt: skip
+    geo = m.geometry(shape.lq, shape.lk, batch=shape.batch, heads=shape.heads, conventions=conv)
     bound = m.bind(geo)
     kinds = bound.tile_classes(block_q, block_k).to(torch.int64)  # (Tr, Tc)
     ran = kinds != EMPTY  # (Tr, Tc)

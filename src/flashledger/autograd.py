@@ -30,7 +30,7 @@ import torch
 
 from ._backward_graph import graph_backward
 from ._options import AttentionOptions, check_options
-from .blocked import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, LoopOrder, blocked_backward, blocked_forward
+from .blocked import LoopOrder, blocked_backward, blocked_forward
 from .conventions import SEED, get_conventions
 from .ledger import Ledger
 
@@ -88,8 +88,8 @@ def flash_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    block_q: int = DEFAULT_BLOCK_Q,
-    block_k: int = DEFAULT_BLOCK_K,
+    block_q: int | None = None,
+    block_k: int | None = None,
     loop_order: LoopOrder = "fa2",
     return_lse: bool = False,
     **opts: Unpack[AttentionOptions],

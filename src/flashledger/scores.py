@@ -2,8 +2,13 @@
 
 Order (flash-attn): ``s = scale * q k^T``; softcap ``s = c * tanh(s / c)``;
 then ALiBi ``- slope * |i + Lk - Lq - j|`` (bottom-right aligned, per
-sequence with variable length) and an additive ``bias``; masks last
-(masked entries become ``-inf``).
+sequence with variable length or used lengths; slopes ``(H,)``, ``(B, H)``,
+or one row per packed sequence) and an additive ``bias``; masks last
+(masked entries become ``-inf``). Under a causal mask flash-attn 2's kernel
+adds ``+ slope * j`` instead (``j`` counted from the sequence's first key;
+``Conventions.alibi_causal == "key_index"``): on every visible key that is
+the same term plus ``slope * (i + Lk - Lq)``, so P and O are unchanged and
+the LSE grows by that amount.
 
 Backward: with ``dS`` the gradient of the final scores, ``dBias = dS`` and
 the gradient of ``q k^T`` is ``scale * (1 - t^2) * dS`` with
@@ -66,8 +71,9 @@ class ScoreMod:
     hkv: int
     g: int
     softcap: float | None = None
-    slopes: torch.Tensor | None = None  # (B|1, Hkv, G, 1, 1)
+    slopes: torch.Tensor | None = None  # (B|1, Hkv, G, Lq|1, 1): per row with per-sequence slopes
     bias: torch.Tensor | None = None  # (B|1, Hkv|1, G|1, Lq_total|1, Lk_total|1)
+    alibi_key_index: bool = False  # flash-attn 2's causal form: + slope · (j - first key)
 
     @staticmethod
     def build(
@@ -80,19 +86,24 @@ class ScoreMod:
         alibi_slopes: torch.Tensor | None,
         bias: torch.Tensor | None,
         dtype: torch.dtype,
+        alibi_key_index: bool = False,
     ) -> ScoreMod:
         slopes = None
         if alibi_slopes is not None:
             s = alibi_slopes.to(device=geo.device, dtype=dtype)
-            s = s.view(1, -1) if s.ndim == 1 else s  # (B|1, H)
-            slopes = to5d(s[:, :, None, None], hkv, g)
+            if geo.row_seq is not None and s.ndim == 2:  # one row of slopes per packed sequence
+                per_row = s[geo.row_seq]  # (Lq, H)
+                slopes = to5d(per_row.T[None, :, :, None], hkv, g)  # (1, Hkv, G, Lq, 1)
+            else:
+                s = s.view(1, -1) if s.ndim == 1 else s  # (B|1, H)
+                slopes = to5d(s[:, :, None, None], hkv, g)
         b5 = None
         if bias is not None:
             b = bias.to(device=geo.device, dtype=dtype)
             while b.ndim < 4:
                 b = b.unsqueeze(0)
             b5 = to5d(b, hkv, g)
-        return ScoreMod(scale, geo, hkv, g, softcap, slopes, b5)
+        return ScoreMod(scale, geo, hkv, g, softcap, slopes, b5, alibi_key_index)
 
     def tile(
         self, qk: torch.Tensor, q0: int, q1: int, k0: int, k1: int, *, inplace: bool = True
@@ -110,10 +121,15 @@ class ScoreMod:
             s = t * self.softcap
         if self.slopes is not None:
             geo = self.geo
-            c = (geo.rows()[q0:q1] + geo.off_br[q0:q1])[:, None]  # (bq, 1)
-            j = torch.arange(k0, k1, device=geo.device)[None, :] + geo.k_offset  # (1, bk)
-            dist = (c - j).abs().to(s.dtype)  # (bq, bk)
-            s = s - self.slopes * dist
+            slopes = self.slopes if self.slopes.shape[-2] == 1 else self.slopes[..., q0:q1, :]
+            j = torch.arange(k0, k1, device=geo.device)[None, None, :] + geo.k_offset  # (1, 1, bk)
+            if self.alibi_key_index:
+                pos = (j - geo.k_lo[:, q0:q1, None]).to(s.dtype)  # (Bg, bq, bk)
+                s = s + slopes * pos[:, None, None]
+            else:
+                c = (geo.rows()[None, q0:q1] + geo.off_br[:, q0:q1])[..., None]  # (Bg, bq, 1)
+                dist = (c - j).abs().to(s.dtype)  # (Bg, bq, bk)
+                s = s - slopes * dist[:, None, None]
         if self.bias is not None:
             s = s + self.bias_tile(q0, q1, k0, k1)
         return s, t

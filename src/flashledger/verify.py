@@ -43,8 +43,10 @@ True
 
 ``run_matrix()`` runs every live system of the installed PyTorch (SDPA math,
 the CPU flash kernel and its LSE, the causal bias objects, FlexAttention and
-its BlockMask) and flashledger's own blocked loop under each preset, a
-50-digit mpmath oracle on tiny cases, and reports the facts it observed.
+its BlockMask) and flashledger's own blocked loop under each preset, the
+flash-attn edges its presets reproduce (against an emulation of flash-attn's
+source, one row per edge), a 50-digit mpmath oracle on tiny cases, and
+reports the facts it observed.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ from ._verify_cases import (
     dtype_name,
     make_case,
 )
+from ._verify_flash_attn import flash_attn_edge_rows
 from ._verify_mp import MP_DIGITS, MpResult, mp_attention, ulps
 from ._verify_report import Fact, VerifyReport, VerifyRow
 from ._verify_rule import (
@@ -592,7 +595,7 @@ def _plan(quick: bool) -> list[tuple[Case, list[_System]]]:
     return plan
 
 
-EXTRA_STEPS = 4  # observed facts, FlexAttention backward, tile classes, mpmath
+EXTRA_STEPS = 5  # observed facts, FlexAttention backward, tile classes, flash-attn edges, mpmath
 
 
 def matrix_steps(*, quick: bool = False) -> int:
@@ -635,6 +638,8 @@ def run_matrix(
         step("FlexAttention backward")
         report.rows += _tile_rows(quick)
         step("FlexAttention tiles")
+        report.rows += flash_attn_edge_rows(quick)
+        step("flash-attn edges")
         report.rows += _mp_rows(quick)
         step("mpmath")
     report.seconds = time.perf_counter() - start

@@ -26,7 +26,7 @@ import errno
 import ipaddress
 import json
 import socket
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
 from typing import Any
 
 __all__ = [
@@ -53,31 +53,45 @@ BACKLOG = 2048
 """Connections the kernel queues before the server accepts them (uvicorn's default)."""
 
 
-def error_body(message: str, field: str = "") -> bytes:
-    """The JSON error body: ``{"detail": message, "errors": [{field, path, message}]}``."""
-    error = {"field": field, "path": field, "message": message}
+def error_body(message: str, kind: str, limits: Mapping[str, int | float | str]) -> bytes:
+    """The JSON error body: ``{"detail": message, "errors": [{field, path, message, kind,
+    limits}]}`` (``kind`` one of ``schemas.ERROR_KINDS``)."""
+    error = {"field": "", "path": "", "message": message, "kind": kind, "limits": dict(limits)}
     return json.dumps({"detail": message, "errors": [error]}).encode()
 
 
 async def send_error(
-    send: Send, status: int, message: str, headers: Iterable[tuple[str, str]] = ()
+    send: Send,
+    status: int,
+    message: str,
+    kind: str,
+    limits: Mapping[str, int | float | str],
+    headers: Iterable[tuple[str, str]] = (),
 ) -> None:
     """Answer with ``status`` and the JSON error body."""
-    body = error_body(message)
+    body = error_body(message, kind, limits)
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw += [(k.lower().encode(), v.encode()) for k, v in headers]
     await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-def _raw_response(status: int, reason: str, message: str, extra: str = "") -> bytes:
+def _raw_response(
+    status: int, reason: str, message: str, kind: str, limits: Mapping[str, int | float | str]
+) -> bytes:
     """A whole HTTP/1.1 response that closes the connection, for the protocol level."""
-    body = error_body(message)
+    body = error_body(message, kind, limits)
+    extra = "retry-after: 1\r\n" if status == 503 else ""
     head = (
         f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
         f"content-length: {len(body)}\r\nconnection: close\r\n{extra}\r\n"
     )
     return head.encode() + body
+
+
+def _plain_number(x: float) -> int | float:
+    """``5.0`` as ``5``: a limit as people write it."""
+    return int(x) if float(x).is_integer() else x
 
 
 # ----------------------------------------------------------------------------- Host
@@ -162,7 +176,7 @@ class HostCheck:
                         f"Host {text[:80]!r} is not a name this explorer answers to "
                         f"({self.rule.describe()}); start it with --allow-host NAME to add one"
                     )
-                    await send_error(send, 400, message)
+                    await send_error(send, 400, message, "host", {"allowed": self.rule.describe()})
                     return
         await self.app(scope, receive, send)
 
@@ -204,7 +218,8 @@ class BodyGuard:
                     f"the request body was not complete within {self.timeout_s:g} s "
                     f"({len(body)} bytes received); send it at once"
                 )
-                await send_error(send, 408, reason, [("connection", "close")])
+                limits = {"seconds": _plain_number(self.timeout_s)}
+                await send_error(send, 408, reason, "timeout", limits, [("connection", "close")])
                 return
             if message["type"] != "http.request":  # the client went away
                 return
@@ -226,7 +241,8 @@ class BodyGuard:
 
     async def _too_large(self, send: Send, size: int) -> None:
         message = f"the request body is {size} bytes or more; the limit is {self.limit} bytes"
-        await send_error(send, 413, message, [("connection", "close")])
+        limits = {"max": self.limit, "got": size}
+        await send_error(send, 413, message, "too_large", limits, [("connection", "close")])
 
 
 class SecurityHeaders:
@@ -292,9 +308,8 @@ def protocol_class(*, header_timeout_s: float, max_connections: int) -> type[asy
                     f"the explorer has {max_connections} connections open, its most; "
                     "try again in a moment"
                 )
-                transport.write(
-                    _raw_response(503, "Service Unavailable", message, "retry-after: 1\r\n")
-                )
+                limits = {"retry_after": 1}
+                transport.write(_raw_response(503, "Service Unavailable", message, "busy", limits))
                 transport.close()
                 return
             self._arm()
@@ -332,7 +347,10 @@ def protocol_class(*, header_timeout_s: float, max_connections: int) -> type[asy
                     f"the request headers were not complete within {header_timeout_s:g} s; "
                     "send them at once"
                 )
-                self.transport.write(_raw_response(408, "Request Timeout", message))
+                limits = {"seconds": _plain_number(header_timeout_s)}
+                self.transport.write(
+                    _raw_response(408, "Request Timeout", message, "timeout", limits)
+                )
             self.transport.close()
 
     return GuardedH11Protocol

@@ -232,7 +232,8 @@ class Admission:
                     lane.stats.refused += 1
                 refusal = lane.busy()
                 headers = [("retry-after", str(refusal.retry_after)), ("connection", "close")]
-                await _guard.send_error(send, 503, str(refusal), headers)
+                limits = {"retry_after": refusal.retry_after}
+                await _guard.send_error(send, 503, str(refusal), "busy", limits, headers)
                 return
         await self.app(scope, receive, send)
 

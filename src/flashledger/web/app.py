@@ -24,18 +24,20 @@ POST        ``/api/ring``          section 07: ring attention, every rank and ho
 ==========  =====================  ==================================================
 
 Invalid input gets status 422 and ``{"detail": "<one line>", "errors":
-[{"field", "path", "message"}]}``; every other error answer has the same body:
+[{"field", "path", "message", "kind", "limits"}]}``: ``kind`` names the rule
+broken and ``limits`` its numbers (``schemas.ERROR_KINDS``), so that a page
+can say it in its own language. Every other error answer has the same body:
 400 (a ``Host`` that is not the explorer's: DNS rebinding), 408 (a body not
 sent within ``BODY_TIMEOUT_S``), 413 (a body over 192 KiB), 503 with
 ``Retry-After`` (the queue is full). The OpenAPI schema documents exactly these.
 
 Requests that compute go through bounded queues (``_queue.Lanes``): as many
-run at once as there are cores (at most ``MAX_WORKERS``), ``WAITING`` wait,
-more are refused with 503; each request's work is estimated up front and
-refused over ``compute.MAX_WORK`` (about a second); work whose client went
-away stops. The page, static files and ``/api/examples`` never wait behind
-them. ``serve`` adds a header timeout and a cap on connections at the
-protocol level (``_guard``).
+run at once as there are cores (at most ``MAX_WORKERS``), ``WAITING_PER_WORKER``
+per worker wait, more are refused with 503; each request's work is estimated
+before it runs and refused over ``compute.MAX_WORK`` (about a second); work
+whose client went away stops. The page, static files and ``/api/examples``
+never wait behind them. ``serve`` adds a header timeout and a cap on
+connections at the protocol level (``_guard``).
 """
 
 from __future__ import annotations
@@ -136,10 +138,11 @@ def _json(model: BaseModel) -> Response:
 
 
 def _error(
-    status: int, errors: list[dict[str, str]], headers: Mapping[str, str] | None = None
+    status: int, errors: list[dict[str, Any]], headers: Mapping[str, str] | None = None
 ) -> JSONResponse:
     detail = "; ".join(e["message"] for e in errors) or "invalid request"
-    content = {"detail": detail, "errors": errors}
+    items = [{"kind": "invalid", "limits": {}} | e for e in errors]
+    content = {"detail": detail, "errors": items}
     return JSONResponse(status_code=status, content=content, headers=dict(headers or {}))
 
 
@@ -171,14 +174,14 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _validation_errors(exc: RequestValidationError) -> list[dict[str, str]]:
+def _validation_errors(exc: RequestValidationError) -> list[dict[str, Any]]:
     errors = []
     for err in exc.errors():
         cause = (err.get("ctx") or {}).get("error")
         loc = tuple(err.get("loc", ()))
         path = _path(loc)
         if isinstance(cause, sc.InputError):
-            errors.append({"field": cause.field, "path": cause.field, "message": str(cause)})
+            errors.append(cause.as_error())
             continue
         kind = err.get("type", "")
         if kind == "json_invalid":
@@ -192,7 +195,7 @@ def _validation_errors(exc: RequestValidationError) -> list[dict[str, str]]:
         else:
             message = f"{path}: {err.get('msg', 'invalid value')}" if path else err.get("msg", "")
         field = next((p for p in loc if isinstance(p, str) and p != "body"), "")
-        errors.append({"field": field, "path": path, "message": message})
+        errors.append({"field": field, "path": path, "message": message} | sc.error_details(err))
     return errors
 
 
@@ -267,7 +270,8 @@ def create_app(
             body = await lane.run(lambda check: work(check).model_dump_json(), request.receive)
         except _queue.Busy as exc:
             headers = {"Retry-After": str(exc.retry_after)}
-            return _error(503, [{"field": "", "path": "", "message": str(exc)}], headers)
+            busy = {"kind": "busy", "limits": {"retry_after": exc.retry_after}}
+            return _error(503, [{"field": "", "path": "", "message": str(exc)} | busy], headers)
         if body is None:  # the client went away; nobody reads this
             return _error(503, [{"field": "", "path": "", "message": "the client went away"}])
         return Response(body, media_type="application/json")
@@ -280,7 +284,8 @@ def create_app(
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 400:  # FastAPI could not decode the body (not UTF-8 JSON)
             message = "the request body is not valid JSON (it is not UTF-8 text)"
-            return _error(422, [{"field": "", "path": "", "message": message}])
+            error = {"field": "", "path": "", "message": message, "kind": "invalid_json"}
+            return _error(422, [error])
         message = str(exc.detail)
         headers = dict(exc.headers or {})
         if "GET" in headers.get("Allow", "").split(", ") and "HEAD" not in headers["Allow"]:
@@ -289,13 +294,15 @@ def create_app(
 
     @app.exception_handler(ValueError)
     async def _value_error(_request: Request, exc: ValueError) -> JSONResponse:
-        field = exc.field if isinstance(exc, sc.InputError) else ""
-        return _error(422, [{"field": field, "path": field, "message": str(exc)}])
+        if isinstance(exc, sc.InputError):
+            return _error(422, [exc.as_error()])
+        return _error(422, [{"field": "", "path": "", "message": str(exc)}])
 
     @app.exception_handler(_queue.Cancelled)
     async def _stopped(_request: Request, _exc: _queue.Cancelled) -> JSONResponse:
         message = "the explorer is stopping; the request was not finished"
-        return _error(503, [{"field": "", "path": "", "message": message}], {"Retry-After": "1"})
+        error = {"field": "", "path": "", "message": message, "kind": "busy"}
+        return _error(503, [error | {"limits": {"retry_after": 1}}], {"Retry-After": "1"})
 
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:

@@ -159,6 +159,7 @@ def ledger_steps(req: sc.LedgerRequest) -> sc.LedgerResponse:
             acc=st.acc.tolist(),
             o=st.output.tolist(),
             max_diff=_max_diff(st.output, o),
+            weights=torch.exp(scores[: st.positions[1]] - st.m_after).tolist(),
         )
         for st in osm.steps
     ]
@@ -227,13 +228,16 @@ def _options(req: sc.AttentionProblem, mask: Mask | None) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- work limits
 
-MAX_WORK = 10_000
+MAX_WORK = 12_000
 """Most work one request may ask for, in units of one plain tile step of the PyTorch step
-(about 0.1 ms of one core): about a second. The seed's examples need at most 1 % of it."""
+(about 0.1 ms of one core): about a second. The seed's examples need at most 2 % of it;
+the page's largest traced problem (64 x 64, causal, 1 x 1 tiles) about 97 %."""
 _NATIVE_STEP = 0.1
 """Cost of an untraced forward tile step on the native step (plain scores, no dropout)."""
 _FORWARD_STEP = {"base": 1.0, "dropout": 5.0, "softcap": 0.5, "alibi": 1.5}
 """Cost of an untraced forward tile step of the PyTorch step: base plus each option used."""
+_TRACED_FORWARD_STEP = {"base": 3.5, "dropout": 6.0, "softcap": 1.5, "alibi": 2.5}
+"""Cost of a traced forward tile step (its record and response included)."""
 _TRACED_BACKWARD_STEP = {"base": 2.0, "dropout": 6.0, "softcap": 1.0, "alibi": 1.5}
 """Cost of a traced backward tile step (its record and response included)."""
 _PARTIAL = 0.5
@@ -274,16 +278,20 @@ def _options_named(req: sc.AttentionProblem) -> str:
 def work_of(req: sc.BackwardRequest | sc.ConventionsRequest) -> tuple[float, str]:
     """The work a request asks for (units of ``MAX_WORK``) and what it is, in words.
 
-    ``/api/backward`` runs one untraced forward and one traced backward over the tiles
-    the mask does not skip; ``/api/conventions`` one untraced forward per preset.
+    ``/api/backward`` runs an untraced forward, a traced forward and a traced backward
+    over the tiles the mask does not skip; ``/api/conventions`` one untraced forward per
+    preset. Measured with ``benchmarks/explorer_load.py --calibrate``.
     """
     native = _native.kernels() is not None
     forward = _step_cost(req, _FORWARD_STEP, native)
     if isinstance(req, sc.BackwardRequest):
         tiles, partial = _tiles_run(req, req.conventions)
+        traced = _step_cost(req, _TRACED_FORWARD_STEP, native=False)
         backward = _step_cost(req, _TRACED_BACKWARD_STEP, native=False)
-        units = tiles * (forward + backward) + 2 * partial * _PARTIAL
-        what = f"{tiles:,} tiles run forward and traced backward{_options_named(req)}"
+        units = tiles * (forward + traced + backward) + 3 * partial * _PARTIAL
+        what = f"{tiles:,} tiles run forward, traced forward and traced backward" + _options_named(
+            req
+        )
         return units, what
     tiles = partial = 0
     for name in PRESETS:
@@ -302,6 +310,9 @@ def check_work(req: sc.BackwardRequest | sc.ConventionsRequest, *, limit: float 
             f"block_q, block_k: too much work for one request: {what} count "
             f"{units:,.0f} work units; the limit is {limit:,.0f} (about a second): use larger "
             "tiles, a shorter sequence or fewer options",
+            "work",
+            units=round(units),
+            max=round(limit),
         )
 
 
@@ -352,6 +363,38 @@ def _rows(x: torch.Tensor | None) -> list[Any]:
     return x.tolist()  # type: ignore[no-any-return]
 
 
+def _forward_steps(records: list[Any], lq: int) -> list[sc.ForwardStep]:
+    """The traced forward's tiles, each with its rows' denominator before the tile."""
+    ell_now = [0.0] * lq  # running ell of every query row, in loop order
+    out = []
+    for r in records:
+        if not isinstance(r, ForwardTileStep):
+            raise RuntimeError(f"the forward ledger holds a {type(r).__name__}")
+        a, b = r.q_range
+        ell_after = _rows(r.ell)
+        out.append(
+            sc.ForwardStep(
+                index=r.index,
+                q_tile=r.q_tile,
+                k_tile=r.k_tile,
+                q_range=list(r.q_range),
+                k_range=list(r.k_range),
+                kind=r.kind,  # type: ignore[arg-type]
+                s=_rows(r.s),
+                p=_rows(r.p),
+                block_max=_rows(r.block_max),
+                m_before=_rows(r.m_before),
+                m=_rows(r.m_after),
+                alpha=_rows(r.alpha),
+                ell_before=ell_now[a:b],
+                ell=ell_after,
+                o=_rows(r.o),
+            )
+        )
+        ell_now[a:b] = ell_after
+    return out
+
+
 def _backward_step(r: ForwardTileStep | BackwardTileStep) -> sc.BackwardStep:
     if not isinstance(r, BackwardTileStep):
         raise RuntimeError(f"the backward ledger holds a {type(r).__name__}")
@@ -382,9 +425,10 @@ def backward_steps(req: sc.BackwardRequest, *, check: Check = _no_check) -> sc.B
     tiles: dict[str, Any] = {"block_q": req.block_q, "block_k": req.block_k}
     check()
     fwd = blocked_forward(q, k, v, **opts, **tiles)
-    check()
-    ref = reference_forward(q, k, v, **opts)
     stop = _Checkpoint(check)
+    # the same loop, observed (and stopped at a tile step when the client has gone)
+    traced = blocked_forward(q, k, v, **opts, **tiles, trace=True, observer=stop)
+    ref = reference_forward(q, k, v, **opts)
     bwd = blocked_backward(q, k, v, fwd.o, fwd.lse, g, **opts, **tiles, trace=True, observer=stop)
     refb = reference_backward(q, k, v, ref.o, ref.lse, g, **opts)
     check()
@@ -429,6 +473,9 @@ def backward_steps(req: sc.BackwardRequest, *, check: Check = _no_check) -> sc.B
         ),
         counters=bwd.ledger.counters.to_dict(),
         forward_counters=fwd.ledger.counters.to_dict(),
+        forward_steps=_forward_steps(list(traced.ledger.records), lq),
+        forward_o=traced.o.tolist(),
+        forward_steps_max_diff=_max_diff(traced.o, ref.o),
     )
 
 
@@ -513,20 +560,59 @@ def storage(req: sc.StorageRequest) -> sc.StorageResponse:
         else:
             classes = mask.tile_classes(req.lq, req.lk, req.block_q, req.block_k)
             kinds = [[names[int(c)] for c in row] for row in classes.tolist()]
-    return sc.StorageResponse(ledger=ledger, traffic=traffic, tile_kinds=kinds)
+    return sc.StorageResponse(
+        ledger=ledger, sweep=_storage_sweep(req), traffic=traffic, tile_kinds=kinds
+    )
+
+
+def _storage_sweep(req: sc.StorageRequest) -> list[sc.StoragePoint]:
+    """Both paths' storage for Lq = Lk = L over powers of two up to the limit (and this L)."""
+    lengths = {2**n for n in range(sc.MAX_STORAGE_LEN.bit_length())} | {req.lq}
+    points = []
+    for n in sorted(lengths):
+        sw = accounting.storage_and_work(
+            lq=n, lk=n, d=req.d, block_q=n, block_k=n, dtype=_DTYPES[req.dtype]
+        )
+        points.append(
+            sc.StoragePoint(
+                length=n,
+                full_p=sw.full_p_elements,
+                lse=sw.lse_elements,
+                common=sum(sw.common_elements.values()),
+            )
+        )
+    return points
 
 
 # ----------------------------------------------------------------------------- section 03
 
 
-def _median_ms(fn: Callable[[], Any], repeats: int, check: Check = _no_check) -> float:
-    times = []
-    for _ in range(repeats):
+MEASURE_BUDGET_S = 1.0
+"""Time after which the timed runs of one request stop (warm-ups not counted), shared
+by its four functions; past it each still gets ``MEASURE_MIN_RUNS``."""
+MEASURE_MIN_RUNS = 3
+"""Runs timed even past the budget (fewer only when fewer are asked for)."""
+
+
+def _timed_runs(
+    fn: Callable[[], Any], repeats: int, budget_s: float, check: Check = _no_check
+) -> list[float]:
+    """Run times (ms) of ``fn``: one warm-up run not timed (caches, the native step's first
+    build, allocator), then up to ``repeats`` timed runs, stopping once ``budget_s`` is
+    spent and at least ``MEASURE_MIN_RUNS`` are done. ``check`` is called before each run."""
+    check()
+    fn()  # warm-up
+    times: list[float] = []
+    spent = 0.0
+    while len(times) < repeats:
         check()
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+        spent += times[-1] / 1e3
+        if spent > budget_s and len(times) >= min(repeats, MEASURE_MIN_RUNS):
+            break
+    return times
 
 
 def measure(req: sc.MeasureRequest, *, check: Check = _no_check) -> sc.MeasureResponse:
@@ -540,34 +626,27 @@ def measure(req: sc.MeasureRequest, *, check: Check = _no_check) -> sc.MeasureRe
     q, k, v, g = (torch.randn(shape, generator=gen, dtype=dt) for _ in range(4))
     mask = Causal() if req.causal else None
     tiles: dict[str, Any] = {"block_q": req.block, "block_k": req.block}
-    n = req.repeats
     with _MEASURE_LOCK:
         check()
-        fwd = blocked_forward(q, k, v, mask=mask, **tiles)  # warm-up and the result compared
+        fwd = blocked_forward(q, k, v, mask=mask, **tiles)  # the results compared
         check()
         ref = reference_forward(q, k, v, mask=mask, dtype=dt)
         check()
         bwd = blocked_backward(q, k, v, fwd.o, fwd.lse, g, mask=mask, **tiles)
         check()
         refb = reference_backward(q, k, v, ref.o, ref.lse, g, mask=mask, dtype=dt)
-        times = {
-            "blocked_forward": _median_ms(
-                lambda: blocked_forward(q, k, v, mask=mask, **tiles), n, check
+        runs: dict[str, Callable[[], Any]] = {
+            "blocked_forward": lambda: blocked_forward(q, k, v, mask=mask, **tiles),
+            "blocked_backward": lambda: blocked_backward(
+                q, k, v, fwd.o, fwd.lse, g, mask=mask, **tiles
             ),
-            "blocked_backward": _median_ms(
-                lambda: blocked_backward(q, k, v, fwd.o, fwd.lse, g, mask=mask, **tiles),
-                n,
-                check,
-            ),
-            "reference_forward": _median_ms(
-                lambda: reference_forward(q, k, v, mask=mask, dtype=dt), n, check
-            ),
-            "reference_backward": _median_ms(
-                lambda: reference_backward(q, k, v, ref.o, ref.lse, g, mask=mask, dtype=dt),
-                n,
-                check,
+            "reference_forward": lambda: reference_forward(q, k, v, mask=mask, dtype=dt),
+            "reference_backward": lambda: reference_backward(
+                q, k, v, ref.o, ref.lse, g, mask=mask, dtype=dt
             ),
         }
+        budget = MEASURE_BUDGET_S / len(runs)
+        times = {name: _timed_runs(fn, req.repeats, budget, check) for name, fn in runs.items()}
     itemsize = torch.finfo(dt).bits // 8
     return sc.MeasureResponse(
         device=f"CPU ({platform.machine() or 'unknown'})",
@@ -579,7 +658,10 @@ def measure(req: sc.MeasureRequest, *, check: Check = _no_check) -> sc.MeasureRe
         causal=req.causal,
         dtype=req.dtype,
         repeats=req.repeats,
-        times_ms=times,
+        times_ms={name: statistics.median(ts) for name, ts in times.items()},
+        runs={name: len(ts) for name, ts in times.items()},
+        min_ms={name: min(ts) for name, ts in times.items()},
+        max_ms={name: max(ts) for name, ts in times.items()},
         forward_max_diff=_max_diff(fwd.o.to(F64), ref.o.to(F64)),
         grad_max_diff=max(
             _max_diff(a.to(F64), b.to(F64))
