@@ -36,6 +36,7 @@ _EXPORTS: dict[str, str] = {
     "ForwardResult": "blocked",
     "BackwardResult": "blocked",
     "flash_attention": "autograd",
+    "flex_attention": "_flex",
     "OnlineSoftmax": "online",
     "OnlineState": "online",
     "merge": "online",
@@ -50,6 +51,7 @@ _EXPORTS: dict[str, str] = {
     "SlidingWindow": "masks",
     "KeyPadding": "masks",
     "DenseMask": "masks",
+    "MaskMod": "_maskmod",
     "Conventions": "conventions",
     "PRESETS": "conventions",
     "SEED": "conventions",
@@ -97,6 +99,7 @@ __all__ = [
     "KeyPadding",
     "Ledger",
     "Mask",
+    "MaskMod",
     "OnlineSoftmax",
     "OnlineState",
     "Placement",
@@ -110,6 +113,7 @@ __all__ = [
     "blocked_backward",
     "blocked_forward",
     "flash_attention",
+    "flex_attention",
     "lse_from_base2",
     "lse_to_base2",
     "memory_traffic",
@@ -143,6 +147,8 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from ._flex import flex_attention
+    from ._maskmod import MaskMod
     from ._native import native_status
     from ._options import AttentionOptions
     from ._problem import Placement

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ._checks import check_finite, check_float_tensor, check_qkv
+from ._mods import ScoreModFn
 from .conventions import Conventions, get_conventions
 from .dropout import dropout_keep
 from .masks import BoundMask, Geometry, Mask, _SequenceBounds, as_mask
@@ -104,10 +105,14 @@ class Problem:
         j = torch.arange(k0, k1, device=dev).view(1, -1) + self.geo.k_offset
         return dropout_keep(self.seed, self.dropout_p, self.conventions.dropout_keep, bi, hi, i, j)
 
-    def mask_tile(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
-        """Visibility of a tile, bool broadcastable to ``(B, Hkv, G, bq, bk)``."""
+    def mask_tile(self, q0: int, q1: int, k0: int, k1: int, *, kept: bool = True) -> torch.Tensor:
+        """Visibility of a tile, bool broadcastable to ``(B, Hkv, G, bq, bk)``; ``kept``: a
+        partial tile of the loop (a mask_mod's visibility is kept between passes)."""
         assert self.mask is not None
-        vis = self.mask.block(q0, q1, k0, k1)  # (Bm, Hm, bq, bk)
+        if kept:
+            vis = self.mask.tile_visibility(q0, q1, k0, k1)  # (Bm, Hm, bq, bk)
+        else:
+            vis = self.mask.block(q0, q1, k0, k1)
         b, hq, hkv, g = self.shape[:4]
         if vis.shape[1] == 1:
             return vis.unsqueeze(2)
@@ -164,6 +169,7 @@ def build_problem(
     bias: torch.Tensor | None = None,
     cu_seqlens_q: torch.Tensor | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
+    score_mod: ScoreModFn | None = None,
     placement: Placement | None = None,
     acc_dtype: torch.dtype | None = None,
 ) -> Problem:
@@ -208,6 +214,11 @@ def build_problem(
                 f"got {tuple(alibi_slopes.shape)}"
             )
         check_finite("alibi_slopes", alibi_slopes)
+    if score_mod is not None and not callable(score_mod):
+        raise TypeError(
+            "score_mod must be None or callable as score_mod(score, b, h, q_idx, kv_idx) -> "
+            f"score, got {type(score_mod).__name__}"
+        )
     place = placement or Placement()
     lq_total = place.lq_total if place.lq_total is not None else lq
     lk_total = place.lk_total if place.lk_total is not None else lk
@@ -273,6 +284,8 @@ def build_problem(
         alibi_slopes=alibi_slopes,
         bias=bias,
         dtype=acc_dtype,
+        score_mod=score_mod,
+        batch=b,
     )
     return Problem(
         # contiguous once here (a copy only for strided inputs, e.g. heads sliced out of a

@@ -5,16 +5,33 @@ The forward saves ``q, k, v, o`` and one LSE per row; the backward is
 gradient flowing into the returned LSE is propagated when the conventions say
 the LSE is differentiable (``SEED`` and ``FLEX_ATTENTION``) and ignored
 otherwise (flash-attn, SDPA). Passes ``torch.autograd.gradcheck`` in float64.
+
+With a ``score_mod``, the tensors it captures that require grad (found once
+per call, ``_mods.find_captured``) are inputs of the op too, so that its
+backward returns their gradients (summed over the tiles). The backward reuses
+the forward's bound mask: a ``MaskMod`` is classified once per call, and the
+partial tiles' visibility it kept is not evaluated again.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Unpack
 
 import torch
+from torch.autograd.function import once_differentiable
 
+from ._mods import find_captured
 from ._options import AttentionOptions, check_options
-from .blocked import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, LoopOrder, blocked_backward, blocked_forward
+from ._problem import build_problem
+from .blocked import (
+    DEFAULT_BLOCK_K,
+    DEFAULT_BLOCK_Q,
+    LoopOrder,
+    _backward_problem,
+    _check_options,
+    _forward_problem,
+)
 from .conventions import SEED, get_conventions
 
 __all__ = ["flash_attention"]
@@ -29,28 +46,61 @@ class _FlashAttention(torch.autograd.Function):
         v: torch.Tensor,
         bias: torch.Tensor | None,
         opts: dict[str, Any],
+        *captured: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        res = blocked_forward(q, k, v, bias=bias, **opts)
+        problem, loop = _split(opts)
+        pb = build_problem(q, k, v, bias=bias, **problem)
+        res = _forward_problem(pb, **loop)
         ctx.set_materialize_grads(False)  # an unused LSE output costs no zero tensor and no pass
-        ctx.save_for_backward(q, k, v, bias, res.o, res.lse)
+        ctx.save_for_backward(q, k, v, bias, res.o, res.lse, *captured)
         ctx.opts = opts
+        ctx.mask = pb.mask  # tile classes and kept partial tiles, for the backward
         return res.o, res.lse
 
     @staticmethod
+    @once_differentiable
     def backward(  # type: ignore[override]
         ctx: Any, do: torch.Tensor, dlse: torch.Tensor | None
     ) -> tuple[Any, ...]:
-        q, k, v, bias, o, lse = ctx.saved_tensors
+        q, k, v, bias, o, lse, *captured = ctx.saved_tensors
         opts = ctx.opts
         use_dlse = get_conventions(opts["conventions"]).lse_differentiable and dlse is not None
         if do is None and not use_dlse:  # neither output carries a gradient
-            return None, None, None, None, None
+            return (None,) * (5 + len(captured))
         do = torch.zeros_like(o) if do is None else do.contiguous()
-        res = blocked_backward(
-            q, k, v, o, lse, do, dlse=dlse if use_dlse else None, bias=bias, **opts
-        )
+        problem, loop = _split(opts)
+        pb = build_problem(q, k, v, bias=bias, **problem)
+        pb.mask = ctx.mask  # the same geometry: the forward's bound mask serves as it is
+        res = _backward_problem(pb, o, lse, do, dlse if use_dlse else None, bias=bias, **loop)
         dbias = res.dbias if bias is not None and ctx.needs_input_grad[3] else None
-        return res.dq, res.dk, res.dv, dbias, None
+        found = _match(captured, res.captured_grads)
+        dcaptured = [g if ctx.needs_input_grad[5 + n] else None for n, g in enumerate(found)]
+        return res.dq, res.dk, res.dv, dbias, None, *dcaptured
+
+
+_LOOP = ("block_q", "block_k", "loop_order")
+
+
+def _split(opts: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The op's options as ``(build_problem's, the loop's)``."""
+    problem = {n: x for n, x in opts.items() if n not in _LOOP}
+    return problem, {n: opts[n] for n in _LOOP}
+
+
+def _match(
+    captured: Sequence[torch.Tensor], grads: Sequence[tuple[torch.Tensor, torch.Tensor]]
+) -> list[torch.Tensor | None]:
+    """The gradient of each captured tensor, by identity (by position if the backward's
+    search found them as other tensor objects)."""
+    by_id = {id(t): g for t, g in grads}
+    if all(id(t) in by_id for t in captured):
+        return [by_id[id(t)] for t in captured]
+    if len(grads) == len(captured):
+        return [g for _, g in grads]
+    raise RuntimeError(
+        f"the score_mod captured {len(captured)} tensor(s) requiring grad in the forward and "
+        f"{len(grads)} in the backward; keep the tensors it captures fixed until backward"
+    )
 
 
 def flash_attention(
@@ -69,14 +119,21 @@ def flash_attention(
     q ``(..., Lq, d)``, k ``(..., Lk, d)``, v ``(..., Lk, d_v)``; returns ``o``
     ``(..., Lq, d_v)`` (and ``lse`` ``(..., Lq)`` with ``return_lse=True``).
     ``opts``: ``AttentionOptions``, as for ``blocked_forward``; ``bias`` receives
-    a gradient when it requires one.
+    a gradient when it requires one, and so does every tensor a ``score_mod``
+    captures that requires one.
     """
     check_options("flash_attention", opts)
+    _check_options(block_q, block_k, loop_order)
     rest: dict[str, Any] = dict(opts)
     bias = rest.pop("bias", None)
     rest.setdefault("conventions", SEED)
     rest.update(block_q=block_q, block_k=block_k, loop_order=loop_order)
-    o, lse = _FlashAttention.apply(q, k, v, bias, rest)
+    captured: tuple[torch.Tensor, ...] = ()
+    score_mod = rest.get("score_mod")
+    if score_mod is not None and torch.is_grad_enabled() and isinstance(q, torch.Tensor):
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        captured = find_captured(score_mod, dtype=acc, device=q.device)
+    o, lse = _FlashAttention.apply(q, k, v, bias, rest, *captured)
     return (o, lse) if return_lse else o
 
 
