@@ -149,7 +149,7 @@ class TileCaller:
         if self._vmap is None:
             try:
                 got = _fit(self.fn(*head, b, h, q_idx, kv_idx), want, self.kind)
-            except (IndexError, RuntimeError, ValueError) as exc:  # scalar-only code
+            except Exception as exc:  # scalar-only code, or a plain error: vmap will tell
                 got = f"raised {type(exc).__name__}: {' '.join(str(exc).split())}"
             if isinstance(got, torch.Tensor):
                 return got
@@ -268,25 +268,41 @@ class TileVJP:
 class UserScore:
     """A ``score_mod`` bound to one call: batch, query heads and global positions.
 
-    ``captured``: the tensors it captures that require grad (``find_captured``);
-    ``grads``: their gradients, summed over the tiles ``vjp`` has seen (None
-    until one contributes).
+    ``captured``: the tensors it captures that require grad (``find_captured``,
+    run when first needed: a forward never needs them; ``flash_attention``
+    hands over the ones it found); ``grads``: their gradients, summed over the
+    tiles ``vjp`` has seen (None until one contributes).
     """
 
     caller: TileCaller
     batch: int
     heads: int
+    dtype: torch.dtype
     device: torch.device
-    captured: tuple[torch.Tensor, ...]
+    _captured: tuple[torch.Tensor, ...] | None = None
     grads: list[torch.Tensor | None] = field(default_factory=list)
 
     @staticmethod
     def bind(
         score_mod: ScoreModFn, *, batch: int, heads: int, dtype: torch.dtype, device: torch.device
     ) -> UserScore:
-        caller = TileCaller(score_mod, "score_mod")
-        captured = find_captured(score_mod, dtype=dtype, device=device)
-        return UserScore(caller, batch, heads, device, captured, [None] * len(captured))
+        return UserScore(TileCaller(score_mod, "score_mod"), batch, heads, dtype, device)
+
+    @property
+    def captured(self) -> tuple[torch.Tensor, ...]:
+        if self._captured is None:
+            self.use_captured(find_captured(self.caller.fn, dtype=self.dtype, device=self.device))
+        assert self._captured is not None
+        return self._captured
+
+    def use_captured(self, captured: tuple[torch.Tensor, ...]) -> None:
+        """Take ``captured`` as the score_mod's captured tensors (found by the caller)."""
+        self._captured = captured
+        self.grads = [None] * len(captured)
+
+    def reset_grads(self) -> None:
+        """Start a backward pass: no gradient summed yet."""
+        self.grads = [None] * len(self.captured)
 
     def _call(self, s4: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         b, h, qi, ki = index_grid(self.batch, self.heads, rows, keys)

@@ -50,11 +50,14 @@ class _FlashAttention(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         problem, loop = _split(opts)
         pb = build_problem(q, k, v, bias=bias, **problem)
+        if pb.smod.user is not None:
+            pb.smod.user.use_captured(captured)  # found once, by flash_attention
         res = _forward_problem(pb, **loop)
         ctx.set_materialize_grads(False)  # an unused LSE output costs no zero tensor and no pass
         ctx.save_for_backward(q, k, v, bias, res.o, res.lse, *captured)
         ctx.opts = opts
-        ctx.mask = pb.mask  # tile classes and kept partial tiles, for the backward
+        # the bound mask (tile classes, kept partial tiles) and score_mod, for the backward
+        ctx.bound = (pb.mask, pb.smod.user)
         return res.o, res.lse
 
     @staticmethod
@@ -70,7 +73,7 @@ class _FlashAttention(torch.autograd.Function):
         do = torch.zeros_like(o) if do is None else do.contiguous()
         problem, loop = _split(opts)
         pb = build_problem(q, k, v, bias=bias, **problem)
-        pb.mask = ctx.mask  # the same geometry: the forward's bound mask serves as it is
+        pb.mask, pb.smod.user = ctx.bound  # the same geometry: the forward's serve as they are
         res = _backward_problem(pb, o, lse, do, dlse if use_dlse else None, bias=bias, **loop)
         dbias = res.dbias if bias is not None and ctx.needs_input_grad[3] else None
         found = _match(captured, res.captured_grads)

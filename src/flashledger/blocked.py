@@ -1092,6 +1092,8 @@ def _backward_problem(
     """``blocked_backward`` on a built problem (``flash_attention`` gives it the forward's
     bound mask, so that a mask_mod's tile classes and kept tiles serve both passes)."""
     o5, do5, dlse5 = _backward_inputs(pb, o, lse, do, dlse)
+    if pb.smod.user is not None:
+        pb.smod.user.reset_grads()
     lse5 = pb.to_internal_rows(lse.to(pb.dtype))
     dq, dk, dv, dbias5, D, ledger = _backward(
         pb,
