@@ -5,11 +5,11 @@ document packing, dilated window, 2-D neighbourhood, ALiBi, tanh softcap, a
 learnable relative-position table, combinations, a fully-masked row), each
 with its own inputs drawn from a fixed seed. Three checks per case:
 
-- ``flashledger flex_attention``: flashledger's ``flex_attention`` (its tiles
+- ``flashledger Flex fwd``: flashledger's ``flex_attention`` (its tiles
   64 x 32 against the block mask's 128 x 128) against torch's FlexAttention
   eager forward on CPU, float64: O and LSE within ``FORWARD_BOUND`` (normwise:
   ``|a - b| <= bound * max(1, max|b|)``);
-- ``flashledger flex backward``: its gradients (q, k, v and the tensors the
+- ``flashledger Flex grads``: its gradients (q, k, v and the tensors the
   score_mod captures) against a dense float64 autograd oracle that calls the
   mods under ``torch.vmap``, as Flex's eager path does, within
   ``BACKWARD_BOUND``;
@@ -143,12 +143,13 @@ def flex_cases(*, quick: bool) -> list[FlexCase]:
     def doc_rel_cap(s: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
         return 3.0 * torch.tanh((s + table[h, q - kv + lk]) / 3.0)
 
-    add("causal", causal, None)
+    # quick: three cases (each new pair of mods costs torch a compilation of its eager graph)
     add("document + rel. bias + softcap", document, doc_rel_cap, table)
     add("prefix LM + ALiBi", prefix_lm, alibi)
-    add("2-D neighbourhood", neighbourhood, None, q_len=side * 14, k_len=side * 14, hq=2, hk=2)
     add("strict causal (empty row)", strict, rel_bias, table)
     if not quick:
+        add("causal", causal, None)
+        add("2-D neighbourhood", neighbourhood, None, q_len=side * 14, k_len=side * 14, hq=2, hk=2)
         add("sliding window", window, None)
         add("prefix LM", prefix_lm, None, batch=2)
         add("document", document, None)
@@ -301,7 +302,7 @@ def flex_rows(*, quick: bool) -> list[VerifyRow]:
             return_lse=True, block_q=TILES[0], block_k=TILES[1],
         )  # fmt: skip
         rows.append(
-            _row("flashledger flex_attention", case, "O LSE",
+            _row("flashledger Flex fwd", case, "O LSE",
                  _worst([("O", o, o_t), ("LSE", lse, lse_t)]), FORWARD_BOUND)
         )  # fmt: skip
         # the same through flash_attention with MaskMod (the mask_mod classified blockwise),
@@ -326,7 +327,7 @@ def flex_rows(*, quick: bool) -> list[VerifyRow]:
             for n, a, b in zip(names, got, want)
         ]
         rows.append(
-            _row("flashledger flex backward", case, " ".join(names), _worst(pairs), BACKWARD_BOUND)
+            _row("flashledger Flex grads", case, " ".join(names), _worst(pairs), BACKWARD_BOUND)
         )
         if case.mask_mod is not None:
             rows.append(_tile_row(case))

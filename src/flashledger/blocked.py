@@ -962,7 +962,9 @@ def _backward(
             torch.sub(dp, d_t[i], out=ds).mul_(p)  # dS = P ⊙ (dP - D)
             ds_seen = ds.clone() if wants else None
             if pb.smod.user is not None:  # the score_mod's VJP on the tile: dS of its input
-                ds.copy_(pb.smod.grad_user(_unflat(pb, ds), ctx).view(ds.shape))
+                ds_in = pb.smod.grad_user(_unflat(pb, ds), ctx)
+                if ds_in.data_ptr() != ds.data_ptr():  # (an additive score_mod passes ds on)
+                    ds.copy_(ds_in.reshape(ds.shape))
             if dbias5 is not None:
                 _add_bias_grad(dbias5, _unflat(pb, ds), pb, q0, q1, k0, k1)
             if keep is not None:
