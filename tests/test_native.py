@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
+import threading
 from typing import Any
 
 import pytest
@@ -83,6 +86,26 @@ def test_a_cached_build_is_reused(native, monkeypatch):
     status = _native.native_status()
     path = status[status.rindex(", ") + 2 : -1]
     assert path.endswith(".so") and os.path.exists(path), status
+
+
+def test_a_damaged_cached_library_is_rebuilt(native, tmp_path):
+    """A cached library that is not byte for byte the one built (here: truncated) is
+    rebuilt on the next load, not loaded, and the native step stays on."""
+    env = {**os.environ, "FLASHLEDGER_CACHE_DIR": str(tmp_path)}
+    code = "import flashledger as fl; print(fl.native_status())"
+
+    def status() -> str:
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True)
+        assert done.returncode == 0, done.stderr.decode()[-2000:]
+        return done.stdout.decode().strip()
+
+    assert status().startswith("native tile step: on ("), status
+    (lib,) = tmp_path.glob("native-*.so")
+    good = lib.read_bytes()
+    lib.write_bytes(good[: len(good) // 2])
+    assert not _native._intact(lib)
+    assert status().startswith("native tile step: on ("), "a truncated library was loaded"
+    assert _native._intact(lib) and lib.stat().st_size == len(good)
 
 
 LENGTHS = st.sampled_from([1, 2, 63, 64, 65, 97, 113, 200, 300])
@@ -251,22 +274,55 @@ def test_interval_masks_run_without_mask_tiles(
 
 
 def test_scratch_is_kept_between_passes_up_to_a_bound(native, monkeypatch, gen, assert_close):
-    """The per-thread tile buffers and the forward's laid-out Kᵀ are reused by the next
-    pass (no fresh pages); the backward takes the Kᵀ buffer and frees it; a buffer above
-    the bound is not kept; results are unaffected."""
+    """The tile buffers and the forward's laid-out Kᵀ go back to the pool and are reused
+    by the next pass (no fresh pages); the backward takes the Kᵀ buffer and frees it; a
+    buffer above the bound is not kept; results are unaffected."""
+    _native.release_scratch()
+    pool = _native._pool.bufs
     q, k, v, do = (torch.randn(1, 2, 200, 16, dtype=f64, generator=gen) for _ in range(4))
     ref = fl.reference_forward(q, k, v, mask=fl.Causal())
     fl.blocked_forward(q, k, v, mask=fl.Causal(), block_q=64, block_k=64)
-    bufs = dict(_native._cache.bufs)
+    bufs = dict(pool)
     assert {("work", f64), ("kv_t", f64)} <= set(bufs)
     fwd = fl.blocked_forward(q, k, v, mask=fl.Causal(), block_q=64, block_k=64)
-    assert all(_native._cache.bufs[key] is buf for key, buf in bufs.items()), "reallocated"
+    assert all(pool[key] is buf for key, buf in bufs.items()), "reallocated"
     assert_close(fwd.o, ref.o, rtol=TOL, name="O with reused scratch")
     fl.blocked_backward(q, k, v, fwd.o, fwd.lse, do, mask=fl.Causal(), block_q=64, block_k=64)
-    assert ("kv_t", f64) not in _native._cache.bufs, "the backward lets its Kᵀ go"
+    assert ("kv_t", f64) not in pool, "the backward lets its Kᵀ go"
+    assert _native.release_scratch() > 0 and not pool
     monkeypatch.setattr(_native, "SCRATCH_KEEP_BYTES", 1024)
-    big = _native._scratch("work", 4096, f64, keep=True)
-    assert big.numel() == 4096 and ("work", f64) not in _native._cache.bufs
+    big = _native._pool.take("work", 4096, f64)
+    _native._pool.give("work", big)
+    assert big.numel() == 4096 and ("work", f64) not in pool
+
+
+def test_scratch_kept_is_bounded_whatever_the_threads(native, gen, assert_close):
+    """Passes running in many threads at once each take scratch of their own; what stays
+    kept afterwards is one buffer per (slot, dtype), not one set per thread."""
+    _native.release_scratch()
+    q, k, v = (torch.randn(1, 2, 300, 16, dtype=f64, generator=gen) for _ in range(3))
+    ref = fl.reference_forward(q, k, v)
+    errors: list[BaseException] = []
+    outs: list[torch.Tensor] = []
+    start = threading.Barrier(8)
+
+    def run() -> None:
+        try:
+            start.wait()
+            for _ in range(3):
+                outs.append(fl.blocked_forward(q, k, v, block_q=64, block_k=64).o)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for o in outs:
+        assert_close(o, ref.o, rtol=TOL, name="O from a concurrent pass")
+    assert set(_native._pool.bufs) == {("work", f64), ("kv_t", f64)}, set(_native._pool.bufs)
 
 
 @pytest.fixture(params=["own", "blas"])
@@ -374,25 +430,61 @@ def test_an_unknown_matmul_choice_warns_and_keeps_the_default(native, monkeypatc
         native.use_own_gemm(before)
 
 
-def test_a_run_of_full_tiles_equals_its_steps_one_call_each(native, monkeypatch, gen):
-    """The forward runs consecutive full tiles in one call; calling the step once per
-    tile (a full tile given to ``TileCall.forward``) gives the same bits."""
+def test_a_pass_gives_the_same_bits_whoever_runs_its_items(native, gen):
+    """A pass hands its work items to threads as they free up; no item shares rows of the
+    state, dK/dV or dQ with another, and parts are added in order, so the result does not
+    depend on which thread ran what: passes run at once from several threads (one
+    OpenMP team each) give the bits of a pass run alone."""
+    q = torch.randn(2, 4, 150, 24, dtype=torch.float32, generator=gen)
+    k, v = (torch.randn(2, 1, 190, 24, dtype=torch.float32, generator=gen) for _ in range(2))
+    do = torch.randn(2, 4, 150, 24, dtype=torch.float32, generator=gen)
+    opts = dict(mask=fl.Causal("bottom_right"), block_q=32, block_k=48)
+    want_f, want_b = _both(q, k, v, do, **opts)
+    got: list[tuple[fl.ForwardResult, fl.BackwardResult]] = []
+    threads = [
+        threading.Thread(target=lambda: got.append(_both(q, k, v, do, **opts))) for _ in range(3)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 3
+    for fwd, bwd in got:
+        for name, a, b in (
+            ("O", fwd.o, want_f.o),
+            ("LSE", fwd.lse, want_f.lse),
+            ("dQ", bwd.dq, want_b.dq),
+            ("dK", bwd.dk, want_b.dk),
+            ("dV", bwd.dv, want_b.dv),
+        ):
+            assert torch.equal(a, b), f"{name} differs between runs of the same pass"
+
+
+@pytest.mark.parametrize("lq", [1, 3, 16])
+def test_decode_rows_run_stacked_and_split(native, monkeypatch, gen, outputs_close, lq):
+    """A few query rows against many keys (decode): the group's query heads run as one
+    block of rows and each row's key tiles are split into parts merged with the one
+    merge. O, LSE and the gradients (bottom-right causal and key padding, GQA) equal the
+    oracle; the counters equal the PyTorch step's."""
     from flashledger import blocked
 
-    q = torch.randn(1, 3, 200, 24, dtype=f64, generator=gen)
-    k, v = (torch.randn(1, 3, 300, 24, dtype=f64, generator=gen) for _ in range(2))
-    opts = dict(mask=fl.Causal("bottom_right"), block_q=64, block_k=48)
-    runs = blocked.blocked_forward(q, k, v, **opts)
-    calls: list[tuple[int, int]] = []
+    seen: list[dict[str, Any]] = []
+    real = native.forward
 
-    def one_call_each(call, q0, q1, keys, block_k, chunk):
-        for k0 in range(keys[0], keys[1], block_k):
-            k1 = min(k0 + block_k, keys[1])
-            calls.append((k0, k1))
-            assert call.forward(q0, q1, k0, k1, chunk, None) == 0
+    def spy(*a: Any, **kw: Any) -> Any:
+        seen.append(kw)
+        return real(*a, **kw)
 
-    monkeypatch.setattr(blocked, "_run_full", one_call_each)
-    steps = blocked.blocked_forward(q, k, v, **opts)
-    assert len(calls) == runs.ledger.counters.tiles_full > 0
-    assert torch.equal(steps.o, runs.o) and torch.equal(steps.lse, runs.lse)
-    assert steps.ledger.counters == runs.ledger.counters
+    monkeypatch.setattr(native, "forward", spy)
+    q = torch.randn(1, 8, lq, 32, dtype=f64, generator=gen)
+    k, v = (torch.randn(1, 2, 1000, 32, dtype=f64, generator=gen) for _ in range(2))
+    mask = fl.Causal("bottom_right") & fl.KeyPadding([990])
+    do = torch.randn(1, 8, lq, 32, dtype=f64, generator=gen)
+    fwd, bwd = _both(q, k, v, do, mask=mask, block_q=64, block_k=128)
+    assert seen and seen[0]["stacked"] and seen[0]["splits"] > 1, seen
+    ref = fl.reference_forward(q, k, v, mask=mask)
+    refb = fl.reference_backward(q, k, v, ref.o, ref.lse, do, mask=mask)
+    with _native.disabled():
+        want = blocked.blocked_forward(q, k, v, mask=mask, block_q=64, block_k=128)
+    outputs_close((fwd, bwd), (ref, refb), rtol=TOL, name=f"decode Lq={lq}")
+    assert fwd.ledger.counters == want.ledger.counters

@@ -1,10 +1,12 @@
-/* flashledger's native tile step: one call runs one (query tile, key tile) step of the
- * blocked loop for every head, with the tile's scores kept in a per-thread buffer.
+/* flashledger's native step: one call runs one whole pass of the blocked loop (the
+ * forward, or the backward) over the schedule the Python loop built, for every head, in
+ * one OpenMP parallel region.
  *
  * Built at run time by flashledger/_native.py (twice: -DFL_DOUBLE=0 for float32 and
  * -DFL_DOUBLE=1 for float64, each with -fopenmp against the OpenMP runtime PyTorch has
- * loaded) and called from the Python loop, which keeps the schedule, the skipping and the
- * ledger. The math is the loop's own (online.step_ and the backward's tile body):
+ * loaded) and called from the Python loop, which keeps the schedule (which tiles run, in
+ * which order, which are partial), the skipping and the ledger. The math is the loop's
+ * own (online.step_ and the backward's tile body):
  *
  *   forward:  S = scale · log2(e) · Q_i K_jᵀ   (base-2 units: the factor rides on the matmul)
  *             S[~visible] = -inf               (partial tiles only)
@@ -21,20 +23,32 @@
  * units during a query tile (the finish converts it); the backward reads λ in natural
  * units, as the forward wrote it, so P does not inherit a rounding of λ·log2 e.
  *
- * The matmuls run on one core each, from inside the OpenMP loop over heads, on
- * cache-resident blocks. Where the compiler targets AVX-512 they run on the step's own
- * register-blocked kernel (own_mm: 4 vectors x 6 columns of C in 24 registers, the last
- * rows 3 x 8, 2 x 12 or 1 x 12; A read in place, B by broadcasts, every entry summed in
- * order by fused multiply-adds); otherwise,
- * or when switched off, on the BLAS gemm PyTorch itself uses (sgemm_/dgemm_). Every
- * operand is laid out so that the kernel needs no packing: A contiguous along m, B read
- * along rows or columns. Layouts (row-major, contiguous), H = B·Hq query heads, head h
- * reading K/V head h / G: q, dO (H, Lq, ·); k (Hk, Lk, d), kt = Kᵀ (Hk, d, Lk), v (Hk, Lk,
- * d_v), and in the backward vt = Vᵀ (Hk, d_v, Lk); acc (H, R, d_v) of one query tile, dQ
- * (H, Lq, d), dK_jᵀ, dV_jᵀ (H, ·, bk); m, ℓ (H, R); λ, D (H, Lq).
+ * Work items. The forward's item is (query tile, head, chunk of its rows): it runs its
+ * rows through the tile's key tiles in order, the state (m, ℓ, acc) in its thread's
+ * scratch, and writes O and λ. The backward's item is (K/V head, part of the key tiles):
+ * per key tile, dK_j and dV_j accumulate over the query tiles and the group's query heads
+ * in scratch; dQ accumulates in the part's own dQ. No two items write the same rows, so
+ * items run with no barrier between tiles and are handed out as threads free up: one
+ * barrier per pass, where a tile per call paid one per tile step (and, with threads that
+ * spin while they wait, lost a scheduler time slice to each when another process shares
+ * the cores). Decode (a few query rows, many keys): a group's query heads run as one
+ * block of rows and each row's key tiles are split into parts (flash-decoding), merged
+ * afterwards in Python with the one merge.
+ *
+ * The matmuls run on one core each, from inside the items, on cache-resident blocks.
+ * Where the compiler targets AVX-512 they can run on the step's own register-blocked
+ * kernel (own_mm: 4 vectors x 6 columns of C in 24 registers, the last rows 3 x 8, 2 x 12
+ * or 1 x 12; A read in place, B by broadcasts, every entry summed in order by fused
+ * multiply-adds); otherwise, or when switched off, on the BLAS gemm PyTorch itself uses
+ * (sgemm_/dgemm_). Every operand is laid out so that the kernel needs no packing: A
+ * contiguous along m, B read along rows or columns. Layouts (row-major, contiguous),
+ * H = B·Hq query heads, head h reading K/V head h / G: q, dO, O (H, Lq, ·); k (Hk, Lk, d),
+ * kt = Kᵀ (Hk, d, Lk), v (Hk, Lk, d_v), and in the backward vt = Vᵀ (Hk, d_v, Lk); dQ
+ * (H, Lq, d); λ, D (H, Lq); an item's acc (rows, d_v), dK_jᵀ, dV_jᵀ (·, bk).
  */
 #include <math.h>
 #include <omp.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if FL_DOUBLE
@@ -305,43 +319,68 @@ void SUF(fl_transpose)(const T *src, T *dst, long long n, long long rows, long l
     }
 }
 
+/* One pass's arguments. Layouts (row-major, contiguous), H = B·Hq query heads, head h
+ * reading K/V head h / group. A pass runs a schedule: rows (the forward's query tiles, the
+ * backward's key tiles), each a list of tiles, FL_TILE fields per tile (q0, q1, k0, k1,
+ * partial, vis, vis_sn, vis_sg): a partial tile's visibility is its uint8 bytes (rows x
+ * cols) for head h at vis + (h / group) · vis_sn + (h % group) · vis_sg (strides 0 where the
+ * mask broadcasts), or, with vis 0, the pass's intervals (iv_lo, iv_hi). */
 struct fl_args {
     const T *q, *k, *kt, *v, *vt; /* (H, Lq, d), (Hk, Lk, d), (Hk, d, Lk), (Hk, Lk, d_v), (Hk, d_v, Lk) */
-    T *acc, *m, *ell;     /* forward state of one query tile: acc (H, R, d_v), m (base-2
-                             units) and ℓ (H, R), R = state_rows */
-    const T *dout, *lse, *dd; /* backward: dO (H, Lq, d_v); λ (+inf on empty rows), D (H, Lq) */
-    T *dq, *dk_t, *dv_t;  /* backward: dQ (H, Lq, d); dK_jᵀ, dV_jᵀ (H, ·, bk) of the key tile */
-    T *work;              /* per thread: 2 · rows · cols + rows */
+    T *o, *lse;               /* forward: O (S, H, Lq, d_v) and λ (S, H, Lq), S = splits */
+    const T *dout, *lam, *dd; /* backward: dO (H, Lq, d_v); λ (+inf on empty rows), D (H, Lq) */
+    T *dq, *dk, *dvo;         /* backward: dQ (S, H, Lq, d) (split s > 0: a part to add);
+                                 dK (Hk, Lk, d), dV (Hk, Lk, d_v) */
+    T *work;                  /* per thread, work_stride elements */
     const long long *iv_lo, *iv_hi; /* interval masks: row i of batch b sees keys
                                        [iv_lo, iv_hi)[b · iv_bstride + i] (local), or NULL */
+    const long long *tiles;     /* the schedule's tiles, FL_TILE fields each */
+    const long long *row_start; /* row r's tiles are [row_start[r], row_start[r + 1]) */
+    const long long *bounds;    /* row r covers [bounds[2r], bounds[2r + 1]): its queries
+                                   (forward) or keys (backward), tiles or none */
+    long long *seen;            /* per tile: visible dots of an interval tile, all heads */
     long long heads, group, lq, lk, d, dv, work_stride;
     long long hq, iv_bstride; /* query heads per batch; the intervals' batch stride (0: shared) */
-    long long state_rows;     /* R: rows of the forward state (the query tile's, at most) */
+    long long rows;           /* rows of the schedule */
+    long long chunk;          /* forward: query rows per work item */
+    long long splits;         /* forward and backward: parts of each row's tiles (S) */
+    long long stacked;        /* forward: a group's query heads as one block of rows */
     double scale;
     long long scale_exact; /* scale is a power of two: exact as the matmul's alpha */
 };
+#define FL_TILE 8
 
-/* S = factor · Q Kᵀ for rows [r0, r0 + nr) of head h and keys [k0, k0 + nc), the factor
- * riding on the matmul, or, with `after`, (Q Kᵀ) · factor as the reference rounds it;
- * masked to -inf where the visibility row says 0. */
-static void scores(const struct fl_args *a, long long h, long long r0, int nr, long long k0,
-                   int nc, T *s, const unsigned char *vis, long long vis_row, double factor,
-                   int after) {
-    const T *qh = a->q + (h * a->lq + r0) * a->d;
-    const T *kt = a->kt + (h / a->group) * a->d * a->lk + k0;
+/* Rows per block inside a partial tile: small, so that each block's visible span (a
+ * causal or banded diagonal) is narrow. */
+#define FL_PARTIAL_ROWS 64
+
+/* A block of nr query rows of one K/V head: rows r = 0..nr-1 are head h0 + (r0 + r) / lrows,
+ * query position (r0 + r) % lrows, with lrows = Lq when a group's heads are stacked (the
+ * rows then run on across heads, one block of memory) and lrows = "infinite" otherwise
+ * (head h0, positions r0..). */
+struct rows {
+    long long h0, r0, lrows;
+    int nr;
+};
+static inline long long row_head(const struct rows *b, int r) { return b->h0 + (b->r0 + r) / b->lrows; }
+static inline long long row_pos(const struct rows *b, int r) { return (b->r0 + r) % b->lrows; }
+/* offset of row 0 in a (H, Lq, ·) tensor, in rows */
+static inline long long row_base(const struct fl_args *a, const struct rows *b) {
+    return b->h0 * a->lq + b->r0;
+}
+
+/* S = factor · Q Kᵀ for a block of rows and keys [k0, k0 + nc), the factor riding on the
+ * matmul, or, with `after`, (Q Kᵀ) · factor as the reference rounds it. */
+static void scores(const struct fl_args *a, const struct rows *b, long long k0, int nc, T *s,
+                   double factor, int after) {
+    const T *qh = a->q + row_base(a, b) * a->d;
+    const T *kt = a->kt + (b->h0 / a->group) * a->d * a->lk + k0;
     /* S (nr x nc, row-major) = Q_i K_jᵀ, formed as Sᵀ = (Kᵀ_j)ᵀ-columns times Q's rows */
-    mm(nc, nr, (int)a->d, after ? (T)1 : (T)factor, kt, a->lk, qh, 1, a->d, 0, s, nc);
+    mm(nc, b->nr, (int)a->d, after ? (T)1 : (T)factor, kt, a->lk, qh, 1, a->d, 0, s, nc);
     if (after) {
         T f = (T)factor;
-        for (long long j = 0; j < (long long)nr * nc; ++j) s[j] *= f;
+        for (long long j = 0; j < (long long)b->nr * nc; ++j) s[j] *= f;
     }
-    if (vis)
-        for (int r = 0; r < nr; ++r) {
-            const unsigned char *vr = vis + r * vis_row;
-            T *row = s + (long long)r * nc;
-            for (int j = 0; j < nc; ++j)
-                if (!vr[j]) row[j] = -INFINITY;
-        }
 }
 
 static T row_max(const T *row, int nc) {
@@ -387,60 +426,55 @@ static T exp_row(T *row, int nc, T shift) {
     return s;
 }
 
-/* The columns [lo, hi) of an nr x nc visibility block that hold every visible entry
- * (lo = hi when none is visible). Columns outside add exact zeros to every sum, so a step
- * may leave them out of its matmuls. */
-static void visible_span(const unsigned char *vis, int nr, int nc, long long row_stride,
-                         int *lo, int *hi) {
-    int a = nc, b = 0;
-    for (int r = 0; r < nr; ++r) {
-        const unsigned char *vr = vis + r * row_stride;
-        int j = 0;
-        while (j < a && !vr[j]) ++j;
-        if (j < a) a = j;
-        int e = nc;
-        while (e > b && !vr[e - 1]) --e;
-        if (e > b) b = e;
-    }
-    *lo = a < b ? a : 0;
-    *hi = a < b ? b : 0;
+/* Zero a row's columns outside [c0, c1) of [0, w). */
+static inline void zero_outside(T *row, int c0, int c1, int w) {
+    if (c0 > 0) memset(row, 0, (size_t)c0 * sizeof(T));
+    if (c1 < w) memset(row + c1, 0, (size_t)(w - c1) * sizeof(T));
 }
 
-/* Rows per work item inside a partial tile: small, so that each item's visible span (a
- * causal or banded diagonal) is narrow. */
-#define FL_PARTIAL_ROWS 64
+/* Row r's visibility bytes in a partial tile (t: its fields) whose rows start at q0. */
+static inline const unsigned char *vis_row(const struct fl_args *a, const long long *t,
+                                           long long h, long long q) {
+    const unsigned char *vis = (const unsigned char *)(size_t)t[5];
+    return vis + (h / a->group) * t[6] + (h % a->group) * t[7] + (q - t[0]) * (t[3] - t[2]);
+}
 
-/* Which columns of a row block [r0, r0 + nr) of head h, in the tile of keys [k0, k0 + nc),
- * a step computes: the span [*lo, *hi) of the tile (lo = hi: nothing visible) and, for an
- * interval mask (nr <= FL_PARTIAL_ROWS), each row's visible columns [ca[r], cb[r]) relative
- * to lo; otherwise (a full tile, or a byte mask `vis` whose zeros the scores turn into
- * -inf) every row runs over the whole span and ca, cb are left alone. Returns the visible
- * dots of an interval block (0 otherwise). */
-static long long row_ranges(const struct fl_args *a, long long h, long long r0, int nr,
-                            long long k0, int nc, const unsigned char *vis, int intervals,
+/* Which columns of the tile t (keys [k0, k0 + nc)) a block of rows computes: each row's
+ * visible columns [ca[r], cb[r]) (a full tile: all), and the block's span [*lo, *hi) that
+ * holds them (lo = hi: nothing visible). Columns outside a row's range add exact zeros
+ * to every sum, so a step leaves them out of its matmuls and zeroes them in P. Returns
+ * the visible dots of an interval tile (0 otherwise). */
+static long long row_ranges(const struct fl_args *a, const long long *t, const struct rows *b,
                             int *ca, int *cb, int *lo, int *hi) {
-    *lo = 0;
-    *hi = nc;
-    if (vis) visible_span(vis, nr, nc, nc, lo, hi);
-    if (!intervals) return 0;
-    long long off = (h / a->hq) * a->iv_bstride + r0, seen = 0;
-    const long long *il = a->iv_lo + off, *ih = a->iv_hi + off;
-    int mn = nc, mx = 0;
-    for (int r = 0; r < nr; ++r) {
-        long long x = il[r] - k0, y = ih[r] - k0;
-        x = x < 0 ? 0 : x > nc ? nc : x;
-        y = y < x ? x : y > nc ? nc : y;
+    long long k0 = t[2], seen = 0;
+    int nc = (int)(t[3] - k0), mn = nc, mx = 0;
+    for (int r = 0; r < b->nr; ++r) {
+        long long x = 0, y = nc;
+        if (t[4]) {
+            long long h = row_head(b, r), q = row_pos(b, r);
+            if (t[5]) { /* bytes: the first and last visible column */
+                const unsigned char *vr = vis_row(a, t, h, q);
+                while (x < nc && !vr[x]) ++x;
+                while (y > x && !vr[y - 1]) --y;
+            } else { /* intervals */
+                long long off = (h / a->hq) * a->iv_bstride + q;
+                x = a->iv_lo[off] - k0;
+                y = a->iv_hi[off] - k0;
+                x = x < 0 ? 0 : x > nc ? nc : x;
+                y = y < x ? x : y > nc ? nc : y;
+                seen += y - x;
+            }
+        }
         ca[r] = (int)x;
         cb[r] = (int)y;
         if (x < y) {
-            seen += y - x;
             mn = (int)x < mn ? (int)x : mn;
             mx = (int)y > mx ? (int)y : mx;
         }
     }
     *lo = mn < mx ? mn : 0;
     *hi = mn < mx ? mx : 0;
-    for (int r = 0; r < nr; ++r) { /* relative to lo; an empty row runs over nothing */
+    for (int r = 0; r < b->nr; ++r) { /* relative to lo; an empty row runs over nothing */
         int e = ca[r] >= cb[r];
         ca[r] = e ? 0 : ca[r] - *lo;
         cb[r] = e ? 0 : cb[r] - *lo;
@@ -448,158 +482,189 @@ static long long row_ranges(const struct fl_args *a, long long h, long long r0, 
     return seen;
 }
 
-/* Zero a row's columns outside [c0, c1) of [0, w). */
-static inline void zero_outside(T *row, int c0, int c1, int w) {
-    if (c0 > 0) memset(row, 0, (size_t)c0 * sizeof(T));
-    if (c1 < w) memset(row + c1, 0, (size_t)(w - c1) * sizeof(T));
+/* S[r][c] = -inf where a byte mask hides (row r, column lo + c); within [ca, cb). */
+static void mask_bytes(const struct fl_args *a, const long long *t, const struct rows *b, T *s,
+                       int w, int lo, const int *ca, const int *cb) {
+    if (!t[4] || !t[5]) return;
+    for (int r = 0; r < b->nr; ++r) {
+        const unsigned char *vr = vis_row(a, t, row_head(b, r), row_pos(b, r)) + lo;
+        T *row = s + (long long)r * w;
+        for (int c = ca[r]; c < cb[r]; ++c)
+            if (!vr[c]) row[c] = -INFINITY;
+    }
 }
 
-/* Forward for rows [r0, r0 + nr) of head h against keys [k0, k0 + nc), the rows' state at
- * state row sr0; `vis` (row stride nc) or NULL, `intervals` (see row_ranges). s: nr · nc +
- * nr scratch. Returns the visible dots of an interval block. */
-static long long forward_rows(const struct fl_args *a, long long h, long long r0,
-                              long long sr0, int nr, long long k0, int nc,
-                              const unsigned char *vis, int intervals, T *s) {
-    int lo, hi, ca[FL_PARTIAL_ROWS], cb[FL_PARTIAL_ROWS];
-    long long seen = row_ranges(a, h, r0, nr, k0, nc, vis, intervals, ca, cb, &lo, &hi);
-    if (lo == hi) return 0; /* nothing visible: m, ℓ and acc stay as they are */
-    int w = hi - lo, idv = (int)a->dv;
-    scores(a, h, r0, nr, k0 + lo, w, s, vis ? vis + lo : NULL, nc, a->scale * LOG2E, 0);
-    long long sr = a->state_rows;
-    T *mh = a->m + h * sr + sr0, *lh = a->ell + h * sr + sr0;
+/* -- forward ------------------------------------------------------------------------------ */
+
+/* The online update of a block of rows (at most FL_PARTIAL_ROWS rows of a partial tile, or
+ * any number of a full one) against tile t: m (base-2 units), ℓ, acc (nr x d_v) of the
+ * rows; s: nr · nc + nr scratch. Returns the visible dots of an interval tile. */
+static long long forward_block(const struct fl_args *a, const long long *t, const struct rows *b,
+                               T *m, T *ell, T *acc, T *s) {
+    int nr = b->nr, idv = (int)a->dv, lo = 0, hi = (int)(t[3] - t[2]);
+    int ca[FL_PARTIAL_ROWS], cb[FL_PARTIAL_ROWS];
+    long long seen = 0;
+    if (t[4]) {
+        seen = row_ranges(a, t, b, ca, cb, &lo, &hi);
+        if (lo == hi) return seen; /* nothing visible: m, ℓ and acc stay as they are */
+    }
+    int w = hi - lo;
+    scores(a, b, t[2] + lo, w, s, a->scale * LOG2E, 0);
+    if (t[4]) mask_bytes(a, t, b, s, w, lo, ca, cb);
     T *alpha = s + (long long)nr * w; /* α per row */
     int moved = 0;                     /* did any row's max move? */
     for (int r = 0; r < nr; ++r) {
         T *row = s + (long long)r * w;
-        int c0 = intervals ? ca[r] : 0, c1 = intervals ? cb[r] : w; /* the row's columns */
-        T m_old = mh[r], top = row_max(row + c0, c1 - c0);
+        int c0 = t[4] ? ca[r] : 0, c1 = t[4] ? cb[r] : w; /* the row's columns */
+        T m_old = m[r], top = row_max(row + c0, c1 - c0);
         T m_new = m_old > top ? m_old : top, m_sub = m_new == -INFINITY ? 0 : m_new;
         alpha[r] = exp2s(m_old - m_sub); /* exactly 1 when the max did not move */
         moved |= alpha[r] != (T)1;
         T sum = exp_row(row + c0, c1 - c0, m_sub);
         zero_outside(row, c0, c1, w); /* P = 0 where the row cannot see */
-        mh[r] = m_new;
-        lh[r] = sum + alpha[r] * lh[r];
+        m[r] = m_new;
+        ell[r] = sum + alpha[r] * ell[r];
     }
-    T *acc = a->acc + (h * sr + sr0) * a->dv; /* the rows' acc */
     if (moved)
         for (int r = 0; r < nr; ++r) {
-            T *ar = acc + r * a->dv;
-            for (long long c = 0; c < a->dv; ++c) ar[c] *= alpha[r];
+            T *ar = acc + (long long)r * idv;
+            for (int c = 0; c < idv; ++c) ar[c] *= alpha[r];
         }
-    const T *vh = a->v + ((h / a->group) * a->lk + k0 + lo) * a->dv;
+    const T *vh = a->v + ((b->h0 / a->group) * a->lk + t[2] + lo) * a->dv;
     /* acc (nr x d_v) += P (nr x w) V_j (w x d_v), formed as accᵀ += V_jᵀ Pᵀ */
     mm(idv, nr, w, 1, vh, idv, s, 1, w, 1, acc, idv);
     return seen;
 }
 
-/* Work item w of a forward tile step: head w / chunks, its row block w % chunks. */
-static long long forward_item(const struct fl_args *a, long long w, long long chunks,
-                              long long chunk, long long q0, long long q1, long long k0,
-                              int nc, int intervals, const unsigned char *vis,
-                              long long vis_sn, long long vis_sg) {
-    long long h = w / chunks, c0 = (w % chunks) * chunk, r0 = q0 + c0;
-    int nr = (int)((r0 + chunk < q1 ? r0 + chunk : q1) - r0);
-    T *s = a->work + omp_get_thread_num() * a->work_stride;
-    const unsigned char *vh =
-        vis ? vis + (h / a->group) * vis_sn + (h % a->group) * vis_sg + c0 * nc : NULL;
-    return forward_rows(a, h, r0, c0, nr, k0, nc, vh, intervals, s);
-}
-
-/* A run of full forward tile steps: queries [q0, q1) against the key tiles [k0, k0 + bk),
- * [k0 + bk, k0 + 2 bk), ... up to k1 (the last may be shorter), every head, in that order.
- * Each tile's full step in turn, in one parallel region:
- * a work item owns its rows' state, so it runs through all the tiles with no barrier
- * between them and keeps its acc in its core's cache (static: a fixed item -> thread map). */
-void SUF(fl_forward_full_tiles)(const struct fl_args *a, long long q0, long long q1,
-                                long long k0, long long k1, long long bk, long long chunk) {
-    long long rows = q1 - q0, chunks = (rows + chunk - 1) / chunk;
-    long long items = a->heads * chunks;
-#pragma omp parallel for schedule(static)
-    for (long long w = 0; w < items; ++w)
-        for (long long kk = k0; kk < k1; kk += bk) {
-            int nc = (int)(kk + bk < k1 ? bk : k1 - kk);
-            forward_item(a, w, chunks, chunk, q0, q1, kk, nc, 0, NULL, 0, 0);
-        }
-}
-
-/* One forward tile step, queries [q0, q1) x keys [k0, k1), every head, the state of row
- * q0 + r at state row r (the Python loop finalises and resets it per query tile, as the
- * PyTorch step's loop does); rows are split in chunks of `chunk` (of FL_PARTIAL_ROWS in
- * a partial tile) so that small head counts still fill the threads. A full tile is a run
- * of one (fl_forward_full_tiles). A partial tile's visibility is `vis`, its bytes (rows x
- * cols, uint8) for head h at vis + (h / group) * vis_sn + (h % group) * vis_sg (strides 0
- * where the mask broadcasts), or, with vis NULL, the pass's intervals (a->iv_lo,
- * a->iv_hi); its uneven spans are handed out as threads free up. Returns the visible dots
- * of an interval tile (0 otherwise), summed over heads. */
-long long SUF(fl_forward_tile)(const struct fl_args *a, long long q0, long long q1,
-                               long long k0, long long k1, long long chunk, int partial,
-                               const unsigned char *vis, long long vis_sn, long long vis_sg) {
-    if (!partial) {
-        SUF(fl_forward_full_tiles)(a, q0, q1, k0, k1, k1 - k0, chunk);
-        return 0;
+/* One forward work item: rows [r0, r0 + nr) of head (or stacked group) h0 against the
+ * tiles [t0, t1) of the schedule, in order; then O = acc / ℓ and λ = m · ln 2 + log ℓ
+ * (natural units; an empty row, ℓ = 0, gives O = 0 and λ = -inf, as online.finalize does)
+ * into split s's O and λ. The state stays in the thread's scratch: no other item touches
+ * these rows, so the items need no barrier between tiles. */
+static void forward_item(const struct fl_args *a, long long h0, long long r0, int nr, long long t0,
+                         long long t1, long long split) {
+    long long dv = a->dv;
+    T *m = a->work + omp_get_thread_num() * a->work_stride, *ell = m + nr, *acc = ell + nr;
+    T *s = acc + nr * dv;
+    for (int r = 0; r < nr; ++r) {
+        m[r] = -INFINITY;
+        ell[r] = 0;
     }
-    int intervals = !vis;
-    if (chunk > FL_PARTIAL_ROWS) chunk = FL_PARTIAL_ROWS;
-    long long rows = q1 - q0, chunks = (rows + chunk - 1) / chunk, seen = 0;
-    int nc = (int)(k1 - k0);
-    long long items = a->heads * chunks;
-#pragma omp parallel for schedule(dynamic, 1) reduction(+ : seen)
-    for (long long w = 0; w < items; ++w)
-        seen += forward_item(a, w, chunks, chunk, q0, q1, k0, nc, intervals, vis, vis_sn, vis_sg);
-    return seen;
-}
-
-/* The end of query tile [q0, q1): o = acc / ℓ and lse = m · ln 2 + log ℓ (natural units)
- * into o (H, Lq, d_v) and lse (H, Lq), an empty row (ℓ = 0) giving o = 0 and lse = -inf,
- * as online.finalize does; then the state is reset (m = -inf, ℓ = 0, acc = 0) for the
- * next query tile. Runs while the tile's acc is still in the cores' caches. */
-void SUF(fl_forward_finish)(const struct fl_args *a, long long q0, long long q1, T *o,
-                            T *lse) {
-    long long sr = a->state_rows, n = q1 - q0, dv = a->dv;
-#pragma omp parallel for schedule(static)
-    for (long long h = 0; h < a->heads; ++h) {
-        T *mh = a->m + h * sr, *lh = a->ell + h * sr, *ah = a->acc + h * sr * dv;
-        T *oh = o + (h * a->lq + q0) * dv, *lseh = lse + h * a->lq + q0;
-        for (long long r = 0; r < n; ++r) {
-            T l = lh[r], m_nat = mh[r] * (T)LN2, *orow = oh + r * dv;
-            int empty = l == 0;
-            lseh[r] = empty ? -INFINITY : m_nat + LOG(l);
-            for (long long c = 0; c < dv; ++c) orow[c] = empty ? 0 : ah[r * dv + c] / l;
+    memset(acc, 0, (size_t)(nr * dv) * sizeof(T));
+    struct rows b = {h0, r0, a->stacked ? a->lq : (1LL << 62), nr};
+    for (long long ti = t0; ti < t1; ++ti) {
+        const long long *t = a->tiles + ti * FL_TILE;
+        long long seen = 0;
+        if (!t[4]) {
+            forward_block(a, t, &b, m, ell, acc, s);
+            continue;
         }
-        for (long long r = 0; r < sr; ++r) {
-            mh[r] = -INFINITY;
-            lh[r] = 0;
+        for (int c = 0; c < nr; c += FL_PARTIAL_ROWS) { /* partial: narrow row blocks */
+            struct rows sub = {h0, r0 + c, b.lrows, nr - c < FL_PARTIAL_ROWS ? nr - c : FL_PARTIAL_ROWS};
+            seen += forward_block(a, t, &sub, m + c, ell + c, acc + c * dv, s);
         }
-        memset(ah, 0, (size_t)(dv * sr) * sizeof(T));
+        if (seen) {
+#pragma omp atomic
+            a->seen[ti] += seen;
+        }
+    }
+    long long base = split * a->heads * a->lq + row_base(a, &b);
+    T *o = a->o + base * dv, *lse = a->lse + base;
+    for (int r = 0; r < nr; ++r) {
+        T l = ell[r], *orow = o + r * dv, *arow = acc + r * dv;
+        int empty = l == 0;
+        lse[r] = empty ? -INFINITY : m[r] * (T)LN2 + LOG(l);
+        for (long long c = 0; c < dv; ++c) orow[c] = empty ? 0 : arow[c] / l;
     }
 }
 
-/* Backward for rows [r0, r0 + nr) of head h against keys [k0, k0 + nc); `vis` (row stride
- * nc) or NULL, `intervals` (see row_ranges); s: 2 · nr · nc scratch. Returns the visible
- * dots of an interval block. */
-static long long backward_rows(const struct fl_args *a, long long h, long long r0, int nr,
-                               long long k0, int nc, const unsigned char *vis, int intervals,
-                               T *s) {
-    int lo, hi, ca[FL_PARTIAL_ROWS], cb[FL_PARTIAL_ROWS];
-    long long seen = row_ranges(a, h, r0, nr, k0, nc, vis, intervals, ca, cb, &lo, &hi);
-    if (lo == hi) return 0; /* every P is 0: no contribution */
-    int w = hi - lo, id = (int)a->d, idv = (int)a->dv;
+/* The tiles [*t0, *t1) of part `s` of `n` of a row's tiles [a0, a1): contiguous, as even as
+ * the count allows. */
+static inline void part_of(long long a0, long long a1, long long s, long long n, long long *t0,
+                           long long *t1) {
+    long long len = a1 - a0;
+    *t0 = a0 + len * s / n;
+    *t1 = a0 + len * (s + 1) / n;
+}
+
+/* The whole forward pass, one parallel region. Work items are (query tile, split, unit,
+ * chunk of `chunk` rows), unit a query head, or with `stacked` a K/V head whose group's
+ * rows run on as one block (one query tile covering Lq). Items are handed out as threads
+ * free up (a thread slowed by another process does fewer of them), the longest rows
+ * first. */
+void SUF(fl_forward)(const struct fl_args *a) {
+    long long rows = a->rows, units = a->stacked ? a->heads / a->group : a->heads;
+    long long *buf = malloc((size_t)(4 * rows + 1) * sizeof(long long));
+    if (!buf) return;
+    long long *order = buf, *cost = buf + rows, *chunks = cost + rows, *first = chunks + rows;
+    for (long long i = 0; i < rows; ++i) {
+        order[i] = i;
+        cost[i] = 0;
+        for (long long t = a->row_start[i]; t < a->row_start[i + 1]; ++t)
+            cost[i] += a->tiles[t * FL_TILE + 3] - a->tiles[t * FL_TILE + 2];
+    }
+    for (long long i = 1; i < rows; ++i) { /* longest rows first (an insertion sort: few) */
+        long long x = order[i], j = i;
+        for (; j > 0 && cost[order[j - 1]] < cost[x]; --j) order[j] = order[j - 1];
+        order[j] = x;
+    }
+    long long items = 0;
+    for (long long n = 0; n < rows; ++n) {
+        long long i = order[n], len = a->stacked ? a->group * a->lq : a->bounds[2 * i + 1] - a->bounds[2 * i];
+        chunks[n] = (len + a->chunk - 1) / a->chunk;
+        first[n] = items;
+        items += chunks[n] * a->splits * units;
+    }
+    first[rows] = items;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (long long w = 0; w < items; ++w) {
+        long long n = 0;
+        while (first[n + 1] <= w) ++n;
+        long long i = order[n], x = w - first[n], c = x % chunks[n], rest = x / chunks[n];
+        long long unit = rest % units, split = rest / units, t0, t1;
+        part_of(a->row_start[i], a->row_start[i + 1], split, a->splits, &t0, &t1);
+        long long q0 = a->bounds[2 * i], len = a->stacked ? a->group * a->lq : a->bounds[2 * i + 1] - q0;
+        long long r0 = (a->stacked ? 0 : q0) + c * a->chunk;
+        long long nr = a->chunk < len - c * a->chunk ? a->chunk : len - c * a->chunk;
+        long long h0 = a->stacked ? unit * a->group : unit;
+        forward_item(a, h0, r0, (int)nr, t0, t1, split);
+    }
+    free(buf);
+}
+
+/* -- backward ----------------------------------------------------------------------------- */
+
+/* The gradient of a block of rows (at most FL_PARTIAL_ROWS of a partial tile, or any number
+ * of a full one) of head h against tile t: dK_jᵀ, dV_jᵀ (d x bk, d_v x bk, the tile's
+ * columns) accumulate in dkt, dvt; dQ in dq (rows of the block, (·, d)). s: 2 · nr · bk
+ * scratch. Returns the visible dots of an interval tile. */
+static long long backward_block(const struct fl_args *a, const long long *t, const struct rows *b,
+                                T *dkt, T *dvt, T *dq, T *s) {
+    int nr = b->nr, id = (int)a->d, idv = (int)a->dv, nc = (int)(t[3] - t[2]), lo = 0, hi = nc;
+    int ca[FL_PARTIAL_ROWS], cb[FL_PARTIAL_ROWS];
+    long long seen = 0;
+    if (t[4]) {
+        seen = row_ranges(a, t, b, ca, cb, &lo, &hi);
+        if (lo == hi) return seen; /* every P is 0: no contribution */
+    }
+    int w = hi - lo;
     T *dp = s + (long long)nr * w;
     /* the scores the PyTorch step (and the reference) form: the scale on the matmul only
      * when it is a power of two, so that a forward run with that step is matched exactly */
-    scores(a, h, r0, nr, k0 + lo, w, s, vis ? vis + lo : NULL, nc, a->scale, !a->scale_exact);
-    const T *doh = a->dout + (h * a->lq + r0) * a->dv;
-    const T *vt = a->vt + (h / a->group) * a->dv * a->lk + k0 + lo;
-    const T *qh = a->q + (h * a->lq + r0) * a->d;
+    scores(a, b, t[2] + lo, w, s, a->scale, !a->scale_exact);
+    if (t[4]) mask_bytes(a, t, b, s, w, lo, ca, cb);
+    long long base = row_base(a, b);
+    const T *doh = a->dout + base * a->dv;
+    const T *vt = a->vt + (b->h0 / a->group) * a->dv * a->lk + t[2] + lo;
+    const T *qh = a->q + base * a->d;
     T sc = (T)a->scale;
     /* dP (nr x w) = dO V_jᵀ */
     mm(w, nr, idv, 1, vt, a->lk, doh, 1, idv, 0, dp, w);
-    const T *lam = a->lse + h * a->lq + r0, *dd = a->dd + h * a->lq + r0;
+    const T *lam = a->lam + base, *dd = a->dd + base;
     for (int r = 0; r < nr; ++r) {
         T *pr = s + (long long)r * w, *dr = dp + (long long)r * w;
         VT sh = splat(lam[r]), dv_ = splat(dd[r]), l2e = splat((T)LOG2E);
-        int c0 = intervals ? ca[r] : 0, c1 = intervals ? cb[r] : w, j = c0;
+        int c0 = t[4] ? ca[r] : 0, c1 = t[4] ? cb[r] : w, j = c0;
         zero_outside(pr, c0, c1, w); /* P = dS = 0 where the row cannot see */
         zero_outside(dr, c0, c1, w);
         for (; j + W <= c1; j += W) {
@@ -613,58 +678,103 @@ static long long backward_rows(const struct fl_args *a, long long h, long long r
             dr[j] = p * (dr[j] - dd[r]);
         }
     }
-    T *dvt = a->dv_t + h * a->dv * nc + lo, *dkt = a->dk_t + h * a->d * nc + lo;
-    T *dqh = a->dq + (h * a->lq + r0) * a->d;
-    const T *kh = a->k + ((h / a->group) * a->lk + k0 + lo) * a->d;
+    const T *kh = a->k + ((b->h0 / a->group) * a->lk + t[2] + lo) * a->d;
     /* dV_jᵀ (d_v x w) += dOᵀ P;  dK_jᵀ (d x w) += scale Qᵀ dS;  dQ (nr x d) += scale dS K_j */
-    mm(w, idv, nr, 1, s, w, doh, idv, 1, 1, dvt, nc);
-    mm(w, id, nr, sc, dp, w, qh, id, 1, 1, dkt, nc);
-    mm(id, nr, w, sc, kh, id, dp, 1, w, 1, dqh, id);
+    mm(w, idv, nr, 1, s, w, doh, idv, 1, 1, dvt + lo, nc);
+    mm(w, id, nr, sc, dp, w, qh, id, 1, 1, dkt + lo, nc);
+    mm(id, nr, w, sc, kh, id, dp, 1, w, 1, dq, id);
     return seen;
 }
 
-/* One backward tile step (queries [q0, q1) x keys [k0, k1)), every head. dK_j and dV_j
- * accumulate (transposed) per query head in a->dk_t, a->dv_t ((H, ·, k1 - k0)); dQ_i in
- * a->dq. A partial tile (visibility as in fl_forward_tile) runs in blocks of
- * FL_PARTIAL_ROWS rows. Returns the visible dots of an interval tile (0 otherwise). */
-long long SUF(fl_backward_tile)(const struct fl_args *a, long long q0, long long q1,
-                                long long k0, long long k1, int partial,
-                                const unsigned char *vis, long long vis_sn,
-                                long long vis_sg) {
-    int nc = (int)(k1 - k0), intervals = partial && !vis;
-    long long rows = q1 - q0, step = partial ? FL_PARTIAL_ROWS : rows, seen = 0;
-#pragma omp parallel for schedule(static) reduction(+ : seen)
-    for (long long h = 0; h < a->heads; ++h) {
-        T *s = a->work + omp_get_thread_num() * a->work_stride;
-        const unsigned char *vh =
-            vis ? vis + (h / a->group) * vis_sn + (h % a->group) * vis_sg : NULL;
-        for (long long c0 = 0; c0 < rows; c0 += step) {
-            int nr = (int)(c0 + step < rows ? step : rows - c0);
-            seen += backward_rows(a, h, q0 + c0, nr, k0, nc, vh ? vh + c0 * nc : NULL,
-                                  intervals, s);
+/* One backward work item: K/V head kh against the key tiles of rows (key tiles) [j0, j1):
+ * for each, dK_j and dV_j accumulate over every query tile and every query head of the
+ * group in the thread's scratch, then go to rows [k0, k1) of dK, dV; dQ accumulates in
+ * split s's part. No other item writes these dK/dV rows or this part's dQ rows. */
+static void backward_item(const struct fl_args *a, long long kh, long long j0, long long j1,
+                          long long split) {
+    long long id = a->d, idv = a->dv, G = a->group;
+    T *dq = a->dq + split * a->heads * a->lq * id;
+    for (long long j = j0; j < j1; ++j) {
+        long long ta = a->row_start[j], tb = a->row_start[j + 1];
+        long long k0 = a->bounds[2 * j], nc = a->bounds[2 * j + 1] - k0;
+        const long long *t;
+        T *dkt = a->work + omp_get_thread_num() * a->work_stride, *dvt = dkt + id * nc;
+        T *s = dvt + idv * nc;
+        memset(dkt, 0, (size_t)((id + idv) * nc) * sizeof(T));
+        for (long long ti = ta; ti < tb; ++ti) {
+            t = a->tiles + ti * FL_TILE;
+            long long q0 = t[0], nrows = t[1] - t[0], seen = 0;
+            for (long long g = 0; g < G; ++g) {
+                long long h = kh * G + g;
+                int step = t[4] ? FL_PARTIAL_ROWS : (int)nrows;
+                for (long long c = 0; c < nrows; c += step) {
+                    struct rows b = {h, q0 + c, 1LL << 62, (int)(nrows - c < step ? nrows - c : step)};
+                    seen += backward_block(a, t, &b, dkt, dvt, dq + (h * a->lq + q0 + c) * id, s);
+                }
+            }
+            if (seen) {
+#pragma omp atomic
+                a->seen[ti] += seen;
+            }
+        }
+        T *dk = a->dk + (kh * a->lk + k0) * id, *dv = a->dvo + (kh * a->lk + k0) * idv;
+        for (long long c = 0; c < nc; ++c) {
+            for (long long e = 0; e < id; ++e) dk[c * id + e] = dkt[e * nc + c];
+            for (long long e = 0; e < idv; ++e) dv[c * idv + e] = dvt[e * nc + c];
         }
     }
-    return seen;
 }
 
-/* The end of key tile [k0, k1) in the backward: dK_j, dV_j of each K/V head, the sums of
- * its group's per-query-head dK_jᵀ, dV_jᵀ (in group order), into rows [k0, k1) of dk
- * (Hk, Lk, d) and dv (Hk, Lk, d_v); then dK_jᵀ, dV_jᵀ are zeroed for the next key tile. */
-void SUF(fl_backward_finish)(const struct fl_args *a, long long k0, long long k1, T *dk,
-                             T *dv) {
-    long long nc = k1 - k0, hk = a->heads / a->group;
-#pragma omp parallel for schedule(static)
-    for (long long kh = 0; kh < 2 * hk; ++kh) { /* dK of K/V head kh, then dV of kh - hk */
-        int is_v = kh >= hk;
-        long long hh = is_v ? kh - hk : kh, x = is_v ? a->dv : a->d;
-        T *src = (is_v ? a->dv_t : a->dk_t) + hh * a->group * x * nc; /* (G, x, nc) */
-        T *dst = (is_v ? dv : dk) + (hh * a->lk + k0) * x;             /* (nc, x) */
-        for (long long c = 0; c < nc; ++c)
-            for (long long e = 0; e < x; ++e) {
-                T sum = src[e * nc + c];
-                for (long long g = 1; g < a->group; ++g) sum += src[(g * x + e) * nc + c];
-                dst[c * x + e] = sum;
+/* The whole backward pass, one parallel region. Work items are (K/V head, split of the key
+ * tiles), handed out as threads free up; with more than one split each keeps its dQ in a
+ * part of its own (a->dq + s · H·Lq·d, zeroed by the caller), added up in split order
+ * after the items, so the result does not depend on which thread ran what. A key tile no
+ * query sees gets dK_j = dV_j = 0. */
+void SUF(fl_backward)(const struct fl_args *a) {
+    long long hk = a->heads / a->group, S = a->splits, items = hk * S;
+    long long n = a->heads * a->lq * a->d;
+#pragma omp parallel
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (long long w = 0; w < items; ++w) {
+            long long s = w / hk, kh = w % hk, j0, j1;
+            part_of(0, a->rows, s, S, &j0, &j1);
+            backward_item(a, kh, j0, j1, s);
+        }
+        if (S > 1) {
+#pragma omp for schedule(static)
+            for (long long e = 0; e < n; ++e) {
+                T x = a->dq[e];
+                for (long long s = 1; s < S; ++s) x += a->dq[s * n + e];
+                a->dq[e] = x;
             }
-        memset(src, 0, (size_t)(a->group * x * nc) * sizeof(T));
+        }
     }
 }
+
+/* -- the machine's peak ---------------------------------------------------------------- */
+
+/* Fused multiply-adds on registers only, every thread, `reps` x 1024 rounds of 12
+ * independent vector chains (enough to cover the FMA latency on every port): the rate no
+ * kernel can beat. Returns a value depending on the results, so nothing is optimised
+ * away. */
+double SUF(fl_fma_peak)(long long reps) {
+    double sink = 0;
+#pragma omp parallel reduction(+ : sink)
+    {
+        VT x = splat((T)1.0000001), y = splat((T)-0.0000001), c[12];
+        for (int i = 0; i < 12; ++i) c[i] = splat((T)i);
+        for (long long r = 0; r < reps; ++r)
+            for (int it = 0; it < 1024; ++it) {
+                for (int i = 0; i < 12; ++i) c[i] = c[i] * x + y;
+                __asm__ volatile("" : "+v"(c[0]), "+v"(c[1]), "+v"(c[2]), "+v"(c[3]), "+v"(c[4]),
+                                 "+v"(c[5]), "+v"(c[6]), "+v"(c[7]), "+v"(c[8]), "+v"(c[9]),
+                                 "+v"(c[10]), "+v"(c[11]));
+            }
+        for (int i = 0; i < 12; ++i) sink += (double)c[i][0];
+    }
+    return sink;
+}
+
+/* FLOPs of one fl_fma_peak rep on one thread */
+double SUF(fl_fma_flops_per_rep)(void) { return 1024.0 * 12 * 2 * W; }

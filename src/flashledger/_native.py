@@ -1,19 +1,23 @@
-"""The native tile step: one C call per (query tile, key tile) step, for every head.
+"""The native step: one C call runs one whole pass (forward or backward) of the loop.
 
 The blocked loop (schedule, skipping, masks, ledger) stays in Python; with
-tracing off, on CPU, for float32/float64 plain scores without dropout, each
-step's arithmetic (``_native.c``: scores, online update or gradient rebuild,
-matmuls) runs as one call, threads over heads, the tile kept in a per-thread
-buffer. Same math as the PyTorch step, its own rounding. The matmuls run on the
-step's own AVX-512 kernel where the compiler targets AVX-512, else on the BLAS
-gemm PyTorch uses (``FLASHLEDGER_GEMM=blas``, or ``Kernels.use_own_gemm``,
-chooses the BLAS there too).
+tracing off, on CPU, for float32/float64 plain scores without dropout, the
+schedule it builds (which tiles run, in which order, which are partial, with
+their visibility) goes to ``_native.c``, which runs the pass's arithmetic
+(scores, online update or gradient rebuild, matmuls) in one parallel region:
+work items (query tile, head, rows; or K/V head, key tiles) handed out to threads
+as they free up, each tile in a per-thread buffer. Same math as the PyTorch step,
+its own rounding. The matmuls run on the step's own AVX-512 kernel where the
+compiler targets AVX-512, else on the BLAS gemm PyTorch uses
+(``FLASHLEDGER_GEMM=blas``, or ``Kernels.use_own_gemm``, chooses the BLAS there
+too).
 
 The C source is compiled on first use (a C compiler with OpenMP is needed;
 about a second) against the OpenMP runtime and the BLAS PyTorch has loaded,
 and cached under ``$FLASHLEDGER_CACHE_DIR`` (default
-``~/.cache/flashledger``). Without a compiler, or on a platform where that
-cannot be arranged, the loop keeps its PyTorch step: ``native_status()``
+``~/.cache/flashledger``) with its SHA-256 beside it (checked before every
+load). Without a compiler, or on a platform where that cannot be arranged, the
+loop keeps its PyTorch step: ``native_status()``
 (``flashledger.native_status()``) says which and why. ``FLASHLEDGER_NATIVE=0``
 turns the native step off.
 """
@@ -23,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import itertools
 import math
 import os
 import platform
@@ -38,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["Kernels", "TileCall", "disabled", "kernels", "native_status"]
+__all__ = ["Kernels", "Schedule", "disabled", "kernels", "native_status", "release_scratch"]
 
 _SOURCE = Path(__file__).with_name("_native.c")
 _FLAGS = ["-O3", "-march=native", "-fPIC", "-fopenmp", "-fno-math-errno"]
@@ -47,8 +52,8 @@ _loaded: tuple[Kernels | None, str] | None = None
 _off = threading.local()
 
 
-_POINTERS = "q k kt v vt acc m ell dout lse dd dq dk_t dv_t work iv_lo iv_hi"
-_SIZES = "heads group lq lk d dv work_stride hq iv_bstride state_rows"
+_POINTERS = "q k kt v vt o lse dout lam dd dq dk dvo work iv_lo iv_hi tiles row_start bounds seen"
+_SIZES = "heads group lq lk d dv work_stride hq iv_bstride rows chunk splits stacked"
 
 
 class _Args(ctypes.Structure):
@@ -62,57 +67,65 @@ class _Args(ctypes.Structure):
     )
 
 
-class TileCall:
-    """The fixed arguments of one pass (pointers and sizes); tensors are kept alive here."""
+class Schedule:
+    """The tiles one pass runs, in order, grouped in rows: the forward's query tiles (each
+    a list of key tiles), or the backward's key tiles (each a list of query tiles).
 
-    def __init__(self, kern: Kernels, dtype: torch.dtype, keep: list[torch.Tensor], args: _Args):
-        self._suffix = "f32" if dtype == torch.float32 else "f64"
-        self._fwd = kern.fn("fl_forward_tile", self._suffix)
-        self._bwd = kern.fn("fl_backward_tile", self._suffix)
-        self._run = kern.fn("fl_forward_full_tiles", self._suffix)
-        self._finish = kern.fn("fl_forward_finish", self._suffix)
-        self._bfinish = kern.fn("fl_backward_finish", self._suffix)
-        self._keep = keep
-        self._args = args
-        self.intervals = bool(args.iv_lo)  # partial tiles may be given without bytes
-        self._ref = ctypes.byref(args)
+    ``add`` one tile that runs (a partial tile with its visibility: ``(address, stride per
+    K/V head, stride per group member)`` of its uint8 bytes, or address 0 for the pass's
+    intervals; ``alive``: the tensor holding the bytes, kept until the pass is over), then
+    ``end_row(lo, hi)`` with the row's query (forward) or key (backward) range, tiles or
+    none. After the pass ``seen[t]`` holds tile ``t``'s visible dots when its visibility
+    came from the intervals (counted by the step, all heads).
+    """
 
-    def forward(
-        self, q0: int, q1: int, k0: int, k1: int, chunk: int, vis: tuple[int, int, int] | None
-    ) -> int:
-        """One forward step over queries ``[q0, q1)`` and keys ``[k0, k1)``, every head.
+    def __init__(self) -> None:
+        self._tiles: list[tuple[int, ...]] = []
+        self._row_start = [0]
+        self._bounds: list[int] = []
+        self._alive: list[torch.Tensor] = []
+        self.seen: list[int] = []
 
-        ``vis``: None for a full tile; for a partial one ``(address, stride per K/V head,
-        stride per group member)`` of its uint8 visibility, or address 0 for the pass's
-        intervals. Returns the visible dots of an interval tile (0 otherwise)."""
+    def add(
+        self,
+        q0: int,
+        q1: int,
+        k0: int,
+        k1: int,
+        vis: tuple[int, int, int] | None,
+        alive: torch.Tensor | None = None,
+    ) -> None:
         ptr, sn, sg = vis if vis is not None else (0, 0, 0)
-        return int(self._fwd(self._ref, q0, q1, k0, k1, chunk, vis is not None, ptr, sn, sg))
+        self._tiles.append((q0, q1, k0, k1, int(vis is not None), ptr, sn, sg))
+        if alive is not None:
+            self._alive.append(alive)
 
-    def forward_full(self, q0: int, q1: int, k0: int, k1: int, bk: int, chunk: int) -> None:
-        """Full forward steps over queries ``[q0, q1)`` and the key tiles ``[k0, k0 + bk)``,
-        ``[k0 + bk, k0 + 2·bk)``, ... up to ``k1``, in that order: ``forward`` on each in
-        turn, in one native call."""
-        self._run(self._ref, q0, q1, k0, k1, bk, chunk)
+    def end_row(self, lo: int, hi: int) -> None:
+        self._row_start.append(len(self._tiles))
+        self._bounds += (lo, hi)
 
-    def finish(self, q0: int, q1: int, o: torch.Tensor, lse: torch.Tensor) -> None:
-        """The end of query tile ``[q0, q1)``: ``o = acc / ℓ``, ``lse = m + log ℓ`` (an empty
-        row: 0 and -inf) into ``o`` ``(H, Lq, d_v)`` and ``lse`` ``(H, Lq)``; then the state
-        is reset for the next query tile."""
-        assert o.is_contiguous() and lse.is_contiguous() and o.dtype == lse.dtype
-        self._finish(self._ref, q0, q1, o.data_ptr(), lse.data_ptr())
+    @property
+    def rows(self) -> int:
+        return len(self._bounds) // 2
 
-    def backward(self, q0: int, q1: int, k0: int, k1: int, vis: tuple[int, int, int] | None) -> int:
-        """One backward step (``vis`` and the result as in ``forward``); dK_j, dV_j
-        accumulate per query head in the pass's buffers."""
-        ptr, sn, sg = vis if vis is not None else (0, 0, 0)
-        return int(self._bwd(self._ref, q0, q1, k0, k1, vis is not None, ptr, sn, sg))
+    def widest(self) -> tuple[int, int]:
+        """The largest ``(q1 - q0, k1 - k0)`` of any tile (0, 0 when none)."""
+        if not self._tiles:
+            return 0, 0
+        return max(t[1] - t[0] for t in self._tiles), max(t[3] - t[2] for t in self._tiles)
 
-    def finish_keys(self, k0: int, k1: int, dk: torch.Tensor, dv: torch.Tensor) -> None:
-        """The end of key tile ``[k0, k1)``: each K/V head's ``dK_j``, ``dV_j`` (its group's
-        sum) into ``dk`` ``(Hk, Lk, d)`` and ``dv`` ``(Hk, Lk, d_v)``; the per-query-head
-        buffers are zeroed for the next key tile."""
-        assert dk.is_contiguous() and dv.is_contiguous()
-        self._bfinish(self._ref, k0, k1, dk.data_ptr(), dv.data_ptr())
+    def longest_row(self) -> int:
+        """The most tiles in one row."""
+        return max(b - a for a, b in itertools.pairwise(self._row_start)) if self.rows else 0
+
+    def _arrays(self) -> list[torch.Tensor]:
+        tiles = torch.tensor(self._tiles or [(0,) * 8], dtype=torch.int64)  # (n, 8)
+        return [
+            tiles,
+            torch.tensor(self._row_start, dtype=torch.int64),  # (rows + 1,)
+            torch.tensor(self._bounds or [0, 0], dtype=torch.int64),  # (rows, 2)
+            torch.zeros(max(1, len(self._tiles)), dtype=torch.int64),  # seen, (n,)
+        ]
 
 
 class Kernels:
@@ -125,21 +138,9 @@ class Kernels:
         for suffix, gemm in gemms.items():
             getattr(lib, f"fl_set_gemm_{suffix}").argtypes = [vp]
             getattr(lib, f"fl_set_gemm_{suffix}")(gemm)
-            fwd = getattr(lib, f"fl_forward_tile_{suffix}")
-            fwd.argtypes = [vp, ll, ll, ll, ll, ll, i, vp, ll, ll]
-            fwd.restype = ll
-            run = getattr(lib, f"fl_forward_full_tiles_{suffix}")
-            run.argtypes = [vp, ll, ll, ll, ll, ll, ll]
-            run.restype = None
-            bwd = getattr(lib, f"fl_backward_tile_{suffix}")
-            bwd.argtypes = [vp, ll, ll, ll, ll, i, vp, ll, ll]
-            bwd.restype = ll
-            fin = getattr(lib, f"fl_forward_finish_{suffix}")
-            fin.argtypes = [vp, ll, ll, vp, vp]
-            fin.restype = None
-            bfin = getattr(lib, f"fl_backward_finish_{suffix}")
-            bfin.argtypes = [vp, ll, ll, vp, vp]
-            bfin.restype = None
+            for name in ("fl_forward", "fl_backward"):
+                getattr(lib, f"{name}_{suffix}").argtypes = [vp]
+                getattr(lib, f"{name}_{suffix}").restype = None
             tr = getattr(lib, f"fl_transpose_{suffix}")
             tr.argtypes = [vp, vp, ll, ll, ll]
             tr.restype = None
@@ -150,6 +151,9 @@ class Kernels:
             getattr(lib, f"fl_matmul_{suffix}").restype = None
             getattr(lib, f"fl_matmul_rate_{suffix}").argtypes = [vp, i, i]
             getattr(lib, f"fl_matmul_rate_{suffix}").restype = None
+            getattr(lib, f"fl_fma_peak_{suffix}").argtypes = [ll]
+            getattr(lib, f"fl_fma_peak_{suffix}").restype = d
+            getattr(lib, f"fl_fma_flops_per_rep_{suffix}").restype = d
         self.vector_bytes = int(lib.fl_vector_bytes_f32())
         choice = os.environ.get("FLASHLEDGER_GEMM", "own")
         if choice not in ("own", "blas"):
@@ -230,11 +234,11 @@ class Kernels:
             best = max(best, flop * reps / dt / 1e9)
         return best
 
-    def transposed(self, x: torch.Tensor, slot: str, *, keep: bool) -> torch.Tensor:
+    def transposed(self, x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
         """``x.mT.contiguous()`` of a contiguous float32/float64 ``(n, rows, cols)``, on the
-        step's threads, in scratch ``slot`` (``keep``: see ``_scratch``)."""
+        step's threads, written into the flat scratch ``buf``."""
         n, rows, cols = x.shape
-        out = _scratch(slot, n * cols * rows, x.dtype, keep=keep).view(n, cols, rows)
+        out = buf[: n * cols * rows].view(n, cols, rows)
         suffix = "f32" if x.dtype == torch.float32 else "f64"
         self.fn("fl_transpose", suffix)(x.data_ptr(), out.data_ptr(), n, rows, cols)
         return out
@@ -243,47 +247,51 @@ class Kernels:
         """OpenMP threads a parallel region started from this thread would use."""
         return int(self._lib.fl_max_threads_f32())
 
-    def call(
+    def _run(
         self,
+        name: str,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        sched: Schedule,
         *,
         group: int,
         scale: float,
-        work_per_thread: int,
         heads_per_batch: int,
-        intervals: tuple[torch.Tensor, torch.Tensor] | None = None,
-        **state: torch.Tensor,
-    ) -> TileCall:
-        """Arguments of one pass. ``q`` ``(H, Lq, d)``, ``k`` ``(Hk, Lk, d)``, ``v`` ``(Hk,
-        Lk, d_v)`` with ``H = Hk·group = B·heads_per_batch``; ``state``: the forward's
-        ``acc, m, ell`` (one query tile's) or the backward's ``dout, lse, dd, dq, dk_t,
-        dv_t`` (contiguous, the same dtype; see ``struct fl_args`` in ``_native.c`` for the
-        shapes).
-        ``intervals``: an interval mask's ``(lo, hi)``, int64 ``(B|1, Lq)``, row ``i``
-        seeing local keys ``lo[i] <= j < hi[i]`` (read for partial tiles given no bytes)."""
-        forward = "acc" in state
+        intervals: tuple[torch.Tensor, torch.Tensor] | None,
+        work_per_thread: int,
+        sizes: dict[str, int],
+        **tensors: torch.Tensor,
+    ) -> list[int]:
+        """Lay out the pass's operands, run it in one native call; returns ``seen``."""
+        forward = name == "fl_forward"
         # both passes read Kᵀ (for S = Q Kᵀ), the backward Vᵀ too (for dP = dO Vᵀ). The
-        # forward's Kᵀ stays cached for the next forward; the backward takes that buffer
-        # and lets both go when done, before autograd's own copies of the gradients
-        kt = self.transposed(k, "kv_t", keep=forward)  # Kᵀ (Hk, d, Lk)
-        vt = v if forward else self.transposed(v, "v_t", keep=False)  # Vᵀ (Hk, d_v, Lk)
-        keep = [q, k, v, kt, vt, *state.values()]
-        assert all(t.is_contiguous() and t.dtype == q.dtype for t in keep)
-        work = _scratch("work", self.max_threads() * work_per_thread, q.dtype, keep=True)
-        keep.append(work)
+        # forward gives its Kᵀ buffer back for the next forward; the backward takes that
+        # buffer and lets both go when done, before autograd's own copies of the gradients
+        kt_buf = _pool.take("kv_t", k.numel(), q.dtype)
+        kt = self.transposed(k, kt_buf)  # Kᵀ (Hk, d, Lk)
+        vt = v if forward else self.transposed(v, torch.empty_like(v).view(-1))  # Vᵀ
+        alive = [q, k, v, kt, vt, *tensors.values()]
+        assert all(t.is_contiguous() and t.dtype == q.dtype for t in alive)
+        work = _pool.take("work", self.max_threads() * work_per_thread, q.dtype)
         iv_lo = iv_hi = None
         if intervals is not None:
             iv_lo, iv_hi = (t.to(torch.int64).contiguous() for t in intervals)  # (B|1, Lq)
-            keep += [iv_lo, iv_hi]
+        tiles, row_start, bounds, seen = sched._arrays()
+        alive += [work, tiles, row_start, bounds, seen]
         args = _Args(
             q=q.data_ptr(),
             k=k.data_ptr(),
             kt=kt.data_ptr(),
             v=v.data_ptr(),
-            vt=None if forward else vt.data_ptr(),
+            vt=vt.data_ptr(),
             work=work.data_ptr(),
+            iv_lo=None if iv_lo is None else iv_lo.data_ptr(),
+            iv_hi=None if iv_hi is None else iv_hi.data_ptr(),
+            tiles=tiles.data_ptr(),
+            row_start=row_start.data_ptr(),
+            bounds=bounds.data_ptr(),
+            seen=seen.data_ptr(),
             heads=q.shape[0],
             group=group,
             lq=q.shape[1],
@@ -291,37 +299,190 @@ class Kernels:
             d=q.shape[2],
             dv=v.shape[2],
             work_stride=work_per_thread,
-            iv_lo=None if iv_lo is None else iv_lo.data_ptr(),
-            iv_hi=None if iv_hi is None else iv_hi.data_ptr(),
             hq=heads_per_batch,
             iv_bstride=0 if iv_lo is None or iv_lo.shape[0] == 1 else iv_lo.shape[1],
-            state_rows=state["acc"].shape[1] if forward else 0,
+            rows=sched.rows,
             scale=scale,
             scale_exact=int(math.frexp(scale)[0] == 0.5),
-            **{name: t.data_ptr() for name, t in state.items()},
+            **sizes,
+            **{name: t.data_ptr() for name, t in tensors.items()},
         )
-        return TileCall(self, q.dtype, keep, args)
+        suffix = "f32" if q.dtype == torch.float32 else "f64"
+        self.fn(name, suffix)(ctypes.byref(args))
+        del alive, sched._alive[:]
+        _pool.give("work", work)
+        if forward:
+            _pool.give("kv_t", kt_buf)
+        sched.seen = seen.tolist()
+        return sched.seen
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sched: Schedule,
+        *,
+        group: int,
+        scale: float,
+        heads_per_batch: int,
+        intervals: tuple[torch.Tensor, torch.Tensor] | None = None,
+        chunk: int,
+        splits: int = 1,
+        stacked: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward pass of ``sched`` (rows: query tiles) in one native call.
+
+        ``q`` ``(H, Lq, d)``, ``k`` ``(Hk, Lk, d)``, ``v`` ``(Hk, Lk, d_v)`` contiguous, one
+        float dtype, ``H = Hk·group = B·heads_per_batch``; work items of ``chunk`` rows;
+        each row's tiles in ``splits`` parts attended apart; ``stacked``: one query tile
+        covering Lq, a group's heads as one block of rows. ``intervals``: an interval
+        mask's ``(lo, hi)``, int64 ``(B|1, Lq)``, row ``i`` seeing local keys ``lo[i] <= j <
+        hi[i]`` (read for partial tiles given no bytes). Returns each part's ``o`` ``(S, H,
+        Lq, d_v)`` and ``lse`` ``(S, H, Lq)`` (natural units, -inf where a part saw no key).
+        """
+        heads, lq, _ = q.shape
+        dv = v.shape[2]
+        o = torch.empty(splits, heads, lq, dv, dtype=q.dtype)  # (S, H, Lq, d_v)
+        lse = torch.empty(splits, heads, lq, dtype=q.dtype)  # (S, H, Lq)
+        bk = sched.widest()[1]
+        work = chunk * (2 + dv) + chunk * bk + chunk  # m, ℓ, acc; S/P; α
+        sizes = dict(chunk=chunk, splits=splits, stacked=int(stacked))
+        self._run(
+            "fl_forward",
+            q,
+            k,
+            v,
+            sched,
+            group=group,
+            scale=scale,
+            heads_per_batch=heads_per_batch,
+            intervals=intervals,
+            work_per_thread=work,
+            sizes=sizes,
+            o=o,
+            lse=lse,
+        )
+        return o, lse
+
+    def backward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        dout: torch.Tensor,
+        lam: torch.Tensor,
+        dd: torch.Tensor,
+        sched: Schedule,
+        *,
+        group: int,
+        scale: float,
+        heads_per_batch: int,
+        intervals: tuple[torch.Tensor, torch.Tensor] | None = None,
+        splits: int = 1,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The backward pass of ``sched`` (rows: key tiles) in one native call: ``(dq,
+        dk, dv)`` ``(H, Lq, d)``, ``(Hk, Lk, d)``, ``(Hk, Lk, d_v)``. ``dout`` ``(H, Lq,
+        d_v)``; ``lam`` (the LSE, +inf on empty rows) and ``dd`` (D) ``(H, Lq)``; work
+        items are (K/V head, one of ``splits`` parts of the key tiles)."""
+        heads, lq, d = q.shape
+        hk, lk, dv = v.shape
+        dq = torch.zeros(splits, heads, lq, d, dtype=q.dtype)  # (S, H, Lq, d)
+        dk = torch.empty(hk, lk, d, dtype=q.dtype)  # (Hk, Lk, d)
+        dv_ = torch.empty(hk, lk, dv, dtype=q.dtype)  # (Hk, Lk, d_v)
+        bq, bk = sched.widest()
+        work = (d + dv) * max(bk, 1) + 2 * bq * bk  # dK_jᵀ, dV_jᵀ; P, dP/dS
+        self._run(
+            "fl_backward",
+            q,
+            k,
+            v,
+            sched,
+            group=group,
+            scale=scale,
+            heads_per_batch=heads_per_batch,
+            intervals=intervals,
+            work_per_thread=work,
+            sizes=dict(chunk=0, splits=splits, stacked=0),
+            dout=dout,
+            lam=lam,
+            dd=dd,
+            dq=dq,
+            dk=dk,
+            dvo=dv_,
+        )
+        return dq[0], dk, dv_
+
+    def fma_peak(self, dtype: torch.dtype, *, seconds: float = 0.2) -> float:
+        """GFLOP/s of fused multiply-adds on registers only, on every thread: the peak no
+        kernel can beat (best of three timings of at least ``seconds`` / 3 each)."""
+        suffix = "f32" if dtype == torch.float32 else "f64"
+        fn, per = self.fn("fl_fma_peak", suffix), self.fn("fl_fma_flops_per_rep", suffix)()
+        threads, reps, best = self.max_threads(), 64, 0.0
+        fn(reps)
+        for _ in range(3):
+            while True:
+                t0 = time.perf_counter()
+                fn(reps)
+                dt = time.perf_counter() - t0
+                if dt >= seconds / 3:
+                    break
+                reps *= 2
+            best = max(best, per * reps * threads / dt / 1e9)
+        return best
 
 
-_cache = threading.local()
 SCRATCH_KEEP_BYTES = 64 << 20  # the largest scratch buffer kept between passes
 
 
-def _scratch(slot: str, numel: int, dtype: torch.dtype, *, keep: bool) -> torch.Tensor:
-    """A flat buffer of this thread for one pass's scratch (``"work"``: the per-thread
-    tiles; ``"kv_t"``, ``"v_t"``: the Kᵀ, Vᵀ it lays out), the slot's cached one when it is large
-    enough. With ``keep`` a buffer up to ``SCRATCH_KEEP_BYTES`` stays cached for the next
-    pass (fresh memory costs a page fault per 4 KiB when first written: 1-2 % of a
-    float32 forward at L = 4096); without, the pass takes it out of the cache and it is
-    freed with the pass. Passes in one thread never overlap: one buffer per slot."""
-    bufs = _cache.__dict__.setdefault("bufs", {})
-    buf = bufs.pop((slot, dtype), None)
-    if buf is None or buf.numel() < numel:
-        buf = None  # free the smaller one first
-        buf = torch.empty(numel, dtype=dtype)
-    if keep and numel * buf.element_size() <= SCRATCH_KEEP_BYTES:
-        bufs[(slot, dtype)] = buf
-    return buf[:numel]
+class _ScratchPool:
+    """Scratch buffers of finished passes, kept for the next pass of any thread.
+
+    A pass takes its buffers out (``take``: the pool's one when large enough, else a
+    fresh one) and gives back those worth keeping when it ends (``give``): fresh memory
+    costs a page fault per 4 KiB when first written (1-2 % of a float32 forward at
+    L = 4096). The pool keeps at most one buffer per (slot, dtype), the largest, and
+    none above ``SCRATCH_KEEP_BYTES``, so however many threads ran passes at once, what
+    stays between passes is bounded (a few buffers, not one set per thread);
+    ``release_scratch()`` empties it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.bufs: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def take(self, slot: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        with self._lock:
+            buf = self.bufs.pop((slot, dtype), None)
+        if buf is None or buf.numel() < numel:
+            buf = None  # free the smaller one first
+            buf = torch.empty(numel, dtype=dtype)
+        return buf
+
+    def give(self, slot: str, buf: torch.Tensor) -> None:
+        if buf.numel() * buf.element_size() > SCRATCH_KEEP_BYTES:
+            return
+        key = (slot, buf.dtype)
+        with self._lock:
+            old = self.bufs.get(key)
+            if old is None or old.numel() < buf.numel():
+                self.bufs[key] = buf
+
+    def release(self) -> int:
+        """Drop every kept buffer; returns the bytes let go."""
+        with self._lock:
+            freed = sum(b.numel() * b.element_size() for b in self.bufs.values())
+            self.bufs.clear()
+        return freed
+
+
+_pool = _ScratchPool()
+
+
+def release_scratch() -> int:
+    """Let go of the scratch the native step keeps between passes (e.g. when a server
+    goes idle); returns the bytes released. The next pass allocates afresh."""
+    return _pool.release()
 
 
 @contextlib.contextmanager
@@ -415,7 +576,7 @@ def _build_and_load() -> tuple[Kernels | None, str]:
         or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flashledger"
     )
     lib_path = cache / f"native-{key}.so"
-    if not lib_path.exists():
+    if not _intact(lib_path):  # missing, or not the file that was built (truncated, edited)
         try:
             cache.mkdir(parents=True, exist_ok=True)
             _compile(cc, gomp, lib_path)
@@ -428,8 +589,22 @@ def _build_and_load() -> tuple[Kernels | None, str]:
     return kern, f"{isa}, {kern.max_threads()} threads, {lib_path}"
 
 
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _intact(lib: Path) -> bool:
+    """The cached library exists and is byte for byte the one built: its SHA-256 equals
+    the one written beside it (``.sha256``) when it was built."""
+    try:
+        return _digest(lib) == lib.with_suffix(".sha256").read_text().strip()
+    except OSError:
+        return False
+
+
 def _compile(cc: str, gomp: Path, out: Path) -> None:
-    """Compile float32 and float64 objects and link them against the loaded libgomp."""
+    """Compile float32 and float64 objects, link them against the loaded libgomp, and write
+    the library's SHA-256 beside it (checked before every load: ``_intact``)."""
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         objs = []
         for name, flag in (("f32", "0"), ("f64", "1")):
@@ -440,7 +615,12 @@ def _compile(cc: str, gomp: Path, out: Path) -> None:
         tmp_lib = Path(tmp) / out.name
         rpath = f"-Wl,-rpath,{gomp.parent}"
         _run([cc, "-shared", *objs, str(gomp), rpath, "-o", str(tmp_lib)])
-        os.replace(tmp_lib, out)  # atomic: concurrent builders never see half a file
+        tmp_sum = Path(tmp) / "digest"
+        tmp_sum.write_text(_digest(tmp_lib) + "\n")
+        # atomic: concurrent builders never see half a file; the digest goes first, so a
+        # reader that sees the new library also sees its digest (identical builds agree)
+        os.replace(tmp_sum, out.with_suffix(".sha256"))
+        os.replace(tmp_lib, out)
 
 
 class _BuildError(RuntimeError):

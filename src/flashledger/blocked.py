@@ -59,11 +59,11 @@ Exponentials: ``bq·bk`` per tile run, plus ``bq`` rescale factors per forward
 tile run.
 
 Tracing off is the same loop with no records and the same counters. On CPU,
-for float32/float64 plain scores without dropout, each tile step then runs
-as one native call (``_native``: scores, online update or gradient rebuild,
-matmuls, threads over heads, the tile in a per-thread buffer): the same
-math, its own rounding (within ~1e-15 relative of the traced step in
-float64). Elsewhere, or with the native step off (``FLASHLEDGER_NATIVE=0``,
+for float32/float64 plain scores without dropout, the pass's schedule (the
+tiles that run, in order, with their kinds) then runs as one native call
+(``_native``: scores, online update or gradient rebuild, matmuls, work items
+handed out to threads, each tile in a per-thread buffer): the same math, its
+own rounding (within ~1e-15 relative of the traced step in float64). Elsewhere, or with the native step off (``FLASHLEDGER_NATIVE=0``,
 no C compiler), tracing off is the traced arithmetic bit for bit, made fast by:
 
 - every matmul covers all batch and head dims at once, as ``(B·Hkv, G·bq, ·)``
@@ -471,7 +471,7 @@ def _native_step(pb: Problem, loop_order: str, obs: list[Any]) -> _native.Kernel
 
 
 def _native_vis(
-    pb: Problem, call: _native.TileCall, kind: int, q0: int, q1: int, k0: int, k1: int
+    pb: Problem, intervals: bool, kind: int, q0: int, q1: int, k0: int, k1: int
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple[int, int, int] | None]:
     """A tile's visibility for the native step: ``(vis, tile, (address, stride per K/V
     head, stride per group member))``, ``tile`` the uint8 bytes the step reads (strides 0
@@ -479,7 +479,7 @@ def _native_vis(
     needs no bytes: the step reads its intervals (address 0) and counts the visible dots."""
     if kind != PARTIAL:
         return None, None, None
-    if call.intervals:
+    if intervals:
         return None, None, (0, 0, 0)
     vis = pb.mask_tile(q0, q1, k0, k1)  # (Bm, Hkv|1, G|1, bq, bk)
     area = (q1 - q0) * (k1 - k0)
@@ -496,37 +496,43 @@ def _native_rows(pb: Problem, x5: torch.Tensor) -> torch.Tensor:
     return x5.to(pb.dtype).reshape(-1, *x5.shape[-2:]).contiguous()
 
 
-def _native_call(
-    pb: Problem, kern: _native.Kernels, work_per_thread: int, **state: torch.Tensor
-) -> _native.TileCall:
-    """One pass's native arguments: the problem's Q, K, V, group size, scale and interval
-    mask (local half-open ``[lo, hi)`` per row), and ``state``."""
-    q, k, v = (_native_rows(pb, x) for x in (pb.q, pb.k, pb.v))
-    g, scale = pb.shape[3], pb.smod.scale
+def _native_common(pb: Problem) -> dict[str, Any]:
+    """The native pass arguments every pass shares: group size, scale, query heads per
+    batch and an interval mask (local half-open ``[lo, hi)`` per row)."""
     iv = None
     if isinstance(pb.mask, IntervalBound):
         ko = pb.geo.k_offset
         iv = (pb.mask.lo - ko, pb.mask.hi - ko + 1)  # (Bm, Lq) each
-    return kern.call(
-        q,
-        k,
-        v,
-        group=g,
-        scale=scale,
-        work_per_thread=work_per_thread,
-        heads_per_batch=pb.shape[1],
-        intervals=iv,
-        **state,
-    )
+    return dict(group=pb.shape[3], scale=pb.smod.scale, heads_per_batch=pb.shape[1], intervals=iv)
 
 
-def _run_full(
-    call: _native.TileCall, q0: int, q1: int, keys: tuple[int, int], block_k: int, chunk: int
-) -> None:
-    """The full tiles of query tile ``[q0, q1)`` whose keys make up ``keys`` (in
-    ``block_k`` steps, in order), in one native call; nothing when empty."""
-    if keys[0] < keys[1]:
-        call.forward_full(q0, q1, keys[0], keys[1], block_k, chunk)
+def _native_schedule(
+    pb: Problem,
+    book: _Book,
+    outer: Sequence[tuple[int, int]],
+    inner: Sequence[tuple[int, int]],
+    kind_of: Any,
+    *,
+    forward: bool,
+) -> tuple[_native.Schedule, list[tuple[int, int, int, int, int, torch.Tensor | None]]]:
+    """The pass's schedule for the native step, built by the loop's own schedule
+    (``_running``: empty tiles booked as skipped, left out): rows are the outer tiles
+    (forward: query tiles; backward: key tiles), each with the inner tiles that run, in
+    order. Also returns each run tile's ``(kind, q0, q1, k0, k1, vis)`` for the booking."""
+    sched = _native.Schedule()
+    ran: list[tuple[int, int, int, int, int, torch.Tensor | None]] = []
+    intervals = isinstance(pb.mask, IntervalBound)
+    for n, (a0, a1) in enumerate(outer):
+        tiles = (
+            _running(book, inner, kind_of, i=n) if forward else _running(book, inner, kind_of, j=n)
+        )
+        for _, b0, b1, kind in tiles:
+            q0, q1, k0, k1 = (a0, a1, b0, b1) if forward else (b0, b1, a0, a1)
+            vis, tile, where = _native_vis(pb, intervals, kind, q0, q1, k0, k1)
+            sched.add(q0, q1, k0, k1, where, alive=tile)
+            ran.append((kind, q0, q1, k0, k1, vis))
+        sched.end_row(a0, a1)
+    return sched, ran
 
 
 def _forward_native(
@@ -538,53 +544,64 @@ def _forward_native(
     block_q: int,
     block_k: int,
 ) -> tuple[torch.Tensor, torch.Tensor, Ledger]:
-    """The FA2 forward loop with each tile step one native call (see ``_native``).
+    """The FA2 forward loop as one native call (see ``_native``).
 
-    The schedule, the skipped and partial tiles, the booking and the per-query-tile
-    state ``(m, ℓ, acc)``, finalised when the tile's keys are done, are the PyTorch
-    loop's; the state is one tile-sized buffer that the native finish (``online.finalize``'s
-    arithmetic, in C while the tile is in cache) writes out and resets.
+    The schedule (skipped and partial tiles), the booking and the per-query-tile state
+    ``(m, ℓ, acc)``, finalised when the tile's keys are done, are the PyTorch loop's; the
+    native pass runs each (query tile, head, row chunk) through its key tiles in order.
+    When the query tiles alone cannot keep the threads busy (decode: a few query rows
+    against many keys), a group's query heads run as one block of rows and each row's
+    key tiles are split into parts attended apart (flash-decoding), merged with the one
+    merge (``online.merge_partials``).
     """
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
-    dt = pb.dtype
-    heads = b * hq
-    rows, cols = min(block_q, lq), min(block_k, lk)
-    acc = torch.zeros(heads, rows, dv, dtype=dt)  # acc of one query tile (B·Hq, bq, d_v)
-    m = torch.full((heads, rows), -math.inf, dtype=dt)  # (B·Hq, bq), base-2 units in the step
-    ell = torch.zeros(heads, rows, dtype=dt)  # (B·Hq, bq)
-    o = torch.empty(heads, lq, dv, dtype=dt)  # (B·Hq, Lq, d_v)
-    lse = torch.empty(heads, lq, dtype=dt)  # (B·Hq, Lq)
+    qtiles, ktiles = _tiles(lq, block_q), _tiles(lk, block_k)
+    sched, ran = _native_schedule(pb, book, qtiles, ktiles, kind_of, forward=True)
     # rows per work item: a whole tile, or fewer when the heads alone cannot fill the threads
-    threads, chunk = kern.max_threads(), rows
-    while heads * -(-rows // chunk) < threads and chunk > 32:
+    threads, rows = kern.max_threads(), min(block_q, lq)
+    stacked = len(qtiles) == 1 and g > 1  # decode: the group's rows share their K/V tiles
+    units = b * hkv if stacked else b * hq
+    chunk = g * lq if stacked else rows
+    while units * -(-(g * lq if stacked else rows) // chunk) < threads and chunk > 32:
         chunk = -(-chunk // 2)
-    call = _native_call(pb, kern, chunk * cols + chunk, acc=acc, m=m, ell=ell)  # S/P, α
-    ktiles = _tiles(lk, block_k)
-    for i, (q0, q1) in enumerate(_tiles(lq, block_q)):
-        ran = False
-        full = (0, 0)  # keys of the consecutive full tiles not yet run (one call, in order)
-        for _, k0, k1, kind in _running(book, ktiles, kind_of, i=i):
-            book.io(read=(k1 - k0) * (d + dv))
-            ran = True
-            if kind == FULL:
-                if full[1] != k0:  # not contiguous (a skipped tile between)
-                    _run_full(call, q0, q1, full, block_k, chunk)
-                    full = (k0, k0)
-                full = (full[0], k1)
-                book.run(kind, q1 - q0, k1 - k0, None, None, forward=True)
-                continue
-            _run_full(call, q0, q1, full, block_k, chunk)
-            full = (k1, k1)
-            vis, tile, where = _native_vis(pb, call, kind, q0, q1, k0, k1)  # tile: alive
-            seen = call.forward(q0, q1, k0, k1, chunk, where)
-            book.run(kind, q1 - q0, k1 - k0, vis, None, forward=True, visible=seen)
-        _run_full(call, q0, q1, full, block_k, chunk)
-        if ran:
+    items = units * -(-(g * lq if stacked else rows) // chunk) * len(qtiles)
+    splits = 1
+    if items < 4 * threads:  # too few to balance: split each row's key tiles
+        splits = max(1, min(sched.longest_row(), -(-4 * threads // items), 16))
+    q, k, v = (_native_rows(pb, x) for x in (pb.q, pb.k, pb.v))
+    o_s, lse_s = kern.forward(
+        q, k, v, sched, chunk=chunk, splits=splits, stacked=stacked, **_native_common(pb)
+    )  # (S, B·Hq, Lq, d_v), (S, B·Hq, Lq)
+    o, lse = o_s[0], lse_s[0]
+    for s in range(1, splits):  # -- the one merge, parts in order --
+        o, lse = online.merge_partials(o, lse, o_s[s], lse_s[s])
+    _book_native(book, ran, sched.seen, d, dv, forward=True)
+    read = {t[1] for t in ran}  # query tiles with a tile run
+    for q0, q1 in qtiles:
+        if q0 in read:
             book.io(read=(q1 - q0) * d)
-        call.finish(q0, q1, o, lse)  # o, lse rows [q0, q1); the state reset
         book.io(write=(q1 - q0) * (dv + 1))
     book.flush()
     return o.view(b, hkv, g, lq, dv), lse.view(b, hkv, g, lq), ledger
+
+
+def _book_native(
+    book: _Book,
+    ran: list[tuple[int, int, int, int, int, torch.Tensor | None]],
+    seen: list[int],
+    d: int,
+    dv: int,
+    *,
+    forward: bool,
+) -> None:
+    """Book the tiles a native pass ran (the visible dots of an interval tile as the
+    step counted them) and their slow-memory reads, as the PyTorch loop books them."""
+    for t, (kind, q0, q1, k0, k1, vis) in enumerate(ran):
+        book.run(kind, q1 - q0, k1 - k0, vis, None, forward=forward, visible=seen[t])
+        if forward:
+            book.io(read=(k1 - k0) * (d + dv))
+        else:
+            book.io(read=(q1 - q0) * (2 * d + dv + 2), write=(q1 - q0) * d)
 
 
 def _backward_native(
@@ -599,46 +616,38 @@ def _backward_native(
     block_q: int,
     block_k: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward loop with each tile step one native call: ``(dq, dk, dv)`` 5-D.
+    """The backward loop as one native call: ``(dq, dk, dv)`` 5-D.
 
-    ``dK_j``, ``dV_j`` accumulate per query head for the key tile; when the tile is done
-    the native finish sums each K/V head's group into ``dK``, ``dV``.
+    Work items are (K/V head, part of the key tiles): each key tile's ``dK_j``, ``dV_j``
+    accumulate over its query tiles and the group's query heads in the item's scratch;
+    with several parts, each keeps a ``dQ`` of its own, added up in order.
     """
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
     dt = pb.dtype
     heads = b * hq
-    dq = torch.zeros(heads, lq, d, dtype=dt)  # dQ (B·Hq, Lq, d)
-    dk = torch.empty(b, hkv, 1, lk, d, dtype=dt)  # (B, Hkv, 1, Lk, d)
-    dv_ = torch.empty(b, hkv, 1, lk, dv, dtype=dt)  # (B, Hkv, 1, Lk, d_v)
-    rows, cols = min(block_q, lq), min(block_k, lk)
-    dk_t = torch.zeros(heads * d * cols, dtype=dt)  # dK_jᵀ per query head
-    dv_t = torch.zeros(heads * dv * cols, dtype=dt)  # dV_jᵀ per query head
-    call = _native_call(
-        pb,
-        kern,
-        2 * rows * cols,  # P and dP/dS
-        dout=_native_rows(pb, do5),
-        lse=lse_safe.to(dt).reshape(heads, lq).contiguous(),
-        dd=d_eff.to(dt).reshape(heads, lq).contiguous(),
-        dq=dq,
-        dk_t=dk_t,
-        dv_t=dv_t,
+    qtiles, ktiles = _tiles(lq, block_q), _tiles(lk, block_k)
+    sched, ran = _native_schedule(pb, book, ktiles, qtiles, kind_of, forward=False)
+    threads = kern.max_threads()
+    splits = max(1, min(len(ktiles), -(-2 * threads // (b * hkv)), 8))
+    q, k, v = (_native_rows(pb, x) for x in (pb.q, pb.k, pb.v))
+    dq, dk, dv_ = kern.backward(
+        q,
+        k,
+        v,
+        _native_rows(pb, do5),
+        lse_safe.to(dt).reshape(heads, lq).contiguous(),
+        d_eff.to(dt).reshape(heads, lq).contiguous(),
+        sched,
+        splits=splits,
+        **_native_common(pb),
     )
-    qtiles = _tiles(lq, block_q)
-    for j, (k0, k1) in enumerate(_tiles(lk, block_k)):
-        bk = k1 - k0
-        ran = False
-        for _, q0, q1, kind in _running(book, qtiles, kind_of, j=j):
-            vis, tile, where = _native_vis(pb, call, kind, q0, q1, k0, k1)  # tile: alive
-            seen = call.backward(q0, q1, k0, k1, where)
-            book.run(kind, q1 - q0, bk, vis, None, forward=False, visible=seen)
-            book.io(read=(q1 - q0) * (2 * d + dv + 2), write=(q1 - q0) * d)
-            ran = True
-        if ran:
-            book.io(read=bk * (d + dv))
-        call.finish_keys(k0, k1, dk, dv_)  # dK, dV rows [k0, k1); dK_jᵀ, dV_jᵀ zeroed
-        book.io(write=bk * (d + dv))
-    return dq.view(b, hkv, g, lq, d), dk, dv_
+    _book_native(book, ran, sched.seen, d, dv, forward=False)
+    read = {t[3] for t in ran}  # key tiles with a tile run
+    for k0, k1 in ktiles:
+        if k0 in read:
+            book.io(read=(k1 - k0) * (d + dv))
+        book.io(write=(k1 - k0) * (d + dv))
+    return dq.view(b, hkv, g, lq, d), dk.view(b, hkv, 1, lk, d), dv_.view(b, hkv, 1, lk, dv)
 
 
 # ----------------------------------------------------------------------------------------
