@@ -88,6 +88,7 @@ def run(args: argparse.Namespace, device: torch.device) -> int:
         block_k=args.block,
         return_lse=True,
         ledger=ledger,
+        timeout=args.timeout,
     )
     o.backward(mine(do))
     full_ledger = ledger.gather()

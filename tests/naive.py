@@ -136,10 +136,15 @@ def window_visible(
     return torch.tensor(rows, dtype=torch.bool).view(lq, lk)
 
 
-def padding_visible(lq: int, lk: int, lengths: list[int]) -> torch.Tensor:
-    """Batch b sees keys ``j < lengths[b]``: bool ``(B, 1, Lq, Lk)``."""
+def padding_visible(lq: int, lk: int, lengths: list[int], side: str = "right") -> torch.Tensor:
+    """Batch b sees keys ``j < lengths[b]`` (right padding) or ``j >= Lk - lengths[b]``
+    (left padding): bool ``(B, 1, Lq, Lk)``."""
+
+    def sees(j: int, n: int) -> bool:
+        return j < n if side == "right" else j >= lk - n
+
     return torch.tensor(
-        [[[[j < n for j in range(lk)] for _ in range(lq)]] for n in lengths], dtype=torch.bool
+        [[[[sees(j, n) for j in range(lk)] for _ in range(lq)]] for n in lengths], dtype=torch.bool
     ).view(len(lengths), 1, lq, lk)
 
 

@@ -633,3 +633,190 @@ def test_progress_bar_counts_and_stays_off_stdout(capsys: pytest.CaptureFixture[
     out, err = capsys.readouterr()
     assert out == "", "progress never writes to standard output"
     assert "quiet" not in err
+
+
+# ----------------------------------------------------------------------------------------
+# hostile files, inputs and output paths
+# ----------------------------------------------------------------------------------------
+def _deep(n: int) -> str:
+    return "[" * n + "]" * n
+
+
+def test_json_nested_deeper_than_the_parser_is_a_clear_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """100,000 levels of nesting: one line naming the file, not an internal RecursionError."""
+    (tmp_path / "deep.json").write_text(_deep(100_000))
+    (tmp_path / "deepq.json").write_text('{"q": ' + _deep(100_000) + "}")
+    for command in ("account", "backward", "traffic"):
+        assert_usage_error(
+            *run(capsys, command, "--mask", str(tmp_path / "deep.json")),
+            "mask file",
+            "JSON nested too deeply to read",
+            "a mask is a matrix",
+        )
+    for name in ("deep.json", "deepq.json"):
+        assert_usage_error(
+            *run(capsys, "backward", "--input", str(tmp_path / name)),
+            f"--input {tmp_path / name}",
+            "JSON nested too deeply to read",
+        )
+    # deep enough for numpy to refuse, shallow enough to parse
+    (tmp_path / "m70.json").write_text(_deep(70))
+    assert_usage_error(
+        *run(capsys, "account", "--mask", str(tmp_path / "m70.json")), "lists nested 70 deep"
+    )
+    (tmp_path / "q70.json").write_text(
+        json.dumps({n: [[1.0]] for n in "kvg"})[:-1] + ', "q": ' + _deep(70) + "}"
+    )
+    assert_usage_error(
+        *run(capsys, "backward", "--input", str(tmp_path / "q70.json")),
+        "q has lists nested 70 deep",
+    )
+
+
+def test_complex_inputs_are_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """numpy would drop the imaginary part silently."""
+    x = np.arange(8.0).reshape(4, 2)
+    np.savez(tmp_path / "c.npz", q=x, k=x + 1j * x, v=x, g=x)
+    assert_usage_error(
+        *run(capsys, "backward", "--input", str(tmp_path / "c.npz")),
+        "k holds complex numbers (complex128)",
+        "attention inputs are real",
+    )
+
+
+def test_inputs_whose_scores_overflow_blame_the_inputs(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Finite 1e300 inputs: the message says the scores overflow, not that an internal LSE holds
+    NaN."""
+    gen = torch.Generator().manual_seed(5)
+    x = {n: torch.randn(4, 2, generator=gen, dtype=torch.float64).numpy() for n in "qkvg"}
+    np.savez(tmp_path / "big.npz", **{**x, "q": 1e300 * x["q"], "k": 1e300 * x["k"]})
+    code, out, err = run(capsys, "backward", "--input", str(tmp_path / "big.npz"))
+    assert_usage_error(code, out, err, "the scores of output row o[0, :] overflow float64")
+    assert "scale q or k down" in err and "lse" not in err.lower(), err
+
+
+def test_online_shift_that_loses_precision_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    """Adding 1e17 rounds the seed's scores to multiples of 16: the output changes, and the
+    command says why instead of claiming it is unchanged."""
+    code, out, _ = run(capsys, "online", "--shift", "1e17")
+    assert code == 0
+    assert "output unchanged" not in out
+    assert "output CHANGED (max |difference| vs unshifted: 0.4" in out, out
+    assert "rounded the scores by up to 3" in out and "16 apart" in out, out
+    data = run_json(capsys, "online", "--shift", "1e17")
+    assert data["shift_output_unchanged"] is False and data["shift_rounding"] == 3.0
+    assert data["shift_max_abs_diff"] > 0.1
+    small = run_json(capsys, "online", "--shift", "0.1")
+    assert small["shift_output_unchanged"] is True and small["shift_max_abs_diff"] < 1e-15
+    assert_usage_error(
+        *run(capsys, "online", "--scores", "1e308,1", "--values", "1;2", "--shift", "1e308"),
+        "--shift 1e+308 makes a score overflow float64",
+    )
+
+
+def test_verify_html_to_an_unwritable_path_fails_before_the_run(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import flashledger.verify
+
+    def never(**_: Any) -> None:
+        raise AssertionError("the matrix ran before the --html path was checked")
+
+    monkeypatch.setattr(flashledger.verify, "run_matrix", never)
+    for path in ("/proc/flashledger-report.html", str(tmp_path)):
+        code, out, err = run(capsys, "verify", "--quick", "--html", path)
+        assert code == 2 and out == "" and f"cannot write --html {path}" in err, (code, err)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_output_checks_leave_files_as_they_were(tmp_path: Path) -> None:
+    from flashledger._progress import output_problem
+
+    existing = tmp_path / "keep.txt"
+    existing.write_text("keep me")
+    assert output_problem(existing) == "" and existing.read_text() == "keep me"
+    fresh = tmp_path / "new.html"
+    assert output_problem(fresh) == "" and not fresh.exists()
+    assert output_problem(tmp_path / "missing" / "x.png") == "its directory does not exist"
+    assert output_problem("/proc/flashledger-x.png") != ""
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+def test_a_plot_that_cannot_be_written_is_not_reported_saved(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, err = run(
+        capsys, "traffic", "--sweep", "--d", "16", "--lq", "256", "--out", "/dev/full"
+    )
+    assert code == 2 and "plot saved" not in out, (code, out)
+    assert "cannot write /dev/full: No space left on device" in err, err
+
+
+def test_bench_out_that_cannot_be_written_fails_before_the_run(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import flashledger.bench
+
+    def never(args: Any) -> None:
+        raise AssertionError("the benchmark ran before --out was checked")
+
+    monkeypatch.setattr(flashledger.bench, "run_benchmark", never)
+    code, out, err = run(capsys, "bench", "--quick", "--out", "/proc")
+    assert code == 2 and "--out /proc: cannot write bench.json there" in err, (code, err)
+
+
+def test_backward_traces_only_what_it_prints(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No full trace (S, P, dP, dS and gradients of every head): the command keeps the P rows
+    it prints, through an observer."""
+    import flashledger.blocked as blocked
+
+    traces: list[Any] = []
+    for name in ("blocked_forward", "blocked_backward"):
+        real = getattr(blocked, name)
+
+        def spy(*a: Any, _real: Any = real, **kw: Any) -> Any:
+            traces.append(kw.get("trace", False))
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(blocked, name, spy)
+    out = run_json(capsys, "backward")
+    assert traces == [False, False], traces
+    p0 = out["steps"][0]["p"]
+    assert len(out["steps"]) == 6 and p0[0] == [1.0, 0.0] and abs(p0[1][0] - 0.545833) < 1e-6
+
+
+def test_backward_input_too_large_to_print_is_refused_with_the_limit(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    np.savez(
+        tmp_path / "long.npz",
+        q=np.zeros((2, 1025, 2)),
+        k=np.zeros((2, 2048, 2)),
+        v=np.zeros((2, 2048, 2)),
+        g=np.zeros((2, 1025, 2)),
+    )
+    assert_usage_error(
+        *run(capsys, "backward", "--input", str(tmp_path / "long.npz")),
+        "make 4,198,400 scores (B·H·Lq·Lk)",
+        "at most 4,194,304",
+        "trace=flashledger.Trace(every=k)",
+    )
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "text"),
+    [(8053063680, "7.5 GiB"), (3 * 2**20, "3.0 MiB"), (5000, "4.9 KiB"), (512, "512 bytes")],
+)
+def test_allocation_sizes_are_never_rounded_to_zero(nbytes: int, text: str) -> None:
+    from flashledger.cli import _allocation
+
+    exc = RuntimeError(
+        f"DefaultCPUAllocator: can't allocate memory: you tried to allocate {nbytes} bytes."
+    )
+    assert _allocation(exc) == f"one allocation of {text} failed"

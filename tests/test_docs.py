@@ -60,6 +60,8 @@ def test_block_matches_the_command(
     label: str, command: str, shown: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv = shlex.split(command.removeprefix("$ flashledger "), comments=True)
+    if argv[0] == "model":
+        pytest.importorskip("transformers")  # the optional extra flashledger[transformers]
     assert cli.main(argv) == 0, label
     out = [_norm(line) for line in capsys.readouterr().out.splitlines()]
     at = 0
@@ -110,6 +112,8 @@ def test_every_python_block_is_run_or_listed() -> None:
     ("name", "index", "body"), PY_BLOCKS, ids=[f"{b[0]}#{b[1]}" for b in PY_BLOCKS]
 )
 def test_python_block_runs(name: str, index: int, body: str) -> None:
+    if "integrations.transformers" in body:
+        pytest.importorskip("transformers")  # the optional extra flashledger[transformers]
     scope: dict[str, object] = {"__name__": f"docs_{name}_{index}"}
     exec(compile(body, f"{name} python block {index}", "exec"), scope)
     for fn in [v for k, v in scope.items() if k.startswith("test_") and callable(v)]:

@@ -457,3 +457,127 @@ def test_finite_check_is_exact_whatever_the_sum(dtype):
             check_finite("x", y)
     z = torch.randn(3, 5, dtype=dtype, requires_grad=True)
     assert all_finite(z)  # a tensor that requires grad is read without a warning
+
+
+# -- results that cannot be right: a foreign LSE, scores that overflow ------------------------
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, 1e300, -1e300])
+def test_backward_rejects_an_lse_that_no_forward_gives(bad):
+    """A row that sees keys has a finite LSE bounded by its scores; ±inf or 1e300 there would
+    rebuild P = 0 and return a zero dQ."""
+    q, k, v = _qkv()
+    fwd = fl.blocked_forward(q, k, v)
+    lse = fwd.lse.clone()
+    lse[1, 3] = bad
+    do = torch.randn_like(fwd.o)
+    for fn in (fl.blocked_backward,):
+        _raises(
+            lambda fn=fn: fn(q, k, v, fwd.o, lse, do),
+            ValueError,
+            f"lse[1, 3] = {bad!r} cannot be the log-sum-exp",
+            "the forward returned",
+        )
+
+
+@pytest.mark.parametrize("preset", [fl.SEED, fl.FLASH_ATTN_2, fl.SDPA_CPU], ids=lambda c: c.name)
+def test_backward_takes_any_lse_convention_on_rows_that_see_no_key(preset):
+    q, k, v = _qkv(lq=6, lk=4)
+    mask = fl.Causal("bottom_right")  # Lq > Lk: rows 0 and 1 see no key
+    bias = torch.zeros(6, 4, dtype=f64)
+    bias[4] = -math.inf  # row 4 sees no key either (its bias hides every one)
+    opts = dict(mask=mask, bias=bias, conventions=preset)
+    fwd = fl.blocked_forward(q, k, v, **opts)
+    do = torch.randn_like(fwd.o)
+    want = fl.blocked_backward(q, k, v, fwd.o, fwd.lse, do, **opts)
+    for value in (-math.inf, math.inf, 0.0):
+        lse = fwd.lse.clone()
+        lse[:, [0, 1, 4]] = value
+        got = fl.blocked_backward(q, k, v, fwd.o, lse, do, **opts)
+        assert torch.equal(got.dq, want.dq) and torch.equal(got.dk, want.dk)
+        assert not bool(got.dq[:, [0, 1, 4]].any()), "a row with no key has dQ = 0"
+    lse = fwd.lse.clone()
+    lse[0, 3] = math.inf  # row 3 does see keys
+    _raises(lambda: fl.blocked_backward(q, k, v, fwd.o, lse, do, **opts), ValueError, "lse[0, 3]")
+
+
+ENTRY_FORWARD = {
+    "reference_forward": fl.reference_forward,
+    "blocked_forward": fl.blocked_forward,
+    "split_kv_forward": lambda q, k, v, **kw: fl.split_kv_forward(q, k, v, num_splits=2, **kw),
+    "flash_attention": fl.flash_attention,
+}
+
+
+@pytest.mark.parametrize("entry", list(ENTRY_FORWARD))
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["to_plus_inf", "to_minus_inf"])
+def test_scores_that_overflow_blame_the_inputs(entry, sign):
+    """Finite inputs whose scores overflow: a clear error, not a NaN LSE or a row silently
+    treated as fully masked (every score of row 2 overflows to -inf in the second case)."""
+    q, k, v = _qkv()
+    u = torch.ones(4, dtype=f64)
+    q[1, 2] = 1e300 * u
+    k[1] = sign * 1e300 * u
+    _raises(
+        lambda: ENTRY_FORWARD[entry](q, k, v),
+        ValueError,
+        "the scores of output row o[1, 2, :] overflow float64",
+        "q, k and v are finite",
+        "scale q or k down",
+    )
+    if entry == "reference_forward":
+        return
+    q32, k32, v32 = (x.clamp(-1e30, 1e30).float() for x in (q, k, v))
+    _raises(
+        lambda: ENTRY_FORWARD[entry](q32, k32, v32),
+        ValueError,
+        "overflow float32",
+        "or compute in float64",
+    )
+
+
+def test_gradients_that_overflow_blame_the_inputs():
+    q, k, v = _qkv()
+    fwd = fl.blocked_forward(q, k, v)
+    do = torch.full_like(fwd.o, 1e300)
+    for fn in (fl.blocked_backward, fl.reference_backward):
+        _raises(
+            lambda fn=fn: fn(q, k, 1e300 * v, fwd.o, fwd.lse, do),
+            ValueError,
+            "overflows float64 although every input is finite",
+        )
+
+
+@pytest.mark.parametrize("option", ["block_q", "block_k"])
+@pytest.mark.parametrize("value", [0, True, 2**40, 2.0])
+def test_split_kv_checks_its_tile_sizes(option, value):
+    q, k, v = _qkv()
+    exc = TypeError if isinstance(value, (bool, float)) else ValueError
+    _raises(
+        lambda: fl.split_kv_forward(q, k, v, num_splits=2, **{option: value}),
+        exc,
+        option,
+    )
+
+
+def test_seeds_cover_64_bits_and_no_more():
+    q, k, v = _qkv()
+    keep = {
+        s: fl.reference_forward(q, k, v, dropout_p=0.5, seed=s).keep for s in (0, 2**32, 2**64 - 1)
+    }
+    assert not torch.equal(keep[0], keep[2**32]) and not torch.equal(keep[0], keep[2**64 - 1])
+    for fn in ENTRY.values():
+        _raises(
+            lambda fn=fn: fn(q, k, v, dropout_p=0.5, seed=2**64),
+            ValueError,
+            "seed must be an integer >= 0 and < 2**64",
+            str(2**64),
+        )
+
+
+def test_reference_dtype_must_be_floating():
+    q, k, v = _qkv()
+    fwd = fl.reference_forward(q, k, v)
+    for call in (
+        lambda: fl.reference_forward(q, k, v, dtype=torch.int64),
+        lambda: fl.reference_backward(q, k, v, fwd.o, fwd.lse, fwd.o, dtype=torch.bool),
+    ):
+        _raises(call, TypeError, "dtype must be a floating dtype", "float64")

@@ -312,8 +312,9 @@ def test_every_entry_point_takes_mask_mod_and_score_mod(assert_close):
         ("fa2", True, (7, 5)),
     ):
         kw = dict(block_q=tiles[0], block_k=tiles[1], loop_order=order, trace=trace)
-        fwd = fl.blocked_forward(q, k, v, **opts, **kw)
-        bwd = fl.blocked_backward(q, k, v, fwd.o, fwd.lse, do, **opts, **kw)
+        with torch.no_grad():  # the blocked loop records no graph (flash_attention does)
+            fwd = fl.blocked_forward(q, k, v, **opts, **kw)
+            bwd = fl.blocked_backward(q, k, v, fwd.o, fwd.lse, do, **opts, **kw)
         assert [t for t, _ in bwd.captured_grads] == [table]
         check(
             f"blocked {order} trace={trace}",
@@ -322,7 +323,8 @@ def test_every_entry_point_takes_mask_mod_and_score_mod(assert_close):
         )
     o = fl.flash_attention(*leaves, block_q=64, block_k=32, **opts)
     check("flash_attention", o, torch.autograd.grad((o * do).sum(), [*leaves, table]))
-    split = fl.split_kv_forward(q, k, v, num_splits=3, block_q=32, block_k=16, **opts)
+    with torch.no_grad():
+        split = fl.split_kv_forward(q, k, v, num_splits=3, block_q=32, block_k=16, **opts)
     check("split_kv_forward", split.o)
     ring = fl.simulate_ring(
         q, k, v, world_size=3, layout="zigzag", do=do, block_q=16, block_k=16, **opts
@@ -338,9 +340,12 @@ def test_varlen_with_mask_mod_and_score_mod(assert_close):
     table = _table(2, 50, 50)
     score_mod = rel_bias(table, 50)
     opts: dict[str, Any] = {"mask": fl.MaskMod(dilated(5, 2)), "score_mod": score_mod}
-    fwd = fl.blocked_forward(
-        q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu, block_q=8, block_k=8, **opts
-    )
+    with pytest.raises(ValueError, match="tensors the score_mod captures"):
+        fl.blocked_forward(q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu, **opts)
+    with torch.no_grad():
+        fwd = fl.blocked_forward(
+            q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu, block_q=8, block_k=8, **opts
+        )
     seq = torch.tensor([0] * 20 + [1] * 30)
 
     def packed(b, h, qi, kv):
@@ -687,8 +692,9 @@ def test_counters_equal_the_closed_form(which, keep, monkeypatch):
     }[which]
     sm = rel_bias(table, 113)
     opts = dict(mask=mask, score_mod=sm, block_q=16, block_k=32)
-    fwd = fl.blocked_forward(q, k, v, **opts)
-    bwd = fl.blocked_backward(q, k, v, fwd.o, fwd.lse, do, **opts)
+    with torch.no_grad():
+        fwd = fl.blocked_forward(q, k, v, **opts)
+        bwd = fl.blocked_backward(q, k, v, fwd.o, fwd.lse, do, **opts)
     sw = fl.storage_and_work(
         lq=97,
         lk=113,
@@ -781,7 +787,9 @@ def test_a_learnable_bias_trains():
     order=st.sampled_from(["fa2", "fa1"]),
     seed=st.integers(0, 2**16),
 )
-def test_blocked_mods_equal_the_oracle_property(lq, lk, bq, bk, heads, density, mod, order, seed):
+def test_blocked_mods_equal_the_oracle_property(
+    lq, lk, bq, bk, heads, density, mod, order, seed, assert_close
+):
     """Random shapes, tiles, masks and score_mods: the blocked loop (forward and backward,
     the table's gradient too) equals the dense autograd oracle. The PyTorch step: the
     native step's handling of a mask_mod is the dense mask's, tested bit for bit above."""
@@ -802,7 +810,7 @@ def test_blocked_mods_equal_the_oracle_property(lq, lk, bq, bk, heads, density, 
     }[mod]
     opts: dict[str, Any] = dict(mask=fl.MaskMod(mask_mod), score_mod=score_mod)
     kw: dict[str, Any] = dict(block_q=bq, block_k=bk, loop_order=order)
-    with _native.disabled():
+    with _native.disabled(), torch.no_grad():
         fwd = fl.blocked_forward(q, k, v, **opts, **kw)
         bwd = fl.blocked_backward(q, k, v, fwd.o, fwd.lse, do, **opts, **kw)
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
@@ -810,8 +818,6 @@ def test_blocked_mods_equal_the_oracle_property(lq, lk, bq, bk, heads, density, 
     learned = [bias] if mod == "table" else []
     want = torch.autograd.grad((o_n * do).sum(), [*leaves, *learned])
     got = [bwd.dq, bwd.dk, bwd.dv] + [gr for _, gr in bwd.captured_grads]
-    from conftest import assert_close
-
     assert_close(fwd.o, o_n, rtol=FWD, name="O")
     assert_close(fwd.lse, lse_n, rtol=FWD, name="LSE")
     for what, a, b in zip(["dQ", "dK", "dV", "d table"], got, want):

@@ -35,7 +35,9 @@ def mask_and_formula(draw: Any, lq: int, lk: int, batch: int) -> tuple[fl.Mask, 
             return m, window_visible(lq, lk, left, right, align)[None, None]
         if kind == "padding":
             lens = draw(st.lists(st.integers(0, lk + 3), min_size=batch, max_size=batch))
-            return fl.KeyPadding(lens), padding_visible(lq, lk, lens)
+            pad_side = draw(st.sampled_from(["right", "left"]))
+            m = fl.KeyPadding(lens, side=pad_side)
+            return m, padding_visible(lq, lk, lens, pad_side)
         seed = draw(st.integers(0, 2**31 - 1))
         density = draw(st.sampled_from([0.0, 0.2, 0.8, 1.0]))
         gen = torch.Generator().manual_seed(seed)
@@ -92,13 +94,21 @@ def test_window_with_right_zero_and_unbounded_left_is_causal(align, assert_same)
     assert w.sum(-1).tolist() == [1, 2, 3, 3, 3, 3, 3, 3]
 
 
+@pytest.mark.parametrize("side", ["right", "left"])
 @pytest.mark.parametrize("lens", [[0], [3], [6], [9], [0, 2, 6]])
-def test_key_padding_dense_is_the_formula(lens, assert_same):
-    got = fl.KeyPadding(lens).dense(4, 6, batch=len(lens))
-    want = padding_visible(4, 6, lens)
+def test_key_padding_dense_is_the_formula(lens, side, assert_same):
+    got = fl.KeyPadding(lens, side=side).dense(4, 6, batch=len(lens))
+    want = padding_visible(4, 6, lens, side)
     if len(lens) == 1:
         want = want[0, 0]
-    assert_same(got, want, name=f"KeyPadding({lens})")
+    assert_same(got, want, name=f"KeyPadding({lens}, side={side!r})")
+
+
+def test_key_padding_side_is_checked_and_shown():
+    with pytest.raises(ValueError, match="side must be 'right' or 'left', got 'top'"):
+        fl.KeyPadding([3], side="top")  # type: ignore[arg-type]
+    assert repr(fl.KeyPadding([3, 5], side="left")) == "KeyPadding([3, 5], side='left')"
+    assert repr(fl.KeyPadding([3])) == "KeyPadding([3])"
 
 
 def test_dense_mask_dense_is_the_tensor(gen, assert_same):

@@ -45,7 +45,8 @@ def masks(draw: Any, b: int, hq: int, lq: int, lk: int) -> tuple[Any, Visible | 
             )
         if kind == "padding":
             lens = draw(st.lists(st.integers(0, lk + 2), min_size=b, max_size=b))
-            return fl.KeyPadding(lens), lambda a: padding_visible(lq, lk, lens)
+            pad = draw(st.sampled_from(["right", "left"]))
+            return fl.KeyPadding(lens, side=pad), lambda a: padding_visible(lq, lk, lens, pad)
         gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
         shape = draw(st.sampled_from([(lq, lk), (hq, lq, lk), (b, hq, lq, lk), (b, 1, lq, lk)]))
         t = torch.rand(shape, generator=gen) < draw(st.sampled_from([0.1, 0.5, 0.9, 1.0]))

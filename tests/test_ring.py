@@ -7,13 +7,14 @@ import json
 import math
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
 
 import flashledger as fl
-from flashledger._ring_core import _Options, _RankRun, _RingFunction
-from flashledger._ring_transport import LocalHub, LocalTransport
+from flashledger._ring_core import _Options, _rank_run, _RankRun, _RingFunction
+from flashledger._ring_transport import LocalHub, LocalTransport, RingAborted
 from flashledger.ledger import jsonable
 from flashledger.ring import (
     Layout,
@@ -431,6 +432,157 @@ def test_bad_inputs_get_clear_errors() -> None:
         simulate_ring(q, k, v, world_size=2, scale=math.inf)
     with pytest.raises(ValueError, match="q contains NaN"):
         simulate_ring(q.clone().fill_(math.nan), k, v, world_size=2)
+
+
+# ---------------------------------------------------------------------------------------
+# ranks that disagree: every rank raises together, naming who differs (in-memory wires)
+# ---------------------------------------------------------------------------------------
+def _disagreeing_ring(
+    w: int, per_rank: Any, *, backward: Any = None, hub_timeout: float = 10.0
+) -> list[BaseException | None]:
+    """Run ``ring_attention``'s per-rank code on ``w`` threads, rank ``r`` with the arguments
+    ``per_rank(r)`` (options, and ``layout``/``block_q``/``block_k``); with ``backward(r)``
+    the upstream gradient of rank r's output. Returns each rank's exception. A rank that
+    failed alone would leave the others waiting: they would raise TimeoutError after
+    ``hub_timeout`` seconds (the wires are not aborted on purpose)."""
+    q, k, v, do, _ = make(1, 2, 1, 12, 12, 4, seed=3)
+    hub = LocalHub(w, timeout=hub_timeout)
+    errors: list[BaseException | None] = [None] * w
+
+    def rank(r: int) -> None:
+        kw = dict(per_rank(r))
+        layout = kw.pop("layout", "zigzag")
+        lay = layout if layout in ("zigzag", "contiguous") else "zigzag"
+        xs = [shard_sequence(x, r, w, lay).requires_grad_() for x in (q, k, v)]
+        try:
+            run = _rank_run(
+                LocalTransport(hub, r),
+                layout=layout,
+                block_q=kw.pop("block_q", 4),
+                block_k=kw.pop("block_k", 4),
+                ledger=None,
+                opts=kw,
+            )
+            o, _ = _RingFunction.apply(*xs, run)
+            if backward is not None:
+                o.backward(backward(r, shard_sequence(do, r, w, lay)))
+        except BaseException as e:
+            errors[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(w)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=4 * hub_timeout)
+    assert not any(t.is_alive() for t in threads), "a rank is still waiting"
+    return errors
+
+
+def _expect(errors: list[BaseException | None], own: dict[int, str], others: list[str]) -> None:
+    """Rank r in ``own`` raised its own error containing own[r]; every other rank raised a
+    ValueError containing each of ``others``."""
+    for r, e in enumerate(errors):
+        assert e is not None, f"rank {r} did not raise"
+        assert not isinstance(e, (TimeoutError, RingAborted)), f"rank {r} waited: {e}"
+        if r in own:
+            assert own[r] in str(e), f"rank {r}: {e}"
+        else:
+            assert isinstance(e, ValueError), f"rank {r}: {type(e).__name__}: {e}"
+            for text in others:
+                assert text in str(e), f"rank {r}: {text!r} not in {e}"
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ({"softcap": -1.0}, "softcap must be None or a finite number > 0, got -1.0"),
+        ({"block_q": 0}, "block_q must be an integer in 1.."),
+        ({"layout": "diagonal"}, "layout must be"),
+        ({"dropout_p": 1.5}, "dropout_p must be a number in [0, 1)"),
+        ({"seed": 2**64}, "seed must be an integer >= 0 and < 2**64"),
+        ({"mask": "causal"}, "mask must be None"),
+        ({"bias": torch.zeros(12, 12, dtype=torch.int64)}, "bias must have a floating dtype"),
+        ({"alibi_slopes": torch.full((2,), math.nan, dtype=F64)}, "alibi_slopes contains NaN"),
+        ({"nonsense": 1}, "unexpected keyword argument 'nonsense'"),
+    ],
+    ids=lambda x: next(iter(x)) if isinstance(x, dict) else "",
+)
+def test_one_ranks_invalid_option_makes_every_rank_raise(bad: dict[str, Any], message: str) -> None:
+    errors = _disagreeing_ring(3, lambda r: bad if r == 1 else {})
+    _expect(errors, {1: message}, ["rank(s) [1] rejected their inputs or options", message])
+
+
+SHARED = {"mask": fl.Causal(), "scale": 0.4, "alibi_slopes": fl.alibi_slopes(2)}
+
+
+@pytest.mark.parametrize(
+    ("field", "other", "words"),
+    [
+        ("mask", None, ["mask: rank 2 has None, ranks 0, 1 have Causal(align=None)"]),
+        ("mask", fl.Causal("bottom_right"), ["rank 2 has Causal(align='bottom_right')"]),
+        ("scale", 0.5, ["scale: rank 2 has 0.5, ranks 0, 1 have 0.4"]),
+        ("conventions", "flash_attn_2", ["conventions: rank 2 has flash_attn_2"]),
+        ("seed", 7, ["seed: rank 2 has 7, ranks 0, 1 have 0"]),
+        ("dropout_p", 0.1, ["dropout_p: rank 2 has 0.1, ranks 0, 1 have 0.0"]),
+        ("softcap", 2.0, ["softcap: rank 2 has 2.0, ranks 0, 1 have None"]),
+        ("alibi_slopes", fl.alibi_slopes(2) * 2, ["alibi_slopes: rank 2 has tensor of shape (2,)"]),
+        (
+            "bias",
+            torch.zeros(1, 2, 12, 12, dtype=F64),
+            ["bias: rank 2 has tensor of shape (1, 2, 12, 12)"],
+        ),
+        ("bias", torch.zeros(5, 5, dtype=F64), ["bias: rank 2 has tensor of shape (5, 5)"]),
+        (
+            "mask",
+            fl.DenseMask(torch.ones(12, 12, dtype=torch.bool).tril()),
+            ["rank 2 has DenseMask("],
+        ),
+        ("block_k", 3, ["block_k: rank 2 has 3, ranks 0, 1 have 4"]),
+    ],
+    ids=lambda x: x if isinstance(x, str) else "",
+)
+def test_a_rank_with_other_options_is_named_on_every_rank(
+    field: str, other: Any, words: list[str]
+) -> None:
+    """O was off by 0.84 with no error when one rank had another mask or scale."""
+    errors = _disagreeing_ring(3, lambda r: {**SHARED, field: other} if r == 2 else SHARED)
+    _expect(errors, {}, ["the ranks were given different options", *words])
+    assert len({str(e) for e in errors}) == 1, "every rank raises the same message"
+
+
+def test_options_checked_against_the_global_shapes_fail_on_every_rank() -> None:
+    """The same bias of the wrong global shape on every rank: each rank's own check fails
+    after the agreement, and all of them raise."""
+    bias = torch.zeros(1, 2, 12, 11, dtype=F64)
+    errors = _disagreeing_ring(3, lambda r: {"bias": bias})
+    _expect(
+        errors, {r: "is not broadcastable to (B, H, Lq, Lk) = (1, 2, 12, 12)" for r in range(3)}, []
+    )
+
+
+def test_a_bad_gradient_on_one_rank_stops_every_rank_in_the_backward() -> None:
+    def grad(r: int, do: torch.Tensor) -> torch.Tensor:
+        return do.clone().fill_(math.nan) if r == 0 else do
+
+    errors = _disagreeing_ring(3, lambda r: {"mask": fl.Causal()}, backward=grad)
+    _expect(
+        errors,
+        {0: "do (the gradient of o) contains NaN"},
+        ["rank(s) [0] rejected their gradients in the backward", "contains NaN"],
+    )
+
+
+def test_equal_options_given_differently_agree() -> None:
+    """The digest compares values, not spellings: 0 and 0.0, a preset and its name."""
+    errors = _disagreeing_ring(
+        3,
+        lambda r: (
+            {"dropout_p": 0, "conventions": "seed", "seed": 0}
+            if r == 0
+            else {"dropout_p": 0.0, "conventions": fl.SEED}
+        ),
+    )
+    assert errors == [None, None, None], errors
 
 
 # ---------------------------------------------------------------------------------------

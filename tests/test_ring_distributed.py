@@ -229,6 +229,57 @@ def _bad_inputs_fail_everywhere(rank: int) -> list[str]:
     return msgs
 
 
+BAD_OPTIONS: dict[str, tuple[int, dict[str, Any]]] = {
+    # name: (the rank that differs, its options); the others pass SHARED
+    "softcap": (1, {"softcap": -1.0}),
+    "block_q": (3, {"block_q": 0}),
+    "scale": (3, {"scale": 0.5}),
+    "mask": (0, {"mask": None}),
+    "bias-shape": (2, {"bias": torch.zeros(1, 1, 6, 5, dtype=F64)}),
+}
+SHARED: dict[str, Any] = {"mask": fl.Causal(), "softcap": 3.0}
+
+
+def _bad_options_fail_everywhere(rank: int) -> dict[str, str]:
+    """One rank's invalid or different option, then a NaN gradient on one rank in the
+    backward: every rank raises (a short timeout turns a wait into a TimeoutError, which
+    the test rejects)."""
+    from flashledger.ring import ring_attention
+
+    out = {}
+    x = torch.randn(1, 6, 4, dtype=F64)
+    for name, (odd, opts) in BAD_OPTIONS.items():
+        try:
+            ring_attention(x, x, x, timeout=20, **(opts if rank == odd else SHARED))  # type: ignore[arg-type]
+            out[name] = "no error"
+        except (ValueError, TypeError, TimeoutError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    xs = [torch.randn(1, 6, 4, dtype=F64, requires_grad=True) for _ in range(3)]
+    o = ring_attention(*xs, timeout=20, mask=fl.Causal())
+    do = torch.full_like(o, math.nan) if rank == 0 else torch.ones_like(o)
+    try:
+        o.backward(do)
+        out["backward"] = "no error"
+    except (ValueError, TimeoutError) as e:
+        out["backward"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def _alone_times_out(rank: int, group: Any) -> str:
+    """Rank 0 calls the ring on a group whose other rank never does: it gives up after its
+    timeout instead of gloo's 30 minutes."""
+    from flashledger.ring import ring_attention
+
+    if rank != 0:
+        return ""
+    x = torch.randn(1, 6, 4, dtype=F64)
+    try:
+        ring_attention(x, x, x, group=group, timeout=1.5)
+    except TimeoutError as e:
+        return str(e)
+    return "no error"
+
+
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 
@@ -242,6 +293,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     )
     try:
         groups = [None] + [dist.new_group(m) for m in GROUPS[1:]]  # every rank, same order
+        lonely = dist.new_group([0, 1])  # rank 1 never calls the ring on it
         report: list[dict[str, Any]] = []
         for group, members in zip(groups, GROUPS):
             if rank in members:
@@ -250,7 +302,11 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
                     if res is not None:
                         report.append(res)
         bad = _bad_inputs_fail_everywhere(rank)
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"cases": report, "bad": bad}))
+        options = _bad_options_fail_everywhere(rank)
+        alone = _alone_times_out(rank, lonely)
+        Path(out_dir, f"rank{rank}.json").write_text(
+            json.dumps({"cases": report, "bad": bad, "options": options, "alone": alone})
+        )
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -286,6 +342,22 @@ def test_ring_on_real_processes_equals_oracle_and_twin(tmp_path: Path) -> None:
         assert "rank 1 must hold 6 query rows" in rep["bad"][0], rep["bad"][0]
         assert ("rejected their inputs" in rep["bad"][1]) == (r != 2), rep["bad"][1]
         assert r != 2 or "q contains NaN" in rep["bad"][1], rep["bad"][1]
+        got = rep["options"]
+        own = {
+            "softcap": "softcap must be None or a finite number > 0, got -1.0",
+            "block_q": "block_q must be an integer in 1..",
+        }
+        for name, text in own.items():
+            odd = BAD_OPTIONS[name][0]
+            want = text if r == odd else f"rank(s) [{odd}] rejected their inputs or options"
+            assert want in got[name] and text in got[name], (r, name, got[name])
+        assert "scale: rank 3 has 0.5, ranks 0, 1, 2 have default 1/sqrt(d)" in got["scale"]
+        assert "mask: rank 0 has None, ranks 1, 2, 3 have Causal(align=None)" in got["mask"]
+        assert "bias: rank 2 has tensor of shape (1, 1, 6, 5)" in got["bias-shape"]
+        assert "ranks 0, 1, 3 have None" in got["bias-shape"], got["bias-shape"]
+        want_bwd = "do (the gradient of o) contains NaN" if r == 0 else "rank(s) [0] rejected"
+        assert got["backward"].startswith("ValueError") and want_bwd in got["backward"], got
+    assert "did not arrive within 1.5 s" in reports[0]["alone"], reports[0]["alone"]
 
 
 def _free_port() -> int:

@@ -62,10 +62,13 @@ _EXPORTS: dict[str, str] = {
     # ledgers and accounting
     "Ledger": "ledger",
     "Counters": "ledger",
+    "Trace": "ledger",
     "ForwardTileStep": "ledger",
     "BackwardTileStep": "ledger",
     "storage_and_work": "accounting",
     "memory_traffic": "accounting",
+    "ledger_of": "model",
+    "ModelLedger": "model",
     # verification
     "assert_attention_close": "verify",
     "run_matrix": "verify",
@@ -100,6 +103,7 @@ __all__ = [
     "Ledger",
     "Mask",
     "MaskMod",
+    "ModelLedger",
     "OnlineSoftmax",
     "OnlineState",
     "Placement",
@@ -107,6 +111,7 @@ __all__ = [
     "ReferenceForward",
     "RingLedger",
     "SlidingWindow",
+    "Trace",
     "__version__",
     "alibi_slopes",
     "assert_attention_close",
@@ -114,6 +119,7 @@ __all__ = [
     "blocked_forward",
     "flash_attention",
     "flex_attention",
+    "ledger_of",
     "lse_from_base2",
     "lse_to_base2",
     "memory_traffic",
@@ -170,8 +176,9 @@ if TYPE_CHECKING:
         SEED,
         Conventions,
     )
-    from .ledger import BackwardTileStep, Counters, ForwardTileStep, Ledger
+    from .ledger import BackwardTileStep, Counters, ForwardTileStep, Ledger, Trace
     from .masks import Causal, DenseMask, KeyPadding, Mask, SlidingWindow
+    from .model import ModelLedger, ledger_of
     from .online import OnlineSoftmax, OnlineState, merge, merge_partials
     from .reference import (
         ReferenceBackward,

@@ -213,8 +213,10 @@ def find_captured(
     """The tensors ``score_mod`` captures that require grad, in the order first used.
 
     One call on a ``(1, 1, 1, 1)`` probe (score 0, every index 0) under
-    ``enable_grad`` (see the module docstring). Raises ``ValueError`` when the
-    score_mod fails on the probe or does not return floating-point scores.
+    ``enable_grad`` (see the module docstring). A score_mod that only works on
+    scalars is probed under ``torch.vmap`` instead, and its captured tensors are
+    the leaves its graph reaches. Raises ``ValueError`` (as a tile call does)
+    when the score_mod fails or does not return floating-point scores.
     """
     caller = TileCaller(score_mod, "score_mod")
     score = torch.zeros(1, 1, 1, 1, dtype=dtype, device=device, requires_grad=True)
@@ -223,16 +225,13 @@ def find_captured(
     with torch.enable_grad():
         try:
             with mode:
-                out = score_mod(score, *idx)
-        except Exception as exc:
-            raise ValueError(
-                f"score_mod {caller.name!r} fails on a one-element probe (score 0 at b = h = "
-                f"q_idx = kv_idx = 0): {type(exc).__name__}: {exc}"
-            ) from exc
-    fitted = _fit(out, (1, 1, 1, 1), "score_mod")
-    if isinstance(fitted, str):
-        raise ValueError(f"score_mod {caller.name!r} {fitted}")
-    captured = list(mode.seen)
+                fitted = _fit(score_mod(score, *idx), (1, 1, 1, 1), "score_mod")
+        except Exception:  # scalar-only code, or an error the tile call will name
+            fitted = "failed"
+        if isinstance(fitted, torch.Tensor):
+            out, captured = fitted, list(mode.seen)
+        else:  # the tile call: vmap, or a ValueError naming the score_mod
+            out, captured = caller(idx[0], idx[1], idx[2], idx[3], score=score), []
     # -- the graph walk: any leaf reached that is not behind a captured tensor --
     stop = {id(t.grad_fn) for t in captured if t.grad_fn is not None}
     known = {id(t) for t in captured} | {id(score)}
@@ -330,8 +329,10 @@ class UserScore:
         inputs = (ctx.leaf, *self.captured)
         if not ctx.out.requires_grad:  # the score_mod ignores the score and every capture
             return torch.zeros_like(ds)
-        with torch.enable_grad():
-            got = torch.autograd.grad(ctx.out, inputs, grad_outputs=ds, allow_unused=True)
+        with torch.enable_grad():  # (retain: a captured leaf's own history stays usable)
+            got = torch.autograd.grad(
+                ctx.out, inputs, grad_outputs=ds, allow_unused=True, retain_graph=True
+            )
         for n, g in enumerate(got[1:]):
             if g is not None:
                 prev = self.grads[n]

@@ -13,14 +13,21 @@ from typing import Any
 
 import torch
 
-from ._checks import check_finite, check_float_tensor, check_qkv
+from ._checks import all_finite, check_finite, check_float_tensor, check_qkv
 from ._mods import ScoreModFn
 from .conventions import Conventions, get_conventions
 from .dropout import dropout_keep
 from .masks import BoundMask, Geometry, Mask, _SequenceBounds, as_mask
 from .scores import ScoreMod
 
-__all__ = ["Placement", "Problem", "build_problem"]
+__all__ = [
+    "FLOAT_DTYPES",
+    "SEED_LIMIT",
+    "Placement",
+    "Problem",
+    "build_problem",
+    "check_option_values",
+]
 
 
 @dataclass(frozen=True)
@@ -122,6 +129,155 @@ class Problem:
     def keep_scale(self) -> float:
         return 1.0 / (1.0 - self.dropout_p)
 
+    # -- what a result may hold -------------------------------------------------------
+    def rows_with_keys(self) -> torch.Tensor | None:
+        """Bool ``(B|1, Hkv|1, G|1, Lq)``: rows that see at least one key of this call (after
+        the mask and any -inf entries of ``bias``); None when every row does."""
+        vis = None
+        if self.mask is not None:
+            rows = self.mask.rows_with_keys()  # (Bm, Hm, Lq)
+            vis = rows.unsqueeze(2) if rows.shape[1] == 1 else self._split_heads(rows)
+        bias = self.smod.bias
+        if bias is not None and not all_finite(bias):  # -inf entries hide keys too
+            lq, lk = self.shape[4], self.shape[5]
+            seen = torch.isfinite(
+                self.smod.bias_tile(0, lq, 0, lk)
+            )  # (B|1, Hkv|1, G|1, Lq|1, Lk|1)
+            if self.mask is not None:
+                seen = seen & self.mask_tile(0, lq, 0, lk)
+            vis = seen.expand(*seen.shape[:3], lq, lk).any(dim=-1)  # (B|1, Hkv|1, G|1, Lq)
+        return vis
+
+    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """``(Bm, Hq, ...)`` -> ``(Bm, Hkv, G, ...)``."""
+        hkv, g = self.shape[2], self.shape[3]
+        return x.reshape(x.shape[0], hkv, g, *x.shape[2:])
+
+    def score_bound(self) -> float:
+        """An upper bound on ``|s|`` over the visible scores, from the inputs (float64).
+
+        ``|scale · q·k| <= |scale| · max‖q‖ · max‖k‖`` (softcap bounds it by ``c``), plus
+        the largest ALiBi distance times the largest slope and the largest finite ``|bias|``.
+        Infinite when the norms themselves overflow float64, or with a score_mod (a user
+        function: no bound).
+        """
+        sm = self.smod
+        if sm.user is not None:
+            return math.inf
+        if sm.softcap is not None:
+            bound = sm.softcap
+        else:
+            bound = abs(sm.scale) * _max_norm(self.q) * _max_norm(self.k)
+        if sm.slopes is not None:
+            bound += float(sm.slopes.detach().abs().amax()) * (
+                self.geo.lq_total + self.geo.lk_total
+            )
+        if sm.bias is not None:
+            bias = sm.bias.detach()
+            finite = bias[torch.isfinite(bias)]
+            bound += float(finite.abs().amax()) if finite.numel() else 0.0
+        return bound
+
+    def _user_index(self, bad: torch.Tensor) -> tuple[int, ...]:
+        """Index, in the caller's layout of a ``(..., Lq)`` row tensor, of the first True of
+        the internal ``(B, Hkv, G, Lq)`` bool ``bad``."""
+        b, hq, hkv, g, lq = self.shape[:5]
+        full = self.user_rows(bad.expand(b, hkv, g, lq))
+        return tuple(int(i) for i in torch.nonzero(full)[0].tolist())
+
+    def check_forward_lse(self, lse: torch.Tensor, o: torch.Tensor | None = None) -> None:
+        """Raise ``ValueError`` when a result is not finite where it must be: the scores or
+        the output overflowed the accumulation dtype (the inputs are finite, so they are too
+        large). ``lse`` ``(B, Hkv, G, Lq)`` is the raw LSE (-inf on rows that see no key);
+        ``o`` ``(B, Hkv, G, Lq, d_v)`` optional."""
+        bad = None
+        lse = lse.detach()
+        if not all_finite(lse, allow_neg_inf=True):  # NaN or +inf: a score reached +inf
+            bad = torch.isnan(lse) | (lse == math.inf)
+        elif self.smod.user is None and lse.numel() and float(lse.amin()) == -math.inf:
+            # -inf on a row that sees keys (a score_mod may send a whole row to -inf: Flex
+            # gives that row O = 0 and LSE -inf, as a masked one)
+            rows = self.rows_with_keys()
+            neg = torch.isneginf(lse)
+            bad = neg if rows is None else neg & rows
+            if not bool(bad.any()):
+                bad = None
+        if bad is not None:
+            idx = ", ".join(map(str, self._user_index(bad)))
+            raise ValueError(self._overflow_message(f"the scores of output row o[{idx}, :]"))
+        if o is not None and not all_finite(o):
+            bad = ~torch.isfinite(o).all(dim=-1)  # (B, Hkv, G, Lq)
+            idx = ", ".join(map(str, self._user_index(bad)))
+            raise ValueError(self._overflow_message(f"output row o[{idx}, :]"))
+
+    def check_gradients(self, **grads: torch.Tensor) -> None:
+        """Raise ``ValueError`` when a gradient is not finite (its sums overflowed)."""
+        for name, x in grads.items():
+            if not all_finite(x):
+                raise ValueError(
+                    f"the gradient {name} overflows {_dtype_name(self.dtype)} although every "
+                    "input is finite: the inputs (q, k, v, o, do) are too large for it; scale "
+                    "them down" + self._wider_hint()
+                )
+
+    def check_saved_lse(self, lse: torch.Tensor, *, whole: bool) -> None:
+        """The LSE handed to a backward must be the forward's: on every row that sees keys it
+        is finite and within ``[-bound, bound + log Lk]`` of the score bound (``whole``: this
+        call covers every key of the rows, so the upper limit applies). Rows that see no key
+        may carry any convention's value (-inf, +inf, 0). ``lse`` ``(B, Hkv, G, Lq)``."""
+        lse = lse.detach()
+        bound = self.score_bound()
+        slack = 1e-3 * bound + 1.0  # rounding of the scores in the accumulation dtype
+        lo = -(bound + slack)
+        hi = bound + slack + math.log(self.geo.lk_total) if whole else math.inf
+        ok = torch.isfinite(lse) & (lse >= lo) & (lse <= hi)
+        if self.smod.user is not None:  # a score_mod may send a whole row to -inf
+            ok |= torch.isneginf(lse)
+        if bool(ok.all()):
+            return
+        rows = self.rows_with_keys()  # only when needed: a dense mask makes it O(Lq·Lk)
+        bad = ~ok if rows is None else ~ok & rows
+        if not bool(bad.any()):
+            return
+        idx = self._user_index(bad)
+        value = float(self.user_rows(lse)[idx])
+        raise ValueError(
+            f"lse{list(idx)} = {value!r} cannot be the log-sum-exp of that row's scores: the "
+            f"row sees keys, so its LSE is finite and within [{lo:.4g}, {hi:.4g}] for these "
+            "inputs; pass the lse the forward returned for the same q, k, v and options (a row "
+            "that sees no key may carry -inf, +inf or 0)"
+        )
+
+    def _overflow_message(self, where: str) -> str:
+        if self.smod.user is not None:
+            return (
+                f"{where} overflow {_dtype_name(self.dtype)} (or the score_mod gave +inf or "
+                "NaN) although q, k and v are finite: check what the score_mod returns"
+                + self._wider_hint()
+            )
+        bound = self.score_bound()
+        reach = f"may reach {bound:.3g}" if math.isfinite(bound) else "exceeds float64's range"
+        return (
+            f"{where} overflow {_dtype_name(self.dtype)} although q, k and v are finite: the "
+            f"inputs are too large (|scale·q·k| {reach}); scale q or k down" + self._wider_hint()
+        )
+
+    def _wider_hint(self) -> str:
+        return "" if self.dtype == torch.float64 else ", or compute in float64"
+
+
+def _max_norm(x: torch.Tensor) -> float:
+    """Largest row norm of ``(..., L, d)``, in the tensor's dtype (float64 only if that
+    overflows)."""
+    n = float(torch.linalg.vector_norm(x.detach(), dim=-1).amax())
+    if math.isinf(n) and x.dtype != torch.float64:
+        n = float(torch.linalg.vector_norm(x.detach(), dim=-1, dtype=torch.float64).amax())
+    return n
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
 
 def _drop_leading(y: torch.Tensor, ndim: int, *, rows_only: bool) -> torch.Tensor:
     # y is (B, H, L, *) or (B, H, L) for rows
@@ -152,6 +308,52 @@ def _check_cu(name: str, cu: Any, total: int) -> torch.Tensor:
     if int(c[-1]) != total:
         raise ValueError(f"{name} must end at the packed length {total}, got {c.tolist()}")
     return c
+
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+SEED_LIMIT = 2**64
+"""Seeds are integers in ``0..2**64 - 1``: the dropout hash keys on all 64 bits of the seed."""
+
+
+def check_option_values(
+    *,
+    scale: Any,
+    dropout_p: Any,
+    seed: Any,
+    softcap: Any,
+    alibi_slopes: Any,
+    bias: Any,
+) -> None:
+    """The options that do not depend on the shapes: raise naming the option and what is allowed.
+
+    ``scale`` is the value after its default (``None`` is not allowed here).
+    """
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number (default 1/sqrt(d)), got {scale!r}")
+    if (
+        isinstance(dropout_p, bool)
+        or not isinstance(dropout_p, (int, float))
+        or not (0.0 <= dropout_p < 1.0)
+    ):
+        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+        raise ValueError(
+            "seed must be an integer >= 0 and < 2**64 (the dropout hash keys on 64 bits, so "
+            f"larger seeds would repeat smaller ones), got {seed!r}"
+        )
+    if softcap is not None and (
+        isinstance(softcap, bool)
+        or not isinstance(softcap, (int, float))
+        or not math.isfinite(softcap)
+        or softcap <= 0
+    ):
+        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
+    if alibi_slopes is not None:
+        check_float_tensor("alibi_slopes", alibi_slopes)
+        check_finite("alibi_slopes", alibi_slopes)
+    if bias is not None:
+        check_float_tensor("bias", bias)
+        check_finite("bias", bias, allow_neg_inf=True)
 
 
 def build_problem(
@@ -185,35 +387,29 @@ def build_problem(
     g = hq // hkv
     if acc_dtype is None:
         acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    elif acc_dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            "dtype must be a floating dtype (float16, bfloat16, float32, float64), "
+            f"got {acc_dtype!r}"
+        )
     # -- options --
     if scale is None:
         scale = 1.0 / math.sqrt(d)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite number (default 1/sqrt(d)), got {scale!r}")
-    if (
-        isinstance(dropout_p, bool)
-        or not isinstance(dropout_p, (int, float))
-        or not (0.0 <= dropout_p < 1.0)
-    ):
-        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
-    if softcap is not None and (
-        isinstance(softcap, bool)
-        or not isinstance(softcap, (int, float))
-        or not math.isfinite(softcap)
-        or softcap <= 0
-    ):
-        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
+    check_option_values(
+        scale=scale,
+        dropout_p=dropout_p,
+        seed=seed,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        bias=bias,
+    )
     if alibi_slopes is not None:
-        check_float_tensor("alibi_slopes", alibi_slopes)
         ok = alibi_slopes.shape == (hq,) or alibi_slopes.shape == (b, hq)
         if not ok:
             raise ValueError(
                 f"alibi_slopes must have shape (H,) = ({hq},) or (B, H) = ({b}, {hq}), "
                 f"got {tuple(alibi_slopes.shape)}"
             )
-        check_finite("alibi_slopes", alibi_slopes)
     if score_mod is not None and not callable(score_mod):
         raise TypeError(
             "score_mod must be None or callable as score_mod(score, b, h, q_idx, kv_idx) -> "
@@ -230,14 +426,12 @@ def build_problem(
     ):
         raise ValueError(f"placement {place} does not fit the call's lengths Lq={lq}, Lk={lk}")
     if bias is not None:
-        check_float_tensor("bias", bias)
         bb = _add_leading(bias, 4)
         want = (b, hq, lq_total, lk_total)
         if bias.ndim > 4 or any(s not in (1, w) for s, w in zip(bb.shape, want)):
             raise ValueError(
                 f"bias of shape {tuple(bias.shape)} is not broadcastable to (B, H, Lq, Lk) = {want}"
             )
-        check_finite("bias", bias, allow_neg_inf=True)
     # -- variable length --
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
         raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")

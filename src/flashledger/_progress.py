@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from rich.console import Console, Group
 
 __all__ = [
+    "figure_png",
     "int_arg",
     "join_dash_values",
     "make_console",
@@ -28,6 +29,7 @@ __all__ = [
     "output_problem",
     "progress",
     "titled_table",
+    "write_file",
 ]
 
 PLAIN_WIDTH = 160
@@ -69,14 +71,50 @@ def join_dash_values(argv: list[str], options: Sequence[str]) -> list[str]:
     return out
 
 
-def output_problem(path: str) -> str:
-    """Why a file cannot be written at ``path`` (``""`` when it can): checked before long work."""
+def output_problem(path: str | Path) -> str:
+    """Why a file cannot be written at ``path`` (``""`` when it can): checked before long work.
+
+    Tries what the write will do, without changing anything: an existing file is opened for
+    appending (nothing written), a new one is created and removed again. A device that
+    refuses data only when it is written (``/dev/full``) passes; the write itself is
+    checked (``write_file``).
+    """
     target = Path(path)
     if target.is_dir():
         return "is a directory"
     if not target.parent.is_dir():
         return "its directory does not exist"
+    try:
+        if target.exists():
+            with open(target, "ab"):
+                pass
+        else:
+            with open(target, "xb"):
+                pass
+            target.unlink()
+    except OSError as exc:
+        return exc.strerror or str(exc)
     return ""
+
+
+def write_file(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` and make sure it arrived: an ``OSError`` names the path (a
+    full disk, ``/dev/full``, a file system that went read-only)."""
+    try:
+        with open(path, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def figure_png(fig: object) -> bytes:
+    """A matplotlib figure as PNG bytes (matplotlib does not report a failed write to a file)."""
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)  # type: ignore[attr-defined]
+    return buf.getvalue()
 
 
 def _is_terminal(stream: TextIO) -> bool:

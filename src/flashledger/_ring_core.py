@@ -41,15 +41,24 @@ import math
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Unpack
+from typing import Any, Unpack, cast
 
 import torch
 
 from . import online
-from ._checks import check_qkv, check_size
+from ._checks import check_finite, check_qkv, check_size
+from ._limits import RING_TIMEOUT_S
 from ._mods import find_captured
 from ._options import AttentionOptions, check_options
-from ._problem import Placement, build_problem
+from ._problem import Placement, build_problem, check_option_values
+from ._ring_agree import (
+    FIELDS,
+    describe_options,
+    digest,
+    gather_texts,
+    mismatch_message,
+    raise_together,
+)
 from ._ring_layout import (
     Chunk,
     Layout,
@@ -173,29 +182,58 @@ def _make_plan(
     k: torch.Tensor,
     v: torch.Tensor,
     layout: Layout,
-    opts: _Options,
+    opts: _Options | None,
+    *,
+    error: BaseException | None = None,
+    record_states: bool = False,
 ) -> _Plan:
-    """Agree on lengths and shapes with every rank (one all-gather), then lay out the ring.
+    """Agree on shapes and options with every rank, then lay out the ring (``_ring_agree``).
 
-    A rank whose own inputs are invalid still takes part in the all-gather, so
-    every rank raises instead of waiting on it.
+    Every rank validates its own inputs and options first (``error``: what already failed
+    on this rank), then takes part in one all-gather of a failure flag, its shapes and a
+    digest of its options, so every rank raises together instead of waiting on one that
+    failed, and a rank given other options is named instead of computing another
+    attention. The checks that need the global lengths follow, and a second all-gather of
+    a flag makes those fail everywhere at once too.
     """
-    err: Exception | None = None
-    try:
-        check_qkv(q, k, v)
-        mine = [0, *_meta(q, k, v, layout)]
-    except (TypeError, ValueError) as e:
-        err, mine = e, [1] + [0] * len(_META)
+    err = error
+    meta, hashes = [0] * len(_META), [0] * len(FIELDS)
+    texts: dict[str, str] = {}
+    if err is None:
+        assert opts is not None
+        try:
+            check_qkv(q, k, v)
+            meta = _meta(q, k, v, layout)
+            rest = opts.rest
+            check_option_values(
+                scale=1.0 if rest.get("scale") is None else rest["scale"],
+                dropout_p=rest.get("dropout_p", 0.0),
+                seed=rest.get("seed", 0),
+                softcap=rest.get("softcap"),
+                alibi_slopes=rest.get("alibi_slopes"),
+                bias=rest.get("bias"),
+            )
+            texts = describe_options(
+                opts.mask,
+                opts.conventions,
+                rest,
+                block_q=opts.block_q,
+                block_k=opts.block_k,
+                record_states=record_states,
+            )
+            hashes = digest(texts)
+        except (TypeError, ValueError) as e:
+            err = e
     device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
-    every = tp.all_gather_ints(mine, device=device)
-    if err is not None:
-        raise err
-    bad = [r for r, m in enumerate(every) if m[0]]
-    if bad:
-        raise ValueError(
-            f"ring attention: rank(s) {bad} rejected their inputs (see the error there)"
-        )
-    rows = [m[1:] for m in every]
+    every = tp.all_gather_ints([int(err is not None), *meta, *hashes], device=device)
+    raise_together(tp, err, [m[0] for m in every], "inputs or options", device=device)
+    assert opts is not None
+    rows = [m[1 : 1 + len(_META)] for m in every]
+    digests = [m[1 + len(_META) :] for m in every]
+    differ = [f for i, f in enumerate(FIELDS) if len({d[i] for d in digests}) > 1]
+    if differ:  # every rank sees the same table: all gather the texts and raise the same error
+        mine = "\x1f".join(texts[f] for f in differ)
+        raise ValueError(mismatch_message(differ, gather_texts(tp, mine, device=device)))
     for r, row in enumerate(rows):
         diff = [
             f"{n}: rank 0 has {a}, rank {r} has {b}"
@@ -207,6 +245,28 @@ def _make_plan(
                 "ring attention: every rank must hold shards of one problem (same dims, "
                 "heads, dtype and layout; only the sequence shard differs); " + "; ".join(diff)
             )
+    plan: _Plan | None = None
+    try:
+        plan = _lay_out(tp, q, k, v, layout, opts, rows)
+    except (TypeError, ValueError) as e:
+        err = e
+    flags = tp.all_gather_ints([int(err is not None)], device=device)
+    raise_together(tp, err, [f[0] for f in flags], "options for the global shapes", device=device)
+    assert plan is not None
+    return plan
+
+
+def _lay_out(
+    tp: Transport,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: Layout,
+    opts: _Options,
+    rows: list[list[int]],
+) -> _Plan:
+    """The chunks, the setup and the pairs the mask hides, from every rank's shapes; checks
+    every option against the global shapes (the same outcome on every rank)."""
     w, r = tp.world_size, tp.rank
     lq, lk = sum(row[6] for row in rows), sum(row[7] for row in rows)
     q_bounds = chunk_bounds(lq, w, layout, what="Lq")
@@ -287,20 +347,28 @@ class _RankRun:
     """One rank's part of one ring call: forward, then (optionally) backward."""
 
     def __init__(
-        self, tp: Transport, layout: Layout, opts: _Options, ledger: RingLedger | None
+        self,
+        tp: Transport,
+        layout: Layout,
+        opts: _Options | None,
+        ledger: RingLedger | None,
+        *,
+        error: BaseException | None = None,
     ) -> None:
-        if ledger is not None and not isinstance(ledger, RingLedger):
-            raise TypeError(f"ledger must be a RingLedger or None, got {type(ledger).__name__}")
-        if ledger is not None and ledger.passes:
-            raise ValueError(
-                "this RingLedger already holds a ring call; pass a fresh RingLedger() per call"
-            )
-        self.tp, self.layout, self.opts = tp, layout, opts
-        self.ledger = ledger
-        self.recording = ledger is not None and ledger.record_states  # keep RankStates
+        """``error``: what this rank's arguments already failed with; it is raised at the
+        ranks' first agreement, together with every other rank (``opts`` may then be None)."""
+        self.tp, self.layout = tp, layout
+        self._opts, self.error = opts, error
+        self.ledger = ledger if isinstance(ledger, RingLedger) else None
+        self.recording = self.ledger is not None and self.ledger.record_states  # RankStates
         self.plan: _Plan | None = None
         # gradients of the tensors a score_mod captures, summed over this rank's pairs
         self.captured_grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def opts(self) -> _Options:
+        assert self._opts is not None, "the options failed their checks"
+        return self._opts
 
     # -- bookkeeping ------------------------------------------------------------------
     def _pass_on(
@@ -358,7 +426,16 @@ class _RankRun:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(o, lse)`` of this rank's query rows, accumulation dtype, LSE -inf on empty rows."""
-        self.plan = plan = _make_plan(self.tp, q, k, v, self.layout, self.opts)
+        self.plan = plan = _make_plan(
+            self.tp,
+            q,
+            k,
+            v,
+            self.layout,
+            self._opts,
+            error=self.error,
+            record_states=self.recording,
+        )
         self._start("forward")
         w, r, acc = self.tp.world_size, self.tp.rank, plan.acc_dtype
         kw = self.opts.blocked_kwargs()
@@ -437,6 +514,24 @@ class _RankRun:
         plan = self.plan
         if plan is None:
             raise RuntimeError("ring attention backward called before its forward")
+        # the upstream gradients are this rank's own: agree before anything travels
+        err: Exception | None = None
+        try:
+            if torch.is_grad_enabled():
+                raise ValueError(
+                    "ring attention has no second-order gradients: its backward records no "
+                    "graph, so create_graph=True would silently give gradients of gradients "
+                    "without the attention term; take them with flash_attention on one process"
+                )
+            check_finite("do (the gradient of o)", do)
+            if dlse is not None:
+                check_finite("dlse (the gradient of the LSE)", dlse)
+        except ValueError as e:
+            err = e
+        flags = self.tp.all_gather_ints([int(err is not None)], device=q.device)
+        raise_together(
+            self.tp, err, [f[0] for f in flags], "gradients in the backward", device=q.device
+        )
         self._start("backward")
         w, r, acc = self.tp.world_size, self.tp.rank, plan.acc_dtype
         kw = self.opts.blocked_kwargs()
@@ -535,6 +630,7 @@ def ring_attention(
     block_k: int = DEFAULT_BLOCK_K,
     return_lse: bool = False,
     ledger: RingLedger | None = None,
+    timeout: float | None = RING_TIMEOUT_S,
     **opts: Unpack[AttentionOptions],
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a sequence sharded across the ranks of ``group``, differentiable.
@@ -553,16 +649,72 @@ def ring_attention(
     ``RingLedger(record_states=True)`` also keeps this rank's running state at the
     end of every ring step (``RankState``; pass the same value on every rank).
     Runs on gloo (CPU) and nccl (GPU); the device follows the tensors.
+
+    Before anything travels the ranks agree (one all-gather of small integers): a rank
+    whose inputs or options are invalid, or whose options differ from the others'
+    (mask, scale, conventions, dropout, seed, softcap, ALiBi, bias, tiles), makes every
+    rank raise at once, naming the ranks and what differs. Every wait on another rank
+    gives up after ``timeout`` seconds (default 300) with a ``TimeoutError`` (``None``:
+    the process group's own timeout, 30 minutes for gloo); the group is unusable after one.
     """
-    run_opts = _Options.build("ring_attention", opts, block_q=block_q, block_k=block_k)
-    run = _RankRun(DistTransport(group), check_layout(layout), run_opts, ledger)
+    err: Exception | None = None
+    wait: float | None = None
+    try:  # a bad argument fails at the ranks' first agreement, on every rank at once
+        wait = _check_timeout(timeout, none_ok=True)
+    except ValueError as e:
+        err = e
+    tp = DistTransport(group, timeout=wait)  # no process group: nothing to agree with
+    run = _rank_run(
+        tp, layout=layout, block_q=block_q, block_k=block_k, ledger=ledger, opts=opts, error=err
+    )
     captured: tuple[torch.Tensor, ...] = ()
     score_mod = opts.get("score_mod")
-    if score_mod is not None and torch.is_grad_enabled() and isinstance(q, torch.Tensor):
+    wanted = err is None and callable(score_mod) and torch.is_grad_enabled()
+    if wanted and score_mod is not None and isinstance(q, torch.Tensor):
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         captured = find_captured(score_mod, dtype=acc, device=q.device)
     o, lse = _RingFunction.apply(q, k, v, run, *captured)
     return (o, lse) if return_lse else o
+
+
+def _rank_run(
+    tp: Transport,
+    *,
+    layout: Any,
+    block_q: Any,
+    block_k: Any,
+    ledger: Any,
+    opts: Mapping[str, Any],
+    error: Exception | None = None,
+) -> _RankRun:
+    """One rank's run from ``ring_attention``'s arguments. An invalid argument does not
+    raise here: it is kept and raised at the ranks' first agreement, on every rank."""
+    run_opts, lay = None, cast(Layout, "contiguous")
+    try:
+        run_opts = _Options.build("ring_attention", opts, block_q=block_q, block_k=block_k)
+        lay = check_layout(layout)
+        _check_ledger(ledger)
+    except (TypeError, ValueError) as e:
+        error = error or e
+    return _RankRun(tp, lay, run_opts, ledger, error=error)
+
+
+def _check_timeout(timeout: Any, *, none_ok: bool = False) -> float | None:
+    if timeout is None and none_ok:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        allowed = "a number of seconds > 0" + (" or None" if none_ok else "")
+        raise ValueError(f"timeout must be {allowed}, got {timeout!r}")
+    return float(timeout)
+
+
+def _check_ledger(ledger: Any) -> None:
+    if ledger is not None and not isinstance(ledger, RingLedger):
+        raise TypeError(f"ledger must be a RingLedger or None, got {type(ledger).__name__}")
+    if ledger is not None and ledger.passes:
+        raise ValueError(
+            "this RingLedger already holds a ring call; pass a fresh RingLedger() per call"
+        )
 
 
 # ----------------------------------------------------------------------------------------
@@ -634,8 +786,7 @@ def simulate_ring(
         )
     if dlse is not None and do is None:
         raise ValueError("dlse needs do: give the upstream gradient of the output too")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    _check_timeout(timeout)
     if not isinstance(record_states, bool):
         raise ValueError(f"record_states must be True or False, got {record_states!r}")
 

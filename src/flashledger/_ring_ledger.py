@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ._limits import RING_TIMEOUT_S
 from .ledger import Counters
 
 __all__ = [
@@ -317,12 +318,15 @@ class RingLedger:
         out.sort()
         return out
 
-    def gather(self, group: Any = None) -> RingLedger:
-        """All ranks' records, combined, on every rank of ``group`` (a collective call)."""
-        import torch.distributed as dist
+    def gather(self, group: Any = None, *, timeout: float | None = RING_TIMEOUT_S) -> RingLedger:
+        """All ranks' records, combined, on every rank of ``group`` (a collective call);
+        waits at most ``timeout`` seconds for the other ranks (``None``: the group's own)."""
+        import pickle
 
-        parts: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(parts, self, group=group)
+        from ._ring_transport import DistTransport
+
+        tp = DistTransport(group, timeout=timeout)
+        parts = [pickle.loads(b) for b in tp.all_gather_bytes(pickle.dumps(self))]
         return RingLedger.combine(parts)
 
     # -- summaries --------------------------------------------------------------------

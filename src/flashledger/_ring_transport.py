@@ -18,6 +18,7 @@ every message, as a wire would.
 
 from __future__ import annotations
 
+import datetime
 import queue
 import threading
 import time
@@ -63,20 +64,46 @@ class Transport(ABC):
 # ----------------------------------------------------------------------------------------
 # torch.distributed
 # ----------------------------------------------------------------------------------------
+def _wait(work: Any, timeout: float | None, what: str) -> None:
+    """``work.wait()`` within ``timeout`` seconds; a timeout or a lost peer raises naming
+    ``what`` was awaited."""
+    try:
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(timeout=datetime.timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        text = str(exc)
+        if "imed out" in text or "timeout" in text.lower():
+            raise TimeoutError(
+                f"ring attention: {what} did not arrive within {timeout:g} s (timeout=): that "
+                "rank failed, stopped, or is far behind; the process group cannot be used after "
+                "this (for very long shards pass a larger timeout)"
+            ) from None
+        raise RuntimeError(f"ring attention: waiting for {what} failed: {text}") from exc
+
+
 class _DistPending(Pending):
-    def __init__(self, reqs: list[Any], recv: list[torch.Tensor]) -> None:
-        self.reqs, self.recv = reqs, recv
+    def __init__(
+        self, reqs: list[Any], recv: list[torch.Tensor], timeout: float | None, what: str
+    ) -> None:
+        self.reqs, self.recv, self.timeout, self.what = reqs, recv, timeout, what
 
     def wait(self) -> list[torch.Tensor]:
         for req in self.reqs:
-            req.wait()
+            _wait(req, self.timeout, self.what)
         return self.recv
 
 
 class DistTransport(Transport):
-    """Point-to-point sends and receives on a ``torch.distributed`` process group."""
+    """Point-to-point sends and receives on a ``torch.distributed`` process group.
 
-    def __init__(self, group: Any = None) -> None:
+    Every wait gives up after ``timeout`` seconds with a ``TimeoutError`` (``None``: the
+    process group's own timeout).
+    """
+
+    def __init__(self, group: Any = None, *, timeout: float | None = None) -> None:
+        self.timeout = timeout
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
@@ -99,12 +126,28 @@ class DistTransport(Transport):
         dist = self.dist
         ops = [dist.P2POp(dist.isend, t, self._next_global, self.group) for t in send]
         ops += [dist.P2POp(dist.irecv, b, self._prev_global, self.group) for b in recv]
-        return _DistPending(dist.batch_isend_irecv(ops), list(recv))
+        what = f"rank {self.rank}'s exchange with ranks {self.prev} and {self.next}"
+        return _DistPending(dist.batch_isend_irecv(ops), list(recv), self.timeout, what)
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data`` (any length), indexed by rank, within the timeout."""
+        device = torch.device("cpu")
+        if self.dist.get_backend(self.group) == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        lengths = [row[0] for row in self.all_gather_ints([len(data)], device=device)]
+        mine = torch.zeros(max(1, *lengths), dtype=torch.uint8, device=device)  # (n,)
+        if data:
+            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        work = self.dist.all_gather(every, mine, group=self.group, async_op=True)
+        _wait(work, self.timeout, f"every rank's part of an all-gather (rank {self.rank} waiting)")
+        return [t[:n].cpu().numpy().tobytes() for t, n in zip(every, lengths)]
 
     def all_gather_ints(self, values: Sequence[int], *, device: torch.device) -> list[list[int]]:
         mine = torch.tensor(list(values), dtype=torch.int64, device=device)  # (n,)
         every = [torch.empty_like(mine) for _ in range(self.world_size)]
-        self.dist.all_gather(every, mine, group=self.group)
+        work = self.dist.all_gather(every, mine, group=self.group, async_op=True)
+        _wait(work, self.timeout, f"every rank's part of an all-gather (rank {self.rank} waiting)")
         return [t.tolist() for t in every]
 
 

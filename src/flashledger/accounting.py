@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from ._checks import check_size
-from ._progress import numeric_cell, titled_table
+from ._progress import figure_png, numeric_cell, titled_table, write_file
 from .conventions import SEED, Conventions, get_conventions
 from .masks import (
     EMPTY,
@@ -946,8 +946,9 @@ class TrafficSweep(_Report):
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=8)
         fig.tight_layout()
-        fig.savefig(path, dpi=110)
+        png = figure_png(fig)
         plt.close(fig)
+        write_file(path, png)
 
 
 def _fwd_bwd(**kw: Any) -> int:

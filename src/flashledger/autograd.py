@@ -6,21 +6,37 @@ gradient flowing into the returned LSE is propagated when the conventions say
 the LSE is differentiable (``SEED`` and ``FLEX_ATTENTION``) and ignored
 otherwise (flash-attn, SDPA). Passes ``torch.autograd.gradcheck`` in float64.
 
+Second order: when autograd asks the backward for a graph (``create_graph=True``:
+gradient penalties, Hessian-vector products), the backward recomputes ``(o, lse)``
+with this op and runs the blocked backward of ``_backward_graph`` (out-of-place
+tile steps), so the gradients are themselves differentiable, exactly, to any
+order (``gradgradcheck`` in float64). That graph holds every tile's
+intermediates: memory ``O(B·H·Lq·Lk)``, like PyTorch's math backend.
+
+``_FlashAttention.apply(q, k, v, bias, opts, sink, *captured)`` is the op
+itself; ``sink`` (or None) is called with each pass's ``Ledger`` as the pass
+ends, which is how a model's ledger (``flashledger.model.ledger_of``) books
+both passes of every attention call (a backward that builds a graph has no
+blocked ledger to book).
+
 With a ``score_mod``, the tensors it captures that require grad (found once
-per call, ``_mods.find_captured``) are inputs of the op too, so that its
-backward returns their gradients (summed over the tiles). The backward reuses
-the forward's bound mask: a ``MaskMod`` is classified once per call, and the
-partial tiles' visibility it kept is not evaluated again.
+per call, ``_mods.find_captured``) are the op's ``captured`` inputs, so that
+its backward returns their gradients (summed over the tiles). The backward
+reuses the forward's bound mask and score_mod: a ``MaskMod`` is classified
+once per call, and the partial tiles' visibility it kept is not evaluated
+again. Second-order gradients with a score_mod are not supported (refused).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, Unpack
 
 import torch
-from torch.autograd.function import once_differentiable
 
+from ._backward_graph import graph_backward
 from ._mods import find_captured
 from ._options import AttentionOptions, check_options
 from ._problem import build_problem
@@ -33,6 +49,7 @@ from .blocked import (
     _forward_problem,
 )
 from .conventions import SEED, get_conventions
+from .ledger import Ledger
 
 __all__ = ["flash_attention"]
 
@@ -46,6 +63,7 @@ class _FlashAttention(torch.autograd.Function):
         v: torch.Tensor,
         bias: torch.Tensor | None,
         opts: dict[str, Any],
+        sink: Callable[[Ledger], None] | None = None,
         *captured: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         problem, loop = _split(opts)
@@ -55,30 +73,48 @@ class _FlashAttention(torch.autograd.Function):
         res = _forward_problem(pb, **loop)
         ctx.set_materialize_grads(False)  # an unused LSE output costs no zero tensor and no pass
         ctx.save_for_backward(q, k, v, bias, res.o, res.lse, *captured)
-        ctx.opts = opts
+        ctx.opts, ctx.sink = opts, sink
         # the bound mask (tile classes, kept partial tiles) and score_mod, for the backward
         ctx.bound = (pb.mask, pb.smod.user)
+        if sink is not None:
+            sink(res.ledger)
         return res.o, res.lse
 
     @staticmethod
-    @once_differentiable
     def backward(  # type: ignore[override]
         ctx: Any, do: torch.Tensor, dlse: torch.Tensor | None
     ) -> tuple[Any, ...]:
         q, k, v, bias, o, lse, *captured = ctx.saved_tensors
         opts = ctx.opts
         use_dlse = get_conventions(opts["conventions"]).lse_differentiable and dlse is not None
+        none = (None,) * len(captured)
         if do is None and not use_dlse:  # neither output carries a gradient
-            return (None,) * (5 + len(captured))
+            return None, None, None, None, None, None, *none
         do = torch.zeros_like(o) if do is None else do.contiguous()
+        if torch.is_grad_enabled():  # create_graph=True: gradients autograd can differentiate
+            if opts.get("score_mod") is not None:
+                raise ValueError(
+                    "flash_attention: second-order gradients (create_graph=True) are not "
+                    "supported with a score_mod; take first-order gradients, or express the "
+                    "modification as softcap=, alibi_slopes= or bias="
+                )
+            conv = get_conventions(opts["conventions"])
+            raw = replace(conv, masked_row_lse=-math.inf, lse_differentiable=True)
+            o_g, lse_g = _FlashAttention.apply(q, k, v, bias, {**opts, "conventions": raw})
+            dq, dk, dv, dbias = graph_backward(
+                q, k, v, o_g, lse_g, do, dlse if use_dlse else None, bias, opts
+            )
+            return dq, dk, dv, dbias if ctx.needs_input_grad[3] else None, None, None
         problem, loop = _split(opts)
         pb = build_problem(q, k, v, bias=bias, **problem)
         pb.mask, pb.smod.user = ctx.bound  # the same geometry: the forward's serve as they are
         res = _backward_problem(pb, o, lse, do, dlse if use_dlse else None, bias=bias, **loop)
+        if ctx.sink is not None:
+            ctx.sink(res.ledger)
         dbias = res.dbias if bias is not None and ctx.needs_input_grad[3] else None
         found = _match(captured, res.captured_grads)
-        dcaptured = [g if ctx.needs_input_grad[5 + n] else None for n, g in enumerate(found)]
-        return res.dq, res.dk, res.dv, dbias, None, *dcaptured
+        dcaptured = [g if ctx.needs_input_grad[6 + n] else None for n, g in enumerate(found)]
+        return res.dq, res.dk, res.dv, dbias, None, None, *dcaptured
 
 
 _LOOP = ("block_q", "block_k", "loop_order")
@@ -127,6 +163,12 @@ def flash_attention(
     """
     check_options("flash_attention", opts)
     _check_options(block_q, block_k, loop_order)
+    slopes = opts.get("alibi_slopes")
+    if isinstance(slopes, torch.Tensor) and slopes.requires_grad:
+        raise ValueError(
+            "flash_attention does not compute a gradient for alibi_slopes (they are an option, "
+            "like the scale); pass alibi_slopes.detach()"
+        )
     rest: dict[str, Any] = dict(opts)
     bias = rest.pop("bias", None)
     rest.setdefault("conventions", SEED)
@@ -136,7 +178,7 @@ def flash_attention(
     if score_mod is not None and torch.is_grad_enabled() and isinstance(q, torch.Tensor):
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         captured = find_captured(score_mod, dtype=acc, device=q.device)
-    o, lse = _FlashAttention.apply(q, k, v, bias, rest, *captured)
+    o, lse = _FlashAttention.apply(q, k, v, bias, rest, None, *captured)
     return (o, lse) if return_lse else o
 
 

@@ -56,7 +56,7 @@ import torch
 
 from . import _native
 from ._limits import MAX_SIZE
-from ._progress import int_arg, make_console, progress
+from ._progress import figure_png, int_arg, make_console, output_problem, progress, write_file
 from .autograd import flash_attention
 from .blocked import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, blocked_backward, blocked_forward
 from .masks import Causal
@@ -720,8 +720,9 @@ def plot(report: dict[str, Any], path: Path) -> bool:
         axes[1][col].set_title(f"{dt}: peak extra memory, forward + backward")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    png = figure_png(fig)
     plt.close(fig)
+    write_file(path, png)
     return True
 
 
@@ -866,8 +867,12 @@ def run_cli(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; it names the directory for bench.json/.png")
     out.mkdir(parents=True, exist_ok=True)  # before the run: a bad path fails now, not later
+    for name in ("bench.json", "bench.png"):
+        problem = output_problem(out / name)
+        if problem:
+            raise ValueError(f"--out {out}: cannot write {name} there: {problem}")
     report = run_benchmark(args)
-    (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_file(out / "bench.json", (json.dumps(report, indent=2) + "\n").encode())
     plotted = plot(report, out / "bench.png")
     if args.json:
         print(json.dumps(report, indent=2))

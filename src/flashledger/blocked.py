@@ -100,9 +100,10 @@ import torch
 
 from . import _native, online
 from ._checks import check_size
+from ._mods import find_captured
 from ._options import AttentionOptions, check_options
 from ._problem import Placement, Problem, build_problem
-from .ledger import BackwardTileStep, Counters, ForwardTileStep, Ledger
+from .ledger import BackwardTileStep, Counters, ForwardTileStep, Ledger, Trace, ordinal
 from .masks import EMPTY, FULL, PARTIAL, TILE_KINDS, IntervalBound
 from .reference import _backward_inputs, _conventional_lse
 from .scores import TileGrad
@@ -173,31 +174,132 @@ def _running(
         yield n, t0, t1, kind
 
 
-def _observers(ledger: Ledger, trace: bool, observer: Any) -> tuple[list[Any], bool]:
+def _observers(
+    ledger: Ledger, trace: Trace | None, observer: Any
+) -> tuple[list[Any], Callable[[int], bool]]:
+    """The loop's observers and ``wants(index)``: whether step ``index`` must hand its tensors
+    to an observer (the recorder keeps every ``trace.every``-th step)."""
     obs: list[Any] = []
-    if trace:
-        obs.append(_Recorder(ledger))
+    if trace is not None:
+        obs.append(_Recorder(ledger, trace.every))
     if observer is not None:
         if not (hasattr(observer, "forward_tile") or hasattr(observer, "backward_tile")):
             raise TypeError("observer must have forward_tile(step) and/or backward_tile(step)")
         obs.append(observer)
-    wants = any(getattr(o, "wants_tensors", True) for o in obs)
+    others = any(getattr(o, "wants_tensors", True) for o in obs if not isinstance(o, _Recorder))
+    every = trace.every if trace is not None else 0
+
+    def wants(index: int) -> bool:
+        return others or (every > 0 and index % every == 0)
+
     return obs, wants
 
 
 class _Recorder:
-    """The ``trace=True`` observer: appends every step to the ledger."""
+    """The ``trace=`` observer: appends every ``every``-th step to the ledger."""
 
     wants_tensors = True
 
-    def __init__(self, ledger: Ledger) -> None:
-        self.ledger = ledger
+    def __init__(self, ledger: Ledger, every: int) -> None:
+        self.ledger, self.every = ledger, every
+        ledger.record_every = every
 
     def forward_tile(self, step: ForwardTileStep) -> None:
-        self.ledger.records.append(step)
+        if step.index % self.every == 0:
+            self.ledger.records.append(step)
 
     def backward_tile(self, step: BackwardTileStep) -> None:
-        self.ledger.records.append(step)
+        if step.index % self.every == 0:
+            self.ledger.records.append(step)
+
+
+def _record_bytes(
+    pb: Problem,
+    classes: list[list[int]] | None,
+    qtiles: Sequence[tuple[int, int]],
+    ktiles: Sequence[tuple[int, int]],
+    pass_name: str,
+    every: int,
+) -> tuple[int, int, int]:
+    """``(bytes, steps kept, steps run)`` of the records ``trace`` keeps, in closed form.
+
+    Per tile step of ``bq x bk`` (in the accumulation dtype's bytes, ``B·Hq`` query heads,
+    ``B·Hkv`` K/V heads; the dropout keep mask adds one byte per ``B·Hq·bq·bk``):
+    forward fa2 ``B·Hq·(2·bq·bk + 5·bq + 2·bq·d_v)`` (s, p; block max, m before/after, α,
+    ℓ; acc, o), fa1 the same without acc, backward ``B·Hq·(4·bq·bk + bq·d) + B·Hkv·bk·(d +
+    d_v)`` (s, p, dP, dS; the step's dQ, dK, dV). Steps are numbered in loop order
+    (query-tile major for the fa2 forward, key-tile major otherwise); step ``n`` is kept
+    when ``n % every == 0``.
+    """
+    b, hq, hkv, g, lq, lk, d, dv = pb.shape
+    elem = pb.q.element_size()
+    bq = torch.tensor([q1 - q0 for q0, q1 in qtiles], dtype=torch.int64)[:, None]  # (Tq, 1)
+    bk = torch.tensor([k1 - k0 for k0, k1 in ktiles], dtype=torch.int64)[None, :]  # (1, Tk)
+    bh, bkv = b * hq, b * hkv
+    if pass_name == "backward":
+        per = (bh * (4 * bq * bk + bq * d) + bkv * bk * (d + dv)) * elem
+    else:
+        rows = 2 * dv if pass_name == "forward fa2" else dv
+        per = bh * (2 * bq * bk + 5 * bq + rows * bq) * elem
+    if pb.dropout_p > 0.0:
+        per = per + bh * bq * bk  # (Tq, Tk) bytes of one step's record
+    run = torch.ones(len(qtiles), len(ktiles), dtype=torch.bool)
+    if classes is not None:
+        run = torch.tensor(classes) != EMPTY  # (Tq, Tk)
+    if pass_name != "forward fa2":  # key-tile major
+        run, per = run.T, per.T
+    run, per = run.reshape(-1), per.expand(run.shape).reshape(-1)
+    index = torch.cumsum(run.to(torch.int64), 0) - 1  # loop step number of each tile run
+    kept = run & (index % every == 0)
+    return int(per[kept].sum()), int(kept.sum()), int(run.sum())
+
+
+def _check_trace_budget(
+    pb: Problem,
+    trace: Trace,
+    classes: list[list[int]] | None,
+    qtiles: Sequence[tuple[int, int]],
+    ktiles: Sequence[tuple[int, int]],
+    pass_name: str,
+) -> None:
+    """Raise ``ValueError`` before the loop runs when its records would exceed the budget."""
+    budget = trace.max_bytes
+    if budget is None:
+        return
+    need, kept, run = _record_bytes(pb, classes, qtiles, ktiles, pass_name, trace.every)
+    if need <= budget:
+        return
+    every = trace.every
+    k = max(every + 1, -(-need * every // max(budget, 1)))
+    fits = None
+    while k <= max(run, 1):
+        size = _record_bytes(pb, classes, qtiles, ktiles, pass_name, k)[0]
+        if size <= budget:
+            fits = (k, size)
+            break
+        k *= 2
+    b, hq = pb.shape[:2]
+    hint = (
+        f"record fewer steps (trace=flashledger.Trace(every={fits[0]}) keeps every "
+        f"{ordinal(fits[0])} step: {_size(fits[1])}), "
+        if fits is not None
+        else "use smaller tiles (even one step's record is over the budget), "
+    )
+    raise ValueError(
+        f"trace: the {pass_name.split()[0]} ledger would record {_size(need)} ({kept:,} of "
+        f"{run:,} tile steps, each with its tensors for all B·H = {b * hq} heads: records grow "
+        f"as B·H·Lq·Lk), over the trace budget of {_size(budget)}; {hint}raise the budget "
+        "(flashledger.Trace(max_bytes=...), None for no limit), or trace a shorter sequence "
+        "or fewer heads"
+    )
+
+
+def _size(n: int) -> str:
+    """Bytes as ``"1.24 GiB"``-style text."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} B"
 
 
 class _Book:
@@ -417,6 +519,28 @@ def _finish_scores(
     return s, ctx, vis, keep
 
 
+def _refuse_graph(
+    where: str, tensors: dict[str, Any], score_mod: Any = None, q: Any = None
+) -> None:
+    """The loop fills buffers in place and records no graph: with grad mode on, an input that
+    requires a gradient would silently get none from it (a tensor a ``score_mod`` captures
+    too). Refuse, and name the op that does."""
+    if not torch.is_grad_enabled():
+        return
+    names = [n for n, t in tensors.items() if isinstance(t, torch.Tensor) and t.requires_grad]
+    if callable(score_mod) and isinstance(q, torch.Tensor):
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        if find_captured(score_mod, dtype=acc, device=q.device):
+            names.append("tensors the score_mod captures")
+    if names:
+        raise ValueError(
+            f"{where} is not differentiable (its loop records no graph), but "
+            f"{', '.join(names)} require{'s' if len(names) == 1 else ''} a gradient: use "
+            "flash_attention(q, k, v, ...) for gradients, or pass detached tensors "
+            "(or call it under torch.no_grad())"
+        )
+
+
 def _check_options(block_q: Any, block_k: Any, loop_order: Any) -> None:
     check_size("block_q", block_q)
     check_size("block_k", block_k)
@@ -438,20 +562,25 @@ def _new_ledger(pb: Problem, name: str, block_q: int, block_k: int, order: str) 
     return led
 
 
-def _classes(pb: Problem, block_q: int, block_k: int, ledger: Ledger) -> list[list[int]] | None:
-    """The mask's tile classes (set in the ledger), booking the positions a mask_mod was
-    evaluated at to find them (none when the bound mask knew them already)."""
+def _classes(
+    pb: Problem, block_q: int, block_k: int, ledger: Ledger | None = None
+) -> list[list[int]] | None:
+    """The mask's tile classes (None without a mask); with ``ledger``, set in it, and the
+    positions a mask_mod was evaluated at to find them booked (none when the bound mask
+    knew them already)."""
     if pb.mask is None:
-        ledger.set_tile_classes(None)
+        if ledger is not None:
+            ledger.set_tile_classes(None)
         return None
     callers = pb.mask.callers
     before = sum(m.positions for m in callers)
     classes = pb.mask.classes(block_q, block_k).tolist()
-    b, hq = pb.shape[:2]
-    ledger.counters.mask_mod_classify_evals += (sum(m.positions for m in callers) - before) * (
-        b * hq
-    )
-    ledger.set_tile_classes(classes)
+    if ledger is not None:
+        b, hq = pb.shape[:2]
+        ledger.counters.mask_mod_classify_evals += (sum(m.positions for m in callers) - before) * (
+            b * hq
+        )
+        ledger.set_tile_classes(classes)
     return classes
 
 
@@ -659,7 +788,7 @@ def _forward(
     block_q: int,
     block_k: int,
     loop_order: str,
-    trace: bool,
+    trace: Trace | None,
     observer: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, Ledger]:
     """The forward loop. Returns ``o`` ``(B, Hkv, G, Lq, d_v)``, ``lse`` with -inf on empty rows."""
@@ -669,6 +798,8 @@ def _forward(
     obs, wants = _observers(ledger, trace, observer)
     book = _Book(pb, ledger.counters)
     qtiles, ktiles = _tiles(lq, block_q), _tiles(lk, block_k)
+    if trace is not None:
+        _check_trace_budget(pb, trace, classes, qtiles, ktiles, f"forward {loop_order}")
     kind_of = (lambda i, j: FULL) if classes is None else (lambda i, j: classes[i][j])
     dt, dev = pb.dtype, pb.geo.device
     kern = _native_step(pb, loop_order, obs)
@@ -710,7 +841,8 @@ def _forward(
             for j, k0, k1, kind in _running(book, ktiles, kind_of, i=i):
                 kt, vj = kv_t[j]
                 s, _, vis, keep = _tile_scores(pb, ws, qi, kt, kind, q0, q1, k0, k1)
-                if wants:  # the step overwrites s and the state in place
+                want = bool(obs) and wants(steps)
+                if want:  # the step overwrites s and the state in place
                     s_seen, m_before = s.clone(), state.m.clone()
                 # -- update m, ell, acc (the seed's section 01) --
                 alpha, p = online.step_(
@@ -725,7 +857,7 @@ def _forward(
                 ran = True
                 if obs:
                     tens = {}
-                    if wants:
+                    if want:
                         o_now, _ = online.finalize(state)
                         tens = dict(
                             s=user_q(s_seen),
@@ -778,7 +910,7 @@ def _forward(
                 keep=keep,
                 keep_scale=pb.keep_scale,
             )
-            if obs and wants:
+            if obs and wants(steps):
                 tens = dict(
                     s=pb.user_q(s.clone()),
                     block_max=pb.user_rows(s.amax(dim=-1)),
@@ -823,7 +955,7 @@ def blocked_forward(
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
     loop_order: LoopOrder = "fa2",
-    trace: bool = False,
+    trace: bool | int | Trace = False,
     observer: Any = None,
     raw_lse: bool = False,
     **opts: Unpack[AttentionOptions],
@@ -833,7 +965,10 @@ def blocked_forward(
     q ``(..., Lq, d)``, k ``(..., Lk, d)``, v ``(..., Lk, d_v)`` with ``...`` =
     ``()``, ``(H,)`` or ``(B, H)`` (K/V may have fewer heads: GQA). Tiles of
     ``block_q x block_k`` (default 512 x 512; any sizes >= 1, ragged last
-    tiles). ``trace=True`` records every tile step in ``result.ledger.records``.
+    tiles). ``trace=True`` records every tile step in ``result.ledger.records``,
+    ``trace=k`` every k-th, ``trace=Trace(every=k, max_bytes=n)`` with a budget: the
+    records' size is computed before the loop runs and over the budget (1 GiB by
+    default) a ``ValueError`` says how large they would be and how to reduce them.
     ``opts``: ``AttentionOptions`` (mask, scale, conventions, dropout, softcap,
     ALiBi, bias, cu_seqlens).
     ``raw_lse=True`` reports -inf for fully-masked rows whatever the
@@ -841,6 +976,9 @@ def blocked_forward(
     """
     _check_options(block_q, block_k, loop_order)
     check_options("blocked_forward", opts)
+    _refuse_graph(
+        "blocked_forward", dict(q=q, k=k, v=v, bias=opts.get("bias")), opts.get("score_mod"), q
+    )
     pb = build_problem(q, k, v, placement=placement, **opts)
     return _forward_problem(
         pb,
@@ -859,7 +997,7 @@ def _forward_problem(
     block_q: int,
     block_k: int,
     loop_order: str,
-    trace: bool = False,
+    trace: bool | int | Trace = False,
     observer: Any = None,
     raw_lse: bool = False,
 ) -> ForwardResult:
@@ -869,9 +1007,10 @@ def _forward_problem(
         block_q=block_q,
         block_k=block_k,
         loop_order=loop_order,
-        trace=trace,
+        trace=Trace.of(trace),
         observer=observer,
     )
+    pb.check_forward_lse(lse, o)
     if not raw_lse:
         lse = _conventional_lse(lse, pb.conventions)
     return ForwardResult(o=pb.user_q(o).to(pb.out_dtype), lse=pb.user_rows(lse), ledger=ledger)
@@ -890,7 +1029,7 @@ def _backward(
     block_q: int,
     block_k: int,
     loop_order: str,
-    trace: bool,
+    trace: Trace | None,
     observer: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, Ledger]:
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
@@ -899,6 +1038,8 @@ def _backward(
     obs, wants = _observers(ledger, trace, observer)
     book = _Book(pb, ledger.counters)
     qtiles, ktiles = _tiles(lq, block_q), _tiles(lk, block_k)
+    if trace is not None:
+        _check_trace_budget(pb, trace, classes, qtiles, ktiles, "backward")
     kind_of = (lambda i, j: FULL) if classes is None else (lambda i, j: classes[i][j])
     dt, dev = pb.dtype, pb.geo.device
     n = b * hkv
@@ -964,12 +1105,13 @@ def _backward(
             ds, p = ws.get(2, n, r, bk), ws.get(3, n, r, bk)  # (B·Hkv, G·bq, bk)
             # -- rebuild the probability block from the whole row's LSE --
             online.exp_shifted(s, lse_t[i], out=p)  # P = exp(S - λ)
-            p_seen = p.clone() if wants else None
+            want = bool(obs) and wants(steps)
+            p_seen = p.clone() if want else None
             if keep is not None:
                 keep3 = keep.reshape(p.shape)
                 dp.mul_(keep3).mul_(pb.keep_scale)
             torch.sub(dp, d_t[i], out=ds).mul_(p)  # dS = P ⊙ (dP - D)
-            ds_seen = ds.clone() if wants else None
+            ds_seen = ds.clone() if want else None
             if pb.smod.user is not None:  # the score_mod's VJP on the tile: dS of its input
                 ds_in = pb.smod.grad_user(_unflat(pb, ds), ctx)
                 if ds_in.data_ptr() != ds.data_ptr():  # (an additive score_mod passes ds on)
@@ -990,7 +1132,7 @@ def _backward(
             if obs:
                 book.flush()
                 tens = {}
-                if wants:
+                if want:
                     assert p_seen is not None and ds_seen is not None
 
                     def user_q(x: torch.Tensor) -> torch.Tensor:
@@ -1059,7 +1201,7 @@ def blocked_backward(
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
     loop_order: LoopOrder = "fa2",
-    trace: bool = False,
+    trace: bool | int | Trace = False,
     observer: Any = None,
     **opts: Unpack[AttentionOptions],
 ) -> BackwardResult:
@@ -1070,6 +1212,12 @@ def blocked_backward(
     """
     _check_options(block_q, block_k, loop_order)
     check_options("blocked_backward", opts)
+    _refuse_graph(
+        "blocked_backward",
+        dict(q=q, k=k, v=v, o=o, lse=lse, do=do, dlse=dlse, bias=opts.get("bias")),
+        opts.get("score_mod"),
+        q,
+    )
     pb = build_problem(q, k, v, placement=placement, **opts)
     return _backward_problem(
         pb,
@@ -1083,6 +1231,7 @@ def blocked_backward(
         loop_order=loop_order,
         trace=trace,
         observer=observer,
+        whole=placement is None,
     )
 
 
@@ -1097,15 +1246,18 @@ def _backward_problem(
     block_q: int,
     block_k: int,
     loop_order: str,
-    trace: bool = False,
+    trace: bool | int | Trace = False,
     observer: Any = None,
+    whole: bool = True,
 ) -> BackwardResult:
     """``blocked_backward`` on a built problem (``flash_attention`` gives it the forward's
-    bound mask, so that a mask_mod's tile classes and kept tiles serve both passes)."""
+    bound mask, so that a mask_mod's tile classes and kept tiles serve both passes);
+    ``whole``: the call covers the whole sequence (no placement)."""
     o5, do5, dlse5 = _backward_inputs(pb, o, lse, do, dlse)
     if pb.smod.user is not None:
         pb.smod.user.reset_grads()
     lse5 = pb.to_internal_rows(lse.to(pb.dtype))
+    pb.check_saved_lse(lse5, whole=whole)
     dq, dk, dv, dbias5, D, ledger = _backward(
         pb,
         o5,
@@ -1115,9 +1267,10 @@ def _backward_problem(
         block_q=block_q,
         block_k=block_k,
         loop_order=loop_order,
-        trace=trace,
+        trace=Trace.of(trace),
         observer=observer,
     )
+    pb.check_gradients(dq=dq, dk=dk, dv=dv)
     dbias = None
     if dbias5 is not None and bias is not None:
         dbias = dbias5.reshape(bias.shape).to(bias.dtype)
@@ -1154,7 +1307,11 @@ def split_kv_forward(
     answer. The ledger's counters are the sum over chunks.
     """
     check_size("num_splits", num_splits)
+    _check_options(block_q, block_k, "fa2")
     check_options("split_kv_forward", opts, refused=("cu_seqlens_q", "cu_seqlens_k"))
+    _refuse_graph(
+        "split_kv_forward", dict(q=q, k=k, v=v, bias=opts.get("bias")), opts.get("score_mod"), q
+    )
     pb = build_problem(q, k, v, **opts)
     lq, lk = pb.shape[4], pb.shape[5]
     if num_splits > lk:
@@ -1171,7 +1328,7 @@ def split_kv_forward(
             **opts,
         )
         po, pl, led = _forward(
-            part, block_q=block_q, block_k=block_k, loop_order="fa2", trace=False, observer=None
+            part, block_q=block_q, block_k=block_k, loop_order="fa2", trace=None, observer=None
         )
         for key, val in led.counters.to_dict().items():
             setattr(total, key, getattr(total, key) + val)
@@ -1182,6 +1339,7 @@ def split_kv_forward(
             # -- the one merge: rescale both partial states onto the larger max --
             o_acc, lse_acc = online.merge_partials(o_acc, lse_acc, po, pl)
     assert o_acc is not None and lse_acc is not None
+    pb.check_forward_lse(lse_acc, o_acc)
     ledger = Ledger(
         pass_name=f"forward (split-KV, {num_splits} splits)",
         block_q=block_q,

@@ -3,8 +3,8 @@
 Subcommands: ``online`` (the running state, block by block), ``backward``
 (rebuild and differentiate), ``account`` (storage and work), ``traffic``
 (slow-memory traffic, ``--sweep`` for the plot), ``explore`` (the web
-explorer), and ``verify``, ``bench``, ``ring``, whose options live in their
-own modules and are loaded only when used.
+explorer), and ``verify``, ``bench``, ``ring``, ``model``, whose options live
+in their own modules and are loaded only when used.
 
 Bad input never shows a traceback: the command prints one line naming the
 option and what is allowed, and exits with status 2.
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from ._limits import MAX_SIZE
+from ._limits import BACKWARD_CLI_MAX_SCORES, MAX_SIZE
 from ._progress import (
     int_arg,
     join_dash_values,
@@ -50,6 +50,7 @@ DELEGATED = {
     "verify": "check attention against PyTorch and an exact answer",
     "bench": "time the blocked loop against PyTorch",
     "ring": "ring attention (context parallelism) over torch.distributed",
+    "model": "the attention ledger of a random-initialised transformers model",
 }
 COMMANDS = ("online", "backward", "account", "traffic", "explore", *DELEGATED)
 DTYPES = ("float64", "float32", "float16", "bfloat16")
@@ -218,7 +219,13 @@ def _load_bool_matrix(path: str) -> torch.Tensor:
 
     try:
         if path.endswith(".json"):
-            data = json.loads(Path(path).read_text())
+            data = _read_json(path, f"mask file {path}", "a mask is a matrix of true/false")
+            depth = _nesting(data)
+            if depth > MAX_NESTING:
+                raise argparse.ArgumentTypeError(
+                    f"mask file {path}: lists nested {depth} deep; a mask is a (Lq, Lk), "
+                    "(H, Lq, Lk) or (B, H, Lq, Lk) matrix of true/false"
+                )
             try:
                 arr = np.asarray(data)
             except ValueError:
@@ -248,6 +255,34 @@ def _load_bool_matrix(path: str) -> torch.Tensor:
             )
         arr = arr.astype(bool)
     return torch.from_numpy(np.ascontiguousarray(arr))
+
+
+def _read_json(path: str, what: str, hint: str) -> Any:
+    """Parse a JSON file; nesting deeper than Python's parser can follow is a clear error."""
+    text = Path(path).read_text()
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise argparse.ArgumentTypeError(
+            f"{what}: JSON nested too deeply to read (more than {sys.getrecursionlimit():,} "
+            f"levels); {hint}"
+        ) from None
+
+
+MAX_NESTING = 32
+"""Deepest list nesting read from a JSON file (numpy stops at 64 dimensions; inputs have 4)."""
+
+
+def _nesting(data: Any) -> int:
+    """How deep lists nest in ``data`` (0 for a scalar), walking without recursion."""
+    depth, level = 0, [data]
+    while level:
+        lists = [x for x in level if isinstance(x, list)]
+        if not lists:
+            break
+        depth += 1
+        level = [y for x in lists for y in x]
+    return depth
 
 
 # ----------------------------------------------------------------------------------------
@@ -343,12 +378,23 @@ def _cmd_online(args: argparse.Namespace) -> int:
     block = int(demo["block"]) if args.block is None else args.block
     p = args.precision
     shifted = scores + args.shift  # (L,)
+    finite = torch.isfinite(scores)
+    if not bool(torch.isfinite(shifted[finite]).all()):
+        raise UsageError(
+            f"--shift {args.shift:g} makes a score overflow float64 (|score + shift| above "
+            f"{torch.finfo(torch.float64).max:.3g}); use a smaller shift"
+        )
+    # what the shift itself rounded away: float64 keeps 53 bits, so s + shift - shift != s
+    # once the shift is many orders above the scores
+    rounding = float(((shifted - args.shift) - scores)[finite].abs().max())
     osm = OnlineSoftmax.run(shifted, values, block=block)
     ref = softmax_output(shifted, values)  # (d_v,)
     probs = torch.softmax(shifted, dim=-1)  # (L,)
     diff = _max_abs_diff(osm.output(), ref)
     base = OnlineSoftmax.run(scores, values, block=block) if args.shift else osm
     shift_diff = _max_abs_diff(osm.output(), base.output())
+    # "unchanged" only within float64 rounding of the output (its size is max |v|)
+    unchanged = shift_diff <= 1e-12 * max(1.0, float(values.abs().max()))
     wrong = blockwise_softmax_average(shifted, values, block=block) if args.counterexample else None
 
     if args.json:
@@ -379,6 +425,8 @@ def _cmd_online(args: argparse.Namespace) -> int:
         if args.shift:
             out["unshifted_m"] = float(base.m)
             out["shift_max_abs_diff"] = shift_diff
+            out["shift_rounding"] = rounding
+            out["shift_output_unchanged"] = unchanged
         if wrong is not None:
             out["counterexample"] = {
                 "block_average": wrong,
@@ -417,11 +465,21 @@ def _cmd_online(args: argparse.Namespace) -> int:
     con.print(f"full-row reference:                 {_fmt_any(ref, p)}")
     con.print(f"max |difference|: {diff:.3g}")
     if args.shift:
-        con.print(
+        head = (
             f"shift {args.shift:+g}: running max {_fmt_any(osm.m, p)} instead of "
-            f"{_fmt_any(base.m, p)}; output unchanged (max |difference| vs unshifted: "
-            f"{shift_diff:.3g})"
+            f"{_fmt_any(base.m, p)}; "
         )
+        if unchanged:
+            con.print(f"{head}output unchanged (max |difference| vs unshifted: {shift_diff:.3g})")
+        else:
+            spacing = math.ulp(float(shifted[finite].abs().max()))
+            con.print(
+                f"{head}output CHANGED (max |difference| vs unshifted: {shift_diff:.3g}): "
+                f"float64 keeps about 16 significant digits, so adding {args.shift:g} rounded "
+                f"the scores by up to {rounding:.3g} (neighbouring float64 numbers there are "
+                f"{spacing:.3g} apart) and the row is no longer the same row; softmax is "
+                "shift-invariant only while score + shift keeps the scores' digits"
+            )
     if wrong is not None:
         _print_counterexample(con, shifted, values, block, wrong, ref, p)
     return 0
@@ -471,7 +529,12 @@ def _load_inputs(path: str) -> dict[str, torch.Tensor]:
         raise UsageError(f"--input must be a .json or .npz file with keys q, k, v, g, got {path!r}")
     try:
         if path.endswith(".json"):
-            data = json.loads(Path(path).read_text())
+            try:
+                data = _read_json(
+                    path, f"--input {path}", "q, k, v, g are at most 4-D arrays of numbers"
+                )
+            except argparse.ArgumentTypeError as exc:
+                raise UsageError(str(exc)) from None
             if not isinstance(data, dict):
                 raise UsageError(f"--input {path}: expected a JSON object with keys q, k, v, g")
         else:
@@ -488,8 +551,19 @@ def _load_inputs(path: str) -> dict[str, torch.Tensor]:
         raise UsageError(f"--input {path}: missing key(s) {', '.join(missing)}; needs q, k, v, g")
     out = {}
     for k in keys:
+        if isinstance(data[k], list) and _nesting(data[k]) > MAX_NESTING:
+            raise UsageError(
+                f"--input {path}: {k} has lists nested {_nesting(data[k])} deep; it must have "
+                "shape (L, d), (H, L, d) or (B, H, L, d)"
+            )
         try:
-            arr = np.asarray(data[k], dtype=np.float64)
+            raw = np.asarray(data[k])
+            if raw.dtype.kind == "c":
+                raise UsageError(
+                    f"--input {path}: {k} holds complex numbers ({raw.dtype}); attention "
+                    "inputs are real (the imaginary part would be dropped)"
+                )
+            arr = np.asarray(raw, dtype=np.float64)
         except (TypeError, ValueError):
             raise UsageError(f"--input {path}: {k} must be a numeric array") from None
         if arr.ndim not in (2, 3, 4) or 0 in arr.shape:
@@ -539,6 +613,32 @@ class _TileProgress:
         self.advance(1.0)
 
 
+class _PrintedSteps(_TileProgress):
+    """Keeps what ``backward`` prints of each backward step, and no more: the tile, its
+    kind and the rebuilt P rows of the first batch element and head (a full trace would keep
+    S, P, dP, dS and the gradients of every head)."""
+
+    wants_tensors = True
+
+    def __init__(self, advance: Callable[[float], None], lead: int) -> None:
+        super().__init__(advance)
+        self.lead = lead
+        self.steps: list[dict[str, Any]] = []
+
+    def backward_tile(self, step: Any) -> None:
+        self.advance(1.0)
+        self.steps.append(
+            {
+                "step": step.index + 1,
+                "tile": f"Q{step.q_tile} x K{step.k_tile}",
+                "queries": f"{step.q_range[0]}..{step.q_range[1] - 1}",
+                "keys": f"{step.k_range[0]}..{step.k_range[1] - 1}",
+                "kind": step.kind,
+                "p": _first_head(step.p, self.lead).clone(),
+            }
+        )
+
+
 def _cmd_backward(args: argparse.Namespace) -> int:
     import torch
 
@@ -556,6 +656,15 @@ def _cmd_backward(args: argparse.Namespace) -> int:
         x = _load_inputs(args.input)
         q, k, v, g = x["q"], x["k"], x["v"], x["g"]
         default_mask, default_block = MaskSpec("none", None), 64
+        scores = math.prod(q.shape[:-1]) * k.shape[-2]
+        if scores > BACKWARD_CLI_MAX_SCORES:
+            raise UsageError(
+                f"--input {args.input}: q {tuple(q.shape)} and k {tuple(k.shape)} make "
+                f"{scores:,} scores (B·H·Lq·Lk); this command prints every tile's rebuilt P "
+                "and checks it against the dense reference, so it takes at most "
+                f"{BACKWARD_CLI_MAX_SCORES:,} (one head of length 2048); use a shorter input, "
+                "or the library with trace=flashledger.Trace(every=k) for long ones"
+            )
     assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
     assert isinstance(v, torch.Tensor) and isinstance(g, torch.Tensor)
     spec: MaskSpec = default_mask if args.mask is None else args.mask
@@ -569,15 +678,16 @@ def _cmd_backward(args: argparse.Namespace) -> int:
         softcap=args.softcap, alibi_slopes=slopes,
     )  # fmt: skip
     tiles = -(-q.shape[-2] // block_q) * -(-k.shape[-2] // block_k)
+    lead = q.ndim - 2
     with progress("forward + backward", total=2 * tiles) as advance:
-        obs = _TileProgress(advance)
+        printed = _PrintedSteps(advance, lead)
         fwd = blocked_forward(
-            q, k, v, block_q=block_q, block_k=block_k, loop_order=args.loop_order, trace=True,
-            observer=obs, **opts,
+            q, k, v, block_q=block_q, block_k=block_k, loop_order=args.loop_order,
+            observer=_TileProgress(advance), **opts,
         )  # fmt: skip
         bwd = blocked_backward(
             q, k, v, fwd.o, fwd.lse, g, block_q=block_q, block_k=block_k,
-            loop_order=args.loop_order, trace=True, observer=obs, **opts,
+            loop_order=args.loop_order, observer=printed, **opts,
         )  # fmt: skip
     ref = reference_forward(q, k, v, **opts)
     rb = reference_backward(q, k, v, ref.o, ref.lse, g, **opts)
@@ -588,18 +698,7 @@ def _cmd_backward(args: argparse.Namespace) -> int:
         "dk": _max_abs_diff(bwd.dk, rb.dk),
         "dv": _max_abs_diff(bwd.dv, rb.dv),
     }
-    lead = q.ndim - 2
-    steps = [
-        {
-            "step": r.index + 1,
-            "tile": f"Q{r.q_tile} x K{r.k_tile}",
-            "queries": f"{r.q_range[0]}..{r.q_range[1] - 1}",
-            "keys": f"{r.k_range[0]}..{r.k_range[1] - 1}",
-            "kind": r.kind,
-            "p": _first_head(r.p, lead) if r.p is not None else None,
-        }
-        for r in bwd.ledger.records
-    ]
+    steps = printed.steps
     config = {
         "input": args.input or "seed five-position example",
         "shape_q": list(q.shape), "shape_k": list(k.shape), "shape_v": list(v.shape),
@@ -1237,7 +1336,11 @@ def _allocation(exc: BaseException) -> str:
     found = re.search(r"allocate (\d+) bytes", str(exc))
     if found is None:
         return type(exc).__name__
-    return f"one allocation of {int(found.group(1)) / 2**30:,.1f} GiB failed"
+    n = int(found.group(1))
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"one allocation of {n / scale:,.1f} {unit} failed"
+    return f"one allocation of {n:,} bytes failed"
 
 
 def _fail(message: str) -> None:

@@ -20,9 +20,51 @@ from typing import Any
 
 import torch
 
+from ._checks import check_size
+from ._limits import TRACE_MAX_BYTES
 from .masks import TILE_KINDS
 
-__all__ = ["BackwardTileStep", "Counters", "ForwardTileStep", "Ledger", "jsonable"]
+__all__ = ["BackwardTileStep", "Counters", "ForwardTileStep", "Ledger", "Trace", "jsonable"]
+
+
+@dataclass(frozen=True)
+class Trace:
+    """What ``trace=`` records: every ``every``-th tile step, within ``max_bytes``.
+
+    ``trace=True`` is ``Trace()`` (every step, the default budget of 1 GiB) and
+    ``trace=k`` is ``Trace(every=k)``. Records hold the step's tensors (scores,
+    probabilities, running state or gradients), so they grow as ``B·H·Lq·Lk``;
+    the loop computes their size before it starts and raises ``ValueError``,
+    with the size and how to reduce it, when it exceeds ``max_bytes`` (``None``:
+    no budget). Kept records keep the loop's step ``index``.
+    """
+
+    every: int = 1
+    """Keep the records of steps ``0, every, 2·every, ...`` (observers still see every step)."""
+    max_bytes: int | None = TRACE_MAX_BYTES
+    """Budget for the records' tensor data, in bytes (default 1 GiB; ``None``: unlimited)."""
+
+    def __post_init__(self) -> None:
+        check_size("Trace.every", self.every)
+        mb = self.max_bytes
+        if mb is not None and (isinstance(mb, bool) or not isinstance(mb, int) or mb < 0):
+            raise ValueError(f"Trace.max_bytes must be an integer >= 0 or None, got {mb!r}")
+
+    @staticmethod
+    def of(trace: bool | int | Trace | None) -> Trace | None:
+        """``trace=`` as a ``Trace`` (None when off): False/None, True, an int ``every`` or a Trace."""
+        if trace is None or trace is False:
+            return None
+        if trace is True:
+            return Trace()
+        if isinstance(trace, Trace):
+            return trace
+        if isinstance(trace, int):
+            return Trace(every=trace)
+        raise TypeError(
+            "trace must be True/False, an integer k (record every k-th step) or "
+            f"flashledger.Trace(every=..., max_bytes=...), got {type(trace).__name__}"
+        )
 
 
 @dataclass
@@ -138,6 +180,8 @@ class Ledger:
     """``tile_kinds[i][j]``: ``"empty"``, ``"partial"`` or ``"full"`` for every tile."""
     lead: int = 0
     """Leading (batch, head) dims of the record tensors: 0, 1 or 2."""
+    record_every: int = 1
+    """Records were kept for every ``record_every``-th step (``Trace.every``)."""
 
     # -- plumbing used by the loop --------------------------------------------------
     def set_tile_classes(self, classes: Sequence[Sequence[int]] | torch.Tensor | None) -> None:
@@ -186,6 +230,7 @@ class Ledger:
             "tiles_k": self.tiles_k,
             "counters": self.counters.to_dict(),
             "tile_kinds": self.tile_kinds,
+            "record_every": self.record_every,
             "records": [jsonable(asdict(r)) for r in self.records],
         }
 
@@ -205,6 +250,8 @@ class Ledger:
             )
         if c.score_mod_tiles:
             head += f"; score_mod: {c.score_mod_evals} positions in {c.score_mod_tiles} tile calls"
+        if self.record_every > 1 and self.records:
+            head += f"; records of every {ordinal(self.record_every)} step"
         rows = self.rows()
         if not rows:
             return head
@@ -254,6 +301,12 @@ class Ledger:
                 + "</table>"
             )
         return "\n".join(parts)
+
+
+def ordinal(n: int) -> str:
+    """``1st``, ``2nd``, ``3rd``, ``4th``, ..., ``11th``, ``21st``."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 def _first(x: torch.Tensor | None, lead: int) -> list[Any] | None:

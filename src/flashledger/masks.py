@@ -31,7 +31,9 @@ Conventions (flash-attn semantics):
 - ``SlidingWindow(left, right)``: iff ``c - left <= j <= c + right`` with
   ``c = i`` (top-left) or ``c = i + Lk - Lq`` (bottom-right); ``None`` or -1
   means unbounded on that side; ``SlidingWindow(None, 0)`` is causal.
-- ``KeyPadding(lengths)``: batch ``b`` sees keys ``j < lengths[b]``.
+- ``KeyPadding(lengths)``: batch ``b`` sees keys ``j < lengths[b]`` (right
+  padding); ``KeyPadding(lengths, side="left")``: keys ``j >= Lk - lengths[b]``
+  (left padding: the real keys are the last ``lengths[b]``).
 - ``DenseMask(t)``: any bool tensor broadcastable to ``(B, H, Lq, Lk)``.
 - ``a | b``: visible iff visible in either. Tile classes: full if either is
   full, empty if both are empty, else partial (two partial tiles that cover
@@ -242,6 +244,10 @@ class BoundMask(ABC):
         """The whole visibility matrix, bool ``(Bm, Hm, Lq, Lk)``."""
         return self.block(0, self.geo.lq, 0, self.geo.lk)
 
+    def rows_with_keys(self) -> torch.Tensor:
+        """Rows that see at least one key of the call, bool ``(Bm, Hm, Lq)``."""
+        return self.dense().any(dim=-1)
+
 
 class IntervalBound(BoundMask):
     """Row ``i`` sees global keys ``lo[i] <= j <= hi[i]`` (``lo``, ``hi``: ``(Bm, Lq)``)."""
@@ -256,6 +262,11 @@ class IntervalBound(BoundMask):
         lo = self.lo[:, q0:q1, None]  # (Bm, bq, 1)
         hi = self.hi[:, q0:q1, None]
         return ((j >= lo) & (j <= hi)).unsqueeze(1)  # (Bm, 1, bq, bk)
+
+    def rows_with_keys(self) -> torch.Tensor:
+        g = self.geo
+        lo_l, hi_l = self.lo - g.k_offset, self.hi - g.k_offset  # (Bm, Lq) local
+        return ((lo_l <= hi_l) & (hi_l >= 0) & (lo_l <= g.lk - 1)).unsqueeze(1)  # (Bm, 1, Lq)
 
     def tile_classes(self, block_q: int, block_k: int) -> torch.Tensor:
         g = self.geo
@@ -552,9 +563,19 @@ class SlidingWindow(Mask):
 
 
 class KeyPadding(Mask):
-    """Batch element ``b`` sees keys ``j < lengths[b]`` (``lengths``: ``(B,)`` ints)."""
+    """Batch element ``b`` sees only its ``lengths[b]`` real keys (``lengths``: ``(B,)`` ints).
 
-    def __init__(self, lengths: torch.Tensor | list[int] | tuple[int, ...]) -> None:
+    ``side="right"`` (default): the real keys come first, ``j < lengths[b]``;
+    ``side="left"``: they come last, ``j >= Lk - lengths[b]`` (left-padded
+    batches, as generation pads them; ``Lk`` is the call's whole key length).
+    """
+
+    def __init__(
+        self,
+        lengths: torch.Tensor | list[int] | tuple[int, ...],
+        *,
+        side: Literal["right", "left"] = "right",
+    ) -> None:
         t = torch.as_tensor(lengths)
         if t.ndim != 1 or t.numel() < 1 or t.is_floating_point() or t.dtype == torch.bool:
             raise ValueError(
@@ -562,10 +583,14 @@ class KeyPadding(Mask):
             )
         if bool((t < 0).any()):
             raise ValueError(f"KeyPadding lengths must be >= 0, got {t.tolist()}")
+        if side not in ("right", "left"):
+            raise ValueError(f"KeyPadding side must be 'right' or 'left', got {side!r}")
         self.lengths = t.to(torch.int64)
+        self.side = side
 
     def __repr__(self) -> str:
-        return f"KeyPadding({self.lengths.tolist()})"
+        side = "" if self.side == "right" else ", side='left'"
+        return f"KeyPadding({self.lengths.tolist()}{side})"
 
     def bind(self, geo: Geometry) -> BoundMask:
         if geo.varlen:
@@ -577,9 +602,11 @@ class KeyPadding(Mask):
             raise ValueError(
                 f"KeyPadding lengths has {n} entries; it needs one per batch element ({geo.batch})"
             )
-        lengths = self.lengths.to(geo.device)
-        hi = (lengths - 1)[:, None].expand(n, geo.lq)  # (B, Lq)
-        return IntervalBound(geo, geo.k_lo[None, :].expand(n, geo.lq), hi)
+        lengths = self.lengths.to(geo.device)[:, None].expand(n, geo.lq)  # (B, Lq)
+        if self.side == "left":
+            lo = geo.lk_total - lengths  # (B, Lq) first real key
+            return IntervalBound(geo, lo, (geo.k_hi - 1)[None, :].expand(n, geo.lq))
+        return IntervalBound(geo, geo.k_lo[None, :].expand(n, geo.lq), lengths - 1)
 
 
 class DenseMask(Mask):
@@ -679,7 +706,20 @@ def as_mask(mask: Mask | torch.Tensor | None) -> Mask | None:
 
 def _demo() -> None:
     """Tile classes of a few masks, Lq = 12, Lk = 16 in 4 x 4 tiles (. empty, p partial, F full)."""
-    for mask in (Causal(), Causal("bottom_right"), SlidingWindow(4, 0), KeyPadding([7])):
+    from . import masks as m  # the package's module (run as a script, this one is __main__)
+    from ._maskmod import MaskMod
+
+    def two_documents(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor):  # type: ignore[no-untyped-def]
+        return (q < 8) == (kv < 8)  # a FlexAttention mask_mod: tokens 0..7, then 8..
+
+    shown: tuple[m.Mask, ...] = (
+        m.Causal(),
+        m.Causal("bottom_right"),
+        m.SlidingWindow(4, 0),
+        m.KeyPadding([7]),
+        MaskMod(two_documents) | m.SlidingWindow(1, 1),
+    )
+    for mask in shown:
         print(repr(mask))
         for row in mask.tile_classes(12, 16, 4, 4).tolist():
             print("  " + " ".join(".pF"[c] for c in row))

@@ -120,6 +120,7 @@ def reference_forward(
     keep = pb.keep_tile(0, lq, 0, lk)
     pd = p if keep is None else p * keep * pb.keep_scale  # (B, Hkv, G, Lq, Lk)
     o = pd @ pb.v  # (B, Hkv, G, Lq, d_v)
+    pb.check_forward_lse(lse, o)
     return ReferenceForward(
         o=pb.user_q(o),
         lse=pb.user_rows(_conventional_lse(lse, pb.conventions)),
@@ -153,7 +154,8 @@ def reference_backward(
     o5, do5, dlse5 = _backward_inputs(pb, o, lse, do, dlse)
     lq, lk = pb.shape[4], pb.shape[5]
     s, ctx = _dense_scores(pb, grad=True)  # (B, Hkv, G, Lq, Lk)
-    p, _ = _softmax_rows(s)
+    p, lse_raw = _softmax_rows(s)
+    pb.check_forward_lse(lse_raw)
     keep = pb.keep_tile(0, lq, 0, lk)
     D = (do5 * o5).sum(dim=-1)  # (B, Hkv, G, Lq)
     dp = do5 @ pb.v.transpose(-1, -2)  # (B, Hkv, G, Lq, Lk)
@@ -171,6 +173,7 @@ def reference_backward(
     dq = dqk @ pb.k  # (B, Hkv, G, Lq, d)
     dk = (dqk.transpose(-1, -2) @ pb.q).sum(dim=2, keepdim=True)  # (B, Hkv, 1, Lk, d)
     dv = (pd.transpose(-1, -2) @ do5).sum(dim=2, keepdim=True)  # (B, Hkv, 1, Lk, d_v)
+    pb.check_gradients(dq=dq, dk=dk, dv=dv)
     dbias, bias = None, opts.get("bias")
     if bias is not None:
         dbias = reduce_to_bias(pb.user_q(ds), bias)

@@ -116,17 +116,27 @@ class ScoreMod:
         return ScoreMod(scale, geo, hkv, g, softcap, slopes, b5, user)
 
     def tile(
-        self, qk: torch.Tensor, q0: int, q1: int, k0: int, k1: int, *, grad: bool = False
+        self,
+        qk: torch.Tensor,
+        q0: int,
+        q1: int,
+        k0: int,
+        k1: int,
+        *,
+        grad: bool = False,
+        inplace: bool = True,
     ) -> tuple[torch.Tensor, TileGrad]:
-        """Final scores of a tile from ``qk = q k^T`` (modified in place); returns ``(s, ctx)``.
+        """Final scores of a tile from ``qk = q k^T``; returns ``(s, ctx)``.
 
-        ``ctx`` keeps what the backward needs: ``t = tanh(scale * qk / c)`` when
-        softcap is on and, with ``grad=True``, the score_mod's graph on the tile.
+        ``qk`` is modified in place unless ``inplace=False`` (out-of-place ops only, for
+        a graph autograd differentiates again). ``ctx`` keeps what the backward needs:
+        ``t = tanh(scale * qk / c)`` when softcap is on and, with ``grad=True``, the
+        score_mod's graph on the tile.
         """
-        s = qk.mul_(self.scale)  # (B, Hkv, G, bq, bk)
+        s = qk.mul_(self.scale) if inplace else qk * self.scale  # (B, Hkv, G, bq, bk)
         t = None
         if self.softcap is not None:
-            t = s.div_(self.softcap).tanh_()
+            t = s.div_(self.softcap).tanh_() if inplace else torch.tanh(s / self.softcap)
             s = t * self.softcap
         if self.slopes is not None:
             geo = self.geo

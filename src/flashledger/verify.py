@@ -670,9 +670,8 @@ def run_cli(args: argparse.Namespace) -> int:
     standard error) when the ``--html`` path cannot be written.
     """
     import sys
-    from pathlib import Path
 
-    from ._progress import make_console, output_problem, progress
+    from ._progress import make_console, output_problem, progress, write_file
 
     html_path = getattr(args, "html", None)
     if html_path:
@@ -690,7 +689,11 @@ def run_cli(args: argparse.Namespace) -> int:
     else:
         report.print_to(make_console())
     if html_path:
-        Path(html_path).write_text(report.to_html(), encoding="utf-8")
+        try:
+            write_file(html_path, report.to_html().encode("utf-8"))
+        except OSError as exc:
+            print(f"flashledger verify: {exc.strerror}", file=sys.stderr)
+            return 2
     return 0 if report.passed else 1
 
 
