@@ -144,9 +144,9 @@ def flex_cases(*, quick: bool) -> list[FlexCase]:
         return 3.0 * torch.tanh((s + table[h, q - kv + lk]) / 3.0)
 
     # quick: three cases (each new pair of mods costs torch a compilation of its eager graph)
-    add("document + rel. bias + softcap", document, doc_rel_cap, table)
-    add("prefix LM + ALiBi", prefix_lm, alibi)
-    add("strict causal (empty row)", strict, rel_bias, table)
+    add("document+table+softcap", document, doc_rel_cap, table)
+    add("prefix LM+ALiBi", prefix_lm, alibi)
+    add("strict causal+table", strict, rel_bias, table)  # row 0 sees no key
     if not quick:
         add("causal", causal, None)
         add("2-D neighbourhood", neighbourhood, None, q_len=side * 14, k_len=side * 14, hq=2, hk=2)
@@ -156,10 +156,10 @@ def flex_cases(*, quick: bool) -> list[FlexCase]:
         add("dilated window", dilated, None)
         add("ALiBi (causal)", causal, alibi)
         add("tanh softcap", None, softcap)
-        add("rel. bias", None, rel_bias, table)
-        add("learned ALiBi (derived)", window, learned_alibi, learned_slopes, scale_param)
-        add("window + softcap, MQA", window, softcap, hq=4, hk=1)
-        add("causal, Lq > Lk", causal, None, q_len=lk, k_len=lq)
+        add("table", None, rel_bias, table)
+        add("derived ALiBi", window, learned_alibi, learned_slopes, scale_param)
+        add("window+softcap", window, softcap, hq=4, hk=1)
+        add("causal", causal, None, q_len=lk, k_len=lq)
     return out
 
 
@@ -321,7 +321,7 @@ def flex_rows(*, quick: bool) -> list[VerifyRow]:
         oq = [x.clone().requires_grad_(True) for x in (q, k, v)]
         want_o, _ = dense_flex(case, *oq)
         want = torch.autograd.grad(want_o, (*oq, *case.learned), do, allow_unused=True)
-        names = ["dQ", "dK", "dV"] + [f"d(captured {i})" for i in range(len(case.learned))]
+        names = ["dQ", "dK", "dV"] + [f"dC{i}" for i in range(len(case.learned))]
         pairs = [
             (n, a if a is not None else torch.zeros(1), b if b is not None else torch.zeros(1))
             for n, a, b in zip(names, got, want)
