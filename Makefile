@@ -6,7 +6,15 @@ STAMP   := $(VENV)/.installed
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
 
-.PHONY: run test test-all lint format typecheck bench verify clean browser-deps
+.PHONY: run test test-all test-backend test-backends lint format typecheck bench verify clean browser-deps
+
+# the numerical tests: what a matmul back end or the PyTorch step can change
+NUMERIC_TESTS := tests/test_blocked.py tests/test_native.py tests/test_features.py \
+	tests/test_fast_path.py tests/test_properties.py tests/test_verify.py \
+	tests/test_verify_matrix.py tests/test_docs.py
+# the native step's matmul back ends here, and one other than its choice for float32
+GEMMS = $(shell $(BIN)/python -c "from flashledger import _native as n; k = n.kernels(); print(' '.join(k.gemm_names()) if k else '')")
+OTHER_GEMM = $(shell $(BIN)/python -c "import torch; from flashledger import _native as n; k = n.kernels(); print(next((g for g in k.gemm_names() if g != k.gemm(torch.float32)), '') if k else '')")
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -29,6 +37,22 @@ test: $(STAMP) browser-deps
 test-all: $(STAMP) browser-deps
 	$(BIN)/python -m pytest -n 2 -m "slow or not slow"
 
+# the numerical tests again on one matmul back end: make test-backend GEMM=blas (default: one
+# the native step did not choose here)
+test-backend: $(STAMP)
+	@g="$(or $(GEMM),$(OTHER_GEMM))"; if [ -z "$$g" ]; then echo "no other matmul back end here"; \
+	else echo "== FLASHLEDGER_GEMM=$$g"; \
+	  FLASHLEDGER_GEMM=$$g $(BIN)/python -m pytest -n 2 -m "not slow" $(NUMERIC_TESTS); fi
+
+# the numerical tests on every back end, on the PyTorch step, and with MKL held to AVX2
+test-backends: $(STAMP)
+	@for g in $(GEMMS); do echo "== FLASHLEDGER_GEMM=$$g"; \
+	  FLASHLEDGER_GEMM=$$g $(BIN)/python -m pytest -q -n 2 -m "not slow" $(NUMERIC_TESTS) || exit 1; done
+	@echo "== FLASHLEDGER_NATIVE=0"
+	FLASHLEDGER_NATIVE=0 $(BIN)/python -m pytest -q -n 2 -m "not slow" $(NUMERIC_TESTS)
+	@echo "== MKL_ENABLE_INSTRUCTIONS=AVX2"
+	MKL_ENABLE_INSTRUCTIONS=AVX2 $(BIN)/python -m pytest -q -n 2 -m "not slow" $(NUMERIC_TESTS)
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -42,6 +66,8 @@ typecheck: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/flashledger bench --out benchmarks/results
+	$(BIN)/flashledger bench --decode --out benchmarks/results
+	$(BIN)/flashledger bench --contention --out benchmarks/results
 
 verify: $(STAMP)
 	$(BIN)/flashledger verify --quick

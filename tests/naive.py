@@ -39,6 +39,7 @@ def naive_attention(
     keep: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     masked_row_lse: float = -math.inf,
+    alibi_key_index: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(o, lse)`` of attention, differentiable in q, k, v and bias.
 
@@ -47,8 +48,9 @@ def naive_attention(
     to ``(B, Hq, Lq, Lk)`` (True = attend); ``alibi_slopes`` ``(Hq,)`` or
     ``(B, Hq)`` with bias ``-slope * |i + Lk - Lq - j|``; ``bias`` broadcastable
     to ``(B, Hq, Lq, Lk)``; ``keep`` the dropout keep mask ``(B, Hq, Lq, Lk)``
-    (kept weights scaled by ``1 / (1 - dropout_p)``). Returns o ``(B, Hq, Lq, d_v)``
-    and lse ``(B, Hq, Lq)``.
+    (kept weights scaled by ``1 / (1 - dropout_p)``). ``alibi_key_index``: the
+    ALiBi term is ``+slope * j`` instead (flash-attn 2's kernel under a causal
+    mask). Returns o ``(B, Hq, Lq, d_v)`` and lse ``(B, Hq, Lq)``.
     """
     hq, hkv = q.shape[1], k.shape[1]
     lq, lk = q.shape[2], k.shape[2]
@@ -65,7 +67,7 @@ def naive_attention(
         dist = (i + lk - lq - j).abs()  # (Lq, Lk)
         slopes = alibi_slopes.to(s.dtype)
         slopes = slopes.view(1, -1, 1, 1) if slopes.ndim == 1 else slopes[:, :, None, None]
-        s = s - slopes * dist
+        s = s + slopes * j if alibi_key_index else s - slopes * dist
     if bias is not None:
         s = s + bias.to(s.dtype)
     if visible is not None:
@@ -134,6 +136,21 @@ def window_visible(
             row.append(ok_left and ok_right)
         rows.append(row)
     return torch.tensor(rows, dtype=torch.bool).view(lq, lk)
+
+
+def fa2_sides(left: int | None, right: int | None, seqlen_k: int) -> tuple[int, int]:
+    """A window as flash-attn 2's ``flash_api.cpp`` hands it to the kernel (-1 = unbounded).
+
+    A side at or past ``seqlen_k`` is dropped (-1); afterwards a dropped side facing a
+    kept one is set to ``seqlen_k``.
+    """
+    sides = [-1 if x is None else x for x in (left, right)]
+    sides = [-1 if x >= seqlen_k else x for x in sides]
+    if sides[0] < 0 <= sides[1]:
+        sides[0] = seqlen_k
+    if sides[1] < 0 <= sides[0]:
+        sides[1] = seqlen_k
+    return sides[0], sides[1]
 
 
 def padding_visible(lq: int, lk: int, lengths: list[int], side: str = "right") -> torch.Tensor:

@@ -333,8 +333,12 @@ def test_default_tiles_and_layouts(gen, assert_close):
     res = fl.blocked_forward(q, q, q, mask=fl.Causal())
     from flashledger.blocked import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q
 
-    assert (res.ledger.block_q, res.ledger.block_k) == (DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K)
-    want = (-(-200 // DEFAULT_BLOCK_Q), -(-200 // DEFAULT_BLOCK_K))
+    kern = _native.kernels()  # the native step's default tiles are its calibration's
+    bq, bk = kern.tiles(torch.float64) if kern else (DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K)
+    assert (res.ledger.block_q, res.ledger.block_k) == (bq, bk)
+    traced = fl.blocked_forward(q, q, q, mask=fl.Causal(), trace=True)  # the PyTorch step's
+    assert (traced.ledger.block_q, traced.ledger.block_k) == (DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K)
+    want = (-(-200 // bq), -(-200 // bk))
     assert (res.ledger.tiles_q, res.ledger.tiles_k) == want
     assert res.o.shape == (3, 200, 4) and res.lse.shape == (3, 200)
     ref = fl.reference_forward(q, q, q, mask=fl.Causal())
@@ -342,3 +346,22 @@ def test_default_tiles_and_layouts(gen, assert_close):
     one = fl.blocked_forward(q[0], q[0], q[0], mask=fl.Causal(), block_q=7, block_k=9)
     assert one.o.shape == (200, 4) and one.lse.shape == (200,)
     assert_close(one.o, ref.o[0], rtol=TOL, name="O of a 2-D call")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_the_ledger_books_bytes_of_the_input_dtype(dtype, gen):
+    """Slow-memory traffic is booked in elements, and in bytes of the inputs' dtype (half
+    inputs move half the bytes of float32, whatever the loop accumulates in)."""
+    q, k, v = (torch.randn(1, 2, 70, 8, generator=gen).to(dtype) for _ in range(3))
+    for trace in (False, True):
+        led = fl.blocked_forward(
+            q, k, v, mask=fl.Causal(), block_q=32, block_k=32, trace=trace
+        ).ledger
+        c = led.counters
+        assert led.element_bytes == dtype.itemsize
+        assert (led.bytes_read, led.bytes_written) == (
+            c.elements_read * dtype.itemsize,
+            c.elements_written * dtype.itemsize,
+        )
+        d = led.to_dict()
+        assert d["bytes_read"] == led.bytes_read and f"{led.bytes_read} and" in str(led)

@@ -233,13 +233,25 @@ def test_backward_json(capsys: pytest.CaptureFixture[str]) -> None:
 def test_backward_options(capsys: pytest.CaptureFixture[str]) -> None:
     out = run_json(
         capsys, "backward", "--mask", "window:1,0", "--conventions", "flash_attn_2",
-        "--dropout", "0.3", "--seed", "7", "--softcap", "2", "--alibi", "--block-q", "3",
+        "--dropout", "0.3", "--seed", "7", "--alibi", "--block-q", "3",
         "--block-k", "1", "--loop-order", "fa1",
     )  # fmt: skip
     worst = max(out["max_abs_diff"].items(), key=lambda kv: kv[1])
     assert worst[1] < 1e-12, f"worst difference {worst}"
     assert out["config"]["mask"] == "window:1,0" and out["config"]["conventions"] == "flash_attn_2"
     assert len(out["steps"]) == out["counters"]["backward"]["tiles_run"]
+    out = run_json(
+        capsys, "backward", "--mask", "window:1,0", "--dropout", "0.3", "--softcap", "2",
+        "--alibi", "--block-q", "3", "--block-k", "1",
+    )  # fmt: skip
+    worst = max(out["max_abs_diff"].items(), key=lambda kv: kv[1])
+    assert worst[1] < 1e-12, f"worst difference {worst} (softcap with dropout, seed)"
+    # flash-attn 2 has no softcap with dropout: a one-line error, no traceback
+    code, _, err = run(
+        capsys, "backward", "--conventions", "flash_attn_2", "--dropout", "0.3", "--softcap", "2"
+    )
+    assert code == 2 and "refuse softcap together with dropout" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
 
 
 def test_backward_from_files(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

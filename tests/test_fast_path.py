@@ -392,7 +392,7 @@ def test_bench_skips_naive_above_its_limits_and_parses_quick():
     ("argv", "needle"),
     [
         (["--lengths", "0"], "--lengths"),
-        (["--dtypes", "float16"], "float32, float64"),
+        (["--dtypes", "float8"], "float32, float64, bfloat16, float16"),
         (["--tiles", "128"], "BQxBK"),
         (["--tiles", "64x99999999999999999999"], "1..2147483647"),
         (["--lengths", "1024,2147483648"], "1..2147483647"),

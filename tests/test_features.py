@@ -8,6 +8,7 @@ against PyTorch autograd of the naive formula (tests/naive.py).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from naive import (
     causal_visible,
+    fa2_sides,
     naive_attention,
     naive_with_grads,
     tile_classes_from_dense,
@@ -267,9 +269,12 @@ def test_features_combined_with_a_mask(gen, assert_close):
     mask = fl.DenseMask(dense) & fl.Causal("bottom_right")
     slopes = fl.alibi_slopes(4)
     bias = _randn(gen, 1, 4, 10, 8)
-    ref = fl.reference_forward(
-        q, k, v, mask=mask, dropout_p=0.2, seed=2, conventions=fl.FLASH_ATTN_2
+    # flash-attn 2's LSE and dropout edges, with softcap and dropout together (which the
+    # FLASH_ATTN_2 preset itself refuses, as flash-attn 2 does)
+    conv = dataclasses.replace(
+        fl.FLASH_ATTN_2, name="fa2_with_softcap_dropout", softcap_with_dropout=True
     )
+    ref = fl.reference_forward(q, k, v, mask=mask, dropout_p=0.2, seed=2, conventions=conv)
     check_all_paths(
         q,
         k,
@@ -283,6 +288,7 @@ def test_features_combined_with_a_mask(gen, assert_close):
             keep=ref.keep,
             dropout_p=0.2,
             masked_row_lse=math.inf,
+            alibi_key_index=True,  # causal: flash-attn 2 adds +slope·j
         ),
         bias=bias,
         tiles=((4, 3),),
@@ -291,7 +297,7 @@ def test_features_combined_with_a_mask(gen, assert_close):
         alibi_slopes=slopes,
         dropout_p=0.2,
         seed=2,
-        conventions=fl.FLASH_ATTN_2,
+        conventions=conv,
     )
 
 
@@ -390,6 +396,7 @@ def test_varlen_equals_each_sequence_on_its_own(seqs, conv, masked, gen, assert_
             softcap=4.0,
             alibi_slopes=slopes,
             masked_row_lse=conv.masked_row_lse,
+            alibi_key_index=masked and conv.alibi_causal == "key_index",
         )
         assert_close(fwd.o[:, qs], o_n[0], rtol=TOL, name=f"O of {where}")
         assert_close(fwd.lse[:, qs], lse_n[0], rtol=TOL, name=f"LSE of {where}")
@@ -474,14 +481,20 @@ def test_varlen_property_equals_each_sequence_on_its_own(case, assert_close):
             assert_close(fwd.lse[:, qs], want, rtol=0.0, name=f"LSE of {where}")
             continue
         mask = None
+        one_conv = conv
         if case["window"] is not None:
             mask = case["window"]
+            if conv.window_rewrite == "flash_attn_2":
+                # flash-attn 2 reads the sides against max_seqlen_k, not this sequence's length
+                sides = fa2_sides(mask.left, mask.right, max(lk_s))
+                mask = fl.SlidingWindow(*(None if x < 0 else x for x in sides))
+                one_conv = dataclasses.replace(conv, window_rewrite="none")
         elif case["mask"] is not None and case["dense"] is None:
             mask = case["mask"]
         if case["dense"] is not None:
             part = fl.DenseMask(case["dense"][:, qs, ks])
             mask = part if mask is None else mask & part
-        one = dict(mask=mask, conventions=conv, softcap=case["softcap"])
+        one = dict(mask=mask, conventions=one_conv, softcap=case["softcap"])
         ref = fl.reference_forward(q[:, qs], k[:, ks], v[:, ks], **one)
         refb = fl.reference_backward(q[:, qs], k[:, ks], v[:, ks], ref.o, ref.lse, do[:, qs], **one)
         assert_close(fwd.o[:, qs], ref.o, rtol=TOL, name=f"O of {where}")
@@ -521,7 +534,7 @@ def test_split_kv_equals_the_unsplit_result(conv, gen, assert_close):
         conventions=conv,
         alibi_slopes=fl.alibi_slopes(4),
         bias=_randn(gen, 6, 11),
-        softcap=3.0,
+        softcap=3.0 if conv.softcap_with_dropout else None,  # flash-attn 2 refuses the pair
         dropout_p=0.3,
         seed=21,
     )
@@ -658,6 +671,11 @@ def feature_cases(draw: Any, max_len: int) -> dict:
     slopes = None
     if draw(st.booleans()):
         slopes = fl.alibi_slopes(hq) if draw(st.booleans()) else torch.rand(b, hq, dtype=f64)
+    conv = draw(st.sampled_from(list(fl.PRESETS.values())))
+    softcap = draw(st.sampled_from([None, 0.5, 5.0]))
+    dropout_p = draw(st.sampled_from([0.0, 0.0, 0.3, 0.9]))
+    if softcap is not None and not conv.softcap_with_dropout:
+        dropout_p = 0.0  # refused together (tested in test_flash_attn_edges.py)
     return dict(
         q=torch.randn(b, hq, lq, d, dtype=f64, generator=gen),
         k=torch.randn(b, hkv, lk, d, dtype=f64, generator=gen),
@@ -667,10 +685,10 @@ def feature_cases(draw: Any, max_len: int) -> dict:
             mask=mask,
             bias=bias,
             alibi_slopes=slopes,
-            softcap=draw(st.sampled_from([None, 0.5, 5.0])),
-            dropout_p=draw(st.sampled_from([0.0, 0.0, 0.3, 0.9])),
+            softcap=softcap,
+            dropout_p=dropout_p,
             seed=draw(st.integers(0, 1000)),
-            conventions=draw(st.sampled_from(list(fl.PRESETS.values()))),
+            conventions=conv,
         ),
         block_q=draw(st.integers(1, max_len + 2)),
         block_k=draw(st.integers(1, max_len + 2)),

@@ -9,6 +9,7 @@ threads; extreme scores underflow as in the PyTorch step.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flashledger as fl
-from flashledger import _native
+from flashledger import _calibrate, _native
 
 TOL = 1e-12
 f64 = torch.float64
@@ -84,7 +85,7 @@ def test_a_failed_build_falls_back_to_the_pytorch_step(monkeypatch, tmp_path, ge
 def test_a_cached_build_is_reused(native, monkeypatch):
     """The library is cached under a key of source, flags, compiler, CPU and PyTorch."""
     status = _native.native_status()
-    path = status[status.rindex(", ") + 2 : -1]
+    path = status[status.rindex("; ") + 2 : -1]
     assert path.endswith(".so") and os.path.exists(path), status
 
 
@@ -325,15 +326,27 @@ def test_scratch_kept_is_bounded_whatever_the_threads(native, gen, assert_close)
     assert set(_native._pool.bufs) == {("work", f64), ("kv_t", f64)}, set(_native._pool.bufs)
 
 
-@pytest.fixture(params=["own", "blas"])
+@contextlib.contextmanager
+def _gemms_kept(native: _native.Kernels) -> Any:
+    """Put back each dtype's matmul back end afterwards."""
+    before = {dt: native.gemm(dt) for dt in (torch.float32, torch.float64)}
+    try:
+        yield
+    finally:
+        for dt, name in before.items():
+            native.set_gemm(dt, name)
+
+
+@pytest.fixture(params=list(_calibrate.GEMMS))
 def gemm(request: Any, native: _native.Kernels) -> Any:
-    """The step's matmuls on its own AVX-512 kernel, then on PyTorch's BLAS."""
-    before = native.own_gemm
-    if native.use_own_gemm(request.param == "own") != (request.param == "own"):
-        native.use_own_gemm(before)
-        pytest.skip("the own matmul kernel is built for AVX-512 only")
-    yield request.param
-    native.use_own_gemm(before)
+    """The step's matmuls on each back end there is here: its own AVX-512 kernel,
+    PyTorch's BLAS, OpenBLAS."""
+    if request.param not in native.gemm_names():
+        pytest.skip(f"no {request.param} back end here ({native.gemm_names()})")
+    with _gemms_kept(native):
+        for dt in (torch.float32, torch.float64):
+            native.set_gemm(dt, request.param)
+        yield request.param
 
 
 @settings(
@@ -417,17 +430,62 @@ def test_native_step_on_either_matmul_equals_the_oracle(
     outputs_close((fwd, bwd), (ref, refb), rtol=TOL, name=f"{gemm} matmuls, {kind}")
 
 
-def test_an_unknown_matmul_choice_warns_and_keeps_the_default(native, monkeypatch):
-    before = native.own_gemm
-    monkeypatch.setenv("FLASHLEDGER_GEMM", "mkl")
-    try:
-        with pytest.warns(UserWarning, match="FLASHLEDGER_GEMM='mkl' is not 'own' or 'blas'"):
-            kern = _native.Kernels(native._lib, native._gemms)
-        assert kern.own_gemm == native.use_own_gemm(True)  # own, where built for it
-        monkeypatch.setenv("FLASHLEDGER_GEMM", "blas")
-        assert _native.Kernels(native._lib, native._gemms).own_gemm is False
-    finally:
-        native.use_own_gemm(before)
+@pytest.fixture
+def small_calibration(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A calibration on small passes (the machinery, not the speed, is under test)."""
+    monkeypatch.setattr(_calibrate, "_L", 96)
+    monkeypatch.setattr(_calibrate, "TILE_CANDIDATES", ((64, 64), (32, 48)))
+
+
+def test_the_choice_is_measured_once_then_read_back(native, tmp_path, small_calibration):
+    """Per dtype, every back end and tile candidate is measured, the fastest kept and
+    saved; the next time (another process: the file) the same choice is read back."""
+    cache = tmp_path / "choices.json"
+    with _gemms_kept(native):
+        first = _calibrate.choose(native, cache)
+        again = _calibrate.choose(native, cache)
+    for dt in (torch.float32, torch.float64):
+        c = first[dt]
+        assert c.how == "calibrated" and again[dt].how == "cached"
+        assert (again[dt].gemm, again[dt].block_q, again[dt].block_k) == (
+            c.gemm,
+            c.block_q,
+            c.block_k,
+        )
+        want = {f"{g} 64x64" for g in native.gemm_names()} | {f"{c.gemm} 32x48"}
+        assert set(c.rates) == want and all(r > 0 for r in c.rates.values()), c.rates
+        assert c.gemm in native.gemm_names() and (c.block_q, c.block_k) in ((64, 64), (32, 48))
+    saved = json.loads(cache.read_text())
+    assert saved["cpu"] == _calibrate.cpu_model() and saved["torch"] == torch.__version__
+    assert set(saved["by_threads"]) == {str(native.max_threads())}
+
+
+def test_a_choice_no_longer_possible_is_measured_again(native, tmp_path, small_calibration):
+    cache = tmp_path / "choices.json"
+    gone = {"gemm": "nonesuch", "block_q": 64, "block_k": 64, "how": "calibrated", "rates": {}}
+    by = {str(native.max_threads()): {"float32": gone, "float64": gone}}
+    cache.write_text(json.dumps({"by_threads": by}))
+    with _gemms_kept(native):
+        got = _calibrate.choose(native, cache)
+    assert all(c.how == "calibrated" and c.gemm in native.gemm_names() for c in got.values())
+    cache.write_text("{not json")  # a damaged file is measured again too
+    with _gemms_kept(native):
+        assert _calibrate.choose(native, cache)[torch.float32].how == "calibrated"
+
+
+def test_flashledger_gemm_forces_the_back_end(native, tmp_path, monkeypatch, small_calibration):
+    cache = tmp_path / "choices.json"
+    monkeypatch.setenv("FLASHLEDGER_GEMM", "blas")
+    with _gemms_kept(native):
+        got = _calibrate.choose(native, cache)
+        assert all(c.gemm == "blas" and c.how == "FLASHLEDGER_GEMM=blas" for c in got.values())
+        assert all(set(c.rates) == {"blas 64x64", "blas 32x48"} for c in got.values())
+        monkeypatch.setenv("FLASHLEDGER_GEMM", "mkl")
+        with pytest.warns(UserWarning, match="FLASHLEDGER_GEMM='mkl' is not one of"):
+            got = _calibrate.choose(native, cache)
+    assert all(c.how == "calibrated" for c in got.values())  # measured: not the forced one
+    with pytest.raises(ValueError, match="no matmul back end 'mkl' here"):
+        native.set_gemm(torch.float32, "mkl")
 
 
 def test_a_pass_gives_the_same_bits_whoever_runs_its_items(native, gen):
@@ -488,3 +546,99 @@ def test_decode_rows_run_stacked_and_split(native, monkeypatch, gen, outputs_clo
         want = blocked.blocked_forward(q, k, v, mask=mask, block_q=64, block_k=128)
     outputs_close((fwd, bwd), (ref, refb), rtol=TOL, name=f"decode Lq={lq}")
     assert fwd.ledger.counters == want.ledger.counters
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_reads_a_half_precision_cache_in_place(native, monkeypatch, gen, dtype):
+    """A bfloat16/float16 KV cache is read in place (no float32 copy of K or V: the step
+    widens it tile by tile): O within one rounding to the dtype of the PyTorch step's
+    (which widens the whole of K and V first), the LSE (float32) within float32 error."""
+    from flashledger import blocked
+
+    seen: list[tuple[torch.dtype, torch.dtype]] = []
+    real = native.forward
+
+    def spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *a: Any, **kw: Any) -> Any:
+        seen.append((k.dtype, v.dtype))
+        return real(q, k, v, *a, **kw)
+
+    monkeypatch.setattr(native, "forward", spy)
+    q = torch.randn(2, 8, 2, 40, generator=gen).to(dtype)
+    k, v = (torch.randn(2, 2, 700, 40, generator=gen).to(dtype) for _ in range(2))
+    mask = fl.Causal("bottom_right")
+    got = blocked.blocked_forward(q, k, v, mask=mask, block_k=128)
+    assert seen == [(dtype, dtype)], seen
+    with _native.disabled():
+        want = blocked.blocked_forward(q, k, v, mask=mask, block_k=128)
+    assert got.o.dtype == dtype and got.lse.dtype == torch.float32
+    diff = (got.o.float() - want.o.float()).abs()
+    bound = torch.finfo(dtype).eps * want.o.float().abs() + torch.finfo(dtype).tiny
+    worst = int(torch.argmax(diff - bound))
+    assert bool((diff <= bound).all()), (
+        f"O[{worst}]: {got.o.flatten()[worst]} vs {want.o.flatten()[worst]} (one rounding allowed)"
+    )
+    assert torch.allclose(got.lse, want.lse, rtol=1e-5, atol=1e-5)
+    assert got.ledger.counters == want.ledger.counters
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+    b=st.integers(1, 2),
+    hkv=st.integers(1, 2),
+    g=st.integers(1, 3),
+    lq=st.sampled_from([1, 2, 16, 97, 113]),
+    lk=st.sampled_from([1, 97, 113, 300]),
+    d=st.sampled_from([8, 24, 64]),
+    mask=st.sampled_from(
+        ["none", "causal_top_left", "causal_bottom_right", "padding", "empty_rows"]
+    ),
+    seed=st.integers(0, 2**16),
+)
+def test_half_inputs_on_the_native_step_keep_the_rule(
+    native_calls, dtype, b, hkv, g, lq, lk, d, mask, seed
+):
+    """bfloat16/float16 inputs on the native step (accumulating in float32; decode rows
+    reading the cache in place) against the float64 oracle under verify's rule: error
+    within 2x (O, LSE) / 3x (gradients) of naive attention in the same dtype, plus the
+    floor; no NaN on fully-masked rows."""
+    from flashledger._verify_cases import Shape
+    from flashledger.verify import assert_attention_close, make_case
+
+    case = make_case(Shape(b, hkv * g, hkv, lq, lk, d), mask, dtype, seed=seed)
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: Any) -> Any:
+        return fl.flash_attention(
+            q,
+            k,
+            v,
+            mask=c.mask,
+            scale=c.scale,
+            conventions=c.conventions,
+            block_q=32,
+            block_k=48,
+            return_lse=True,
+        )
+
+    before = dict(native_calls)
+    assert_attention_close(fn, cases=[case])
+    assert (
+        native_calls["forward"] > before["forward"]
+        and native_calls["backward"] > before["backward"]
+    )
+
+
+def test_a_key_tile_no_query_sees_wider_than_every_tile_run(native, gen, outputs_close):
+    """The backward zeroes dK, dV of a key tile no query sees without touching scratch
+    sized for the tiles that run (here the only tile run is one key wide, the skipped key
+    tile four: scratch for four would overrun)."""
+    mask = torch.tensor([[False, False, False, False, True]])
+    for _ in range(50):
+        q, do = (torch.randn(2, 3, 1, 1, dtype=f64, generator=gen) for _ in range(2))
+        k, v = (torch.randn(2, 3, 5, 1, dtype=f64, generator=gen) for _ in range(2))
+        ref = fl.reference_forward(q, k, v, mask=mask, scale=0.3)
+        refb = fl.reference_backward(q, k, v, ref.o, ref.lse, do, mask=mask, scale=0.3)
+        fwd, bwd = _both(q, k, v, do, mask=mask, scale=0.3, block_q=5, block_k=4)
+        outputs_close((fwd, bwd), (ref, refb), rtol=TOL, name="one key seen")

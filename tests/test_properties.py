@@ -16,7 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from naive import causal_visible, naive_attention, padding_visible, window_visible
+from naive import causal_visible, fa2_sides, naive_attention, padding_visible, window_visible
 
 import flashledger as fl
 
@@ -25,7 +25,7 @@ ALL_PRESETS = [fl.SEED, fl.FLASH_ATTN_2, fl.FLASH_ATTN_3, fl.FLEX_ATTENTION, fl.
 SIDE = st.one_of(st.none(), st.just(-1), st.integers(0, 20))
 ALIGN = st.sampled_from([None, "top_left", "bottom_right"])
 
-Visible = Callable[[str], torch.Tensor]  # causal alignment of the preset -> (B|1, H|1, Lq, Lk)
+Visible = Callable[[fl.Conventions], torch.Tensor]  # the preset -> (B|1, H|1, Lq, Lk)
 
 
 @st.composite
@@ -36,23 +36,28 @@ def masks(draw: Any, b: int, hq: int, lq: int, lk: int) -> tuple[Any, Visible | 
         kind = draw(st.sampled_from(["causal", "window", "padding", "dense", "tensor"]))
         if kind == "causal":
             align = draw(ALIGN)
-            return fl.Causal(align), lambda a: causal_visible(lq, lk, align or a)
+            return fl.Causal(align), lambda c: causal_visible(lq, lk, align or c.causal_align)
+
         if kind == "window":
             align, left, right = draw(ALIGN), draw(SIDE), draw(SIDE)
-            return (
-                fl.SlidingWindow(left, right, align=align),
-                lambda a: window_visible(lq, lk, left, right, align or a),
-            )
+
+            def window(c: fl.Conventions) -> torch.Tensor:
+                sides = (left, right)
+                if c.window_rewrite == "flash_attn_2":
+                    sides = fa2_sides(left, right, lk)
+                return window_visible(lq, lk, *sides, align or c.causal_align)
+
+            return fl.SlidingWindow(left, right, align=align), window
         if kind == "padding":
             lens = draw(st.lists(st.integers(0, lk + 2), min_size=b, max_size=b))
             pad = draw(st.sampled_from(["right", "left"]))
-            return fl.KeyPadding(lens, side=pad), lambda a: padding_visible(lq, lk, lens, pad)
+            return fl.KeyPadding(lens, side=pad), lambda c: padding_visible(lq, lk, lens, pad)
         gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
         shape = draw(st.sampled_from([(lq, lk), (hq, lq, lk), (b, hq, lq, lk), (b, 1, lq, lk)]))
         t = torch.rand(shape, generator=gen) < draw(st.sampled_from([0.1, 0.5, 0.9, 1.0]))
         rows = torch.rand(shape[:-1], generator=gen) < draw(st.sampled_from([0.0, 0.2]))
         t[rows] = False  # fully-masked rows
-        return (fl.DenseMask(t) if kind == "dense" else t), lambda a: t
+        return (fl.DenseMask(t) if kind == "dense" else t), lambda c: t
 
     if draw(st.integers(0, 5)) == 0:
         return None, None
@@ -60,7 +65,7 @@ def masks(draw: Any, b: int, hq: int, lq: int, lk: int) -> tuple[Any, Visible | 
     if draw(st.booleans()):
         m2, vis2 = one()
         m = (m & m2) if isinstance(m, fl.Mask) else (m2 & m)
-        return m, lambda a: vis(a) & vis2(a)
+        return m, lambda c: vis(c) & vis2(c)
     return m, vis
 
 
@@ -107,7 +112,7 @@ def check_problem(pr: dict, conv: fl.Conventions, assert_close: Callable[..., No
     ref = fl.reference_forward(q, k, v, **opts)
     refb = fl.reference_backward(q, k, v, ref.o, ref.lse, do, **opts)
     # naive formula with autograd, visibility from the formulas of CONVENTIONS.md
-    vis = None if pr["visible"] is None else _as4(pr["visible"](conv.causal_align))
+    vis = None if pr["visible"] is None else _as4(pr["visible"](conv))
     leaves = [_as4(x).detach().clone().requires_grad_(True) for x in (q, k, v)]
     o_n, lse_n = naive_attention(
         *leaves, visible=vis, scale=pr["scale"], masked_row_lse=conv.masked_row_lse

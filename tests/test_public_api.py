@@ -29,6 +29,8 @@ PUBLIC = [
     "FLEX_ATTENTION",
     "ForwardResult",
     "ForwardTileStep",
+    "KVCacheLedger",
+    "KVCacheResult",
     "KeyPadding",
     "Ledger",
     "Mask",
@@ -37,6 +39,7 @@ PUBLIC = [
     "OnlineSoftmax",
     "OnlineState",
     "PRESETS",
+    "Padding",
     "Placement",
     "ReferenceBackward",
     "ReferenceForward",
@@ -47,7 +50,9 @@ PUBLIC = [
     "Trace",
     "__version__",
     "alibi_slopes",
+    "apply_rotary",
     "assert_attention_close",
+    "attention_with_kvcache",
     "blocked_backward",
     "blocked_forward",
     "flash_attention",
@@ -100,6 +105,7 @@ ENTRY_POINTS = {
     "blocked_backward": 6,
     "split_kv_forward": 3,
     "flash_attention": 3,
+    "attention_with_kvcache": 5,
 }
 
 
@@ -121,7 +127,9 @@ def test_options_are_keyword_only(name):
 def test_an_unknown_option_is_named(name):
     q = torch.randn(4, 3, dtype=torch.float64)
     args = [q] * ENTRY_POINTS[name]
-    kw = {"num_splits": 2} if name == "split_kv_forward" else {}
+    kw: dict[str, object] = {"num_splits": 2} if name == "split_kv_forward" else {}
+    if name == "attention_with_kvcache":
+        kw = {"cache_seqlens": 1}
     with pytest.raises(TypeError, match=rf"{name}\(\) got an unexpected keyword argument 'maks'"):
         getattr(fl, name)(*args, maks=fl.Causal(), **kw)
 
@@ -141,15 +149,26 @@ def test_presets():
         "flex_attention",
         "sdpa_cpu",
     ]
-    table = {  # name: (masked-row LSE, causal alignment, dropout keep test, LSE differentiable)
-        "seed": (-math.inf, "top_left", "bernoulli", True),
-        "flash_attn_2": (math.inf, "bottom_right", "fa2_8bit", False),
-        "flash_attn_3": (-math.inf, "bottom_right", "bernoulli", False),
-        "flex_attention": (-math.inf, "top_left", "bernoulli", True),
-        "sdpa_cpu": (0.0, "top_left", "bernoulli", False),
-    }
+    table = {  # name: (masked-row LSE, causal alignment, dropout keep test, LSE differentiable,
+        #        window sides, ALiBi under causal, softcap with dropout)
+        "seed": (-math.inf, "top_left", "bernoulli", True, "none", "distance", True),
+        "flash_attn_2": (
+            math.inf, "bottom_right", "fa2_8bit", False, "flash_attn_2", "key_index", False
+        ),
+        "flash_attn_3": (-math.inf, "bottom_right", "bernoulli", False, "none", "distance", False),
+        "flex_attention": (-math.inf, "top_left", "bernoulli", True, "none", "distance", True),
+        "sdpa_cpu": (0.0, "top_left", "bernoulli", False, "none", "distance", True),
+    }  # fmt: skip
     for name, conv in fl.PRESETS.items():
-        got = (conv.masked_row_lse, conv.causal_align, conv.dropout_keep, conv.lse_differentiable)
+        got = (
+            conv.masked_row_lse,
+            conv.causal_align,
+            conv.dropout_keep,
+            conv.lse_differentiable,
+            conv.window_rewrite,
+            conv.alibi_causal,
+            conv.softcap_with_dropout,
+        )
         assert got == table[name], f"{name}: {got}"
         assert conv.name == name and conv.description
     assert fl.PRESETS["seed"] is fl.SEED and fl.PRESETS["flash_attn_2"] is fl.FLASH_ATTN_2

@@ -186,6 +186,17 @@ MASKS = {
         "alibi_slopes": fl.alibi_slopes(2),
         "bias": torch.randn(24, 24, generator=torch.Generator().manual_seed(4), dtype=F64),
     },
+    # flash-attn 2's edges: real lengths, windows read against seqlen_k, +slope·j ALiBi
+    "padding-fa2": {
+        "mask": fl.Causal() & fl.SlidingWindow(3, -1) & fl.Padding([24, 17], [24, 9]),
+        "conventions": "flash_attn_2",
+        "alibi_slopes": fl.alibi_slopes(2),
+    },
+    "keep-mask": {
+        "mask": fl.SlidingWindow(4, 4),
+        "dropout_p": 0.2,
+        "dropout_mask": torch.rand(2, 1, 24, 24, generator=torch.Generator().manual_seed(5)) < 0.8,
+    },
 }
 
 

@@ -34,6 +34,7 @@ def test_quick_matrix_passes(quick_report: tuple[VerifyReport, list[tuple[int, i
         "aten CPU flash op", "SDPA is_causal=True", "SDPA causal_upper_left",
         "SDPA causal_lower_right", "FlexAttention eager", "FlexAttention backward",
         "Flex BlockMask tiles", "mpmath vs reference", "mpmath vs blocked 4x4",
+        "flash-attn 2 window -1", "flash-attn 2 ALiBi LSE", "flash-attn 2 cap+drop",
     ):  # fmt: skip
         assert name in systems, f"{name} missing from the matrix"
     fl_presets = {r.convention for r in report.rows if r.system == "flashledger fa2 64x32"}

@@ -33,6 +33,10 @@ _EXPORTS: dict[str, str] = {
     "blocked_forward": "blocked",
     "blocked_backward": "blocked",
     "split_kv_forward": "blocked",
+    "attention_with_kvcache": "_kvcache",
+    "KVCacheResult": "_kvcache",
+    "KVCacheLedger": "_kvcache",
+    "apply_rotary": "_kvcache",
     "ForwardResult": "blocked",
     "BackwardResult": "blocked",
     "flash_attention": "autograd",
@@ -51,6 +55,7 @@ _EXPORTS: dict[str, str] = {
     "SlidingWindow": "masks",
     "KeyPadding": "masks",
     "DenseMask": "masks",
+    "Padding": "masks",
     "MaskMod": "_maskmod",
     "Conventions": "conventions",
     "PRESETS": "conventions",
@@ -99,6 +104,8 @@ __all__ = [
     "DenseMask",
     "ForwardResult",
     "ForwardTileStep",
+    "KVCacheLedger",
+    "KVCacheResult",
     "KeyPadding",
     "Ledger",
     "Mask",
@@ -106,6 +113,7 @@ __all__ = [
     "ModelLedger",
     "OnlineSoftmax",
     "OnlineState",
+    "Padding",
     "Placement",
     "ReferenceBackward",
     "ReferenceForward",
@@ -114,7 +122,9 @@ __all__ = [
     "Trace",
     "__version__",
     "alibi_slopes",
+    "apply_rotary",
     "assert_attention_close",
+    "attention_with_kvcache",
     "blocked_backward",
     "blocked_forward",
     "flash_attention",
@@ -154,6 +164,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from ._flex import flex_attention
+    from ._kvcache import KVCacheLedger, KVCacheResult, apply_rotary, attention_with_kvcache
     from ._maskmod import MaskMod
     from ._native import native_status
     from ._options import AttentionOptions
@@ -177,7 +188,7 @@ if TYPE_CHECKING:
         Conventions,
     )
     from .ledger import BackwardTileStep, Counters, ForwardTileStep, Ledger, Trace
-    from .masks import Causal, DenseMask, KeyPadding, Mask, SlidingWindow
+    from .masks import Causal, DenseMask, KeyPadding, Mask, Padding, SlidingWindow
     from .model import ModelLedger, ledger_of
     from .online import OnlineSoftmax, OnlineState, merge, merge_partials
     from .reference import (

@@ -11,9 +11,9 @@ score_mod captures that requires grad.
 
 The block mask is used as Flex's kernels use it (``_maskmod.BlockMaskBound``):
 its blocks give the tile classes, its ``mask_mod`` decides inside partial
-blocks. flashledger's tiles (``block_q x block_k``, default 512 x 512) need
-not be the block mask's (default 128 x 128): a tile is classified from the
-blocks it covers.
+blocks. flashledger's tiles (``block_q x block_k``, by default those of
+``flash_attention``) need not be the block mask's (default 128 x 128): a tile
+is classified from the blocks it covers.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from ._checks import check_float_tensor
 from ._maskmod import MaskMod, is_block_mask
 from ._mods import ScoreModFn
 from .autograd import flash_attention
-from .blocked import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q
 from .conventions import FLEX_ATTENTION
 
 if TYPE_CHECKING:
@@ -45,8 +44,8 @@ def flex_attention(
     enable_gqa: bool = False,
     return_lse: bool = False,
     *,
-    block_q: int = DEFAULT_BLOCK_Q,
-    block_k: int = DEFAULT_BLOCK_K,
+    block_q: int | None = None,
+    block_k: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """FlexAttention, exact and differentiable on CPU (torch's signature).
 
@@ -56,7 +55,8 @@ def flex_attention(
     kv_idx)``; ``block_mask`` a ``BlockMask`` made for ``(L, S)``; ``scale``
     [``1/sqrt(E)``]. Returns ``o`` ``(B, Hq, L, Ev)`` in the query's dtype, and
     with ``return_lse=True`` also the LSE ``(B, Hq, L)`` (float64 for float64
-    inputs, else float32). ``block_q``, ``block_k``: flashledger's tiles.
+    inputs, else float32). ``block_q``, ``block_k``: flashledger's tiles [None: the
+    native step's, as for ``flash_attention``].
     """
     for name, x in (("query", query), ("key", key), ("value", value)):
         check_float_tensor(name, x)

@@ -243,10 +243,14 @@ static const mm_block_fn blocks_1[13] = {FL_TABLE_12(1)}, blocks_2[13] = {FL_TAB
 static const mm_block_fn *const mm_blocks[5] = {0, blocks_1, blocks_2, blocks_3, blocks_4};
 static const int mm_cols[5] = {0, 12, 12, 8, 6};
 
+static int own_kc = 0; /* k per pass over C (0: all of k at once); see fl_set_kc */
+
 static void own_mm(int m, int n, int k, T alpha, const T *A, long long lda, const T *B,
                    long long sbk, long long sbn, int accum, T *C, long long ldc) {
     /* C's rows in blocks of 4 vectors; the last 1-3 vectors (5 as 3 + 2) in a block of
-     * their own, with more columns. A block of A's rows stays in L1 over all of n. */
+     * their own, with more columns. A block of A's rows (own_kc of its columns at a time,
+     * so that the block stays in L1 however long k is) runs over all of n. */
+    int kc = own_kc > 0 && own_kc < k ? own_kc : k;
     for (int i0 = 0; i0 < m;) {
         int left = (m - i0 + W - 1) / W, mv = left == 5 ? 3 : left < 4 ? left : 4;
         int rows = m - i0 < mv * W ? m - i0 : mv * W, nr = mm_cols[mv];
@@ -255,10 +259,14 @@ static void own_mm(int m, int n, int k, T alpha, const T *A, long long lda, cons
             int x = rows - r * W;
             mk[r] = x >= W ? (MT)-1 : (MT)((1u << x) - 1);
         }
-        for (int j0 = 0; j0 < n; j0 += nr) {
-            int nb = n - j0 < nr ? n - j0 : nr;
-            mm_blocks[mv][nb](k, alpha, A + i0, lda, B + j0 * sbn, sbk, sbn, accum,
-                              C + i0 + j0 * ldc, ldc, mk, rows == mv * W);
+        for (int k0 = 0; k0 < k; k0 += kc) {
+            int kb = k - k0 < kc ? k - k0 : kc;
+            for (int j0 = 0; j0 < n; j0 += nr) {
+                int nb = n - j0 < nr ? n - j0 : nr;
+                mm_blocks[mv][nb](kb, alpha, A + i0 + (long long)k0 * lda, lda,
+                                  B + j0 * sbn + k0 * sbk, sbk, sbn, accum || k0 > 0,
+                                  C + i0 + j0 * ldc, ldc, mk, rows == mv * W);
+            }
         }
         i0 += rows;
     }
@@ -269,6 +277,16 @@ static void own_mm(int m, int n, int k, T alpha, const T *A, long long lda, cons
 static int use_own = FL_OWN;
 /* 1: the step's own kernel (where built), 0: the BLAS gemm. Returns the setting in force. */
 int SUF(fl_set_own_gemm)(int on) { return use_own = FL_OWN && on; }
+/* The own kernel's pass length over k (0: none); returns it. */
+int SUF(fl_set_kc)(int kc) {
+#if FL_OWN
+    own_kc = kc > 0 ? kc : 0;
+    return own_kc;
+#else
+    (void)kc;
+    return 0;
+#endif
+}
 
 static void mm(int m, int n, int k, T alpha, const T *A, long long lda, const T *B,
                long long sbk, long long sbn, T beta, T *C, long long ldc) {
@@ -334,6 +352,8 @@ struct fl_args {
     T *work;                  /* per thread, work_stride elements */
     const long long *iv_lo, *iv_hi; /* interval masks: row i of batch b sees keys
                                        [iv_lo, iv_hi)[b · iv_bstride + i] (local), or NULL */
+    const unsigned short *k16, *v16; /* forward with keys in place (kt NULL): K, V in a half
+                                        dtype (half = 1: bfloat16, 2: float16), or NULL */
     const long long *tiles;     /* the schedule's tiles, FL_TILE fields each */
     const long long *row_start; /* row r's tiles are [row_start[r], row_start[r + 1]) */
     const long long *bounds;    /* row r covers [bounds[2r], bounds[2r + 1]): its queries
@@ -345,10 +365,13 @@ struct fl_args {
     long long chunk;          /* forward: query rows per work item */
     long long splits;         /* forward and backward: parts of each row's tiles (S) */
     long long stacked;        /* forward: a group's query heads as one block of rows */
+    long long half;           /* 0, or the half dtype of k16, v16 (1: bfloat16, 2: float16) */
     double scale;
     long long scale_exact; /* scale is a power of two: exact as the matmul's alpha */
 };
 #define FL_TILE 8
+/* below this many FLOPs a pass runs on the calling thread only */
+#define FL_SERIAL_FLOPS 4e6
 
 /* Rows per block inside a partial tile: small, so that each block's visible span (a
  * causal or banded diagonal) is narrow. */
@@ -496,32 +519,87 @@ static void mask_bytes(const struct fl_args *a, const long long *t, const struct
 
 /* -- forward ------------------------------------------------------------------------------ */
 
+/* Keys read in place (decode). With a->kt NULL the forward forms S = Q K_jᵀ from K as it is
+ * laid out (no Kᵀ: laying it out would read and write the whole cache once more per call,
+ * as much memory traffic as the attention itself when a few rows meet many keys): the
+ * item lays out its rows' Qᵀ once, S comes as Sᵀ-columns (nr x w, column-major: B = K_j
+ * read along its rows) and is transposed in cache. K and V in a half dtype are widened to
+ * T tile by tile (each byte of the cache is read once). */
+struct keys {
+    const T *qt; /* the item's Qᵀ (d x rows of the item), or NULL: Kᵀ is laid out (a->kt) */
+    long long ldq;
+    T *kf, *vf; /* widened K_j, V_j tiles (half inputs) */
+    T *sc;      /* S, column-major */
+};
+
+#if !FL_DOUBLE
+/* n half values (1: bfloat16, 2: float16) widened to float */
+static void widen(const unsigned short *src, T *dst, long long n, long long half) {
+    if (half == 1)
+        for (long long i = 0; i < n; ++i) {
+            unsigned int u = (unsigned int)src[i] << 16;
+            memcpy(dst + i, &u, sizeof u);
+        }
+    else
+        for (long long i = 0; i < n; ++i) dst[i] = (T)((const _Float16 *)(const void *)src)[i];
+}
+#endif
+
+/* K_j and V_j rows [k, k + w) of K/V head kh as T, for a forward with keys in place. */
+static void tile_kv(const struct fl_args *a, const struct keys *ks, long long kh, long long k,
+                    int w, const T **kp, const T **vp) {
+    long long ko = (kh * a->lk + k) * a->d, vo = (kh * a->lk + k) * a->dv;
+#if !FL_DOUBLE
+    if (a->half) {
+        widen(a->k16 + ko, ks->kf, (long long)w * a->d, a->half);
+        widen(a->v16 + vo, ks->vf, (long long)w * a->dv, a->half);
+        *kp = ks->kf;
+        *vp = ks->vf;
+        return;
+    }
+#endif
+    (void)ks, (void)w;
+    *kp = a->k + ko;
+    *vp = a->v + vo;
+}
+
 /* The online update of a block of rows (at most FL_PARTIAL_ROWS rows of a partial tile, or
- * any number of a full one) against tile t: m (base-2 units), ℓ, acc (nr x d_v) of the
- * rows; s: nr · nc + nr scratch. Returns the visible dots of an interval tile. */
+ * any number of a full one; row c0 of the item) against tile t: m (base-2 units), ℓ, acc
+ * (nr x d_v) of the rows; s: nr · nc + nr scratch. Returns the visible dots of an interval
+ * tile. */
 static long long forward_block(const struct fl_args *a, const long long *t, const struct rows *b,
-                               T *m, T *ell, T *acc, T *s) {
+                               const struct keys *ks, int c0, T *m, T *ell, T *acc, T *s) {
     int nr = b->nr, idv = (int)a->dv, lo = 0, hi = (int)(t[3] - t[2]);
     int ca[FL_PARTIAL_ROWS], cb[FL_PARTIAL_ROWS];
-    long long seen = 0;
+    long long seen = 0, kh = b->h0 / a->group;
     if (t[4]) {
         seen = row_ranges(a, t, b, ca, cb, &lo, &hi);
         if (lo == hi) return seen; /* nothing visible: m, ℓ and acc stay as they are */
     }
     int w = hi - lo;
-    scores(a, b, t[2] + lo, w, s, a->scale * LOG2E, 0);
+    const T *vh = a->v + (kh * a->lk + t[2] + lo) * a->dv;
+    if (ks->qt) { /* keys in place: Sᵀ-columns = Qᵀ-rows · K_j, then transposed */
+        const T *kp;
+        tile_kv(a, ks, kh, t[2] + lo, w, &kp, &vh);
+        mm(nr, w, (int)a->d, (T)(a->scale * LOG2E), ks->qt + c0, ks->ldq, kp, 1, a->d, 0,
+           ks->sc, nr);
+        for (int r = 0; r < nr; ++r)
+            for (int j = 0; j < w; ++j) s[(long long)r * w + j] = ks->sc[(long long)j * nr + r];
+    } else {
+        scores(a, b, t[2] + lo, w, s, a->scale * LOG2E, 0);
+    }
     if (t[4]) mask_bytes(a, t, b, s, w, lo, ca, cb);
     T *alpha = s + (long long)nr * w; /* α per row */
     int moved = 0;                     /* did any row's max move? */
     for (int r = 0; r < nr; ++r) {
         T *row = s + (long long)r * w;
-        int c0 = t[4] ? ca[r] : 0, c1 = t[4] ? cb[r] : w; /* the row's columns */
-        T m_old = m[r], top = row_max(row + c0, c1 - c0);
+        int c0r = t[4] ? ca[r] : 0, c1r = t[4] ? cb[r] : w; /* the row's columns */
+        T m_old = m[r], top = row_max(row + c0r, c1r - c0r);
         T m_new = m_old > top ? m_old : top, m_sub = m_new == -INFINITY ? 0 : m_new;
         alpha[r] = exp2s(m_old - m_sub); /* exactly 1 when the max did not move */
         moved |= alpha[r] != (T)1;
-        T sum = exp_row(row + c0, c1 - c0, m_sub);
-        zero_outside(row, c0, c1, w); /* P = 0 where the row cannot see */
+        T sum = exp_row(row + c0r, c1r - c0r, m_sub);
+        zero_outside(row, c0r, c1r, w); /* P = 0 where the row cannot see */
         m[r] = m_new;
         ell[r] = sum + alpha[r] * ell[r];
     }
@@ -530,7 +608,6 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
             T *ar = acc + (long long)r * idv;
             for (int c = 0; c < idv; ++c) ar[c] *= alpha[r];
         }
-    const T *vh = a->v + ((b->h0 / a->group) * a->lk + t[2] + lo) * a->dv;
     /* acc (nr x d_v) += P (nr x w) V_j (w x d_v), formed as accᵀ += V_jᵀ Pᵀ */
     mm(idv, nr, w, 1, vh, idv, s, 1, w, 1, acc, idv);
     return seen;
@@ -540,28 +617,45 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
  * tiles [t0, t1) of the schedule, in order; then O = acc / ℓ and λ = m · ln 2 + log ℓ
  * (natural units; an empty row, ℓ = 0, gives O = 0 and λ = -inf, as online.finalize does)
  * into split s's O and λ. The state stays in the thread's scratch: no other item touches
- * these rows, so the items need no barrier between tiles. */
+ * these rows, so the items need no barrier between tiles. Scratch: m, ℓ (nr each), acc
+ * (nr · d_v), S/P and α (nr · bk + nr); with keys in place also Qᵀ (d · nr), S columns
+ * (nr · bk) and, for half K/V, the widened tiles (bk · (d + d_v)). */
 static void forward_item(const struct fl_args *a, long long h0, long long r0, int nr, long long t0,
                          long long t1, long long split) {
-    long long dv = a->dv;
+    long long dv = a->dv, d = a->d, bk = 0;
+    for (long long ti = t0; ti < t1; ++ti) {
+        long long w = a->tiles[ti * FL_TILE + 3] - a->tiles[ti * FL_TILE + 2];
+        bk = w > bk ? w : bk;
+    }
     T *m = a->work + omp_get_thread_num() * a->work_stride, *ell = m + nr, *acc = ell + nr;
     T *s = acc + nr * dv;
+    struct keys ks = {NULL, nr, NULL, NULL, NULL};
+    struct rows b = {h0, r0, a->stacked ? a->lq : (1LL << 62), nr};
+    if (!a->kt) { /* keys in place: the rows' Qᵀ, once */
+        T *qt = s + nr * bk + nr;
+        const T *qh = a->q + row_base(a, &b) * d;
+        for (int r = 0; r < nr; ++r)
+            for (long long c = 0; c < d; ++c) qt[c * nr + r] = qh[r * d + c];
+        ks.qt = qt;
+        ks.sc = qt + d * nr;
+        ks.kf = ks.sc + nr * bk;
+        ks.vf = ks.kf + bk * d;
+    }
     for (int r = 0; r < nr; ++r) {
         m[r] = -INFINITY;
         ell[r] = 0;
     }
     memset(acc, 0, (size_t)(nr * dv) * sizeof(T));
-    struct rows b = {h0, r0, a->stacked ? a->lq : (1LL << 62), nr};
     for (long long ti = t0; ti < t1; ++ti) {
         const long long *t = a->tiles + ti * FL_TILE;
         long long seen = 0;
         if (!t[4]) {
-            forward_block(a, t, &b, m, ell, acc, s);
+            forward_block(a, t, &b, &ks, 0, m, ell, acc, s);
             continue;
         }
         for (int c = 0; c < nr; c += FL_PARTIAL_ROWS) { /* partial: narrow row blocks */
             struct rows sub = {h0, r0 + c, b.lrows, nr - c < FL_PARTIAL_ROWS ? nr - c : FL_PARTIAL_ROWS};
-            seen += forward_block(a, t, &sub, m + c, ell + c, acc + c * dv, s);
+            seen += forward_block(a, t, &sub, &ks, c, m + c, ell + c, acc + c * dv, s);
         }
         if (seen) {
 #pragma omp atomic
@@ -609,14 +703,18 @@ void SUF(fl_forward)(const struct fl_args *a) {
         order[j] = x;
     }
     long long items = 0;
+    double flops = 0;
     for (long long n = 0; n < rows; ++n) {
         long long i = order[n], len = a->stacked ? a->group * a->lq : a->bounds[2 * i + 1] - a->bounds[2 * i];
         chunks[n] = (len + a->chunk - 1) / a->chunk;
         first[n] = items;
         items += chunks[n] * a->splits * units;
+        flops += 2.0 * (double)(len * units) * (double)cost[i] * (double)(a->d + a->dv);
     }
     first[rows] = items;
-#pragma omp parallel for schedule(dynamic, 1)
+    /* a pass of a few microseconds of work runs on this thread alone: waking the team
+     * would cost more than it saves */
+#pragma omp parallel for schedule(dynamic, 1) if (flops > FL_SERIAL_FLOPS)
     for (long long w = 0; w < items; ++w) {
         long long n = 0;
         while (first[n + 1] <= w) ++n;
@@ -697,7 +795,15 @@ static void backward_item(const struct fl_args *a, long long kh, long long j0, l
     for (long long j = j0; j < j1; ++j) {
         long long ta = a->row_start[j], tb = a->row_start[j + 1];
         long long k0 = a->bounds[2 * j], nc = a->bounds[2 * j + 1] - k0;
+        T *dk = a->dk + (kh * a->lk + k0) * id, *dv = a->dvo + (kh * a->lk + k0) * idv;
+        if (ta == tb) { /* a key tile no query sees: dK_j = dV_j = 0, no scratch needed */
+            memset(dk, 0, (size_t)(nc * id) * sizeof(T));
+            memset(dv, 0, (size_t)(nc * idv) * sizeof(T));
+            continue;
+        }
         const long long *t;
+        /* scratch: dK_jᵀ, dV_jᵀ of the key tile (its width: some tile of this row runs, so
+         * the pass's widest run tile bounds it), then P and dP/dS */
         T *dkt = a->work + omp_get_thread_num() * a->work_stride, *dvt = dkt + id * nc;
         T *s = dvt + idv * nc;
         memset(dkt, 0, (size_t)((id + idv) * nc) * sizeof(T));
@@ -717,7 +823,6 @@ static void backward_item(const struct fl_args *a, long long kh, long long j0, l
                 a->seen[ti] += seen;
             }
         }
-        T *dk = a->dk + (kh * a->lk + k0) * id, *dv = a->dvo + (kh * a->lk + k0) * idv;
         for (long long c = 0; c < nc; ++c) {
             for (long long e = 0; e < id; ++e) dk[c * id + e] = dkt[e * nc + c];
             for (long long e = 0; e < idv; ++e) dv[c * idv + e] = dvt[e * nc + c];

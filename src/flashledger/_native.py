@@ -37,11 +37,13 @@ import sys
 import tempfile
 import threading
 import time
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from . import _calibrate
 
 __all__ = ["Kernels", "Schedule", "disabled", "kernels", "native_status", "release_scratch"]
 
@@ -52,8 +54,11 @@ _loaded: tuple[Kernels | None, str] | None = None
 _off = threading.local()
 
 
-_POINTERS = "q k kt v vt o lse dout lam dd dq dk dvo work iv_lo iv_hi tiles row_start bounds seen"
-_SIZES = "heads group lq lk d dv work_stride hq iv_bstride rows chunk splits stacked"
+_POINTERS = (
+    "q k kt v vt o lse dout lam dd dq dk dvo work iv_lo iv_hi k16 v16 tiles row_start bounds seen"
+)
+_SIZES = "heads group lq lk d dv work_stride hq iv_bstride rows chunk splits stacked half"
+_HALF = {torch.bfloat16: 1, torch.float16: 2}
 
 
 class _Args(ctypes.Structure):
@@ -131,13 +136,17 @@ class Schedule:
 class Kernels:
     """The loaded library."""
 
-    def __init__(self, lib: ctypes.CDLL, gemms: dict[str, int]) -> None:
+    def __init__(self, lib: ctypes.CDLL, gemms: dict[str, dict[str, int]], choices: Path) -> None:
+        """``gemms``: each BLAS back end's ``{"f32": sgemm_, "f64": dgemm_}`` addresses;
+        ``choices``: the calibration's cache file."""
         self._lib = lib
         self._gemms = gemms
+        self._choices_file = choices
+        self.choices: dict[torch.dtype, _calibrate.Choice] | None = None
         ll, vp, i, d = ctypes.c_longlong, ctypes.c_void_p, ctypes.c_int, ctypes.c_double
-        for suffix, gemm in gemms.items():
+        for suffix in ("f32", "f64"):
             getattr(lib, f"fl_set_gemm_{suffix}").argtypes = [vp]
-            getattr(lib, f"fl_set_gemm_{suffix}")(gemm)
+            getattr(lib, f"fl_set_gemm_{suffix}")(gemms["blas"][suffix])
             for name in ("fl_forward", "fl_backward"):
                 getattr(lib, f"{name}_{suffix}").argtypes = [vp]
                 getattr(lib, f"{name}_{suffix}").restype = None
@@ -155,22 +164,52 @@ class Kernels:
             getattr(lib, f"fl_fma_peak_{suffix}").restype = d
             getattr(lib, f"fl_fma_flops_per_rep_{suffix}").restype = d
         self.vector_bytes = int(lib.fl_vector_bytes_f32())
-        choice = os.environ.get("FLASHLEDGER_GEMM", "own")
-        if choice not in ("own", "blas"):
-            warnings.warn(
-                f"FLASHLEDGER_GEMM={choice!r} is not 'own' or 'blas'; using 'own'", stacklevel=2
-            )
-        self.use_own_gemm(choice != "blas")  # sets self.own_gemm
+        self._gemm = {suffix: "blas" for suffix in ("f32", "f64")}
+
+    def gemm_names(self) -> list[str]:
+        """The matmul back ends available here: ``own`` (built for AVX-512), ``blas``
+        (PyTorch's), ``openblas`` (with the ``scipy-openblas32`` package)."""
+        own = ["own"] if self.vector_bytes == 64 else []
+        return own + [name for name in _calibrate.GEMMS if name in self._gemms]
+
+    def set_gemm(self, dtype: torch.dtype, name: str) -> None:
+        """Run the ``dtype`` step's matmuls on back end ``name`` (see ``gemm_names``)."""
+        if name not in self.gemm_names():
+            raise ValueError(f"no matmul back end {name!r} here; one of {self.gemm_names()}")
+        suffix = _suffix(dtype)
+        if name != "own":
+            self.fn("fl_set_gemm", suffix)(self._gemms[name][suffix])
+        self.fn("fl_set_own_gemm", suffix)(int(name == "own"))
+        self._gemm[suffix] = name
+
+    def gemm(self, dtype: torch.dtype) -> str:
+        """The back end running the ``dtype`` step's matmuls now."""
+        return self._gemm[_suffix(dtype)]
 
     def use_own_gemm(self, on: bool) -> bool:
-        """Run the step's matmuls on its own AVX-512 kernel (``on``, where it was built for
-        AVX-512) or on PyTorch's BLAS gemm; for every thread. Returns the setting now in
-        force. ``FLASHLEDGER_GEMM=blas`` starts with the BLAS."""
-        self.own_gemm = all(
-            bool(getattr(self._lib, f"fl_set_own_gemm_{suffix}")(int(on)))
-            for suffix in ("f32", "f64")
-        )
+        """Run both dtypes' matmuls on the step's own AVX-512 kernel (``on``, where it was
+        built for AVX-512) or on PyTorch's BLAS gemm. Returns whether the own kernel runs."""
+        for dt in (torch.float32, torch.float64):
+            self.set_gemm(dt, "own" if on and "own" in self.gemm_names() else "blas")
         return self.own_gemm
+
+    @property
+    def own_gemm(self) -> bool:
+        """True when both dtypes run on the own kernel."""
+        return all(name == "own" for name in self._gemm.values())
+
+    def choose(self) -> None:
+        """Make (or read back) the calibration's choices and put them in force."""
+        if self.choices is None and not _calibrate.calibrating():
+            choices = _calibrate.choose(self, self._choices_file)
+            for dt, c in choices.items():
+                self.set_gemm(dt, c.gemm)
+            self.choices = choices
+
+    def tiles(self, dtype: torch.dtype) -> tuple[int, int]:
+        """The default ``(block_q, block_k)`` for ``dtype``: the calibration's."""
+        c = (self.choices or {}).get(dtype)
+        return (c.block_q, c.block_k) if c is not None else _calibrate.FALLBACK_TILES
 
     def fn(self, name: str, suffix: str) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
         return getattr(self._lib, f"{name}_{suffix}")
@@ -265,14 +304,21 @@ class Kernels:
     ) -> list[int]:
         """Lay out the pass's operands, run it in one native call; returns ``seen``."""
         forward = name == "fl_forward"
-        # both passes read Kᵀ (for S = Q Kᵀ), the backward Vᵀ too (for dP = dO Vᵀ). The
-        # forward gives its Kᵀ buffer back for the next forward; the backward takes that
-        # buffer and lets both go when done, before autograd's own copies of the gradients
-        kt_buf = _pool.take("kv_t", k.numel(), q.dtype)
-        kt = self.transposed(k, kt_buf)  # Kᵀ (Hk, d, Lk)
+        # both passes read Kᵀ (for S = Q Kᵀ), the backward Vᵀ too (for dP = dO Vᵀ); a forward
+        # with keys in place (decode) reads K as it is, in its own dtype. The forward gives
+        # its Kᵀ buffer back for the next forward; the backward takes that buffer and lets
+        # both go when done, before autograd's own copies of the gradients
+        in_place = forward and bool(sizes.get("keys_in_place"))
+        half = _HALF.get(k.dtype, 0) if in_place else 0
+        kt_buf = kt = None
+        if not in_place:
+            kt_buf = _pool.take("kv_t", k.numel(), q.dtype)
+            kt = self.transposed(k, kt_buf)  # Kᵀ (Hk, d, Lk)
         vt = v if forward else self.transposed(v, torch.empty_like(v).view(-1))  # Vᵀ
-        alive = [q, k, v, kt, vt, *tensors.values()]
-        assert all(t.is_contiguous() and t.dtype == q.dtype for t in alive)
+        alive = [q, k, v, vt, *tensors.values()] + ([kt] if kt is not None else [])
+        assert all(t.is_contiguous() for t in alive)
+        assert all(t.dtype == q.dtype for t in alive if t is not k and t is not v)
+        assert k.dtype == v.dtype == (q.dtype if not half else k.dtype)
         work = _pool.take("work", self.max_threads() * work_per_thread, q.dtype)
         iv_lo = iv_hi = None
         if intervals is not None:
@@ -282,9 +328,12 @@ class Kernels:
         args = _Args(
             q=q.data_ptr(),
             k=k.data_ptr(),
-            kt=kt.data_ptr(),
+            kt=None if kt is None else kt.data_ptr(),
             v=v.data_ptr(),
             vt=vt.data_ptr(),
+            k16=k.data_ptr() if half else None,
+            v16=v.data_ptr() if half else None,
+            half=half,
             work=work.data_ptr(),
             iv_lo=None if iv_lo is None else iv_lo.data_ptr(),
             iv_hi=None if iv_hi is None else iv_hi.data_ptr(),
@@ -304,14 +353,14 @@ class Kernels:
             rows=sched.rows,
             scale=scale,
             scale_exact=int(math.frexp(scale)[0] == 0.5),
-            **sizes,
+            **{n: x for n, x in sizes.items() if n != "keys_in_place"},
             **{name: t.data_ptr() for name, t in tensors.items()},
         )
         suffix = "f32" if q.dtype == torch.float32 else "f64"
         self.fn(name, suffix)(ctypes.byref(args))
         del alive, sched._alive[:]
         _pool.give("work", work)
-        if forward:
+        if forward and kt_buf is not None:
             _pool.give("kv_t", kt_buf)
         sched.seen = seen.tolist()
         return sched.seen
@@ -330,13 +379,16 @@ class Kernels:
         chunk: int,
         splits: int = 1,
         stacked: bool = False,
+        keys_in_place: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward pass of ``sched`` (rows: query tiles) in one native call.
 
         ``q`` ``(H, Lq, d)``, ``k`` ``(Hk, Lk, d)``, ``v`` ``(Hk, Lk, d_v)`` contiguous, one
         float dtype, ``H = Hk·group = B·heads_per_batch``; work items of ``chunk`` rows;
         each row's tiles in ``splits`` parts attended apart; ``stacked``: one query tile
-        covering Lq, a group's heads as one block of rows. ``intervals``: an interval
+        covering Lq, a group's heads as one block of rows; ``keys_in_place`` (decode): K
+        read as it is laid out, no Kᵀ, and ``k``, ``v`` may then be bfloat16 or float16
+        (widened tile by tile; ``q`` in float32). ``intervals``: an interval
         mask's ``(lo, hi)``, int64 ``(B|1, Lq)``, row ``i`` seeing local keys ``lo[i] <= j <
         hi[i]`` (read for partial tiles given no bytes). Returns each part's ``o`` ``(S, H,
         Lq, d_v)`` and ``lse`` ``(S, H, Lq)`` (natural units, -inf where a part saw no key).
@@ -345,9 +397,13 @@ class Kernels:
         dv = v.shape[2]
         o = torch.empty(splits, heads, lq, dv, dtype=q.dtype)  # (S, H, Lq, d_v)
         lse = torch.empty(splits, heads, lq, dtype=q.dtype)  # (S, H, Lq)
-        bk = sched.widest()[1]
+        d, bk = q.shape[2], sched.widest()[1]
         work = chunk * (2 + dv) + chunk * bk + chunk  # m, ℓ, acc; S/P; α
-        sizes = dict(chunk=chunk, splits=splits, stacked=int(stacked))
+        if keys_in_place:
+            work += d * chunk + chunk * bk + bk * (d + dv)  # Qᵀ; S columns; widened K/V tiles
+        sizes = dict(
+            chunk=chunk, splits=splits, stacked=int(stacked), keys_in_place=int(keys_in_place)
+        )
         self._run(
             "fl_forward",
             q,
@@ -497,10 +553,13 @@ def disabled() -> Iterator[None]:
 
 
 def kernels() -> Kernels | None:
-    """The native step, built and loaded on first use; None where it cannot run."""
+    """The native step, built, loaded and calibrated on first use; None where it cannot run."""
     if getattr(_off, "depth", 0) or os.environ.get("FLASHLEDGER_NATIVE", "1") == "0":
         return None
-    return _load()[0]
+    kern = _load()[0]
+    if kern is not None and kern.choices is None:
+        kern.choose()
+    return kern
 
 
 def native_status() -> str:
@@ -515,9 +574,14 @@ def native_status() -> str:
     kern, why = _load()
     if kern is None:
         return f"native tile step: off ({why}); the PyTorch step runs instead"
+    kern.choose()
     head, path = why.rsplit(", ", 1)
-    gemm = "own matmul kernel" if kern.own_gemm else "BLAS matmuls"
-    return f"native tile step: on ({head}, {gemm}, {path})"
+    names = {"own": "own matmul kernel", "blas": "PyTorch's BLAS", "openblas": "OpenBLAS"}
+    parts = []
+    for dt in (torch.float32, torch.float64):
+        bq, bk = kern.tiles(dt)
+        parts.append(f"{str(dt)[6:]}: {names[kern.gemm(dt)]}, tiles {bq}x{bk}")
+    return f"native tile step: on ({head}; {'; '.join(parts)}; {path})"
 
 
 def _load() -> tuple[Kernels | None, str]:
@@ -562,15 +626,16 @@ def _build_and_load() -> tuple[Kernels | None, str]:
         return None, "PyTorch's OpenMP runtime (libgomp) is not loaded"
     blas = ctypes.CDLL(str(_torch_lib() / "libtorch_cpu.so"))
     try:
-        gemms = {
-            "f32": ctypes.cast(blas.sgemm_, ctypes.c_void_p).value,
-            "f64": ctypes.cast(blas.dgemm_, ctypes.c_void_p).value,
-        }
+        gemms = {"blas": {"f32": _address(blas.sgemm_), "f64": _address(blas.dgemm_)}}
     except AttributeError:
         return None, "PyTorch's library does not export sgemm_/dgemm_"
+    openblas = _openblas()
+    if openblas is not None:
+        gemms["openblas"] = openblas
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     parts = [_SOURCE.read_text(), " ".join(_FLAGS), version, str(gomp), torch.__version__]
-    key = hashlib.sha256("\0".join([*parts, _cpu_flags()]).encode()).hexdigest()[:16]
+    parts += [_calibrate.cpu_model(), _cpu_flags()]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     cache = Path(
         os.environ.get("FLASHLEDGER_CACHE_DIR")
         or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flashledger"
@@ -584,9 +649,35 @@ def _build_and_load() -> tuple[Kernels | None, str]:
             lib_path = Path(tempfile.mkdtemp(prefix="flashledger-")) / lib_path.name
             _compile(cc, gomp, lib_path)
     lib = ctypes.CDLL(str(lib_path))
-    kern = Kernels(lib, {k: v for k, v in gemms.items() if v is not None})
+    kern = Kernels(lib, gemms, lib_path.with_suffix(".json"))
     isa = {64: "AVX-512", 32: "AVX2"}.get(kern.vector_bytes, "SSE")
     return kern, f"{isa}, {kern.max_threads()} threads, {lib_path}"
+
+
+def _address(fn: Any) -> int:
+    addr = ctypes.cast(fn, ctypes.c_void_p).value
+    assert addr is not None
+    return addr
+
+
+def _openblas() -> dict[str, int] | None:
+    """OpenBLAS's ``sgemm_``/``dgemm_`` from the ``scipy-openblas32`` package, run on one
+    thread per call (the step's threads are the parallelism); None without the package."""
+    try:
+        import scipy_openblas32  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    try:
+        path = Path(scipy_openblas32.get_lib_dir()) / scipy_openblas32.get_library(fullname=True)
+        lib = ctypes.CDLL(str(path))
+        lib.scipy_openblas_set_num_threads(1)
+        return {"f32": _address(lib.scipy_sgemm_), "f64": _address(lib.scipy_dgemm_)}
+    except (OSError, AttributeError):
+        return None
+
+
+def _suffix(dtype: torch.dtype) -> str:
+    return "f32" if dtype == torch.float32 else "f64"
 
 
 def _digest(path: Path) -> str:

@@ -25,18 +25,26 @@ class AttentionOptions(TypedDict, total=False):
     """Keyword options of every entry point (all optional; defaults in brackets).
 
     - ``mask``: a ``Mask`` (``Causal``, ``SlidingWindow``, ``KeyPadding``,
-      ``DenseMask``, ``MaskMod``, their ``&`` and ``|``) or a boolean tensor
-      broadcastable to ``(B, H, Lq, Lk)``, True = visible [None: every key
+      ``Padding``, ``DenseMask``, ``MaskMod``, their ``&`` and ``|``) or a boolean
+      tensor broadcastable to ``(B, H, Lq, Lk)``, True = visible [None: every key
       visible].
     - ``scale``: multiplies ``q kᵀ`` [``1/sqrt(d)``].
     - ``conventions``: a ``Conventions`` preset or its name [``SEED``].
     - ``dropout_p``, ``seed``: dropout probability in ``[0, 1)`` and the seed of
       its counter-based keep mask [0.0, 0].
+    - ``dropout_mask``: an outside keep mask, bool broadcastable to
+      ``(B, H, Lq, Lk)``, True = kept; replaces the counter-based one (kept
+      entries scaled by ``1 / (1 - dropout_p)``) [None].
     - ``softcap``: ``softcap · tanh(s / softcap)`` on the scores [None].
-    - ``alibi_slopes``: ``(H,)`` or ``(B, H)`` ALiBi slopes [None].
+    - ``alibi_slopes``: ``(H,)`` or ``(B, H)`` ALiBi slopes; with ``cu_seqlens``
+      ``(H,)`` or one row per sequence ``(n, H)`` [None].
     - ``bias``: additive, broadcastable to ``(B, H, Lq, Lk)`` [None].
     - ``cu_seqlens_q``, ``cu_seqlens_k``: packed variable-length sequences,
       int ``(n + 1,)`` cumulative lengths, given together [None].
+    - ``seqused_q``, ``seqused_k``: int ``(B,)`` (with ``cu_seqlens``: ``(n,)``),
+      how many queries / keys of each batch element (sequence) are used; the
+      causal diagonal, windows and ALiBi are aligned to them, as flash-attn
+      aligns them; query rows past ``seqused_q`` see no key [None: all].
     - ``score_mod``: a FlexAttention ``score_mod(score, b, h, q_idx, kv_idx)
       -> score``, called once per tile on broadcast index tensors, after the
       scale, softcap, ALiBi and bias; the tensors it captures that require
@@ -48,11 +56,14 @@ class AttentionOptions(TypedDict, total=False):
     conventions: Conventions | str
     dropout_p: float
     seed: int
+    dropout_mask: torch.Tensor | None
     softcap: float | None
     alibi_slopes: torch.Tensor | None
     bias: torch.Tensor | None
     cu_seqlens_q: torch.Tensor | None
     cu_seqlens_k: torch.Tensor | None
+    seqused_q: torch.Tensor | None
+    seqused_k: torch.Tensor | None
     score_mod: ScoreModFn | None
 
 

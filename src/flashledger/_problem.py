@@ -17,8 +17,18 @@ from ._checks import all_finite, check_finite, check_float_tensor, check_qkv
 from ._mods import ScoreModFn
 from .conventions import Conventions, get_conventions
 from .dropout import dropout_keep
-from .masks import BoundMask, Geometry, Mask, _SequenceBounds, as_mask
-from .scores import ScoreMod
+from .masks import (
+    And,
+    BoundMask,
+    Causal,
+    Geometry,
+    Mask,
+    SlidingWindow,
+    _SequenceBounds,
+    as_mask,
+    padding_of,
+)
+from .scores import ScoreMod, to5d
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -50,8 +60,8 @@ class Problem:
     """Everything a loop needs, validated. Shapes in the comments."""
 
     q: torch.Tensor  # (B, Hkv, G, Lq, d) accumulation dtype
-    k: torch.Tensor  # (B, Hkv, 1, Lk, d)
-    v: torch.Tensor  # (B, Hkv, 1, Lk, d_v)
+    k_in: torch.Tensor  # (B, Hkv, 1, Lk, d) in the input dtype (``k``: in the accumulation dtype)
+    v_in: torch.Tensor  # (B, Hkv, 1, Lk, d_v) likewise
     ndim: int  # caller's rank: 2, 3 or 4
     out_dtype: torch.dtype
     conventions: Conventions
@@ -60,16 +70,38 @@ class Problem:
     smod: ScoreMod
     dropout_p: float
     seed: int
+    # an outside keep mask, (B|1, Hkv|1, G|1, Lq_total|1, Lk_total|1), or None
+    keep_mask: torch.Tensor | None = None
+
+    @property
+    def has_dropout(self) -> bool:
+        """True when entries are dropped: ``dropout_p > 0`` or an outside keep mask."""
+        return self.dropout_p != 0.0 or self.keep_mask is not None
 
     @property
     def dtype(self) -> torch.dtype:
         return self.q.dtype
 
     @property
+    def k(self) -> torch.Tensor:
+        """K ``(B, Hkv, 1, Lk, d)`` in the accumulation dtype (converted once, when first
+        asked: a decode step reading a half-precision cache in place never asks)."""
+        if "_k" not in self.__dict__:
+            self.__dict__["_k"] = self.k_in.to(self.dtype)
+        return self.__dict__["_k"]  # type: ignore[no-any-return]
+
+    @property
+    def v(self) -> torch.Tensor:
+        """V ``(B, Hkv, 1, Lk, d_v)`` in the accumulation dtype (converted once)."""
+        if "_v" not in self.__dict__:
+            self.__dict__["_v"] = self.v_in.to(self.dtype)
+        return self.__dict__["_v"]  # type: ignore[no-any-return]
+
+    @property
     def shape(self) -> tuple[int, int, int, int, int, int, int, int]:
         """``(B, Hq, Hkv, G, Lq, Lk, d, d_v)``."""
         b, hkv, g, lq, d = self.q.shape
-        return b, hkv * g, hkv, g, lq, self.k.shape[-2], d, self.v.shape[-1]
+        return b, hkv * g, hkv, g, lq, self.k_in.shape[-2], d, self.v_in.shape[-1]
 
     # -- layout -----------------------------------------------------------------------
     def user_q(self, x: torch.Tensor) -> torch.Tensor:
@@ -102,9 +134,14 @@ class Problem:
     # -- per-tile ingredients ---------------------------------------------------------
     def keep_tile(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor | None:
         """Dropout keep mask of a tile, bool ``(B, Hkv, G, bq, bk)``, or None without dropout."""
+        b, hq, hkv, g = self.shape[:4]
+        if self.keep_mask is not None:
+            t, geo = self.keep_mask, self.geo
+            rq = slice(geo.q_offset + q0, geo.q_offset + q1) if t.shape[-2] != 1 else slice(None)
+            rk = slice(geo.k_offset + k0, geo.k_offset + k1) if t.shape[-1] != 1 else slice(None)
+            return t[..., rq, rk].expand(b, hkv, g, q1 - q0, k1 - k0)
         if self.dropout_p == 0.0:
             return None
-        b, hq, hkv, g = self.shape[:4]
         dev = self.geo.device
         bi = torch.arange(b, device=dev).view(b, 1, 1, 1, 1)
         hi = torch.arange(hq, device=dev).view(1, hkv, g, 1, 1)
@@ -371,6 +408,9 @@ def build_problem(
     bias: torch.Tensor | None = None,
     cu_seqlens_q: torch.Tensor | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
+    seqused_q: torch.Tensor | None = None,
+    seqused_k: torch.Tensor | None = None,
+    dropout_mask: torch.Tensor | None = None,
     score_mod: ScoreModFn | None = None,
     placement: Placement | None = None,
     acc_dtype: torch.dtype | None = None,
@@ -403,13 +443,6 @@ def build_problem(
         alibi_slopes=alibi_slopes,
         bias=bias,
     )
-    if alibi_slopes is not None:
-        ok = alibi_slopes.shape == (hq,) or alibi_slopes.shape == (b, hq)
-        if not ok:
-            raise ValueError(
-                f"alibi_slopes must have shape (H,) = ({hq},) or (B, H) = ({b}, {hq}), "
-                f"got {tuple(alibi_slopes.shape)}"
-            )
     if score_mod is not None and not callable(score_mod):
         raise TypeError(
             "score_mod must be None or callable as score_mod(score, b, h, q_idx, kv_idx) -> "
@@ -451,12 +484,63 @@ def build_problem(
                 f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, "
                 f"got {cq.numel() - 1} and {ck.numel() - 1}"
             )
+    n_seq = b if cq is None else cq.numel() - 1
+    if alibi_slopes is not None:  # dtype and values checked above
+        rows = b if cq is None else n_seq
+        if alibi_slopes.shape not in ((hq,), (rows, hq)):
+            per = "(B, H)" if cq is None else "(n, H), one row per sequence"
+            raise ValueError(
+                f"alibi_slopes must have shape (H,) = ({hq},) or {per} = ({rows}, {hq}), "
+                f"got {tuple(alibi_slopes.shape)}"
+            )
+    if dropout_mask is not None:
+        _check_dropout_mask(dropout_mask, (b, hq, lq_total, lk_total))
+    dropping = dropout_p > 0 or dropout_mask is not None
+    if softcap is not None and dropping and not conv.softcap_with_dropout:
+        raise ValueError(
+            f"conventions {conv.name!r} refuse softcap together with dropout (the real "
+            "kernel has no softcapped dropout path); pass one of them, or conventions "
+            "that accept the pair (e.g. 'seed')"
+        )
+    # -- used lengths: seqused_q / seqused_k, or a Padding mask --
+    m = as_mask(mask)
+    pad = padding_of(m)
+    used: dict[str, Any] = {}
+    if pad is not None:
+        if cq is not None:
+            raise ValueError(
+                "a Padding mask cannot be combined with cu_seqlens; packed sequences take "
+                "seqused_q / seqused_k"
+            )
+        if seqused_q is not None or seqused_k is not None:
+            raise ValueError(
+                "a Padding mask and seqused_q/seqused_k both set the used lengths; give one"
+            )
+        for name, lens, total in (
+            ("q_lens", pad.q_lens, lq_total),
+            ("k_lens", pad.k_lens, lk_total),
+        ):
+            if lens is not None:
+                _check_used(f"Padding {name}", lens, b, total, per_batch=True)
+        used = pad.geometry_options()
+    else:
+        if seqused_q is not None:
+            alloc_q = lq_total if cq is None else cq[1:] - cq[:-1]
+            used["seqused_q"] = _check_used(
+                "seqused_q", seqused_q, n_seq, alloc_q, per_batch=cq is None
+            )
+        if seqused_k is not None:
+            alloc_k = lk_total if ck is None else ck[1:] - ck[:-1]
+            used["seqused_k"] = _check_used(
+                "seqused_k", seqused_k, n_seq, alloc_k, per_batch=cq is None
+            )
     geo = Geometry.build(
         lq=lq,
         lk=lk,
         batch=b,
         heads=hq,
         causal_align=conv.causal_align,
+        window_rewrite=conv.window_rewrite == "flash_attn_2",
         device=q.device,
         q_offset=place.q_offset,
         k_offset=place.k_offset,
@@ -464,9 +548,9 @@ def build_problem(
         lk_total=lk_total,
         cu_seqlens_q=cq,
         cu_seqlens_k=ck,
+        **used,
     )
-    m = as_mask(mask)
-    if geo.varlen:
+    if geo.bounded:
         m = _SequenceBounds() if m is None else (_SequenceBounds() & m)
     bound = m.bind(geo) if m is not None else None
     smod = ScoreMod.build(
@@ -478,15 +562,20 @@ def build_problem(
         alibi_slopes=alibi_slopes,
         bias=bias,
         dtype=acc_dtype,
+        alibi_key_index=conv.alibi_causal == "key_index" and causal_in_fa_terms(m, geo),
         score_mod=score_mod,
         batch=b,
     )
+    keep_mask = None
+    if dropout_mask is not None:
+        km = _add_leading(dropout_mask, 4).to(q.device)
+        keep_mask = to5d(km, hkv, g)
     return Problem(
         # contiguous once here (a copy only for strided inputs, e.g. heads sliced out of a
         # larger tensor), so that every tile of the loop is a view
         q=q4.to(acc_dtype).contiguous().view(b, hkv, g, lq, d),
-        k=k4.to(acc_dtype).contiguous().unsqueeze(2),
-        v=v4.to(acc_dtype).contiguous().unsqueeze(2),
+        k_in=k4.contiguous().unsqueeze(2),
+        v_in=v4.contiguous().unsqueeze(2),
         ndim=ndim,
         out_dtype=q.dtype,
         conventions=conv,
@@ -495,4 +584,74 @@ def build_problem(
         smod=smod,
         dropout_p=float(dropout_p),
         seed=seed,
+        keep_mask=keep_mask,
     )
+
+
+def _check_dropout_mask(t: Any, want: tuple[int, int, int, int]) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.bool:
+        got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+        raise TypeError(f"dropout_mask must be a bool tensor (True = kept), got {got}")
+    tt = _add_leading(t, 4)
+    if t.ndim > 4 or any(s not in (1, w) for s, w in zip(tt.shape, want)):
+        raise ValueError(
+            f"dropout_mask of shape {tuple(t.shape)} is not broadcastable to "
+            f"(B, H, Lq, Lk) = {want}"
+        )
+
+
+def _check_used(
+    name: str, x: Any, n: int, alloc: int | torch.Tensor, *, per_batch: bool
+) -> torch.Tensor:
+    """Used lengths: 1-D integers, one per batch element (or 1) / per sequence, each within
+    its allocated length ``alloc`` (an int, or ``(n,)`` per sequence). Returns int64 ``(n|1,)``."""
+    t = x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
+    if t.ndim != 1 or t.is_floating_point() or t.dtype == torch.bool:
+        raise ValueError(f"{name} must be a 1-D integer tensor of used lengths, got {x!r}")
+    sizes = (1, n) if per_batch else (n,)
+    what = "batch element" if per_batch else "sequence"
+    if t.numel() not in sizes:
+        raise ValueError(f"{name} has {t.numel()} entries; it needs one per {what} ({n})")
+    c = t.to(torch.int64).cpu()
+    limit = torch.as_tensor(alloc, dtype=torch.int64).cpu()
+    bad = (c < 0) | (c > limit)
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad)[0, 0])
+        top = int(limit if limit.ndim == 0 else limit[i])
+        raise ValueError(
+            f"{name}[{i}] = {int(c[i])} is outside 0..{top} (the {what}'s allocated length)"
+        )
+    return c
+
+
+def causal_in_fa_terms(mask: Mask | None, geo: Geometry) -> bool:
+    """flash-attn's ``is_causal`` for a mask: the windows of its ``&`` chain
+    (``Causal`` = no left bound, right 0), all bottom-right aligned, with sides dropped
+    where flash-attn 2 drops them (``>= seqlen_k``), intersect to no left bound and a
+    right bound of 0 (``flash_api.cpp`` decides ``is_causal`` before it turns a
+    remaining -1 side into ``seqlen_k``)."""
+    left: int | None = None
+    right: int | None = None
+    found = False
+    for leaf in _and_leaves(mask):
+        if isinstance(leaf, Causal):
+            sides: tuple[int | None, int | None] = (None, 0)
+        elif isinstance(leaf, SlidingWindow):
+            sides = leaf.sides(geo, clip_only=True)
+        else:
+            continue
+        if (leaf.align or geo.causal_align) != "bottom_right":
+            return False
+        found = True
+        l_, r_ = sides
+        left = l_ if left is None else (left if l_ is None else min(left, l_))
+        right = r_ if right is None else (right if r_ is None else min(right, r_))
+    return found and left is None and right == 0
+
+
+def _and_leaves(mask: Mask | None) -> list[Mask]:
+    if mask is None:
+        return []
+    if isinstance(mask, And):
+        return _and_leaves(mask.a) + _and_leaves(mask.b)
+    return [mask]

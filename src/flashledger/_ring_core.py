@@ -81,7 +81,7 @@ from ._ring_transport import (
 from .blocked import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, blocked_backward, blocked_forward
 from .conventions import SEED, Conventions, get_conventions
 from .ledger import Counters
-from .masks import EMPTY, Geometry, Mask, as_mask
+from .masks import EMPTY, Mask, as_mask
 from .reference import _conventional_lse
 
 __all__ = ["RingResult", "ring_attention", "simulate_ring"]
@@ -102,7 +102,9 @@ class _Options:
 
     @staticmethod
     def build(where: str, opts: Mapping[str, Any], *, block_q: int, block_k: int) -> _Options:
-        check_options(where, opts, refused=("cu_seqlens_q", "cu_seqlens_k"))
+        check_options(
+            where, opts, refused=("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")
+        )
         check_size("block_q", block_q)
         check_size("block_k", block_k)
         bias = opts.get("bias")
@@ -320,12 +322,12 @@ def _lay_out(
     if opts.mask is not None:
         for qc in mine_q:
             for kc in (c for chunks in kv_chunks for c in chunks):
-                geo = Geometry.build(
-                    lq=qc.length,
-                    lk=kc.length,
+                geo = opts.mask.geometry(
+                    qc.length,
+                    kc.length,
                     batch=b,
                     heads=hq,
-                    causal_align=opts.conventions.causal_align,
+                    conventions=opts.conventions,
                     device=q.device,
                     q_offset=qc.start,
                     k_offset=kc.start,

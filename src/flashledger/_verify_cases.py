@@ -180,11 +180,7 @@ class Case:
             return None
         s = self.shape
         d = self.mask.dense(
-            s.len_q,
-            s.len_k,
-            batch=s.batch,
-            heads=s.heads_q,
-            causal_align=self.conventions.causal_align,
+            s.len_q, s.len_k, batch=s.batch, heads=s.heads_q, conventions=self.conventions
         )
         return d.expand(s.batch, s.heads_q, s.len_q, s.len_k)  # (B, Hq, Lq, Lk)
 

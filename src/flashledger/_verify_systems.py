@@ -34,7 +34,6 @@ from .masks import (
     PARTIAL,
     Causal,
     DenseMask,
-    Geometry,
     KeyPadding,
     Mask,
     SlidingWindow,
@@ -273,14 +272,15 @@ def ledger_tile_classes_for_flex(case: Case, block_q: int, block_k: int) -> Tens
     s = case.shape
     if case.mask is None:
         raise ValueError(f"case {case.name} has no mask, so no tiles to classify")
-    geo = Geometry.build(
-        lq=s.len_q,
-        lk=s.len_k,
+    classes = case.mask.tile_classes(
+        s.len_q,
+        s.len_k,
+        block_q,
+        block_k,
         batch=s.batch,
         heads=s.heads_q,
-        causal_align=case.conventions.causal_align,
-    )
-    classes = case.mask.bind(geo).tile_classes(block_q, block_k).clone()  # (Tq, Tk)
+        conventions=case.conventions,
+    ).clone()  # (Tq, Tk)
     ragged_q = torch.arange(classes.shape[0]) * block_q + block_q > s.len_q  # (Tq,)
     ragged_k = torch.arange(classes.shape[1]) * block_k + block_k > s.len_k  # (Tk,)
     ragged = ragged_q[:, None] | ragged_k[None, :]

@@ -49,7 +49,6 @@ from .masks import (
     FULL,
     PARTIAL,
     Causal,
-    Geometry,
     IntervalBound,
     Mask,
     SlidingWindow,
@@ -234,10 +233,7 @@ def _tiling(
             visible=shape.lq * shape.lk * shape.bh,
         )  # fmt: skip
     _check_masked_size(shape, tq, tk)
-    geo = Geometry.build(
-        lq=shape.lq, lk=shape.lk, batch=shape.batch, heads=shape.heads,
-        causal_align=conv.causal_align,
-    )  # fmt: skip
+    geo = m.geometry(shape.lq, shape.lk, batch=shape.batch, heads=shape.heads, conventions=conv)
     bound = m.bind(geo)
     kinds = bound.classes(block_q, block_k).to(torch.int64)  # (Tr, Tc)
     classify_positions = sum(caller.positions for caller in bound.callers)

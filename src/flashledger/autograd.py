@@ -40,14 +40,7 @@ from ._backward_graph import graph_backward
 from ._mods import find_captured
 from ._options import AttentionOptions, check_options
 from ._problem import build_problem
-from .blocked import (
-    DEFAULT_BLOCK_K,
-    DEFAULT_BLOCK_Q,
-    LoopOrder,
-    _backward_problem,
-    _check_options,
-    _forward_problem,
-)
+from .blocked import LoopOrder, _backward_problem, _check_options, _forward_problem
 from .conventions import SEED, get_conventions
 from .ledger import Ledger
 
@@ -147,8 +140,8 @@ def flash_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    block_q: int = DEFAULT_BLOCK_Q,
-    block_k: int = DEFAULT_BLOCK_K,
+    block_q: int | None = None,
+    block_k: int | None = None,
     loop_order: LoopOrder = "fa2",
     return_lse: bool = False,
     **opts: Unpack[AttentionOptions],

@@ -39,22 +39,25 @@ and memory against ``L``, log scales) in ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import math
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import _native
+from . import _calibrate, _native
 from ._limits import MAX_SIZE
 from ._progress import figure_png, int_arg, make_console, output_problem, progress, write_file
 from .autograd import flash_attention
@@ -64,7 +67,13 @@ from .masks import Causal
 __all__ = ["add_cli_arguments", "main", "run_cli"]
 
 METHODS = ("flashledger", "sdpa", "naive")
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+DEFAULT_DTYPES = ("float32", "float64")
 FULL_LENGTHS = (4096, 8192, 16384)
 QUICK_LENGTHS = (1024, 2048)
 GEMM_N = 2048  # square GEMM used for the peak
@@ -83,8 +92,8 @@ class Config:
     batch: int = 1
     heads: int = 4
     head_dim: int = 64
-    block_q: int = DEFAULT_BLOCK_Q
-    block_k: int = DEFAULT_BLOCK_K
+    block_q: int | None = None  # None: the native step's calibrated tiles (512 without it)
+    block_k: int | None = None
 
     @property
     def fwd_flops(self) -> float:
@@ -105,6 +114,19 @@ class Config:
     def label(self) -> str:
         c = "causal" if self.causal else "full"
         return f"L={self.length} {self.dtype} {c}"
+
+    def tiles(self) -> tuple[int, int]:
+        """The tiles flashledger runs: as given, or its defaults for this dtype."""
+        return resolved_tiles(self.dtype, self.block_q, self.block_k)
+
+
+def resolved_tiles(dtype: str, block_q: int | None, block_k: int | None) -> tuple[int, int]:
+    """``block_q``, ``block_k`` as given, or the native step's calibrated tiles for the
+    loop's accumulation dtype (512 x 512 where the native step is off)."""
+    kern = _native.kernels()
+    acc = torch.float64 if dtype == "float64" else torch.float32
+    bq, bk = kern.tiles(acc) if kern is not None else (DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K)
+    return (bq if block_q is None else block_q), (bk if block_k is None else block_k)
 
 
 def make_inputs(cfg: Config, *, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -129,8 +151,9 @@ def attention_fn(method: str, cfg: Config) -> Callable[..., torch.Tensor]:
     """``fn(q, k, v) -> o`` for one method."""
     if method == "flashledger":
         mask = Causal() if cfg.causal else None
+        bq, bk = cfg.tiles()
         return lambda q, k, v: flash_attention(  # type: ignore[return-value]
-            q, k, v, mask=mask, block_q=cfg.block_q, block_k=cfg.block_k
+            q, k, v, mask=mask, block_q=bq, block_k=bk
         )
     if method == "sdpa":
         sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -184,8 +207,9 @@ def matmul_floor_runners(cfg: Config) -> tuple[Callable[[], None], Callable[[], 
     n, length, d = cfg.batch * cfg.heads, cfg.length, cfg.head_dim
     q, k, do = (torch.randn(n, length, d, generator=gen, dtype=dt) for _ in range(3))
     v_t = torch.randn(n, d, length, generator=gen, dtype=dt)  # Vᵀ, as the forward keeps it
-    qtiles = [(s, min(s + cfg.block_q, length)) for s in range(0, length, cfg.block_q)]
-    ktiles = [(s, min(s + cfg.block_k, length)) for s in range(0, length, cfg.block_k)]
+    bq_, bk_ = cfg.tiles()
+    qtiles = [(s, min(s + bq_, length)) for s in range(0, length, bq_)]
+    ktiles = [(s, min(s + bk_, length)) for s in range(0, length, bk_)]
     bq, bk = qtiles[0][1], ktiles[0][1]
     s_buf, dp_buf = (torch.empty(n * bq * bk, dtype=dt) for _ in range(2))
     dkt_buf, dvt_buf = (torch.empty(n * d * bk, dtype=dt) for _ in range(2))
@@ -252,10 +276,20 @@ def gemm_peak(dtype: str, *, repeats: int = 5) -> float:
 
 
 def step_matmul_rate(dtype: str) -> float | None:
-    """GFLOP/s of the native step's matmul on every thread (``Kernels.matmul_rate``);
-    None when the native step is off."""
+    """GFLOP/s of the native step's matmul on every thread (``Kernels.matmul_rate``, on
+    the back end it chose for the dtype it computes in); None when the native step is off."""
     kern = _native.kernels()
-    return None if kern is None else kern.matmul_rate(DTYPES[dtype])
+    acc = torch.float64 if dtype == "float64" else torch.float32
+    return None if kern is None else kern.matmul_rate(acc)
+
+
+def fma_peak(dtype: str) -> float | None:
+    """GFLOP/s of fused multiply-adds on registers only, every thread (``Kernels.fma_peak``):
+    the machine's physical limit for the dtype flashledger computes in (float32 for half
+    inputs); None when the native step (which carries the microbenchmark) is off."""
+    kern = _native.kernels()
+    acc = torch.float64 if dtype == "float64" else torch.float32
+    return None if kern is None else kern.fma_peak(acc)
 
 
 def time_interleaved(
@@ -370,7 +404,7 @@ def measure_memory(method: str, cfg: Config, *, timeout_s: float = 1800.0) -> di
         "--head-dim",
         str(cfg.head_dim),
         "--tiles",
-        f"{cfg.block_q}x{cfg.block_k}",
+        "{}x{}".format(*cfg.tiles()),
     ]
     # glibc: every block of 128 KiB or more gets its own mapping, returned to the system when
     # freed, so the high-water mark counts live tensors, not reused free lists
@@ -429,17 +463,18 @@ def traced_overhead(
 # the run
 # ----------------------------------------------------------------------------------------
 def machine_info() -> dict[str, Any]:
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    """The CPU (model, vendor, ISA), PyTorch, threads and the native step's choices (back
+    end and tiles per dtype, and the rates of every candidate its calibration measured)."""
+    cpu = _calibrate.cpu_info()
+    kern = _native.kernels()
+    choices = {}
+    if kern is not None and kern.choices:
+        choices = {str(dt)[6:]: asdict(c) for dt, c in kern.choices.items()}
     return {
-        "cpu": model,
+        "cpu": cpu["model"],
+        "cpu_vendor": cpu["vendor"],
+        "cpu_id": cpu["id"],
+        "isa": cpu["isa"],
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -447,6 +482,7 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "native_step": _native.native_status(),
+        "native_choices": choices,
     }
 
 
@@ -465,7 +501,7 @@ def _configs(args: argparse.Namespace) -> list[Config]:
         for dt in args.dtypes
         for c in args.causal
         for n in args.lengths
-        for bq, bk in args.tiles
+        for bq, bk in (args.tiles or [(None, None)])
     ]
 
 
@@ -504,6 +540,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         },
         "gemm_peak_gflops": {dt: gemm_peak(dt) for dt in args.dtypes},
         "step_matmul_gflops": {dt: step_matmul_rate(dt) for dt in args.dtypes},
+        "fma_peak_gflops": {dt: fma_peak(dt) for dt in args.dtypes},
         "results": [],
     }
     with progress("bench", total=steps + 1) as advance:
@@ -513,6 +550,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 row,
                 report["gemm_peak_gflops"][cfg.dtype],
                 report["step_matmul_gflops"][cfg.dtype],
+                report["fma_peak_gflops"][cfg.dtype],
             )
             report["results"].append(row)
         report["traced"] = traced_overhead()
@@ -562,8 +600,8 @@ def _measure(
         "batch": cfg.batch,
         "heads": cfg.heads,
         "head_dim": cfg.head_dim,
-        "block_q": cfg.block_q,
-        "block_k": cfg.block_k,
+        "block_q": cfg.tiles()[0],
+        "block_k": cfg.tiles()[1],
         "fwd_gflop": cfg.fwd_flops / 1e9,
         "fwdbwd_gflop": cfg.fwdbwd_flops / 1e9,
         "max_abs_diff_o_vs_sdpa": diff,
@@ -590,8 +628,11 @@ def _measure(
     return row
 
 
-def _derive(row: dict[str, Any], peak: float, step_mm: float | None) -> None:
-    """Ratios against SDPA, the shares of the GEMM peak and of the step's matmul rate."""
+def _derive(
+    row: dict[str, Any], peak: float, step_mm: float | None, fma: float | None = None
+) -> None:
+    """Ratios against SDPA, the shares of the GEMM peak, of the step's matmul rate and of
+    the machine's FMA peak."""
     fl, sd = row["flashledger"], row["sdpa"]
     row["ratio_fwd"] = fl["fwd_ms"] / sd["fwd_ms"]
     row["ratio_fwdbwd"] = fl["fwdbwd_ms"] / sd["fwdbwd_ms"]
@@ -601,10 +642,196 @@ def _derive(row: dict[str, Any], peak: float, step_mm: float | None) -> None:
     row["pct_gemm_peak"] = 100.0 * fl["fwdbwd_gflops"] / peak
     row["sdpa_pct_gemm_peak"] = 100.0 * sd["fwdbwd_gflops"] / peak
     row["pct_step_matmul"] = None if not step_mm else 100.0 * fl["fwdbwd_gflops"] / step_mm
+    row["pct_fma_peak"] = None if not fma else 100.0 * fl["fwdbwd_gflops"] / fma
+    row["sdpa_pct_fma_peak"] = None if not fma else 100.0 * sd["fwdbwd_gflops"] / fma
     if fl["peak_extra_mb"] is not None and sd["peak_extra_mb"]:
         row["mem_ratio"] = fl["peak_extra_mb"] / sd["peak_extra_mb"]
     else:
         row["mem_ratio"] = None
+
+
+# ----------------------------------------------------------------------------------------
+# a busy machine
+# ----------------------------------------------------------------------------------------
+CONTENTION_CASES = ((1024, 128, 64), (1024, 128, None), (4096, 64, None))
+"""(L, d, tiles) of the contention benchmark: the 64-wide tiles make many steps."""
+
+
+@contextlib.contextmanager
+def busy_process() -> Iterator[subprocess.Popen[bytes]]:
+    """One other process keeping a core busy for as long as the block runs (``yes >
+    /dev/null``, or a Python loop where there is no ``yes``)."""
+    cmd = [shutil.which("yes") or sys.executable]
+    if cmd[0] == sys.executable:
+        cmd += ["-c", "while True: pass"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(0.2)  # let it start spinning
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def contention(repeats: int = 5) -> list[dict[str, Any]]:
+    """Forward + backward of flashledger and SDPA (float32, B=1, H=4), on the quiet
+    machine and with one other busy process, in alternating phases of interleaved
+    rounds: each method's slowdown (median busy / median quiet) and their ratio."""
+    rows = []
+    for length, d, tile in CONTENTION_CASES:
+        cfg = Config(
+            length=length, dtype="float32", causal=False, head_dim=d, block_q=tile, block_k=tile
+        )
+        q, k, v, do = make_inputs(cfg)
+        runners = {
+            m: _fwdbwd_runner(attention_fn(m, cfg), q, k, v, do) for m in ("flashledger", "sdpa")
+        }
+        common: dict[str, Any] = dict(
+            repeats=repeats,
+            budget_s=30.0,
+            reset=functools.partial(_clear_grads, q, k, v),
+            advance=lambda _: None,
+        )
+        quiet: dict[str, list[float]] = {m: [] for m in runners}
+        busy: dict[str, list[float]] = {m: [] for m in runners}
+        for _ in range(2):  # alternate, so a drift of the machine hits both conditions
+            for m, r in time_interleaved(runners, **common).items():
+                quiet[m].append(r["median_s"])
+            with busy_process():
+                for m, r in time_interleaved(runners, **common).items():
+                    busy[m].append(r["median_s"])
+        row: dict[str, Any] = {
+            "length": length,
+            "head_dim": d,
+            "tiles": "x".join(map(str, cfg.tiles())),
+        }
+        for m in runners:
+            q_ms, b_ms = 1e3 * statistics.median(quiet[m]), 1e3 * statistics.median(busy[m])
+            row[m] = {"quiet_ms": q_ms, "busy_ms": b_ms, "slowdown": b_ms / q_ms}
+        row["slowdown_ratio"] = row["flashledger"]["slowdown"] / row["sdpa"]["slowdown"]
+        rows.append(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------
+# decode: a few query rows against a long KV cache
+# ----------------------------------------------------------------------------------------
+DECODE_LENGTHS = (1024, 8192, 32768)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """One decode configuration: ``lq`` new query rows against ``lk`` cached keys."""
+
+    lk: int
+    dtype: str
+    batch: int = 1
+    heads_q: int = 32
+    heads_kv: int = 8
+    head_dim: int = 128
+    lq: int = 1
+
+    @property
+    def flops(self) -> float:
+        return 4.0 * self.batch * self.heads_q * self.lq * self.lk * self.head_dim
+
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(5)
+        dt = DTYPES[self.dtype]
+        q = torch.randn(self.batch, self.heads_q, self.lq, self.head_dim, generator=gen, dtype=dt)
+        k, v = (
+            torch.randn(self.batch, self.heads_kv, self.lk, self.head_dim, generator=gen, dtype=dt)
+            for _ in range(2)
+        )
+        return q, k, v
+
+
+def decode_fn(method: str, cfg: DecodeConfig) -> Callable[..., torch.Tensor]:
+    """``fn(q, k, v) -> o`` for decode: the new rows see every cached key up to their own
+    position (causal, bottom-right: the KV-cache alignment), GQA without repeating K/V."""
+    if method == "flashledger":
+        mask = Causal("bottom_right")
+        return lambda q, k, v: flash_attention(q, k, v, mask=mask)  # type: ignore[return-value]
+    if method == "sdpa":
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        if cfg.lq == 1:  # one row sees the whole cache
+            return lambda q, k, v: sdpa(q, k, v, enable_gqa=True)
+        keep = torch.ones(cfg.lq, cfg.lk, dtype=torch.bool).tril(cfg.lk - cfg.lq)
+        return lambda q, k, v: sdpa(q, k, v, attn_mask=keep, enable_gqa=True)
+    raise ValueError(f"unknown decode method {method!r}; allowed: flashledger, sdpa")
+
+
+def decode(
+    lengths: Sequence[int],
+    dtypes: Sequence[str],
+    batches: Sequence[int],
+    *,
+    repeats: int,
+    memory: bool,
+) -> list[dict[str, Any]]:
+    """Decode (forward only, no grad) of flashledger and SDPA, interleaved rounds, medians;
+    with ``memory`` the peak extra memory of each in a fresh process."""
+    rows = []
+    for dt in dtypes:
+        for b in batches:
+            for lk in lengths:
+                cfg = DecodeConfig(lk=lk, dtype=dt, batch=b)
+                q, k, v = cfg.inputs()
+                runners = {
+                    m: _fwd_runner(decode_fn(m, cfg), q, k, v) for m in ("flashledger", "sdpa")
+                }
+                with torch.no_grad():
+                    o_fl, o_sdpa = (decode_fn(m, cfg)(q, k, v).float() for m in runners)
+                diff = float((o_fl - o_sdpa).abs().max())
+                res = time_interleaved(
+                    runners,
+                    repeats=repeats,
+                    budget_s=30.0,
+                    reset=lambda: None,
+                    advance=lambda _: None,
+                )
+                row: dict[str, Any] = {**asdict(cfg), "max_abs_diff_o_vs_sdpa": diff}
+                for m, r in res.items():
+                    row[m] = {
+                        "ms": 1e3 * r["median_s"],
+                        "gflops": cfg.flops / r["median_s"] / 1e9,
+                        "peak_extra_mb": measure_decode_memory(m, cfg) / 2**20 if memory else None,
+                    }
+                row["ratio"] = row["flashledger"]["ms"] / row["sdpa"]["ms"]
+                rows.append(row)
+    return rows
+
+
+def measure_decode_memory(method: str, cfg: DecodeConfig) -> int:
+    """Peak extra resident bytes of one decode call, in a fresh interpreter."""
+    code = (
+        "import json, sys, torch; from flashledger import bench; "
+        f"cfg = bench.DecodeConfig(**{asdict(cfg)!r}); "
+        f"print(json.dumps(bench.decode_memory_here({method!r}, cfg)))"
+    )
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(128 * 1024))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env
+    )
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"memory measurement of {method} decode at Lk={cfg.lk} failed: {tail}")
+    return int(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def decode_memory_here(method: str, cfg: DecodeConfig) -> int:
+    """Peak extra resident bytes of one decode call in this (fresh) process."""
+    fn = decode_fn(method, cfg)
+    with torch.no_grad():
+        small = DecodeConfig(**{**asdict(cfg), "lk": 256})
+        fn(*small.inputs())  # thread pools and workspaces are not the method's
+        q, k, v = cfg.inputs()
+        base = _status_kb("VmRSS") or _maxrss_kb()
+        with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        fn(q, k, v)
+    peak = _status_kb("VmHWM") or _maxrss_kb()
+    return max(0, peak - base) * 1024
 
 
 # ----------------------------------------------------------------------------------------
@@ -621,16 +848,18 @@ def print_table(report: dict[str, Any]) -> None:
     table = Table(
         title="flashledger (FL) vs SDPA's CPU flash kernel: medians; ratio < 1: FL is faster; "
         "matmuls alone: the tiles' matmuls as batched PyTorch calls, nothing else, / SDPA",
-        caption="GEMM peak (PyTorch's 2048² matmul, this run): "
-        + ", ".join(f"{dt} {v:.0f} GFLOP/s" for dt, v in peaks.items())
-        + "; the native step's matmul (512³ on every thread): "
+        caption=f"{report['machine']['cpu']} ({report['machine'].get('isa', '')}), "
+        f"{report['machine']['threads']} threads. Peaks, this run: FMA on registers "
+        + ", ".join(f"{dt} {_fmt(v, '.0f')}" for dt, v in report.get("fma_peak_gflops", {}).items())
+        + " GFLOP/s; PyTorch's 2048² matmul "
+        + ", ".join(f"{dt} {v:.0f}" for dt, v in peaks.items())
+        + "; the native step's matmul (512³ on every thread) "
         + ", ".join(f"{dt} {_fmt(v, '.0f')}" for dt, v in report["step_matmul_gflops"].items()),
     )
     cols = [
         "L", "dtype", "causal", "tiles", "fwd ms FL/SDPA", "ratio", "f+b ms FL/SDPA", "ratio",
-        "matmuls alone f/f+b", "naive f+b ms", "GFLOP/s", "% peak", "% step mm",
-        "MB FL/SDPA/naive",
-        "ratio",
+        "matmuls alone f/f+b", "naive f+b ms", "GFLOP/s", "% FMA FL/SDPA", "% GEMM",
+        "% step mm", "MB FL/SDPA/naive", "ratio",
     ]  # fmt: skip
     for c in cols:
         table.add_column(c, justify="right")
@@ -648,6 +877,7 @@ def print_table(report: dict[str, Any]) -> None:
             f"{r['floor_fwd']:.2f}/{r['floor_fwdbwd']:.2f}",
             _fmt(None if nv is None else nv["fwdbwd_ms"], ".1f"),
             f"{fl['fwdbwd_gflops']:.0f}",
+            _fmt(r.get("pct_fma_peak"), ".0f") + "/" + _fmt(r.get("sdpa_pct_fma_peak"), ".0f"),
             f"{r['pct_gemm_peak']:.0f}",
             _fmt(r["pct_step_matmul"], ".0f"),
             "/".join(_fmt(None if x is None else x["peak_extra_mb"], ".0f") for x in (fl, sd, nv)),
@@ -795,8 +1025,8 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
         help="sequence lengths (Lq = Lk)",
     )  # fmt: skip
     parser.add_argument(
-        "--dtypes", type=_dtype_list, default=",".join(DTYPES), metavar="DT,...",
-        help="float32 and/or float64",
+        "--dtypes", type=_dtype_list, default=",".join(DEFAULT_DTYPES), metavar="DT,...",
+        help="any of float32, float64, bfloat16, float16 (comma-separated)",
     )  # fmt: skip
     parser.add_argument(
         "--causal", type=_causal, default="both", metavar="no|yes|both",
@@ -806,8 +1036,9 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=_positive_int, default=4, help="heads H")
     parser.add_argument("--head-dim", type=_positive_int, default=64, help="head dim d")
     parser.add_argument(
-        "--tiles", type=_tiles, default=f"{DEFAULT_BLOCK_Q}x{DEFAULT_BLOCK_K}",
-        metavar="BQxBK,...", help="flashledger tile sizes (several: a tile sweep)",
+        "--tiles", type=_tiles, default=None, metavar="BQxBK,...",
+        help="flashledger tile sizes (several: a tile sweep; default: the tiles the native "
+        "step chose by measurement on this machine)",
     )  # fmt: skip
     parser.add_argument(
         "--repeats", type=_positive_int, default=5, help="timed rounds per configuration"
@@ -840,6 +1071,17 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json", action="store_true", help="print the JSON report instead of the table"
     )
+    parser.add_argument(
+        "--decode", action="store_true",
+        help="the decode benchmark instead: Lq = 1 against Lk = --lengths (default "
+        f"{','.join(map(str, DECODE_LENGTHS))}), 32/8 heads, d = 128, B = 1 and 8, --dtypes "
+        "(default float32,bfloat16); writes decode.json",
+    )  # fmt: skip
+    parser.add_argument(
+        "--contention", action="store_true",
+        help="the busy-machine benchmark instead: forward + backward quiet and with one other "
+        "busy process (yes > /dev/null), the slowdown of each method; writes contention.json",
+    )  # fmt: skip
     parser.add_argument("--measure-memory", choices=METHODS, help=argparse.SUPPRESS)
 
 
@@ -848,7 +1090,7 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.measure_memory:
         if len(args.lengths) != 1 or len(args.dtypes) != 1 or len(args.causal) != 1:
             raise ValueError("--measure-memory needs exactly one length, dtype and causal setting")
-        (bq, bk) = args.tiles[0]
+        (bq, bk) = args.tiles[0] if args.tiles else (None, None)
         cfg = Config(
             length=args.lengths[0],
             dtype=args.dtypes[0],
@@ -861,12 +1103,16 @@ def run_cli(args: argparse.Namespace) -> int:
         )
         print(json.dumps(measure_memory_here(args.measure_memory, cfg)))
         return 0
+    if args.decode and args.contention:
+        raise ValueError("--decode and --contention are two benchmarks: run one at a time")
     if args.quick:
         args.lengths, args.dtypes, args.repeats = QUICK_LENGTHS, ("float32",), min(args.repeats, 3)
     out: Path = args.out
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; it names the directory for bench.json/.png")
     out.mkdir(parents=True, exist_ok=True)  # before the run: a bad path fails now, not later
+    if args.decode or args.contention:
+        return _run_side_benchmark(args, out)
     for name in ("bench.json", "bench.png"):
         problem = output_problem(out / name)
         if problem:
@@ -884,6 +1130,72 @@ def run_cli(args: argparse.Namespace) -> int:
         print(
             f"wrote {out / 'bench.json'}" + (f" and {out / 'bench.png'}" if plotted else "") + note
         )
+    return 0
+
+
+def _run_side_benchmark(args: argparse.Namespace, out: Path) -> int:
+    """``--decode`` or ``--contention``: run it, print its table, write its JSON."""
+    from rich.table import Table
+
+    name = "decode.json" if args.decode else "contention.json"
+    problem = output_problem(out / name)
+    if problem:
+        raise ValueError(f"--out {out}: cannot write {name} there: {problem}")
+    machine = machine_info()
+    head = f"{machine['cpu']} ({machine['isa']}), {machine['threads']} threads, torch {machine['torch']}"
+    if args.decode:
+        given = args.lengths != FULL_LENGTHS and not args.quick
+        lengths = args.lengths if given else DECODE_LENGTHS
+        dtypes = args.dtypes if args.dtypes != DEFAULT_DTYPES else ("float32", "bfloat16")
+        rows = decode(lengths, dtypes, (1, 8), repeats=args.repeats, memory=not args.no_memory)
+        table = Table(
+            title="decode: Lq = 1 against a KV cache of Lk keys, 32 query / 8 K/V heads, d = 128; "
+            "medians, ratio < 1: flashledger is faster",
+            caption=head,
+        )
+        for c in ("Lk", "dtype", "B", "ms FL/SDPA", "ratio", "GFLOP/s FL/SDPA", "MB FL/SDPA"):
+            table.add_column(c, justify="right")
+        for r in rows:
+            fl, sd = r["flashledger"], r["sdpa"]
+            table.add_row(
+                str(r["lk"]), r["dtype"], str(r["batch"]),
+                f"{fl['ms']:.2f}/{sd['ms']:.2f}", f"{r['ratio']:.2f}",
+                f"{fl['gflops']:.0f}/{sd['gflops']:.0f}",
+                f"{_fmt(fl['peak_extra_mb'], '.1f')}/{_fmt(sd['peak_extra_mb'], '.1f')}",
+            )  # fmt: skip
+    else:
+        rows = contention(args.repeats)
+        table = Table(
+            title="a busy machine: forward + backward (float32, B=1, H=4) quiet and with one "
+            "other busy process; slowdown = busy / quiet; ratio = FL's slowdown / SDPA's",
+            caption=head,
+        )
+        for c in (
+            "L",
+            "d",
+            "tiles",
+            "FL ms quiet/busy",
+            "slowdown",
+            "SDPA ms quiet/busy",
+            "slowdown",
+            "ratio",
+        ):
+            table.add_column(c, justify="right")
+        for r in rows:
+            fl, sd = r["flashledger"], r["sdpa"]
+            table.add_row(
+                str(r["length"]), str(r["head_dim"]), r["tiles"],
+                f"{fl['quiet_ms']:.1f}/{fl['busy_ms']:.1f}", f"{fl['slowdown']:.2f}",
+                f"{sd['quiet_ms']:.1f}/{sd['busy_ms']:.1f}", f"{sd['slowdown']:.2f}",
+                f"{r['slowdown_ratio']:.2f}",
+            )  # fmt: skip
+    report = {"machine": machine, "results": rows}
+    write_file(out / name, (json.dumps(report, indent=2) + "\n").encode())
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        make_console().print(table)
+        print(f"wrote {out / name}")
     return 0
 
 

@@ -117,10 +117,9 @@ __all__ = [
 ]
 
 LoopOrder = Literal["fa2", "fa1"]
-# Chosen by measurement (docs/perf.md, `flashledger bench --tiles ...`): on a 2-core
-# AVX-512 CPU, 512 x 512 tiles give the native step's per-core matmuls their best shapes
-# (256 x 256 loses 4-6 % forward + backward in float32, 1024 x 512 is no better), while the
-# diagonal's waste stays small because partial tiles run in 64-row blocks.
+# The default tiles of the PyTorch step. The native step's default tiles are chosen by
+# measurement on the machine it runs on (``_calibrate``: 512 x 512 among the candidates);
+# block_q/block_k given explicitly are always used as given.
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 512
 
@@ -542,8 +541,9 @@ def _refuse_graph(
 
 
 def _check_options(block_q: Any, block_k: Any, loop_order: Any) -> None:
-    check_size("block_q", block_q)
-    check_size("block_k", block_k)
+    for name, size in (("block_q", block_q), ("block_k", block_k)):
+        if size is not None:
+            check_size(name, size)
     if loop_order not in ("fa2", "fa1"):
         raise ValueError(f"loop_order must be 'fa2' or 'fa1', got {loop_order!r}")
 
@@ -558,6 +558,7 @@ def _new_ledger(pb: Problem, name: str, block_q: int, block_k: int, order: str) 
         tiles_q=-(-lq // block_q),
         tiles_k=-(-lk // block_k),
         lead=pb.ndim - 2,
+        element_bytes=pb.out_dtype.itemsize,
     )
     return led
 
@@ -589,14 +590,24 @@ def _workspace(pb: Problem, block_q: int, block_k: int) -> _Workspace:
     return _Workspace(pb, [b * hkv * g * min(block_q, lq) * min(block_k, lk)])
 
 
-def _native_step(pb: Problem, loop_order: str, obs: list[Any]) -> _native.Kernels | None:
-    """The native tile step when it applies (tracing off, FA2 order, CPU, float32/float64,
-    plain scores, no dropout) and is available; else None (the PyTorch step runs)."""
-    if obs or loop_order != "fa2" or pb.geo.device.type != "cpu" or pb.dropout_p != 0.0:
+def _native_step(pb: Problem, loop_order: str, observed: bool) -> _native.Kernels | None:
+    """The native step when it applies (nothing observes the steps, FA2 order, CPU,
+    float32/float64 accumulation, plain scores, no dropout) and is available; else None
+    (the PyTorch step runs)."""
+    if observed or loop_order != "fa2" or pb.geo.device.type != "cpu" or pb.has_dropout:
         return None
     if pb.dtype not in (torch.float32, torch.float64) or not _plain_scores(pb):
         return None
     return _native.kernels()
+
+
+def _resolve_tiles(
+    pb: Problem, kern: _native.Kernels | None, block_q: int | None, block_k: int | None
+) -> tuple[int, int]:
+    """``block_q``, ``block_k`` as given, or (None) the default: the tiles the native step
+    chose by measurement on this machine for this dtype when it runs, else 512 x 512."""
+    dq, dk = kern.tiles(pb.dtype) if kern is not None else (DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K)
+    return (dq if block_q is None else block_q), (dk if block_k is None else block_k)
 
 
 def _native_vis(
@@ -688,7 +699,10 @@ def _forward_native(
     sched, ran = _native_schedule(pb, book, qtiles, ktiles, kind_of, forward=True)
     # rows per work item: a whole tile, or fewer when the heads alone cannot fill the threads
     threads, rows = kern.max_threads(), min(block_q, lq)
-    stacked = len(qtiles) == 1 and g > 1  # decode: the group's rows share their K/V tiles
+    stacked = len(qtiles) == 1  # decode: the group's rows share their K/V tiles
+    # a few rows against many keys: read K in place (a Kᵀ would cost as much traffic as
+    # the attention), in its own dtype (a half-precision cache is widened tile by tile)
+    in_place = stacked and g * lq <= 64
     units = b * hkv if stacked else b * hq
     chunk = g * lq if stacked else rows
     while units * -(-(g * lq if stacked else rows) // chunk) < threads and chunk > 32:
@@ -697,9 +711,22 @@ def _forward_native(
     splits = 1
     if items < 4 * threads:  # too few to balance: split each row's key tiles
         splits = max(1, min(sched.longest_row(), -(-4 * threads // items), 16))
-    q, k, v = (_native_rows(pb, x) for x in (pb.q, pb.k, pb.v))
+    q = _native_rows(pb, pb.q)
+    k, v = (
+        (x.reshape(-1, *x.shape[-2:]) for x in (pb.k_in, pb.v_in))
+        if in_place and pb.k_in.dtype in (torch.bfloat16, torch.float16)
+        else (_native_rows(pb, x) for x in (pb.k, pb.v))
+    )
     o_s, lse_s = kern.forward(
-        q, k, v, sched, chunk=chunk, splits=splits, stacked=stacked, **_native_common(pb)
+        q,
+        k,
+        v,
+        sched,
+        chunk=chunk,
+        splits=splits,
+        stacked=stacked,
+        keys_in_place=in_place,
+        **_native_common(pb),
     )  # (S, B·Hq, Lq, d_v), (S, B·Hq, Lq)
     o, lse = o_s[0], lse_s[0]
     for s in range(1, splits):  # -- the one merge, parts in order --
@@ -785,14 +812,16 @@ def _backward_native(
 def _forward(
     pb: Problem,
     *,
-    block_q: int,
-    block_k: int,
+    block_q: int | None,
+    block_k: int | None,
     loop_order: str,
     trace: Trace | None,
     observer: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, Ledger]:
     """The forward loop. Returns ``o`` ``(B, Hkv, G, Lq, d_v)``, ``lse`` with -inf on empty rows."""
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
+    kern = _native_step(pb, loop_order, trace is not None or observer is not None)
+    block_q, block_k = _resolve_tiles(pb, kern, block_q, block_k)
     ledger = _new_ledger(pb, "forward", block_q, block_k, loop_order)
     classes = _classes(pb, block_q, block_k, ledger)
     obs, wants = _observers(ledger, trace, observer)
@@ -802,7 +831,6 @@ def _forward(
         _check_trace_budget(pb, trace, classes, qtiles, ktiles, f"forward {loop_order}")
     kind_of = (lambda i, j: FULL) if classes is None else (lambda i, j: classes[i][j])
     dt, dev = pb.dtype, pb.geo.device
-    kern = _native_step(pb, loop_order, obs)
     if kern is not None:
         return _forward_native(pb, kern, ledger, kind_of, book, block_q, block_k)
     ws = _workspace(pb, block_q, block_k)
@@ -952,8 +980,8 @@ def blocked_forward(
     v: torch.Tensor,
     *,
     placement: Placement | None = None,
-    block_q: int = DEFAULT_BLOCK_Q,
-    block_k: int = DEFAULT_BLOCK_K,
+    block_q: int | None = None,
+    block_k: int | None = None,
     loop_order: LoopOrder = "fa2",
     trace: bool | int | Trace = False,
     observer: Any = None,
@@ -994,8 +1022,8 @@ def blocked_forward(
 def _forward_problem(
     pb: Problem,
     *,
-    block_q: int,
-    block_k: int,
+    block_q: int | None,
+    block_k: int | None,
     loop_order: str,
     trace: bool | int | Trace = False,
     observer: Any = None,
@@ -1026,13 +1054,16 @@ def _backward(
     do5: torch.Tensor,
     dlse5: torch.Tensor | None,
     *,
-    block_q: int,
-    block_k: int,
+    block_q: int | None,
+    block_k: int | None,
     loop_order: str,
     trace: Trace | None,
     observer: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, Ledger]:
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
+    # the backward loop is the same in both orders
+    kern = _native_step(pb, "fa2", trace is not None or observer is not None)
+    block_q, block_k = _resolve_tiles(pb, kern, block_q, block_k)
     ledger = _new_ledger(pb, "backward", block_q, block_k, loop_order)
     classes = _classes(pb, block_q, block_k, ledger)
     obs, wants = _observers(ledger, trace, observer)
@@ -1057,7 +1088,6 @@ def _backward(
     # a fully-masked row keeps every P = exp(-inf - λ) at 0, whatever LSE convention it carries
     lse_safe = torch.where(torch.isneginf(lse5), math.inf, lse5)  # (B, Hkv, G, Lq)
     book.io(write=lq * d)  # dQ initialised
-    kern = _native_step(pb, "fa2", obs)  # the backward loop is the same in both orders
     if kern is not None:
         dq5, dk5, dv5 = _backward_native(
             pb, kern, do5, lse_safe, d_eff, ledger, kind_of, book, block_q, block_k
@@ -1198,8 +1228,8 @@ def blocked_backward(
     *,
     dlse: torch.Tensor | None = None,
     placement: Placement | None = None,
-    block_q: int = DEFAULT_BLOCK_Q,
-    block_k: int = DEFAULT_BLOCK_K,
+    block_q: int | None = None,
+    block_k: int | None = None,
     loop_order: LoopOrder = "fa2",
     trace: bool | int | Trace = False,
     observer: Any = None,
@@ -1243,8 +1273,8 @@ def _backward_problem(
     dlse: torch.Tensor | None,
     *,
     bias: torch.Tensor | None,
-    block_q: int,
-    block_k: int,
+    block_q: int | None,
+    block_k: int | None,
     loop_order: str,
     trace: bool | int | Trace = False,
     observer: Any = None,
@@ -1295,8 +1325,9 @@ def split_kv_forward(
     v: torch.Tensor,
     *,
     num_splits: int,
-    block_q: int = DEFAULT_BLOCK_Q,
-    block_k: int = DEFAULT_BLOCK_K,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    placement: Placement | None = None,
     **opts: Unpack[AttentionOptions],
 ) -> ForwardResult:
     """Split the keys into ``num_splits`` chunks, attend each independently, merge.
@@ -1304,7 +1335,8 @@ def split_kv_forward(
     Each chunk's partial ``(o, lse)`` comes from ``blocked_forward`` with global
     positions (so masks, ALiBi, bias and dropout see the whole sequence); a
     chunk where a row sees no key has partial LSE -inf and merges to the right
-    answer. The ledger's counters are the sum over chunks.
+    answer. The ledger's counters are the sum over chunks. ``placement``: the
+    call is part of a longer sequence (its chunks are placed inside it).
     """
     check_size("num_splits", num_splits)
     _check_options(block_q, block_k, "fa2")
@@ -1312,10 +1344,12 @@ def split_kv_forward(
     _refuse_graph(
         "split_kv_forward", dict(q=q, k=k, v=v, bias=opts.get("bias")), opts.get("score_mod"), q
     )
-    pb = build_problem(q, k, v, **opts)
+    pb = build_problem(q, k, v, placement=placement, **opts)
+    block_q, block_k = _resolve_tiles(pb, _native_step(pb, "fa2", False), block_q, block_k)
     lq, lk = pb.shape[4], pb.shape[5]
     if num_splits > lk:
         raise ValueError(f"num_splits must be between 1 and Lk = {lk}, got {num_splits}")
+    geo = pb.geo
     bounds = [(s * lk) // num_splits for s in range(num_splits + 1)]
     o_acc = lse_acc = None
     total = Counters()
@@ -1324,7 +1358,12 @@ def split_kv_forward(
             q,
             k[..., start:stop, :],
             v[..., start:stop, :],
-            placement=Placement(q_offset=0, k_offset=start, lq_total=lq, lk_total=lk),
+            placement=Placement(
+                q_offset=geo.q_offset,
+                k_offset=geo.k_offset + start,
+                lq_total=geo.lq_total,
+                lk_total=geo.lk_total,
+            ),
             **opts,
         )
         po, pl, led = _forward(
@@ -1349,6 +1388,7 @@ def split_kv_forward(
         tiles_k=-(-lk // block_k),
         counters=total,
         lead=pb.ndim - 2,
+        element_bytes=pb.out_dtype.itemsize,
     )
     lse = _conventional_lse(lse_acc, pb.conventions)
     return ForwardResult(o=pb.user_q(o_acc).to(pb.out_dtype), lse=pb.user_rows(lse), ledger=ledger)

@@ -14,6 +14,18 @@ changes; only the edges do (see CONVENTIONS.md of the project):
   ``1 / (1 - p)`` in both.
 - ``lse_differentiable``: whether a gradient flowing into the returned LSE is
   propagated (FlexAttention) or ignored (flash-attn).
+- ``window_rewrite``: how ``SlidingWindow`` sides are read. ``"none"``: as
+  given (-1/None unbounded, any size a bound). ``"flash_attn_2"``: as
+  flash-attn 2's ``flash_api.cpp`` rewrites them before the kernel runs: a
+  side ``>= seqlen_k`` becomes -1, then a -1 side opposite a bounded one
+  becomes ``seqlen_k``; so with ``Lq > Lk + 1`` a "-1" right side still hides
+  keys from the first rows.
+- ``alibi_causal``: the ALiBi term under a causal mask. ``"distance"``:
+  ``-slope·|c - j|`` everywhere. ``"key_index"``: flash-attn 2's kernel adds
+  ``+slope·j`` when causal (j counted from the sequence's first key): the same
+  probabilities and O, an LSE larger by ``slope·c``.
+- ``softcap_with_dropout``: False refuses ``softcap`` together with dropout,
+  as flash-attn 2 does.
 
 >>> from flashledger.conventions import FLASH_ATTN_2
 >>> FLASH_ATTN_2.masked_row_lse
@@ -39,6 +51,8 @@ __all__ = [
 
 CausalAlign = Literal["top_left", "bottom_right"]
 DropoutKeep = Literal["bernoulli", "fa2_8bit"]
+WindowRewrite = Literal["none", "flash_attn_2"]
+AlibiCausal = Literal["distance", "key_index"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +69,12 @@ class Conventions:
     """Dropout keep test: exact Bernoulli(1 - p) or flash-attn 2's 8-bit threshold."""
     lse_differentiable: bool = False
     """Propagate a gradient flowing into the returned LSE (``dS += P * dLSE``)."""
+    window_rewrite: WindowRewrite = "none"
+    """``SlidingWindow`` sides as given, or rewritten against ``seqlen_k`` as flash-attn 2 does."""
+    alibi_causal: AlibiCausal = "distance"
+    """ALiBi under a causal mask: ``-slope·|c - j|``, or flash-attn 2's ``+slope·j`` (LSE shifted)."""
+    softcap_with_dropout: bool = True
+    """Accept ``softcap`` together with dropout (flash-attn 2 refuses the pair)."""
     description: str = ""
     """One line on where this convention comes from."""
 
@@ -73,6 +93,21 @@ class Conventions:
                 "Conventions.dropout_keep must be 'bernoulli' or 'fa2_8bit', "
                 f"got {self.dropout_keep!r}"
             )
+        if self.window_rewrite not in ("none", "flash_attn_2"):
+            raise ValueError(
+                "Conventions.window_rewrite must be 'none' or 'flash_attn_2', "
+                f"got {self.window_rewrite!r}"
+            )
+        if self.alibi_causal not in ("distance", "key_index"):
+            raise ValueError(
+                "Conventions.alibi_causal must be 'distance' or 'key_index', "
+                f"got {self.alibi_causal!r}"
+            )
+        if not isinstance(self.softcap_with_dropout, bool):
+            raise ValueError(
+                "Conventions.softcap_with_dropout must be True or False, "
+                f"got {self.softcap_with_dropout!r}"
+            )
 
 
 SEED = Conventions(
@@ -87,13 +122,20 @@ FLASH_ATTN_2 = Conventions(
     masked_row_lse=math.inf,
     causal_align="bottom_right",
     dropout_keep="fa2_8bit",
-    description="flash-attn 2.1+: LSE +inf on fully-masked rows, bottom-right causal, 8-bit dropout",
+    window_rewrite="flash_attn_2",
+    alibi_causal="key_index",
+    softcap_with_dropout=False,
+    description="flash-attn 2.1+: LSE +inf on fully-masked rows, bottom-right causal, 8-bit "
+    "dropout, window sides rewritten against seqlen_k, +slope·j ALiBi when causal, "
+    "no softcap with dropout",
 )
 FLASH_ATTN_3 = Conventions(
     name="flash_attn_3",
     masked_row_lse=-math.inf,
     causal_align="bottom_right",
-    description="flash-attn 3 (Hopper): LSE -inf on fully-masked rows, bottom-right causal",
+    softcap_with_dropout=False,
+    description="flash-attn 3 (Hopper): LSE -inf on fully-masked rows, bottom-right causal, "
+    "no softcap with dropout (its interface has no dropout)",
 )
 FLEX_ATTENTION = Conventions(
     name="flex_attention",
@@ -137,9 +179,11 @@ def _demo() -> None:
     for c in PRESETS.values():
         print(
             f"{c.name:<15} causal {c.causal_align:<12} masked-row LSE {c.masked_row_lse:<5g} "
-            f"dropout {c.dropout_keep:<9} LSE grad {'yes' if c.lse_differentiable else 'no':<4}"
-            f"{c.description}"
+            f"dropout {c.dropout_keep:<9} LSE grad {'yes' if c.lse_differentiable else 'no':<4} "
+            f"windows {c.window_rewrite:<13} causal ALiBi {c.alibi_causal:<9} "
+            f"softcap+dropout {'yes' if c.softcap_with_dropout else 'no'}"
         )
+        print(f"{'':<15} {c.description}")
 
 
 if __name__ == "__main__":

@@ -182,6 +182,19 @@ class Ledger:
     """Leading (batch, head) dims of the record tensors: 0, 1 or 2."""
     record_every: int = 1
     """Records were kept for every ``record_every``-th step (``Trace.every``)."""
+    element_bytes: int = 0
+    """Bytes of one element in slow memory: the inputs' dtype (2 for bfloat16/float16,
+    whatever the loop accumulates in); 0 when not known."""
+
+    @property
+    def bytes_read(self) -> int:
+        """Slow-memory bytes read: ``counters.elements_read`` elements of the input dtype."""
+        return self.counters.elements_read * self.element_bytes
+
+    @property
+    def bytes_written(self) -> int:
+        """Slow-memory bytes written, likewise."""
+        return self.counters.elements_written * self.element_bytes
 
     # -- plumbing used by the loop --------------------------------------------------
     def set_tile_classes(self, classes: Sequence[Sequence[int]] | torch.Tensor | None) -> None:
@@ -229,6 +242,9 @@ class Ledger:
             "tiles_q": self.tiles_q,
             "tiles_k": self.tiles_k,
             "counters": self.counters.to_dict(),
+            "element_bytes": self.element_bytes,
+            "bytes_read": self.bytes_read,
+            "bytes_written": self.bytes_written,
             "tile_kinds": self.tile_kinds,
             "record_every": self.record_every,
             "records": [jsonable(asdict(r)) for r in self.records],
@@ -242,6 +258,12 @@ class Ledger:
             f"{c.tiles_partial} partial), {c.tiles_skipped} skipped; QK dots: "
             f"{c.qk_dots_visible} visible, {c.qk_dots_computed} computed; exps {c.exps}; "
             f"HBM elements read {c.elements_read}, written {c.elements_written}"
+            + (
+                f" ({self.bytes_read} and {self.bytes_written} bytes at {self.element_bytes} "
+                "per element)"
+                if self.element_bytes
+                else ""
+            )
         )
         if c.mask_mod_tiles or c.mask_mod_classify_evals:
             head += (

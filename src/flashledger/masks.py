@@ -33,11 +33,24 @@ Conventions (flash-attn semantics):
   means unbounded on that side; ``SlidingWindow(None, 0)`` is causal.
 - ``KeyPadding(lengths)``: batch ``b`` sees keys ``j < lengths[b]`` (right
   padding); ``KeyPadding(lengths, side="left")``: keys ``j >= Lk - lengths[b]``
-  (left padding: the real keys are the last ``lengths[b]``).
+  (left padding: the real keys are the last ``lengths[b]``). The diagonal
+  stays aligned to the padded lengths.
+- ``Padding(q_lens, k_lens)``: batch ``b`` uses its first ``q_lens[b]``
+  queries and ``k_lens[b]`` keys, and the causal diagonal, windows and ALiBi
+  are aligned to those lengths, as flash-attn aligns them to each sequence's
+  real length (the same as the ``seqused_q`` / ``seqused_k`` options).
+  Query rows past ``q_lens[b]`` see no key. It sets the lengths of the whole
+  call, so it is given alone or combined with ``&``.
 - ``DenseMask(t)``: any bool tensor broadcastable to ``(B, H, Lq, Lk)``.
 - ``a | b``: visible iff visible in either. Tile classes: full if either is
   full, empty if both are empty, else partial (two partial tiles that cover
   each other's gaps are found full).
+
+Windows under ``Conventions.window_rewrite == "flash_attn_2"`` are read as
+flash-attn 2 reads them: a side ``>= seqlen_k`` becomes -1 (unbounded), then
+a -1 side opposite a bounded side becomes ``seqlen_k`` (``Geometry.window_len``:
+``Lk``, the longest sequence with ``cu_seqlens``, the longest ``k_lens`` of a
+``Padding``).
 """
 
 from __future__ import annotations
@@ -52,6 +65,7 @@ from ._limits import MAX_SIZE
 
 if TYPE_CHECKING:
     from ._mods import TileCaller
+    from .conventions import Conventions
 
 __all__ = [
     "EMPTY",
@@ -62,6 +76,7 @@ __all__ = [
     "Geometry",
     "KeyPadding",
     "Mask",
+    "Padding",
     "SlidingWindow",
     "as_mask",
     "classify_by_rows",
@@ -73,14 +88,19 @@ Align = Literal["top_left", "bottom_right"]
 _BIG = 1 << 60
 
 
+SeqUsed = tuple[tuple[int, ...] | None, tuple[int, ...] | None]
+
+
 @dataclass(frozen=True)
 class Geometry:
     """Where a call's rows and keys sit, and what each row could see at most.
 
-    All index tensors are int64 on the call's device. ``k_lo``/``k_hi`` bound
-    row ``i``'s keys to its own sequence (``[0, Lk_total)`` without variable
-    length); ``off_tl``/``off_br`` are the per-row offsets ``c - i`` of the
-    top-left / bottom-right diagonal.
+    All index tensors are int64 on the call's device, ``(Bg, Lq)`` with ``Bg``
+    1 or the batch (per-batch lengths: ``seqused_q``/``seqused_k``, a
+    ``Padding``). ``k_lo``/``k_hi`` bound row ``i``'s keys to its own sequence
+    (``[0, Lk_total)`` without variable length; empty for a query row past its
+    sequence's used length); ``off_tl``/``off_br`` are the per-row offsets
+    ``c - i`` of the top-left / bottom-right diagonal.
     """
 
     lq: int  # rows in this call
@@ -93,11 +113,14 @@ class Geometry:
     lk_total: int
     causal_align: Align
     device: torch.device
-    k_lo: torch.Tensor  # (Lq,) first key of the row's sequence (global)
-    k_hi: torch.Tensor  # (Lq,) one past its last key (global)
-    off_tl: torch.Tensor  # (Lq,) top-left diagonal offset
-    off_br: torch.Tensor  # (Lq,) bottom-right diagonal offset
+    k_lo: torch.Tensor  # (Bg, Lq) first key of the row's sequence (global)
+    k_hi: torch.Tensor  # (Bg, Lq) one past its last used key (k_lo for a padding row)
+    off_tl: torch.Tensor  # (Bg, Lq) top-left diagonal offset
+    off_br: torch.Tensor  # (Bg, Lq) bottom-right diagonal offset
     varlen: bool = False
+    row_seq: torch.Tensor | None = None  # (Lq,) sequence of each row (variable length)
+    window_len: int | None = None  # seqlen_k of flash-attn 2's window rewriting; None: as given
+    seq_used: SeqUsed | None = None  # per-sequence used lengths (q, k), when given
 
     @staticmethod
     def build(
@@ -114,59 +137,129 @@ class Geometry:
         lk_total: int | None = None,
         cu_seqlens_q: torch.Tensor | None = None,
         cu_seqlens_k: torch.Tensor | None = None,
+        seqused_q: torch.Tensor | None = None,
+        seqused_k: torch.Tensor | None = None,
+        window_rewrite: bool = False,
+        window_len: int | None = None,
+        conventions: Conventions | None = None,
     ) -> Geometry:
+        """``seqused_q``/``seqused_k``: used lengths per sequence, int ``(n,)`` (``n`` the
+        batch, 1, or the number of ``cu_seqlens`` sequences), validated by the caller.
+        ``window_rewrite``: read windows as flash-attn 2 does, against ``window_len``
+        (default: ``Lk_total``, or the longest ``cu_seqlens_k`` sequence).
+        ``conventions``, when given, sets ``causal_align`` and ``window_rewrite``."""
+        if conventions is not None:
+            causal_align = conventions.causal_align
+            window_rewrite = conventions.window_rewrite == "flash_attn_2"
         dev = torch.device(device) if device is not None else torch.device("cpu")
         lq_total = lq if lq_total is None else lq_total
         lk_total = lk if lk_total is None else lk_total
         rows = torch.arange(q_offset, q_offset + lq, device=dev)  # (Lq,) global rows
+        used: SeqUsed | None = None
+        if seqused_q is not None or seqused_k is not None:
+            used = (_as_key(seqused_q), _as_key(seqused_k))
+        common = dict(
+            lq=lq,
+            lk=lk,
+            batch=batch,
+            heads=heads,
+            q_offset=q_offset,
+            k_offset=k_offset,
+            lq_total=lq_total,
+            lk_total=lk_total,
+            causal_align=causal_align,
+            device=dev,
+            seq_used=used,
+        )
         if cu_seqlens_q is None:
-            zeros = torch.zeros(lq, dtype=torch.int64, device=dev)
+            win = lk_total if window_len is None else window_len
+            if used is None:
+                zeros = torch.zeros(1, lq, dtype=torch.int64, device=dev)  # (1, Lq)
+                return Geometry(
+                    **common,  # type: ignore[arg-type]
+                    k_lo=zeros,
+                    k_hi=zeros + lk_total,
+                    off_tl=zeros,
+                    off_br=zeros + (lk_total - lq_total),
+                    window_len=win if window_rewrite else None,
+                )
+            qn = _per_batch(seqused_q, lq_total, batch, dev)  # (B,)
+            kn = _per_batch(seqused_k, lk_total, batch, dev)  # (B,)
+            live = rows[None, :] < qn[:, None]  # (B, Lq) rows inside the used queries
+            zeros = torch.zeros(batch, lq, dtype=torch.int64, device=dev)  # (B, Lq)
             return Geometry(
-                lq,
-                lk,
-                batch,
-                heads,
-                q_offset,
-                k_offset,
-                lq_total,
-                lk_total,
-                causal_align,
-                dev,
+                **common,  # type: ignore[arg-type]
                 k_lo=zeros,
-                k_hi=zeros + lk_total,
+                k_hi=torch.where(live, kn[:, None], 0),
                 off_tl=zeros,
-                off_br=zeros + (lk_total - lq_total),
+                off_br=zeros + (kn - qn)[:, None],
+                window_len=win if window_rewrite else None,
             )
         assert cu_seqlens_k is not None
         cq = cu_seqlens_q.to(device=dev, dtype=torch.int64)
         ck = cu_seqlens_k.to(device=dev, dtype=torch.int64)
+        qn = cq[1:] - cq[:-1] if seqused_q is None else seqused_q.to(dev, torch.int64)  # (n,)
+        kn = ck[1:] - ck[:-1] if seqused_k is None else seqused_k.to(dev, torch.int64)  # (n,)
         seq = torch.searchsorted(cq, rows, right=True) - 1  # (Lq,) sequence of each row
+        live = rows - cq[seq] < qn[seq]  # (Lq,)
+        win = int((ck[1:] - ck[:-1]).max()) if window_len is None else window_len
         return Geometry(
-            lq,
-            lk,
-            batch,
-            heads,
-            q_offset,
-            k_offset,
-            lq_total,
-            lk_total,
-            causal_align,
-            dev,
-            k_lo=ck[seq],
-            k_hi=ck[seq + 1],
-            off_tl=ck[seq] - cq[seq],
-            off_br=ck[seq + 1] - cq[seq + 1],
+            **common,  # type: ignore[arg-type]
+            k_lo=ck[seq][None, :],
+            k_hi=torch.where(live, ck[seq] + kn[seq], ck[seq])[None, :],
+            off_tl=(ck[seq] - cq[seq])[None, :],
+            off_br=(ck[seq] + kn[seq] - cq[seq] - qn[seq])[None, :],
             varlen=True,
+            row_seq=seq,
+            window_len=win if window_rewrite else None,
         )
+
+    @property
+    def bounded(self) -> bool:
+        """True when rows are bounded to their own sequence (variable length, used lengths)."""
+        return self.varlen or self.seq_used is not None
 
     def rows(self) -> torch.Tensor:
         """Global query indices of this call, ``(Lq,)``."""
         return torch.arange(self.q_offset, self.q_offset + self.lq, device=self.device)
 
     def diagonal(self, align: Align | None) -> torch.Tensor:
-        """Per-row diagonal key position ``c`` for the alignment, ``(Lq,)``."""
+        """Per-row diagonal key position ``c`` for the alignment, ``(Bg, Lq)``."""
         a = align or self.causal_align
-        return self.rows() + (self.off_tl if a == "top_left" else self.off_br)
+        return self.rows()[None, :] + (self.off_tl if a == "top_left" else self.off_br)
+
+
+def _as_key(t: torch.Tensor | None) -> tuple[int, ...] | None:
+    return None if t is None else tuple(int(x) for x in t.reshape(-1).tolist())
+
+
+def _per_batch(t: torch.Tensor | None, full: int, batch: int, dev: torch.device) -> torch.Tensor:
+    """Used lengths ``(n,)`` (n = 1 or B) or None -> ``(B,)`` int64 (None: ``full``)."""
+    if t is None:
+        return torch.full((batch,), full, dtype=torch.int64, device=dev)
+    return t.to(device=dev, dtype=torch.int64).reshape(-1).expand(batch)
+
+
+def fa2_clip(left: int | None, right: int | None, seqlen_k: int) -> tuple[int | None, int | None]:
+    """flash-attn 2's first step (``flash_api.cpp``): a side ``>= seqlen_k`` is dropped
+    (``None`` = unbounded). Its ``is_causal`` is judged here: no left side, right 0."""
+    lo = None if left is None or left >= seqlen_k else left
+    hi = None if right is None or right >= seqlen_k else right
+    return lo, hi
+
+
+def fa2_window(left: int | None, right: int | None, seqlen_k: int) -> tuple[int | None, int | None]:
+    """A window's sides as flash-attn 2's kernel reads them (``None`` = unbounded).
+
+    ``flash_api.cpp``: a side ``>= seqlen_k`` is dropped; then, when exactly one side is
+    unbounded, that side becomes ``seqlen_k``.
+    """
+    lo, hi = fa2_clip(left, right, seqlen_k)
+    if lo is None and hi is not None:
+        lo = seqlen_k
+    if hi is None and lo is not None:
+        hi = seqlen_k
+    return lo, hi
 
 
 KEEP_BYTES = 64 << 20
@@ -254,8 +347,10 @@ class IntervalBound(BoundMask):
 
     def __init__(self, geo: Geometry, lo: torch.Tensor, hi: torch.Tensor) -> None:
         self.geo = geo
-        self.lo = torch.maximum(lo, geo.k_lo)  # (Bm, Lq)
-        self.hi = torch.minimum(hi, geo.k_hi - 1)  # (Bm, Lq)
+        lo, hi = torch.broadcast_tensors(
+            torch.maximum(lo, geo.k_lo), torch.minimum(hi, geo.k_hi - 1)
+        )
+        self.lo, self.hi = lo.contiguous(), hi.contiguous()  # (Bm, Lq) each
 
     def block(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
         j = torch.arange(k0, k1, device=self.geo.device) + self.geo.k_offset  # (bk,)
@@ -494,9 +589,15 @@ class Mask(ABC):
         batch: int = 1,
         heads: int = 1,
         causal_align: Align = "top_left",
+        conventions: Conventions | None = None,
     ) -> torch.Tensor:
-        """Bool visibility matrix ``(Lq, Lk)``, or ``(B, H, Lq, Lk)`` when it varies."""
-        geo = Geometry.build(lq=lq, lk=lk, batch=batch, heads=heads, causal_align=causal_align)
+        """Bool visibility matrix ``(Lq, Lk)``, or ``(B, H, Lq, Lk)`` when it varies.
+
+        ``conventions`` (when given) sets the causal alignment and how windows are read.
+        """
+        geo = self.geometry(
+            lq, lk, batch=batch, heads=heads, causal_align=causal_align, conventions=conventions
+        )
         d = self.bind(geo).dense()
         return d[0, 0] if d.shape[0] == 1 and d.shape[1] == 1 else d
 
@@ -510,10 +611,21 @@ class Mask(ABC):
         batch: int = 1,
         heads: int = 1,
         causal_align: Align = "top_left",
+        conventions: Conventions | None = None,
     ) -> torch.Tensor:
         """``(Tq, Tk)`` int8 tile classes (0 empty, 1 partial, 2 full) over all batches and heads."""
-        geo = Geometry.build(lq=lq, lk=lk, batch=batch, heads=heads, causal_align=causal_align)
+        geo = self.geometry(
+            lq, lk, batch=batch, heads=heads, causal_align=causal_align, conventions=conventions
+        )
         return self.bind(geo).tile_classes(block_q, block_k)
+
+    def geometry(self, lq: int, lk: int, **kw: object) -> Geometry:
+        """``Geometry.build(lq=lq, lk=lk, **kw)`` with the used lengths of this mask's
+        ``Padding`` (if it holds one)."""
+        pad = padding_of(self)
+        if pad is not None:
+            kw.update(pad.geometry_options())
+        return Geometry.build(lq=lq, lk=lk, **kw)  # type: ignore[arg-type]
 
 
 def _check_align(align: str | None) -> None:
@@ -531,8 +643,7 @@ class Causal(Mask):
         _check_align(self.align)
 
     def bind(self, geo: Geometry) -> BoundMask:
-        hi = geo.diagonal(self.align)[None, :]  # (1, Lq)
-        return IntervalBound(geo, geo.k_lo[None, :], hi)
+        return IntervalBound(geo, geo.k_lo, geo.diagonal(self.align))  # (Bg, Lq) each
 
 
 @dataclass(frozen=True)
@@ -555,11 +666,23 @@ class SlidingWindow(Mask):
                     f"unbounded; got {val!r}"
                 )
 
+    def sides(self, geo: Geometry, *, clip_only: bool = False) -> tuple[int | None, int | None]:
+        """``(left, right)`` as this geometry reads them (None = unbounded): as given, or
+        rewritten as flash-attn 2 does (``geo.window_len`` set; ``clip_only``: its first
+        step only, where its ``is_causal`` is decided)."""
+        left = None if self.left in (None, -1) else self.left
+        right = None if self.right in (None, -1) else self.right
+        if geo.window_len is not None:
+            rewrite = fa2_clip if clip_only else fa2_window
+            return rewrite(left, right, geo.window_len)
+        return left, right
+
     def bind(self, geo: Geometry) -> BoundMask:
-        c = geo.diagonal(self.align)  # (Lq,)
-        lo = geo.k_lo if self.left in (None, -1) else c - int(self.left)  # type: ignore[arg-type]
-        hi = geo.k_hi - 1 if self.right in (None, -1) else c + int(self.right)  # type: ignore[arg-type]
-        return IntervalBound(geo, lo[None, :], hi[None, :])
+        left, right = self.sides(geo)
+        c = geo.diagonal(self.align)  # (Bg, Lq)
+        lo = geo.k_lo if left is None else c - left
+        hi = geo.k_hi - 1 if right is None else c + right
+        return IntervalBound(geo, lo, hi)
 
 
 class KeyPadding(Mask):
@@ -605,8 +728,8 @@ class KeyPadding(Mask):
         lengths = self.lengths.to(geo.device)[:, None].expand(n, geo.lq)  # (B, Lq)
         if self.side == "left":
             lo = geo.lk_total - lengths  # (B, Lq) first real key
-            return IntervalBound(geo, lo, (geo.k_hi - 1)[None, :].expand(n, geo.lq))
-        return IntervalBound(geo, geo.k_lo[None, :].expand(n, geo.lq), lengths - 1)
+            return IntervalBound(geo, lo, geo.k_hi - 1)
+        return IntervalBound(geo, geo.k_lo, lengths - 1)
 
 
 class DenseMask(Mask):
@@ -647,10 +770,77 @@ class _SequenceBounds(Mask):
     """Variable length: a row sees only the keys of its own sequence."""
 
     def bind(self, geo: Geometry) -> BoundMask:
-        return IntervalBound(geo, geo.k_lo[None, :], geo.k_hi[None, :] - 1)
+        return IntervalBound(geo, geo.k_lo, geo.k_hi - 1)
 
     def __repr__(self) -> str:
         return "SequenceBounds()"
+
+
+class Padding(Mask):
+    """A padded batch with its real lengths: batch ``b`` uses its first ``q_lens[b]``
+    queries and ``k_lens[b]`` keys (``(B,)`` ints each; None: all of them).
+
+    Unlike ``KeyPadding``, the causal diagonal, windows and ALiBi are aligned to
+    the real lengths (``c = i + k_lens[b] - q_lens[b]`` bottom-right), as
+    flash-attn aligns each sequence of a padded batch; rows past ``q_lens[b]``
+    see no key (O = 0, the conventions' LSE). The lengths belong to the whole
+    call: give the mask alone or combined with ``&``. Interval mask: the
+    native step reads it without mask tiles.
+    """
+
+    def __init__(
+        self,
+        q_lens: torch.Tensor | list[int] | tuple[int, ...] | None = None,
+        k_lens: torch.Tensor | list[int] | tuple[int, ...] | None = None,
+    ) -> None:
+        if q_lens is None and k_lens is None:
+            raise ValueError("Padding needs q_lens, k_lens or both (one length per batch element)")
+        self.q_lens = None if q_lens is None else _lengths("q_lens", q_lens)
+        self.k_lens = None if k_lens is None else _lengths("k_lens", k_lens)
+
+    def __repr__(self) -> str:
+        q = None if self.q_lens is None else self.q_lens.tolist()
+        k = None if self.k_lens is None else self.k_lens.tolist()
+        return f"Padding(q_lens={q}, k_lens={k})"
+
+    def geometry_options(self) -> dict[str, object]:
+        """What this padding sets in ``Geometry.build``: the used lengths, and the
+        ``seqlen_k`` of flash-attn 2's window rewriting (the longest real key length,
+        as ``max_seqlen_k`` of the unpadded call)."""
+        opts: dict[str, object] = {"seqused_q": self.q_lens, "seqused_k": self.k_lens}
+        if self.k_lens is not None:
+            opts["window_len"] = int(self.k_lens.max())
+        return opts
+
+    def bind(self, geo: Geometry) -> BoundMask:
+        if geo.seq_used != (_as_key(self.q_lens), _as_key(self.k_lens)):
+            raise ValueError(
+                f"{self!r} sets the sequence lengths of the whole call: give it as the mask "
+                "or combined with & (not under | or inside another mask), and not together "
+                "with seqused_q/seqused_k"
+            )
+        return IntervalBound(geo, geo.k_lo, geo.k_hi - 1)
+
+
+def _lengths(name: str, x: torch.Tensor | list[int] | tuple[int, ...]) -> torch.Tensor:
+    t = torch.as_tensor(x)
+    if t.ndim != 1 or t.numel() < 1 or t.is_floating_point() or t.dtype == torch.bool:
+        raise ValueError(f"Padding {name} must be a 1-D integer sequence of shape (B,), got {x!r}")
+    if bool((t < 0).any()):
+        raise ValueError(f"Padding {name} must be >= 0, got {t.tolist()}")
+    return t.to(torch.int64).cpu()
+
+
+def padding_of(mask: Mask | None) -> Padding | None:
+    """The ``Padding`` of a mask given alone or in an ``&`` chain (None without one)."""
+    if isinstance(mask, Padding):
+        return mask
+    if isinstance(mask, And):
+        a, b = padding_of(mask.a), padding_of(mask.b)
+        if a is not None and b is not None:
+            raise ValueError(f"a mask can hold one Padding, got {a!r} and {b!r}")
+        return a if a is not None else b
+    return None
 
 
 class And(Mask):
@@ -699,8 +889,8 @@ def as_mask(mask: Mask | torch.Tensor | None) -> Mask | None:
     if isinstance(mask, torch.Tensor):
         return DenseMask(mask)
     raise TypeError(
-        "mask must be None, a flashledger Mask (Causal, SlidingWindow, KeyPadding, DenseMask, "
-        f"MaskMod) or a bool tensor, got {type(mask).__name__}"
+        "mask must be None, a flashledger Mask (Causal, SlidingWindow, KeyPadding, Padding, "
+        f"DenseMask, MaskMod) or a bool tensor, got {type(mask).__name__}"
     )
 
 
@@ -717,6 +907,7 @@ def _demo() -> None:
         m.Causal("bottom_right"),
         m.SlidingWindow(4, 0),
         m.KeyPadding([7]),
+        m.Causal("bottom_right") & m.Padding([9], [7]),
         MaskMod(two_documents) | m.SlidingWindow(1, 1),
     )
     for mask in shown:

@@ -52,6 +52,11 @@ class ReferenceForward:
     p: torch.Tensor  # probabilities before dropout (masked entries 0)
     s: torch.Tensor  # final scores (masked entries -inf)
     keep: torch.Tensor | None  # dropout keep mask (True = kept), or None without dropout
+    attn_probs: torch.Tensor | None = None
+    """With ``return_attn_probs=True``: the probabilities as flash-attn's test reference
+    (``attention_ref``) returns them, ``(..., Lq, Lk)`` in the inputs' dtype: the softmax
+    before dropout (dropped entries keep their value, nothing rescaled by ``1/(1-p)``),
+    masked entries and fully-masked rows 0. The keep mask is ``keep``."""
 
 
 @dataclass(frozen=True)
@@ -104,14 +109,19 @@ def reference_forward(
     *,
     placement: Placement | None = None,
     dtype: torch.dtype = torch.float64,
+    return_attn_probs: bool = False,
     **opts: Unpack[AttentionOptions],
 ) -> ReferenceForward:
     """Dense attention forward in ``dtype`` (default float64).
 
     q ``(..., Lq, d)``, k ``(..., Lk, d)``, v ``(..., Lk, d_v)`` with ``...`` =
     ``()``, ``(H,)`` or ``(B, H)``; ``opts``: ``AttentionOptions`` (mask, scale
-    [``1/sqrt(d)``], conventions, dropout, softcap, ALiBi, bias, cu_seqlens).
+    [``1/sqrt(d)``], conventions, dropout or an outside ``dropout_mask``,
+    softcap, ALiBi, bias, cu_seqlens, seqused). ``return_attn_probs=True`` also
+    fills ``attn_probs`` (flash-attn's test-reference probabilities, in q's dtype).
     """
+    if not isinstance(return_attn_probs, bool):
+        raise TypeError(f"return_attn_probs must be True or False, got {return_attn_probs!r}")
     check_options("reference_forward", opts)
     pb = build_problem(q, k, v, placement=placement, acc_dtype=dtype, **opts)
     lq, lk = pb.shape[4], pb.shape[5]
@@ -127,6 +137,7 @@ def reference_forward(
         p=pb.user_q(p),
         s=pb.user_q(s),
         keep=None if keep is None else pb.user_q(keep.expand_as(p)),
+        attn_probs=pb.user_q(p).to(q.dtype) if return_attn_probs else None,
     )
 
 

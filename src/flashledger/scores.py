@@ -2,10 +2,15 @@
 
 Order (flash-attn): ``s = scale * q k^T``; softcap ``s = c * tanh(s / c)``;
 then ALiBi ``- slope * |i + Lk - Lq - j|`` (bottom-right aligned, per
-sequence with variable length) and an additive ``bias``; then a user's
+sequence with variable length or used lengths; slopes ``(H,)``, ``(B, H)``,
+or one row per packed sequence) and an additive ``bias``; then a user's
 FlexAttention ``score_mod(score, b, h, q_idx, kv_idx)`` on the whole tile
 (alone, it sees ``scale * q k^T``, as in Flex); masks last (masked entries
-become ``-inf``).
+become ``-inf``). Under a causal mask flash-attn 2's kernel
+adds ``+ slope * j`` instead (``j`` counted from the sequence's first key;
+``Conventions.alibi_causal == "key_index"``): on every visible key that is
+the same term plus ``slope * (i + Lk - Lq)``, so P and O are unchanged and
+the LSE grows by that amount.
 
 Backward: with ``dS`` the gradient of the final scores, the score_mod's
 vector-Jacobian product on the tile gives the gradient ``dS'`` of its input
@@ -79,8 +84,9 @@ class ScoreMod:
     hkv: int
     g: int
     softcap: float | None = None
-    slopes: torch.Tensor | None = None  # (B|1, Hkv, G, 1, 1)
+    slopes: torch.Tensor | None = None  # (B|1, Hkv, G, Lq|1, 1): per row with per-sequence slopes
     bias: torch.Tensor | None = None  # (B|1, Hkv|1, G|1, Lq_total|1, Lk_total|1)
+    alibi_key_index: bool = False  # flash-attn 2's causal form: + slope · (j - first key)
     user: UserScore | None = None  # a FlexAttention score_mod
 
     @staticmethod
@@ -94,14 +100,19 @@ class ScoreMod:
         alibi_slopes: torch.Tensor | None,
         bias: torch.Tensor | None,
         dtype: torch.dtype,
+        alibi_key_index: bool = False,
         score_mod: ScoreModFn | None = None,
         batch: int = 1,
     ) -> ScoreMod:
         slopes = None
         if alibi_slopes is not None:
             s = alibi_slopes.to(device=geo.device, dtype=dtype)
-            s = s.view(1, -1) if s.ndim == 1 else s  # (B|1, H)
-            slopes = to5d(s[:, :, None, None], hkv, g)
+            if geo.row_seq is not None and s.ndim == 2:  # one row of slopes per packed sequence
+                per_row = s[geo.row_seq]  # (Lq, H)
+                slopes = to5d(per_row.T[None, :, :, None], hkv, g)  # (1, Hkv, G, Lq, 1)
+            else:
+                s = s.view(1, -1) if s.ndim == 1 else s  # (B|1, H)
+                slopes = to5d(s[:, :, None, None], hkv, g)
         b5 = None
         if bias is not None:
             b = bias.to(device=geo.device, dtype=dtype)
@@ -113,7 +124,7 @@ class ScoreMod:
             user = UserScore.bind(
                 score_mod, batch=batch, heads=hkv * g, dtype=dtype, device=geo.device
             )
-        return ScoreMod(scale, geo, hkv, g, softcap, slopes, b5, user)
+        return ScoreMod(scale, geo, hkv, g, softcap, slopes, b5, alibi_key_index, user)
 
     def tile(
         self,
@@ -140,10 +151,15 @@ class ScoreMod:
             s = t * self.softcap
         if self.slopes is not None:
             geo = self.geo
-            c = (geo.rows()[q0:q1] + geo.off_br[q0:q1])[:, None]  # (bq, 1)
-            j = torch.arange(k0, k1, device=geo.device)[None, :] + geo.k_offset  # (1, bk)
-            dist = (c - j).abs().to(s.dtype)  # (bq, bk)
-            s = s - self.slopes * dist
+            slopes = self.slopes if self.slopes.shape[-2] == 1 else self.slopes[..., q0:q1, :]
+            j = torch.arange(k0, k1, device=geo.device)[None, None, :] + geo.k_offset  # (1, 1, bk)
+            if self.alibi_key_index:
+                pos = (j - geo.k_lo[:, q0:q1, None]).to(s.dtype)  # (Bg, bq, bk)
+                s = s + slopes * pos[:, None, None]
+            else:
+                c = (geo.rows()[None, q0:q1] + geo.off_br[:, q0:q1])[..., None]  # (Bg, bq, 1)
+                dist = (c - j).abs().to(s.dtype)  # (Bg, bq, bk)
+                s = s - slopes * dist[:, None, None]
         if self.bias is not None:
             s = s + self.bias_tile(q0, q1, k0, k1)
         if self.user is None:

@@ -43,11 +43,13 @@ True
 
 ``run_matrix()`` runs every live system of the installed PyTorch (SDPA math,
 the CPU flash kernel and its LSE, the causal bias objects, FlexAttention and
-its BlockMask) and flashledger's own blocked loop under each preset,
-flashledger's FlexAttention path (``flex_attention``, ``MaskMod``,
-``score_mod``) against torch's FlexAttention forward and a dense float64
-autograd oracle on attention-gym-style cases (``_verify_flex``), a 50-digit
-mpmath oracle on tiny cases, and reports the facts it observed.
+its BlockMask) and flashledger's own blocked loop under each preset, the
+flash-attn edges its presets reproduce (against an emulation of flash-attn's
+source, one row per edge), flashledger's FlexAttention path
+(``flex_attention``, ``MaskMod``, ``score_mod``) against torch's
+FlexAttention forward and a dense float64 autograd oracle on
+attention-gym-style cases (``_verify_flex``), a 50-digit mpmath oracle on
+tiny cases, and reports the facts it observed.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ from ._verify_cases import (
     dtype_name,
     make_case,
 )
+from ._verify_flash_attn import flash_attn_edge_rows
 from ._verify_flex import flex_rows
 from ._verify_mp import MP_DIGITS, MpResult, mp_attention, ulps
 from ._verify_report import Fact, VerifyReport, VerifyRow
@@ -596,7 +599,9 @@ def _plan(quick: bool) -> list[tuple[Case, list[_System]]]:
     return plan
 
 
-EXTRA_STEPS = 5  # observed facts, FlexAttention backward, tile classes, Flex model, mpmath
+EXTRA_STEPS = (
+    6  # observed facts, FlexAttention backward and tiles, flash-attn edges, Flex model, mpmath
+)
 
 
 def matrix_steps(*, quick: bool = False) -> int:
@@ -639,6 +644,8 @@ def run_matrix(
         step("FlexAttention backward")
         report.rows += _tile_rows(quick)
         step("FlexAttention tiles")
+        report.rows += flash_attn_edge_rows(quick)
+        step("flash-attn edges")
         report.rows += flex_rows(quick=quick)
         step("Flex programming model")
         report.rows += _mp_rows(quick)

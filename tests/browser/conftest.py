@@ -105,18 +105,45 @@ class Visit:
         self.page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
 
 
-@pytest.fixture
-def visit(browser: Any, server_url: str) -> Iterator[Visit]:
-    """A fresh 1280 x 900 page on the explorer; fails if anything left 127.0.0.1."""
-    context = browser.new_context(viewport={"width": 1280, "height": 900})
+def _new_visit(browser: Any, base: str, width: int, height: int, **options: Any) -> Visit:
+    context = browser.new_context(viewport={"width": width, "height": height}, **options)
     page = context.new_page()
-    v = Visit(page=page, base=server_url)
+    v = Visit(page=page, base=base)
     page.on(
         "console", lambda msg: v.console_errors.append(msg.text) if msg.type == "error" else None
     )
     page.on("pageerror", lambda err: v.console_errors.append(f"uncaught: {err}"))
     page.on("request", lambda req: v.requests.append(req.url))
+    return v
+
+
+@pytest.fixture
+def visit(browser: Any, server_url: str) -> Iterator[Visit]:
+    """A fresh 1280 x 900 page on the explorer; fails if anything left 127.0.0.1."""
+    v = _new_visit(browser, server_url, 1280, 900)
     yield v
-    context.close()
+    v.page.context.close()
     outside = v.outside_requests()
+    assert not outside, f"requests left 127.0.0.1: {outside}"
+
+
+@pytest.fixture
+def visit_at(browser: Any, server_url: str) -> Iterator[Any]:
+    """A factory of fresh pages: ``visit_at(width, height, **context_options)`` -> Visit.
+
+    Context options go to Playwright's ``new_context`` (``reduced_motion="reduce"``,
+    ``has_touch=True``, ...). Every page is closed at the end of the test and fails
+    the test if it requested anything outside 127.0.0.1.
+    """
+    made: list[Visit] = []
+
+    def make(width: int, height: int, **options: Any) -> Visit:
+        v = _new_visit(browser, server_url, width, height, **options)
+        made.append(v)
+        return v
+
+    yield make
+    for v in made:
+        v.page.context.close()
+    outside = [url for v in made for url in v.outside_requests()]
     assert not outside, f"requests left 127.0.0.1: {outside}"

@@ -10,6 +10,7 @@ FLASHLEDGER_UPDATE_DOCS_IMAGES=1 is set, so a test run leaves the tree clean.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +118,7 @@ def test_invalid_input_shows_the_reason_next_to_the_field(visit: Any) -> None:
 
 
 def test_backward_stepper_reaches_exact_gradients(visit: Any) -> None:
+    visit.page.emulate_media(reduced_motion="reduce")
     page = visit.open("?sec=backward")
     expect(page.locator("#bw-stats tbody tr")).to_have_count(5)
     forward = page.locator('#bw-stepper [data-action="forward"]')
@@ -124,10 +126,24 @@ def test_backward_stepper_reaches_exact_gradients(visit: Any) -> None:
         forward.click()
     expect(page.locator('[data-readout="bw-progress"] .readout-value')).to_have_text("3 / 6")
     expect(page.locator("#bw-heat .tile.current")).to_have_count(1)
+    # the README's picture: the section with a cell hovered and its rows lit, at rest (no
+    # animation half way), in a window tall enough that nothing scrolls under the pointer
+    page.set_viewport_size({"width": 1280, "height": 2400})
+    page.evaluate("window.scrollTo(0, 0)")
+    page.locator('#bw-heat rect[data-cell="3,1"]').hover()
+    expect(page.locator('#bw-grads tr[data-grad="dk1"]')).to_have_class(re.compile("linked"))
+    expect(page.locator(".heat-tip")).to_be_visible()
+    box = page.evaluate(
+        """() => [document.querySelector('#sec-backward').getBoundingClientRect().top,
+                 document.querySelector('#bw-grads-card').getBoundingClientRect().bottom]"""
+    )
     README_IMAGE.parent.mkdir(parents=True, exist_ok=True)
     page.screenshot(
-        path=str(README_IMAGE), full_page=True, clip={"x": 0, "y": 0, "width": 1280, "height": 1290}
+        path=str(README_IMAGE),
+        clip={"x": 0, "y": box[0], "width": 1280, "height": box[1] - box[0] + 16},
     )
+    page.mouse.move(2, 2)
+    page.set_viewport_size({"width": 1280, "height": 900})
     assert step_to_end(page, "#bw-stepper") == 3
     expect(page.locator('[data-readout="bw-progress"] .readout-value')).to_have_text("6 / 6")
     grad = value(page, "grad-diff")

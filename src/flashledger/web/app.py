@@ -24,7 +24,9 @@ POST        ``/api/ring``          section 07: ring attention, every rank and ho
 ==========  =====================  ==================================================
 
 Invalid input gets status 422 and ``{"detail": "<one line>", "errors":
-[{"field", "path", "message"}]}``; a body over 192 KiB gets 413.
+[{"field", "path", "message", "kind", "limits"}]}``: ``kind`` names the rule
+broken and ``limits`` its numbers (``schemas.ERROR_KINDS``), so that a page
+can say it in its own language; a body over 192 KiB gets 413.
 """
 
 from __future__ import annotations
@@ -118,9 +120,10 @@ def _json(model: BaseModel) -> Response:
     return Response(model.model_dump_json(), media_type="application/json")
 
 
-def _error(status: int, errors: list[dict[str, str]]) -> JSONResponse:
+def _error(status: int, errors: list[dict[str, Any]]) -> JSONResponse:
     detail = "; ".join(e["message"] for e in errors) or "invalid request"
-    return JSONResponse(status_code=status, content={"detail": detail, "errors": errors})
+    items = [{"kind": "invalid", "limits": {}} | e for e in errors]
+    return JSONResponse(status_code=status, content={"detail": detail, "errors": items})
 
 
 def _path(loc: tuple[Any, ...]) -> str:
@@ -133,14 +136,14 @@ def _path(loc: tuple[Any, ...]) -> str:
     return out
 
 
-def _validation_errors(exc: RequestValidationError) -> list[dict[str, str]]:
+def _validation_errors(exc: RequestValidationError) -> list[dict[str, Any]]:
     errors = []
     for err in exc.errors():
         cause = (err.get("ctx") or {}).get("error")
         loc = tuple(err.get("loc", ()))
         path = _path(loc)
         if isinstance(cause, sc.InputError):
-            errors.append({"field": cause.field, "path": cause.field, "message": str(cause)})
+            errors.append(cause.as_error())
             continue
         kind = err.get("type", "")
         if kind == "json_invalid":
@@ -152,7 +155,7 @@ def _validation_errors(exc: RequestValidationError) -> list[dict[str, str]]:
         else:
             message = f"{path}: {err.get('msg', 'invalid value')}" if path else err.get("msg", "")
         field = next((p for p in loc if isinstance(p, str) and p != "body"), "")
-        errors.append({"field": field, "path": path, "message": message})
+        errors.append({"field": field, "path": path, "message": message} | sc.error_details(err))
     return errors
 
 
@@ -194,8 +197,9 @@ def create_app() -> FastAPI:
 
     @app.exception_handler(ValueError)
     async def _value_error(_request: Request, exc: ValueError) -> JSONResponse:
-        field = exc.field if isinstance(exc, sc.InputError) else ""
-        return _error(422, [{"field": field, "path": field, "message": str(exc)}])
+        if isinstance(exc, sc.InputError):
+            return _error(422, [exc.as_error()])
+        return _error(422, [{"field": "", "path": "", "message": str(exc)}])
 
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:

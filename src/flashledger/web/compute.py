@@ -128,6 +128,7 @@ def ledger_steps(req: sc.LedgerRequest) -> sc.LedgerResponse:
             acc=st.acc.tolist(),
             o=st.output.tolist(),
             max_diff=_max_diff(st.output, o),
+            weights=torch.exp(scores[: st.positions[1]] - st.m_after).tolist(),
         )
         for st in osm.steps
     ]
@@ -241,6 +242,38 @@ def _rows(x: torch.Tensor | None) -> list[Any]:
     return x.tolist()  # type: ignore[no-any-return]
 
 
+def _forward_steps(records: list[Any], lq: int) -> list[sc.ForwardStep]:
+    """The traced forward's tiles, each with its rows' denominator before the tile."""
+    ell_now = [0.0] * lq  # running ell of every query row, in loop order
+    out = []
+    for r in records:
+        if not isinstance(r, ForwardTileStep):
+            raise RuntimeError(f"the forward ledger holds a {type(r).__name__}")
+        a, b = r.q_range
+        ell_after = _rows(r.ell)
+        out.append(
+            sc.ForwardStep(
+                index=r.index,
+                q_tile=r.q_tile,
+                k_tile=r.k_tile,
+                q_range=list(r.q_range),
+                k_range=list(r.k_range),
+                kind=r.kind,  # type: ignore[arg-type]
+                s=_rows(r.s),
+                p=_rows(r.p),
+                block_max=_rows(r.block_max),
+                m_before=_rows(r.m_before),
+                m=_rows(r.m_after),
+                alpha=_rows(r.alpha),
+                ell_before=ell_now[a:b],
+                ell=ell_after,
+                o=_rows(r.o),
+            )
+        )
+        ell_now[a:b] = ell_after
+    return out
+
+
 def _backward_step(r: ForwardTileStep | BackwardTileStep) -> sc.BackwardStep:
     if not isinstance(r, BackwardTileStep):
         raise RuntimeError(f"the backward ledger holds a {type(r).__name__}")
@@ -267,6 +300,7 @@ def backward_steps(req: sc.BackwardRequest) -> sc.BackwardResponse:
     opts = _options(req, mask)
     tiles: dict[str, Any] = {"block_q": req.block_q, "block_k": req.block_k}
     fwd = blocked_forward(q, k, v, **opts, **tiles)
+    traced = blocked_forward(q, k, v, **opts, **tiles, trace=True)  # the same loop, observed
     ref = reference_forward(q, k, v, **opts)
     bwd = blocked_backward(q, k, v, fwd.o, fwd.lse, g, **opts, **tiles, trace=True)
     refb = reference_backward(q, k, v, ref.o, ref.lse, g, **opts)
@@ -311,6 +345,9 @@ def backward_steps(req: sc.BackwardRequest) -> sc.BackwardResponse:
         ),
         counters=bwd.ledger.counters.to_dict(),
         forward_counters=fwd.ledger.counters.to_dict(),
+        forward_steps=_forward_steps(list(traced.ledger.records), lq),
+        forward_o=traced.o.tolist(),
+        forward_steps_max_diff=_max_diff(traced.o, ref.o),
     )
 
 
@@ -389,19 +426,54 @@ def storage(req: sc.StorageRequest) -> sc.StorageResponse:
         else:
             classes = mask.tile_classes(req.lq, req.lk, req.block_q, req.block_k)
             kinds = [[names[int(c)] for c in row] for row in classes.tolist()]
-    return sc.StorageResponse(ledger=ledger, traffic=traffic, tile_kinds=kinds)
+    return sc.StorageResponse(
+        ledger=ledger, sweep=_storage_sweep(req), traffic=traffic, tile_kinds=kinds
+    )
+
+
+def _storage_sweep(req: sc.StorageRequest) -> list[sc.StoragePoint]:
+    """Both paths' storage for Lq = Lk = L over powers of two up to the limit (and this L)."""
+    lengths = {2**n for n in range(sc.MAX_STORAGE_LEN.bit_length())} | {req.lq}
+    points = []
+    for n in sorted(lengths):
+        sw = accounting.storage_and_work(
+            lq=n, lk=n, d=req.d, block_q=n, block_k=n, dtype=_DTYPES[req.dtype]
+        )
+        points.append(
+            sc.StoragePoint(
+                length=n,
+                full_p=sw.full_p_elements,
+                lse=sw.lse_elements,
+                common=sum(sw.common_elements.values()),
+            )
+        )
+    return points
 
 
 # ----------------------------------------------------------------------------- section 03
 
 
-def _median_ms(fn: Callable[[], Any], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
+MEASURE_BUDGET_S = 1.0
+"""Time after which the timed runs of one function stop (the warm-up not counted)."""
+MEASURE_MIN_RUNS = 3
+"""Runs timed even past the budget (fewer only when fewer are asked for)."""
+
+
+def _timed_runs(fn: Callable[[], Any], repeats: int) -> list[float]:
+    """Run times (ms) of ``fn``: one warm-up run not timed (caches, the native step's first
+    build, allocator), then up to ``repeats`` timed runs, stopping once ``MEASURE_BUDGET_S``
+    is spent and at least ``MEASURE_MIN_RUNS`` are done."""
+    fn()  # warm-up
+    times: list[float] = []
+    spent = 0.0
+    while len(times) < repeats:
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+        spent += times[-1] / 1e3
+        if spent > MEASURE_BUDGET_S and len(times) >= min(repeats, MEASURE_MIN_RUNS):
+            break
+    return times
 
 
 def measure(req: sc.MeasureRequest) -> sc.MeasureResponse:
@@ -413,26 +485,21 @@ def measure(req: sc.MeasureRequest) -> sc.MeasureResponse:
     mask = Causal() if req.causal else None
     tiles: dict[str, Any] = {"block_q": req.block, "block_k": req.block}
     with _MEASURE_LOCK:
-        fwd = blocked_forward(q, k, v, mask=mask, **tiles)  # warm-up and the result compared
+        fwd = blocked_forward(q, k, v, mask=mask, **tiles)  # the results compared
         ref = reference_forward(q, k, v, mask=mask, dtype=dt)
         bwd = blocked_backward(q, k, v, fwd.o, fwd.lse, g, mask=mask, **tiles)
         refb = reference_backward(q, k, v, ref.o, ref.lse, g, mask=mask, dtype=dt)
-        times = {
-            "blocked_forward": _median_ms(
-                lambda: blocked_forward(q, k, v, mask=mask, **tiles), req.repeats
+        runs: dict[str, Callable[[], Any]] = {
+            "blocked_forward": lambda: blocked_forward(q, k, v, mask=mask, **tiles),
+            "blocked_backward": lambda: blocked_backward(
+                q, k, v, fwd.o, fwd.lse, g, mask=mask, **tiles
             ),
-            "blocked_backward": _median_ms(
-                lambda: blocked_backward(q, k, v, fwd.o, fwd.lse, g, mask=mask, **tiles),
-                req.repeats,
-            ),
-            "reference_forward": _median_ms(
-                lambda: reference_forward(q, k, v, mask=mask, dtype=dt), req.repeats
-            ),
-            "reference_backward": _median_ms(
-                lambda: reference_backward(q, k, v, ref.o, ref.lse, g, mask=mask, dtype=dt),
-                req.repeats,
+            "reference_forward": lambda: reference_forward(q, k, v, mask=mask, dtype=dt),
+            "reference_backward": lambda: reference_backward(
+                q, k, v, ref.o, ref.lse, g, mask=mask, dtype=dt
             ),
         }
+        times = {name: _timed_runs(fn, req.repeats) for name, fn in runs.items()}
     itemsize = torch.finfo(dt).bits // 8
     return sc.MeasureResponse(
         device=f"CPU ({platform.machine() or 'unknown'})",
@@ -444,7 +511,10 @@ def measure(req: sc.MeasureRequest) -> sc.MeasureResponse:
         causal=req.causal,
         dtype=req.dtype,
         repeats=req.repeats,
-        times_ms=times,
+        times_ms={name: statistics.median(ts) for name, ts in times.items()},
+        runs={name: len(ts) for name, ts in times.items()},
+        min_ms={name: min(ts) for name, ts in times.items()},
+        max_ms={name: max(ts) for name, ts in times.items()},
         forward_max_diff=_max_diff(fwd.o.to(F64), ref.o.to(F64)),
         grad_max_diff=max(
             _max_diff(a.to(F64), b.to(F64))

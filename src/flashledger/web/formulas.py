@@ -2,7 +2,9 @@
 
 Each formula is a list of aligned lines ``(lhs, relation, rhs)``; every piece
 is converted with latex2mathml and the lines are set in an ``<mtable>`` (MathML
-Core, rendered natively by the browser; no script, no web font).
+Core, rendered natively by the browser; no script, no web font). The ``<math>``
+element carries ``data-formula="<name>"`` and each line ``data-line="<n>"``
+(0-based), so that the page can light up the line a step uses.
 """
 
 from __future__ import annotations
@@ -62,13 +64,13 @@ def render_formula(name: str) -> str:
     if name not in FORMULAS:
         raise KeyError(f"unknown formula {name!r}; known: {', '.join(FORMULAS)}")
     rows = []
-    for lhs, relation, rhs in FORMULAS[name]:
+    for n, (lhs, relation, rhs) in enumerate(FORMULAS[name]):
         rel = "<mo>+=</mo>" if relation == "+=" else "<mo>=</mo>"
         rows.append(
-            f"<mtr><mtd class='lhs'>{_inner(lhs)}</mtd>"
+            f"<mtr data-line='{n}'><mtd class='lhs'>{_inner(lhs)}</mtd>"
             f"<mtd class='rhs'><mrow>{rel}{_inner(rhs)}</mrow></mtd></mtr>"
         )
     return (
-        '<math xmlns="http://www.w3.org/1998/Math/MathML" display="block">'
+        f'<math xmlns="http://www.w3.org/1998/Math/MathML" display="block" data-formula="{name}">'
         f"<mtable class='eqn'>{''.join(rows)}</mtable></math>"
     )

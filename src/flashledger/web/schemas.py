@@ -5,19 +5,40 @@ every size, so that no request can make the server compute for long or
 return an error other than a readable 422. Responses carry float64 values;
 ``-inf``/``+inf`` travel as the JSON strings ``"-Infinity"``/``"Infinity"``
 (pydantic's ``ser_json_inf_nan="strings"``).
+
+Limits live here once: the ``MAX_*`` constants, served to the page as
+``LIMITS``. A bound that depends on another field (a block is at most the
+length) is checked in the request's model validator, and only there, so that
+every value out of range gets the same ``allowed: lo..hi``. Every error names
+its ``kind`` and the numbers of the rule broken (``limits``, see
+``ERROR_KINDS``), so that a page can state it in its own language.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
 from itertools import pairwise
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    GetCoreSchemaHandler,
+    GetJsonSchemaHandler,
+    field_validator,
+    model_validator,
+)
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import PydanticCustomError, core_schema
 
 from flashledger.conventions import PRESETS
 from flashledger.ring import chunk_bounds
 
 __all__ = [
+    "ERROR_KINDS",
     "LIMITS",
     "BackwardRequest",
     "BackwardResponse",
@@ -34,6 +55,7 @@ __all__ = [
     "RingResponse",
     "StorageRequest",
     "StorageResponse",
+    "error_details",
 ]
 
 MAX_BODY_BYTES = 192 * 1024
@@ -59,6 +81,12 @@ MAX_RING_WORLD = 8
 """Largest number of simulated ranks in the ring section."""
 MAX_RING_TILES = 1024
 """Largest number of tiles per pass the ring section runs (summed over every rank)."""
+MAX_MEASURE_RUNS = 25
+"""Most timed runs of each function in one measurement (after one warm-up run)."""
+MAX_SEED = 2**31 - 1
+"""Largest dropout or data seed."""
+MAX_STORAGE_DIM = 1024
+"""Largest head dimension of the storage and work ledger."""
 
 LIMITS: dict[str, float] = {
     "max_body_bytes": MAX_BODY_BYTES,
@@ -72,10 +100,153 @@ LIMITS: dict[str, float] = {
     "max_measure_tiles": MAX_MEASURE_TILES,
     "max_ring_world": MAX_RING_WORLD,
     "max_ring_tiles": MAX_RING_TILES,
+    "max_measure_runs": MAX_MEASURE_RUNS,
+    "max_seed": MAX_SEED,
+    "max_storage_dim": MAX_STORAGE_DIM,
+}
+
+ERROR_KINDS: dict[str, str] = {
+    "range": "a number outside min..max (limits: min, max, got)",
+    "range_open": "a number outside (min, max], min excluded (limits: min, max, got)",
+    "too_short": "a list with fewer than min entries (limits: min)",
+    "too_long": "a list with more than max entries (limits: max)",
+    "count": "a list whose length must equal another's (limits: expected, got)",
+    "ragged": "a matrix whose rows differ in length (limits: row, got, expected)",
+    "columns": "rows of the wrong length (limits: expected, got)",
+    "shape": "a matrix of the wrong shape (limits: rows, cols, expected_rows, expected_cols)",
+    "tiles": "too many tiles for the blocks asked (limits: tiles, max)",
+    "example": "the seed page's example has a fixed shape (limits: length, d)",
+    "not_integer": "not a whole number",
+    "not_number": "not a number",
+    "not_finite": "an infinite or NaN number",
+    "not_list": "not a list",
+    "not_bool": "not true or false",
+    "not_allowed": "a value outside a fixed set (limits: allowed)",
+    "mask_dense": "a custom mask without its grid, or a grid without a custom mask",
+    "unknown_field": "a field the request does not have",
+    "missing": "a required field left out",
+    "invalid_json": "a body that is not JSON",
+    "invalid": "anything else (the message says what)",
+}
+"""Kinds of input error; each error item carries ``kind`` and ``limits`` (numbers or text)."""
+
+_PYDANTIC_KINDS: dict[str, str] = {
+    "int_parsing": "not_integer",
+    "int_from_float": "not_integer",
+    "int_type": "not_integer",
+    "float_parsing": "not_number",
+    "float_type": "not_number",
+    "finite_number": "not_finite",
+    "too_short": "too_short",
+    "too_long": "too_long",
+    "list_type": "not_list",
+    "bool_parsing": "not_bool",
+    "bool_type": "not_bool",
+    "literal_error": "not_allowed",
+    "extra_forbidden": "unknown_field",
+    "missing": "missing",
+    "json_invalid": "invalid_json",
+    "range": "range",
+    "range_open": "range_open",
 }
 
 
-Finite = Annotated[float, Field(allow_inf_nan=False, ge=-MAX_ABS_INPUT, le=MAX_ABS_INPUT)]
+def _plain(x: Any) -> int | float | str:
+    """A limit as JSON can carry it: whole floats as ints, other objects as text."""
+    if isinstance(x, bool):
+        return str(x).lower()
+    if isinstance(x, float) and x.is_integer() and abs(x) < 2**53:
+        return int(x)
+    if isinstance(x, int | float):
+        return x
+    return str(x)
+
+
+def error_details(err: Mapping[str, Any]) -> dict[str, Any]:
+    """``kind`` and ``limits`` of one pydantic error (an item of ``ValidationError.errors()``)."""
+    kind = _PYDANTIC_KINDS.get(str(err.get("type", "")), "invalid")
+    ctx = err.get("ctx") or {}
+    limits: dict[str, int | float | str] = {}
+    if kind in ("range", "range_open"):
+        limits = {k: _plain(ctx[k]) for k in ("min", "max", "got") if k in ctx}
+    elif kind == "too_short":
+        limits = {"min": _plain(ctx.get("min_length", 0))}
+    elif kind == "too_long":
+        limits = {"max": _plain(ctx.get("max_length", 0))}
+    elif kind == "not_allowed":
+        limits = {"allowed": str(ctx.get("expected", ""))}
+    return {"kind": kind, "limits": limits}
+
+
+def _fmt(x: float) -> str:
+    """A bound as people write it: ``64``, ``0.9``, ``1000000``."""
+    return str(_plain(x))
+
+
+@dataclass(frozen=True)
+class Range:
+    """``Annotated`` marker: the number must lie in ``lo..hi`` (``lo`` excluded when ``open_lo``).
+
+    Out of range is an error of kind ``range`` (``range_open``) with ``min``, ``max``
+    and ``got``; the bounds also go into the JSON schema.
+    """
+
+    lo: float
+    hi: float
+    open_lo: bool = False
+
+    def __get_pydantic_core_schema__(
+        self, source: Any, handler: GetCoreSchemaHandler
+    ) -> core_schema.CoreSchema:
+        return core_schema.no_info_after_validator_function(self._check, handler(source))
+
+    def __get_pydantic_json_schema__(
+        self, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        out = handler.resolve_ref_schema(handler(schema))
+        out["exclusiveMinimum" if self.open_lo else "minimum"] = _plain(self.lo)
+        out["maximum"] = _plain(self.hi)
+        return out
+
+    def _check(self, value: Any) -> Any:
+        low_ok = value > self.lo if self.open_lo else value >= self.lo
+        if low_ok and value <= self.hi:
+            return value
+        span = f"({_fmt(self.lo)}, {_fmt(self.hi)}]" if self.open_lo else self.span
+        raise PydanticCustomError(
+            "range_open" if self.open_lo else "range",
+            f"{_fmt(value)} is out of range; allowed: {span}",
+            {"min": self.lo, "max": self.hi, "got": value},
+        )
+
+    @property
+    def span(self) -> str:
+        """``lo..hi`` as the messages write it."""
+        return f"{_fmt(self.lo)}..{_fmt(self.hi)}"
+
+
+def check_range(field: str, value: int, lo: int, hi: int, why: str = "") -> None:
+    """Raise :class:`InputError` (kind ``range``) unless ``lo <= value <= hi``; ``why``
+    says where a bound comes from (``"the row has 6 scores"``)."""
+    if lo <= value <= hi:
+        return
+    reason = f" ({why})" if why else ""
+    raise InputError(
+        field,
+        f"{field}: {value} is out of range{reason}; allowed: {lo}..{hi}",
+        "range",
+        min=lo,
+        max=hi,
+        got=value,
+    )
+
+
+def _bounds(lo: int, hi: int) -> Any:
+    """JSON-schema bounds of a field whose range also depends on other fields."""
+    return {"minimum": lo, "maximum": hi}
+
+
+Finite = Annotated[float, Field(allow_inf_nan=False), Range(-MAX_ABS_INPUT, MAX_ABS_INPUT)]
 Row = Annotated[list[Finite], Field(min_length=1, max_length=MAX_HEAD_DIM)]
 Matrix = Annotated[list[Row], Field(min_length=1, max_length=MAX_TRACE_LEN)]
 Num = float
@@ -88,11 +259,28 @@ TileKind = Literal["empty", "partial", "full"]
 
 
 class InputError(ValueError):
-    """A request that is well-formed JSON but inconsistent; ``field`` names the culprit."""
+    """A request that is well-formed JSON but inconsistent; ``field`` names the culprit.
 
-    def __init__(self, field: str, message: str) -> None:
+    ``kind`` is one of ``ERROR_KINDS`` and ``limits`` the numbers of the rule broken.
+    """
+
+    def __init__(
+        self, field: str, message: str, kind: str = "invalid", **limits: int | float | str
+    ) -> None:
         super().__init__(message)
         self.field = field
+        self.kind = kind
+        self.limits = {k: _plain(v) for k, v in limits.items()}
+
+    def as_error(self) -> dict[str, Any]:
+        """The error item of the API's 422 body."""
+        return {
+            "field": self.field,
+            "path": self.field,
+            "message": str(self),
+            "kind": self.kind,
+            "limits": self.limits,
+        }
 
 
 class _Request(BaseModel):
@@ -111,6 +299,10 @@ def _check_rectangular(name: str, rows: list[list[float]]) -> int:
                 name,
                 f"{name}: row {i} has {len(row)} entries but row 0 has {width}; "
                 "every row must have the same length",
+                "ragged",
+                row=i,
+                got=len(row),
+                expected=width,
             )
     return width
 
@@ -133,8 +325,8 @@ class MaskSpec(_Request):
     """
 
     kind: MaskKind = "none"
-    left: int = Field(default=-1, ge=-1, le=MAX_STORAGE_LEN)
-    right: int = Field(default=0, ge=-1, le=MAX_STORAGE_LEN)
+    left: Annotated[int, Range(-1, MAX_STORAGE_LEN)] = -1
+    right: Annotated[int, Range(-1, MAX_STORAGE_LEN)] = 0
     align: Literal["top_left", "bottom_right"] | None = None
     dense: list[list[bool]] | None = Field(default=None, max_length=MAX_TRACE_LEN)
 
@@ -142,11 +334,15 @@ class MaskSpec(_Request):
     def _dense_only_for_custom(self) -> MaskSpec:
         if self.kind == "custom" and self.dense is None:
             raise InputError(
-                "mask", "mask: kind 'custom' needs 'dense', an Lq x Lk grid of true/false"
+                "mask",
+                "mask: kind 'custom' needs 'dense', an Lq x Lk grid of true/false",
+                "mask_dense",
             )
         if self.kind != "custom" and self.dense is not None:
             raise InputError(
-                "mask", f"mask: 'dense' is only used with kind 'custom', not {self.kind!r}"
+                "mask",
+                f"mask: 'dense' is only used with kind 'custom', not {self.kind!r}",
+                "mask_dense",
             )
         return self
 
@@ -155,9 +351,15 @@ class MaskSpec(_Request):
         if self.dense is None:
             return
         if len(self.dense) != lq or any(len(row) != lk for row in self.dense):
-            got = f"{len(self.dense)} x {len(self.dense[0]) if self.dense else 0}"
+            rows, cols = len(self.dense), len(self.dense[0]) if self.dense else 0
             raise InputError(
-                "mask", f"mask: the custom grid is {got}; it must be {lq} x {lk} (Lq x Lk)"
+                "mask",
+                f"mask: the custom grid is {rows} x {cols}; it must be {lq} x {lk} (Lq x Lk)",
+                "shape",
+                rows=rows,
+                cols=cols,
+                expected_rows=lq,
+                expected_cols=lk,
             )
 
 
@@ -169,23 +371,21 @@ class LedgerRequest(_Request):
 
     scores: list[Finite] = Field(min_length=1, max_length=MAX_TRACE_LEN)
     values: Matrix
-    block_size: int = Field(default=2, ge=1, le=MAX_TRACE_LEN)
+    block_size: int = Field(default=2, json_schema_extra=_bounds(1, MAX_TRACE_LEN))
     shift: Finite = 0.0
 
     @model_validator(mode="after")
     def _consistent(self) -> LedgerRequest:
         n = len(self.scores)
-        if self.block_size > n:
-            raise InputError(
-                "block_size",
-                f"block_size: {self.block_size} is larger than the row ({n} scores); "
-                f"allowed: 1..{n}",
-            )
+        check_range("block_size", self.block_size, 1, n, f"the row has {n} scores")
         if len(self.values) != n:
             raise InputError(
                 "values",
                 f"values: {len(self.values)} value vectors for {n} scores; "
                 "give one value vector per score",
+                "count",
+                expected=n,
+                got=len(self.values),
             )
         _check_rectangular("values", self.values)
         return self
@@ -206,6 +406,9 @@ class LedgerStep(_Response):
     acc: Vec
     o: Vec = Field(description="prefix output acc / ell")
     max_diff: Num = Field(description="max |o - full-row output|")
+    weights: Vec = Field(
+        description="exp(s_j - m) of every position read so far: the terms ell sums (stop,)"
+    )
 
 
 class PerBlockAverage(_Response):
@@ -241,11 +444,13 @@ class AttentionProblem(_Request):
     v: Matrix
     mask: MaskSpec = Field(default_factory=MaskSpec)
     conventions: str = Field(default="seed", json_schema_extra={"enum": list(PRESETS)})
-    dropout_p: float = Field(default=0.0, ge=0.0, le=0.9, allow_inf_nan=False)
-    seed: int = Field(default=0, ge=0, le=2**31 - 1)
-    softcap: float | None = Field(default=None, gt=0.0, le=1e4, allow_inf_nan=False)
+    dropout_p: Annotated[float, Field(allow_inf_nan=False), Range(0.0, 0.9)] = 0.0
+    seed: Annotated[int, Range(0, MAX_SEED)] = 0
+    softcap: Annotated[float, Field(allow_inf_nan=False), Range(0.0, 1e4, open_lo=True)] | None = (
+        None
+    )
     alibi: bool = False
-    alibi_slope: float = Field(default=0.5, gt=0.0, le=16.0, allow_inf_nan=False)
+    alibi_slope: Annotated[float, Field(allow_inf_nan=False), Range(0.0, 16.0, open_lo=True)] = 0.5
 
     @field_validator("conventions")
     @classmethod
@@ -254,6 +459,8 @@ class AttentionProblem(_Request):
             raise InputError(
                 "conventions",
                 f"conventions: unknown preset {value!r}; allowed: {', '.join(PRESETS)}",
+                "not_allowed",
+                allowed=", ".join(PRESETS),
             )
         return value
 
@@ -263,10 +470,20 @@ class AttentionProblem(_Request):
         dk = _check_rectangular("k", self.k)
         _check_rectangular("v", self.v)
         if dk != d:
-            raise InputError("k", f"k: rows have {dk} entries but q's have {d}; q and k share d")
+            raise InputError(
+                "k",
+                f"k: rows have {dk} entries but q's have {d}; q and k share d",
+                "columns",
+                expected=d,
+                got=dk,
+            )
         if len(self.v) != len(self.k):
             raise InputError(
-                "v", f"v: {len(self.v)} rows but k has {len(self.k)}; one value row per key"
+                "v",
+                f"v: {len(self.v)} rows but k has {len(self.k)}; one value row per key",
+                "count",
+                expected=len(self.k),
+                got=len(self.v),
             )
         self.mask.check_shape(len(self.q), len(self.k))
 
@@ -275,8 +492,8 @@ class BackwardRequest(AttentionProblem):
     """An attention problem plus the upstream gradient G (Lq, d_v) and the tile sizes."""
 
     g: Matrix
-    block_q: int = Field(default=2, ge=1, le=MAX_TRACE_LEN)
-    block_k: int = Field(default=2, ge=1, le=MAX_TRACE_LEN)
+    block_q: int = Field(default=2, json_schema_extra=_bounds(1, MAX_TRACE_LEN))
+    block_k: int = Field(default=2, json_schema_extra=_bounds(1, MAX_TRACE_LEN))
 
     @model_validator(mode="after")
     def _consistent(self) -> BackwardRequest:
@@ -287,16 +504,20 @@ class BackwardRequest(AttentionProblem):
                 "g",
                 f"g: shape {len(self.g)} x {len(self.g[0])}; it must be Lq x d_v = "
                 f"{len(self.q)} x {dv} (one gradient row per query, like O)",
+                "shape",
+                rows=len(self.g),
+                cols=len(self.g[0]),
+                expected_rows=len(self.q),
+                expected_cols=dv,
             )
-        if self.block_q > len(self.q):
-            raise InputError(
-                "block_q", f"block_q: {self.block_q} is larger than Lq; allowed: 1..{len(self.q)}"
-            )
-        if self.block_k > len(self.k):
-            raise InputError(
-                "block_k", f"block_k: {self.block_k} is larger than Lk; allowed: 1..{len(self.k)}"
-            )
+        _check_blocks(self.block_q, self.block_k, len(self.q), len(self.k))
         return self
+
+
+def _check_blocks(block_q: int, block_k: int, lq: int, lk: int) -> None:
+    """Tiles of ``block_q x block_k`` fit ``Lq x Lk``: each block is ``1..L``."""
+    check_range("block_q", block_q, 1, lq, f"Lq is {lq}")
+    check_range("block_k", block_k, 1, lk, f"Lk is {lk}")
 
 
 class BackwardStep(_Response):
@@ -323,6 +544,26 @@ class AutogradCheck(_Response):
     max_diff: Num = Field(description="max |blocked - autograd| over dQ, dK, dV")
     tolerance: Num
     ok: bool
+
+
+class ForwardStep(_Response):
+    """One traced forward tile: the rows of the query tile before and after it."""
+
+    index: int
+    q_tile: int
+    k_tile: int
+    q_range: list[int] = Field(description="[start, stop) of the query rows")
+    k_range: list[int] = Field(description="[start, stop) of the key rows")
+    kind: Literal["partial", "full"]
+    s: Mat = Field(description="scores of the tile, masked entries -inf, (rows, cols)")
+    p: Mat = Field(description="exp(s - m) of the tile against the running max after it")
+    block_max: Vec = Field(description="row max of s, (rows,)")
+    m_before: Vec = Field(description="running max before the tile, (rows,)")
+    m: Vec = Field(description="running max after the tile, (rows,)")
+    alpha: Vec = Field(description="exp(m_before - m), 0 for an empty state, (rows,)")
+    ell_before: Vec = Field(description="running denominator before the tile, (rows,)")
+    ell: Vec = Field(description="running denominator after the tile, (rows,)")
+    o: Mat = Field(description="output of the keys read so far, acc / ell, (rows, d_v)")
 
 
 class BackwardResponse(_Response):
@@ -353,6 +594,13 @@ class BackwardResponse(_Response):
     autograd: AutogradCheck
     counters: dict[str, int] = Field(description="backward ledger counters")
     forward_counters: dict[str, int]
+    forward_steps: list[ForwardStep] = Field(
+        description="the forward pass traced tile by tile (the same loop, with records)"
+    )
+    forward_o: Mat = Field(description="output of the traced forward pass")
+    forward_steps_max_diff: Num = Field(
+        description="max |traced forward O - reference O| (the stepped forward's final check)"
+    )
 
 
 # ----------------------------------------------------------------------------- section 5
@@ -363,40 +611,49 @@ StorageDtype = Literal["float64", "float32", "float16", "bfloat16"]
 class StorageRequest(_Request):
     """Sizes of one attention problem for the storage and work ledger."""
 
-    lq: int = Field(default=5, ge=1, le=MAX_STORAGE_LEN)
-    lk: int = Field(default=5, ge=1, le=MAX_STORAGE_LEN)
-    d: int = Field(default=2, ge=1, le=1024)
-    block_q: int = Field(default=2, ge=1, le=MAX_STORAGE_LEN)
-    block_k: int = Field(default=2, ge=1, le=MAX_STORAGE_LEN)
+    lq: Annotated[int, Range(1, MAX_STORAGE_LEN)] = 5
+    lk: Annotated[int, Range(1, MAX_STORAGE_LEN)] = 5
+    d: Annotated[int, Range(1, MAX_STORAGE_DIM)] = 2
+    block_q: int = Field(default=2, json_schema_extra=_bounds(1, MAX_STORAGE_LEN))
+    block_k: int = Field(default=2, json_schema_extra=_bounds(1, MAX_STORAGE_LEN))
     mask: MaskSpec = Field(default_factory=lambda: MaskSpec(kind="causal_top_left"))
     dtype: StorageDtype = "float64"
 
     @model_validator(mode="after")
     def _consistent(self) -> StorageRequest:
-        if self.block_q > self.lq:
-            raise InputError(
-                "block_q", f"block_q: {self.block_q} is larger than Lq; allowed: 1..{self.lq}"
-            )
-        if self.block_k > self.lk:
-            raise InputError(
-                "block_k", f"block_k: {self.block_k} is larger than Lk; allowed: 1..{self.lk}"
-            )
+        _check_blocks(self.block_q, self.block_k, self.lq, self.lk)
         tiles = -(-self.lq // self.block_q) * -(-self.lk // self.block_k)
         if tiles > MAX_STORAGE_TILES:
             raise InputError(
                 "block_q",
                 f"block_q, block_k: {tiles} tiles; at most {MAX_STORAGE_TILES} allowed "
                 "(use larger blocks)",
+                "tiles",
+                tiles=tiles,
+                max=MAX_STORAGE_TILES,
             )
         if self.mask.kind == "custom":
             raise InputError(
-                "mask", "mask: the storage ledger takes none, causal or sliding_window"
+                "mask",
+                "mask: the storage ledger takes none, causal or sliding_window",
+                "not_allowed",
+                allowed="none, causal, sliding_window",
             )
         return self
 
 
+class StoragePoint(_Response):
+    length: int = Field(description="Lq = Lk = length")
+    full_p: int = Field(description="elements of P kept by the full-P path (length^2)")
+    lse: int = Field(description="elements of the LSE kept instead (length)")
+    common: int = Field(description="elements of Q, K, V, O kept by both paths")
+
+
 class StorageResponse(_Response):
     ledger: dict[str, Any] = Field(description="flashledger.accounting.storage_and_work(...)")
+    sweep: list[StoragePoint] = Field(
+        description="storage of both paths against the length, at this d, one head, no mask"
+    )
     traffic: dict[str, dict[str, Any]] = Field(
         description="memory_traffic(...) of each schedule: standard, fa1, fa2"
     )
@@ -411,20 +668,13 @@ class StorageResponse(_Response):
 class ConventionsRequest(AttentionProblem):
     """An attention problem evaluated under every conventions preset, in tiles."""
 
-    block_q: int = Field(default=2, ge=1, le=MAX_TRACE_LEN)
-    block_k: int = Field(default=2, ge=1, le=MAX_TRACE_LEN)
+    block_q: int = Field(default=2, json_schema_extra=_bounds(1, MAX_TRACE_LEN))
+    block_k: int = Field(default=2, json_schema_extra=_bounds(1, MAX_TRACE_LEN))
 
     @model_validator(mode="after")
     def _consistent(self) -> ConventionsRequest:
         self.check_problem()
-        if self.block_q > len(self.q):
-            raise InputError(
-                "block_q", f"block_q: {self.block_q} is larger than Lq; allowed: 1..{len(self.q)}"
-            )
-        if self.block_k > len(self.k):
-            raise InputError(
-                "block_k", f"block_k: {self.block_k} is larger than Lk; allowed: 1..{len(self.k)}"
-            )
+        _check_blocks(self.block_q, self.block_k, len(self.q), len(self.k))
         return self
 
 
@@ -457,26 +707,32 @@ class ConventionsResponse(_Response):
 class MeasureRequest(_Request):
     """Shape of a timed run of the blocked loop against the dense reference."""
 
-    length: int = Field(default=128, ge=1, le=MAX_MEASURE_LEN)
-    d: int = Field(default=16, ge=1, le=MAX_MEASURE_DIM)
-    block: int = Field(default=32, ge=1, le=MAX_MEASURE_LEN)
+    length: Annotated[int, Range(1, MAX_MEASURE_LEN)] = 128
+    d: Annotated[int, Range(1, MAX_MEASURE_DIM)] = 16
+    block: int = Field(default=32, json_schema_extra=_bounds(1, MAX_MEASURE_LEN))
     causal: bool = True
     dtype: Literal["float64", "float32"] = "float64"
-    repeats: int = Field(default=3, ge=1, le=3)
+    repeats: Annotated[int, Range(1, MAX_MEASURE_RUNS)] = Field(
+        default=9,
+        description="timed runs of each function after one warm-up run (fewer when each run "
+        "is long: the runs of one function stop after about a second, never below 3)",
+    )
+
+    def smallest_block(self) -> int:
+        """The smallest block whose ``(L / block)^2`` tiles are at most ``MAX_MEASURE_TILES``."""
+        per_side = math.isqrt(MAX_MEASURE_TILES)
+        return -(-self.length // per_side)
 
     @model_validator(mode="after")
     def _consistent(self) -> MeasureRequest:
-        if self.block > self.length:
-            raise InputError(
-                "block", f"block: {self.block} is larger than length; allowed: 1..{self.length}"
-            )
-        tiles = (-(-self.length // self.block)) ** 2
-        if tiles > MAX_MEASURE_TILES:
-            raise InputError(
-                "block",
-                f"block: {tiles} tiles; at most {MAX_MEASURE_TILES} are timed (use a block of "
-                f"at least {-(-self.length // 16)})",
-            )
+        lo = self.smallest_block()
+        check_range(
+            "block",
+            self.block,
+            lo,
+            self.length,
+            f"at most {MAX_MEASURE_TILES} tiles are timed and a block is at most the length",
+        )
         return self
 
 
@@ -489,8 +745,11 @@ class MeasureResponse(_Response):
     block: int
     causal: bool
     dtype: str
-    repeats: int
-    times_ms: dict[str, Num]
+    repeats: int = Field(description="timed runs asked for, after one warm-up run")
+    times_ms: dict[str, Num] = Field(description="median run time of each function (ms)")
+    runs: dict[str, int] = Field(description="timed runs of each function (after its warm-up)")
+    min_ms: dict[str, Num] = Field(description="fastest timed run of each function (ms)")
+    max_ms: dict[str, Num] = Field(description="slowest timed run of each function (ms)")
     forward_max_diff: Num
     grad_max_diff: Num
     full_p_bytes: int
@@ -522,23 +781,24 @@ class RingRequest(_Request):
     Tiles inside each (query chunk, key chunk) pair are ``block x block``.
     """
 
-    world_size: int = Field(default=4, ge=1, le=MAX_RING_WORLD)
+    world_size: Annotated[int, Range(1, MAX_RING_WORLD)] = 4
     layout: RingLayout = "zigzag"
-    length: int = Field(default=16, ge=1, le=MAX_TRACE_LEN)
-    d: int = Field(default=4, ge=1, le=MAX_HEAD_DIM)
-    block: int = Field(default=4, ge=1, le=MAX_TRACE_LEN)
+    length: int = Field(default=16, json_schema_extra=_bounds(1, MAX_TRACE_LEN))
+    d: Annotated[int, Range(1, MAX_HEAD_DIM)] = 4
+    block: int = Field(default=4, json_schema_extra=_bounds(1, MAX_TRACE_LEN))
     mask: MaskSpec = Field(default_factory=lambda: MaskSpec(kind="causal"))
     data: Literal["random", "example"] = "random"
-    seed: int = Field(default=0, ge=0, le=2**31 - 1)
+    seed: Annotated[int, Range(0, MAX_SEED)] = 0
 
     def chunks(self) -> int:
         """Chunks the sequence is cut into: ``W`` (contiguous) or ``2W`` (zigzag)."""
         return self.world_size if self.layout == "contiguous" else 2 * self.world_size
 
-    def tiles_per_pass(self) -> int:
+    def tiles_per_pass(self, block: int | None = None) -> int:
         """Tiles of every (query chunk, key chunk) pair of one pass, over all ranks."""
+        b = self.block if block is None else block
         bounds = chunk_bounds(self.length, self.world_size, self.layout)
-        along = sum(-(-(b - a) // self.block) for a, b in pairwise(bounds))
+        along = sum(-(-(hi - lo) // b) for lo, hi in pairwise(bounds))
         return along * along  # query chunks x key chunks, Lq = Lk
 
     @model_validator(mode="after")
@@ -548,30 +808,39 @@ class RingRequest(_Request):
                 "data",
                 f"data: the seed page's example has length 5 and d 2, not length "
                 f"{self.length} and d {self.d}; set both, or use random data",
+                "example",
+                length=5,
+                d=2,
             )
         n = self.chunks()
-        if self.length < n:
+        check_range(
+            "length",
+            self.length,
+            n,
+            MAX_TRACE_LEN,
+            f"the {self.layout} layout on {self.world_size} rank(s) cuts the sequence into "
+            f"{n} chunks of at least one position",
+        )
+        if self.mask.kind == "custom":
             raise InputError(
-                "length",
-                f"length: {self.length} is too short for the {self.layout} layout on "
-                f"{self.world_size} rank(s): the sequence is cut into {n} chunks of at least "
-                f"one position; allowed: {n}..{MAX_TRACE_LEN}",
+                "mask",
+                "mask: the ring section takes none, causal or sliding_window, not custom",
+                "not_allowed",
+                allowed="none, causal, sliding_window",
             )
-        if self.block > self.length:
-            raise InputError(
-                "block", f"block: {self.block} is larger than length; allowed: 1..{self.length}"
-            )
-        tiles = self.tiles_per_pass()
-        if tiles > MAX_RING_TILES:
+        lo = next(b for b in range(1, self.length + 1) if self.tiles_per_pass(b) <= MAX_RING_TILES)
+        if self.block >= 1 and self.tiles_per_pass(max(self.block, 1)) > MAX_RING_TILES:
+            tiles = self.tiles_per_pass()
             raise InputError(
                 "block",
                 f"block: {tiles} tiles per pass; at most {MAX_RING_TILES} allowed "
-                "(use a larger block or a shorter length)",
+                f"(use a larger block or a shorter length); allowed: {lo}..{self.length}",
+                "range",
+                min=lo,
+                max=self.length,
+                got=self.block,
             )
-        if self.mask.kind == "custom":
-            raise InputError(
-                "mask", "mask: the ring section takes none, causal or sliding_window, not custom"
-            )
+        check_range("block", self.block, lo, self.length, "a block is at most the length")
         return self
 
 

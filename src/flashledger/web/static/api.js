@@ -1,8 +1,9 @@
 // The explorer's JSON API, seen from the page.
 //
 // Responses encode ±∞ as the strings "Infinity"/"-Infinity"; they are
-// decoded back to numbers here. Errors come back as
-// {detail: "one line", errors: [{field, message}]}.
+// decoded back to numbers here. Errors come back as {detail: "one line",
+// errors: [{field, path, message, kind, limits}]}: widgets.errorText states
+// an error's kind and limits in the page's language.
 
 function revive(_key, value) {
   if (value === "Infinity") return Infinity;

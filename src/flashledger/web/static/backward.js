@@ -1,24 +1,60 @@
-// Section 04: the blocked backward, tile by tile (flashledger.blocked_backward with a trace).
-// The server runs the loop once and returns every tile; the page steps through them and
-// adds up each tile's contribution to dQ, dK, dV in loop order.
+// Section 04: the five-position example (or any Q/K/V/G) tile by tile, through the forward
+// loop (flashledger.blocked_forward traced) and the backward loop (blocked_backward traced).
+// The server runs both loops once and returns every tile; the page steps through them.
+// Stepping changes the page in place: the heat map fills the new tile's cells, the gradient
+// rows the tile touches are rewritten, and the accumulated dQ, dK, dV are summed in loop
+// order from checkpoints, so that a 64 × 64 problem in 1 × 1 tiles steps as fast as the
+// seed's 5 × 5. Hovering a cell, a tile's row or a gradient row lights what belongs to it.
 
 import { latest, post } from "./api.js";
 import { fill, h, maxAbsDiff, num, parseMatrix, s, vec } from "./fmt.js";
+import { lightUp, PHASE } from "./formula.js";
+import { HeatMap, tipNumber } from "./heatmap.js";
 import { t } from "./i18n.js";
 import { get, getDefault, set, subscribe } from "./state.js";
-import { bindInput, clearErrors, parseIntField, readout, showErrors, showFieldError, stepper } from "./widgets.js";
+import {
+  animate,
+  bindInput,
+  clearErrors,
+  parseIntField,
+  readout,
+  registerStepper,
+  showErrors,
+  showFieldError,
+  stepper,
+  typedField,
+  widthOf,
+} from "./widgets.js";
 
 const INPUT_KEYS = ["q", "k", "v", "g", "bq", "bk", "mask", "wl", "wr", "cm", "conv", "p", "seed", "cap", "alibi", "slope"];
 const MATRIX_KEYS = ["q", "k", "v", "g"];
+const CHECKPOINT = 64;
+const STEP_WINDOW = 12;
+const NAMES = { dq: "dQ", dk: "dK", dv: "dV" };
+
 let section;
 let data = null;
 let bus;
-let stepCtl;
+let bwCtl;
+let fwCtl;
 let bindings = [];
+let lengthField;
+let maxLen = 64;
+let heat;
+let heatFor = null;
+let builtWidth = 0;
+let painted = { mode: null, step: -1 };
+let maskGridFor = null;
+let checkpoints = [];
+let gradRows = {};
+let statRows = [];
+let fwdIndex = null;
+let linkedEls = [];
 const sequence = latest();
 
 export function init(ctx) {
   bus = ctx.bus;
+  maxLen = ctx.examples.limits.max_trace_len;
   section = document.getElementById("sec-backward");
   const conv = document.getElementById("f-conv");
   for (const preset of ctx.examples.presets) {
@@ -37,26 +73,42 @@ export function init(ctx) {
     bindInput(document.getElementById("f-alibi"), "alibi"),
     bindInput(document.getElementById("f-slope"), "slope"),
   ];
+  const lengthInput = document.getElementById("f-len");
+  lengthInput.max = String(maxLen);
+  lengthField = typedField(lengthInput, resizeTo);
+  syncLength();
   const maskSelect = document.getElementById("f-mask");
   maskSelect.value = get("mask");
   maskSelect.addEventListener("change", () => chooseMask(maskSelect.value));
   document.getElementById("bw-reset").addEventListener("click", () => {
     const changes = {};
-    for (const key of [...INPUT_KEYS, "bstep"]) changes[key] = getDefault(key);
+    for (const key of [...INPUT_KEYS, "bstep", "fstep"]) changes[key] = getDefault(key);
     set(changes);
   });
-  stepCtl = stepper(
+  for (const btn of section.querySelectorAll("#bw-pass button")) {
+    btn.addEventListener("click", () => set({ bpass: btn.dataset.pass }));
+  }
+  bwCtl = stepper(
     document.getElementById("bw-stepper"),
     "bstep",
     () => (data ? data.steps.length : 0),
     (step, total) => `${t("s4.progress")}: ${step} / ${total}`,
   );
+  fwCtl = stepper(
+    document.getElementById("fw-stepper"),
+    "fstep",
+    () => (data ? data.forward_steps.length : 0),
+    (step, total) => `${t("s4.fwdProgress")}: ${step} / ${total}`,
+  );
+  registerStepper("backward", () => (mode() === "forward" ? fwCtl : bwCtl));
+  heat = new HeatMap(document.getElementById("bw-heat"), { onHover: (target) => link(target) });
   subscribe((changes) => {
     if (INPUT_KEYS.some((key) => key in changes)) {
-      for (const b of bindings) b.sync();
+      for (const b of bindings) b.sync(changes);
       maskSelect.value = get("mask");
+      syncLength();
       compute();
-    } else if ("bstep" in changes) {
+    } else if ("bstep" in changes || "fstep" in changes || "bpass" in changes) {
       render();
     }
   });
@@ -64,12 +116,31 @@ export function init(ctx) {
   compute();
 }
 
-export function shown() {}
-
-/** The data of the last successful run and the current step (for section 03). */
-export function snapshot() {
-  return data ? { data, step: stepCtl.current(), stepper: stepCtl } : null;
+export function shown(sec) {
+  if (sec !== "backward" || !data) return;
+  if (heatWidth() !== builtWidth) {
+    heatFor = null;
+    render();
+  }
 }
+
+function heatWidth() {
+  return widthOf(section.querySelector(".bw-main"), 360);
+}
+
+/** "forward" or "backward": which loop the section steps through. */
+export function mode() {
+  return get("bpass") === "forward" ? "forward" : "backward";
+}
+
+/** The data of the last successful run, the pass and its current step (for section 03). */
+export function snapshot() {
+  if (!data) return null;
+  const m = mode();
+  return { data, mode: m, step: (m === "forward" ? fwCtl : bwCtl).current(), stepper: m === "forward" ? fwCtl : bwCtl };
+}
+
+// ------------------------------------------------------------------------ inputs
 
 function causalDense(lq, lk, bottomRight) {
   const offset = bottomRight ? lk - lq : 0;
@@ -86,6 +157,61 @@ function shapes() {
   return { lq: q.rows ? q.rows.length : 0, lk: k.rows ? k.rows.length : 0 };
 }
 
+function syncLength() {
+  if (lengthField.pending()) return;
+  const { lq, lk } = shapes();
+  const input = document.getElementById("f-len");
+  input.value = lq ? String(lq) : "";
+  input.title = lq !== lk ? t("s4.lengthDiffers", { lq, lk }) : "";
+}
+
+/** A made-up entry for a new row: in (−1, 1), two decimals, the same every time. */
+function madeUp(row, col, salt) {
+  const x = Math.sin((row + 1) * 12.9898 + (col + 1) * 78.233 + salt * 37.719) * 43758.5453;
+  return Math.round((x - Math.floor(x)) * 200 - 100) / 100;
+}
+
+function resizeMatrix(text, length, salt, widthFallback) {
+  const parsed = parseMatrix(text);
+  const rows = parsed.rows ?? [];
+  const width = rows.length ? rows[0].length : widthFallback;
+  const out = rows.slice(0, length);
+  for (let r = out.length; r < length; r++) out.push(Array.from({ length: width }, (_x, c) => madeUp(r, c, salt)));
+  return out.map((row) => row.map((x) => String(x)).join(", ")).join("\n");
+}
+
+/** One length for Q, K, V and G: cut rows off or add made-up rows, blocks at most L. */
+function resizeTo(text) {
+  const length = parseIntField(text);
+  if (length === null || length < 1 || length > maxLen) {
+    return showFieldError(section, "length", t("err.range", { min: 1, max: maxLen }));
+  }
+  for (const key of MATRIX_KEYS) {
+    const parsed = parseMatrix(get(key));
+    if (parsed.error) {
+      // the rows there are kept: fix them first rather than lose them to made-up ones
+      const [msg, vars] = parsed.error;
+      return inputError(key, t(msg, vars));
+    }
+  }
+  const width = (key, fallback) => parseMatrix(get(key)).rows?.[0]?.length ?? fallback;
+  const d = width("q", 2);
+  const dv = width("v", 2);
+  const changes = {
+    q: resizeMatrix(get("q"), length, 1, d),
+    k: resizeMatrix(get("k"), length, 2, d),
+    v: resizeMatrix(get("v"), length, 3, dv),
+    g: resizeMatrix(get("g"), length, 4, dv),
+    bstep: "0",
+    fstep: "0",
+  };
+  for (const key of ["bq", "bk"]) {
+    const b = parseIntField(get(key));
+    if (b !== null && b > length) changes[key] = String(length);
+  }
+  set(changes);
+}
+
 /** Apply the mask select: the fully-masked-row preset becomes a custom grid. */
 function chooseMask(kind) {
   const { lq, lk } = shapes();
@@ -93,12 +219,12 @@ function chooseMask(kind) {
     const dense = causalDense(lq, lk, false);
     const row = Math.min(2, lq - 1);
     dense[row] = dense[row].map(() => false);
-    set({ mask: "custom", cm: denseText(dense), bstep: "0" });
+    set({ mask: "custom", cm: denseText(dense), bstep: "0", fstep: "0" });
   } else if (kind === "custom") {
     const current = data ? data.mask : causalDense(lq, lk, false);
-    set({ mask: "custom", cm: denseText(current), bstep: "0" });
+    set({ mask: "custom", cm: denseText(current), bstep: "0", fstep: "0" });
   } else {
-    set({ mask: kind, bstep: "0" });
+    set({ mask: kind, bstep: "0", fstep: "0" });
   }
 }
 
@@ -125,6 +251,13 @@ function inputError(field, message) {
   showFieldError(section, field, message);
 }
 
+function numberOrNull(text) {
+  const trimmed = String(text).trim().replace(/^\u2212/, "-");
+  if (trimmed === "") return null;
+  const x = Number(trimmed);
+  return Number.isFinite(x) ? x : NaN;
+}
+
 async function compute() {
   document.getElementById("mask-grid-wrap").hidden = get("mask") !== "custom";
   for (const el of section.querySelectorAll(".window-only")) el.hidden = get("mask") !== "sliding_window";
@@ -147,10 +280,16 @@ async function compute() {
     return inputError(body.mask.left === null ? "left" : "right", t("err.integer"));
   }
   body.conventions = get("conv");
-  body.dropout_p = Number(get("p") || "0");
-  body.softcap = get("cap").trim() === "" ? null : Number(get("cap"));
+  const reals = { dropout_p: ["p", 0], alibi_slope: ["slope", 0] };
+  for (const [field, [key, fallback]] of Object.entries(reals)) {
+    const x = numberOrNull(get(key));
+    if (Number.isNaN(x)) return inputError(field, t("err.notNumber", { index: 1, token: get(key) }));
+    body[field] = x ?? fallback;
+  }
+  const cap = numberOrNull(get("cap"));
+  if (Number.isNaN(cap)) return inputError("softcap", t("err.notNumber", { index: 1, token: get("cap") }));
+  body.softcap = cap;
   body.alibi = get("alibi") === "1";
-  body.alibi_slope = Number(get("slope") || "0");
   const answer = await sequence(post("/api/backward", body));
   if (answer === null) return;
   if (!answer.ok) {
@@ -159,30 +298,150 @@ async function compute() {
   }
   clearErrors(section);
   data = answer.data;
-  if (stepCtl.current() > data.steps.length) set({ bstep: String(data.steps.length) });
+  prepare();
+  if (bwCtl.current() > data.steps.length) set({ bstep: String(data.steps.length) });
+  if (fwCtl.current() > data.forward_steps.length) set({ fstep: String(data.forward_steps.length) });
   render();
 }
 
-/** dQ, dK, dV after the first `step` tiles, summed in loop order from the tiles' contributions. */
-function accumulated(step) {
+// ------------------------------------------------------------------------ derived, once per answer
+
+/** Checkpoints of the gradients summed in loop order, every CHECKPOINT steps, and the forward index. */
+function prepare() {
   const zeros = (rows) => rows.map((row) => row.map(() => 0));
-  const acc = { dq: zeros(data.grads.dq), dk: zeros(data.grads.dk), dv: zeros(data.grads.dv) };
-  for (const st of data.steps.slice(0, step)) {
-    const targets = [
-      ["dq", st.q_range[0], st.dq],
-      ["dk", st.k_range[0], st.dk],
-      ["dv", st.k_range[0], st.dv],
-    ];
-    for (const [name, start, contrib] of targets) {
-      contrib.forEach((row, r) => {
-        row.forEach((x, c) => {
-          acc[name][start + r][c] += x;
-        });
+  let acc = { dq: zeros(data.grads.dq), dk: zeros(data.grads.dk), dv: zeros(data.grads.dv) };
+  checkpoints = [clone(acc)];
+  data.steps.forEach((st, n) => {
+    addStep(acc, st);
+    if ((n + 1) % CHECKPOINT === 0) checkpoints.push(clone(acc));
+  });
+  // forward: the steps of each query tile, in loop order
+  const byTile = new Map();
+  data.forward_steps.forEach((st, n) => {
+    if (!byTile.has(st.q_tile)) byTile.set(st.q_tile, []);
+    byTile.get(st.q_tile).push(n);
+  });
+  fwdIndex = byTile;
+  heatFor = null;
+  painted = { mode: null, step: -1 };
+  acc = null;
+}
+
+function clone(acc) {
+  return { dq: acc.dq.map((r) => r.slice()), dk: acc.dk.map((r) => r.slice()), dv: acc.dv.map((r) => r.slice()) };
+}
+
+function addStep(acc, st) {
+  const targets = [
+    ["dq", st.q_range[0], st.dq],
+    ["dk", st.k_range[0], st.dk],
+    ["dv", st.k_range[0], st.dv],
+  ];
+  for (const [name, start, contrib] of targets) {
+    contrib.forEach((row, r) => {
+      const out = acc[name][start + r];
+      row.forEach((x, c) => {
+        out[c] += x;
       });
-    }
+    });
   }
+}
+
+/** dQ, dK, dV after the first `step` tiles, summed in loop order (from the last checkpoint). */
+function accumulated(step) {
+  const base = Math.floor(step / CHECKPOINT);
+  const acc = clone(checkpoints[base]);
+  for (let n = base * CHECKPOINT; n < step; n++) addStep(acc, data.steps[n]);
   return acc;
 }
+
+/** Row i's forward state after the first `step` forward tiles: {st, r, finished} or null. */
+function rowState(i, step) {
+  const qt = data.q_tiles.findIndex(([a, b]) => i >= a && i < b);
+  const list = fwdIndex.get(qt) ?? [];
+  if (!list.length) return { st: null, r: 0, finished: true };
+  let lo = 0;
+  let hi = list.length;
+  while (lo < hi) {
+    const mid = (lo + hi) >> 1;
+    if (list[mid] < step) lo = mid + 1;
+    else hi = mid;
+  }
+  if (lo === 0) return null;
+  const n = list[lo - 1];
+  const st = data.forward_steps[n];
+  return { st, r: i - st.q_range[0], finished: lo === list.length };
+}
+
+// ------------------------------------------------------------------------ hover links
+
+function clearLinks() {
+  for (const el of linkedEls) el.classList.remove("linked");
+  linkedEls = [];
+  heat?.highlight(null);
+}
+
+function addLinks(selectors) {
+  if (!selectors.length) return;
+  for (const el of section.querySelectorAll(selectors.join(","))) {
+    el.classList.add("linked");
+    linkedEls.push(el);
+    const box = el.closest(".table-scroll.tall");
+    if (box && el.tagName === "TR") {
+      const top = el.offsetTop;
+      if (top < box.scrollTop || top + el.offsetHeight > box.scrollTop + box.clientHeight) box.scrollTop = top - box.clientHeight / 2;
+    }
+  }
+}
+
+function stepsOf() {
+  return mode() === "forward" ? data.forward_steps : data.steps;
+}
+
+/**
+ * Light what belongs together. target: {cell: [i, j]} a heat-map cell; {step: n} a tile
+ * (1-based step); {row: i} a query row (LSE, O, dQ); {key: j} a key row (dK, dV).
+ */
+function link(target) {
+  clearLinks();
+  if (!target || !data) return;
+  const fwd = mode() === "forward";
+  const sel = [];
+  let rows = null;
+  let cols = null;
+  if (target.cell) {
+    const [i, j] = target.cell;
+    const n = heat.stepOf(i, j);
+    if (n) sel.push(`#bw-steps tr[data-step="${n}"]`);
+    sel.push(`#bw-stats tr[data-row="${i}"]`);
+    if (!fwd) sel.push(`#bw-grads tr[data-grad="dq${i}"]`, `#bw-grads tr[data-grad="dk${j}"]`, `#bw-grads tr[data-grad="dv${j}"]`);
+    const st = n ? stepsOf()[n - 1] : null;
+    if (st) [rows, cols] = [st.q_range, st.k_range];
+    else [rows, cols] = [[i, i + 1], [j, j + 1]];
+  } else if (target.step) {
+    const st = stepsOf()[target.step - 1];
+    [rows, cols] = [st.q_range, st.k_range];
+    sel.push(`#bw-steps tr[data-step="${target.step}"]`);
+    for (let i = rows[0]; i < rows[1]; i++) sel.push(`#bw-stats tr[data-row="${i}"]`, `#bw-grads tr[data-grad="dq${i}"]`);
+    if (!fwd) for (let j = cols[0]; j < cols[1]; j++) sel.push(`#bw-grads tr[data-grad="dk${j}"]`, `#bw-grads tr[data-grad="dv${j}"]`);
+  } else if (target.row !== undefined) {
+    rows = [target.row, target.row + 1];
+    sel.push(`#bw-stats tr[data-row="${target.row}"]`, `#bw-grads tr[data-grad="dq${target.row}"]`);
+  } else if (target.key !== undefined) {
+    cols = [target.key, target.key + 1];
+    sel.push(`#bw-grads tr[data-grad="dk${target.key}"]`, `#bw-grads tr[data-grad="dv${target.key}"]`);
+  }
+  addLinks(sel);
+  heat.highlight({ rows, cols });
+}
+
+function hoverable(el, target) {
+  el.addEventListener("pointerenter", () => link(target));
+  el.addEventListener("pointerleave", () => link(null));
+  return el;
+}
+
+// ------------------------------------------------------------------------ render
 
 /** One line under the inputs' summary: mask, tiles, conventions and the score options. */
 function renderConfig() {
@@ -191,11 +450,29 @@ function renderConfig() {
   if (Number(get("p")) > 0) parts.push(`dropout ${get("p")}`);
   if (get("cap").trim()) parts.push(`softcap ${get("cap")}`);
   if (get("alibi") === "1") parts.push(`ALiBi ${get("slope")}`);
+  const { lq, lk } = shapes();
+  parts.unshift(lq === lk ? `L = ${lq}` : `Lq = ${lq}, Lk = ${lk}`);
   document.getElementById("bw-config").textContent = parts.join(" \u00b7 ");
 }
 
 export function render() {
-  stepCtl.render();
+  const m = mode();
+  const fwd = m === "forward";
+  bwCtl.render();
+  fwCtl.render();
+  document.getElementById("bw-stepper").hidden = fwd;
+  document.getElementById("fw-stepper").hidden = !fwd;
+  for (const btn of section.querySelectorAll("#bw-pass button")) {
+    const on = btn.dataset.pass === m;
+    btn.classList.toggle("active", on);
+    btn.setAttribute("aria-pressed", String(on));
+  }
+  for (const el of section.querySelectorAll("#bw-formula .formula-pass")) el.hidden = el.dataset.pass !== m;
+  document.getElementById("bw-card-title").textContent = t(fwd ? "s4.cardFwd" : "s4.card");
+  document.getElementById("bw-card-sub").textContent = t(fwd ? "s4.cardSubFwd" : "s4.cardSub");
+  document.getElementById("bw-heat-title").textContent = t(fwd ? "s4.heatFwd" : "s4.heat");
+  document.getElementById("bw-stats-title").textContent = t(fwd ? "s4.statsTitleFwd" : "s4.statsTitle");
+  document.getElementById("bw-grads-card").hidden = fwd;
   renderMaskGrid();
   renderConfig();
   const ids = ["bw-readouts", "bw-heat", "bw-legend", "bw-step", "bw-stats", "bw-grads"];
@@ -204,8 +481,82 @@ export function render() {
     bus.dispatchEvent(new Event("backward"));
     return;
   }
-  const step = stepCtl.current();
-  const current = step > 0 ? data.steps[step - 1] : null;
+  const ctl = fwd ? fwCtl : bwCtl;
+  const step = ctl.current();
+  const rebuilt = painted.mode !== m || heatFor !== data;
+  const prev = rebuilt ? -1 : painted.step;
+  if (rebuilt) {
+    clearLinks();
+    const steps = fwd ? data.forward_steps.map((st) => ({ ...st, values: st.p })) : data.steps.map((st) => ({ ...st, values: st.p }));
+    builtWidth = heatWidth();
+    heat.build(data, steps, fwd ? forwardTip : backwardTip, builtWidth);
+    heatFor = data;
+    fill(document.getElementById("bw-legend"), legend(fwd));
+    buildStats(fwd);
+    if (!fwd) buildGrads();
+  }
+  heat.show(step);
+  painted = { mode: m, step };
+  if (fwd) {
+    renderForwardReadouts(step);
+    renderForwardStep(step, prev);
+    updateForwardStats(step, prev);
+  } else {
+    renderBackwardReadouts(step);
+    renderBackwardStep(step);
+    updateStats(step);
+    updateGrads(step, prev);
+  }
+  lightUp(document.getElementById("bw-formula"), fwd ? forwardPhases(step) : backwardPhases(step));
+  bus.dispatchEvent(new Event("backward"));
+}
+
+function backwardTip(i, j, value, n) {
+  if (!data.mask[i][j]) return `P[${i},${j}]: ${t("s4.legendMasked")}`;
+  const where = n ? ` \u00b7 ${t("s4.tipStep", { n })}` : "";
+  return value === null ? `P[${i},${j}]: ${t("s4.legendPending")}${where}` : `P[${i},${j}] = ${tipNumber(value)}${where}`;
+}
+
+function forwardTip(i, j, value, n) {
+  if (!data.mask[i][j]) return `S[${i},${j}]: ${t("s4.legendMasked")}`;
+  const where = n ? ` \u00b7 ${t("s4.tipStep", { n })}` : "";
+  if (value === null) return `S[${i},${j}]: ${t("s4.legendUnread")}${where}`;
+  const st = data.forward_steps[n - 1];
+  const score = st.s[i - st.q_range[0]][j - st.k_range[0]];
+  return `S[${i},${j}] = ${tipNumber(score)} \u00b7 exp(S \u2212 m) = ${tipNumber(value)}${where}`;
+}
+
+/** Formula lines of a backward step: λ and D before the loop; P, ∂S, ∂Q, ∂K/∂V in a tile. */
+function backwardPhases(step) {
+  if (step === 0) return [{ backward: [0] }, { backward: [2] }];
+  return [{ scores: [0], backward: [1] }, { backward: [3] }, { backward: [4] }, { backward: [5, 6] }];
+}
+
+/** Formula lines of a forward step: scores, m′, α when a row's max moved, ℓ′ and a′, o′ at a row's end. */
+function forwardPhases(step) {
+  if (step === 0) return [{ initial: [0] }];
+  const st = data.forward_steps[step - 1];
+  const phases = [{ scores: [0] }, { running: [0] }];
+  if (st.alpha.some((a) => a > 0 && a < 1)) phases.push({ running: [1] });
+  phases.push({ running: [2, 3] });
+  const list = fwdIndex.get(st.q_tile);
+  if (list && list[list.length - 1] === step - 1) phases.push({ running: [4] });
+  if (st.k_tile === 0 || st.m_before.every((x) => x === -Infinity)) phases.unshift({ initial: [0] });
+  return phases;
+}
+
+function legend(fwd) {
+  const item = (cls, key) => h("span", { class: "legend-item" }, h("span", { class: `swatch ${cls}` }), t(key));
+  return [
+    item("sw-p", fwd ? "s4.heatFwdShort" : "s4.heat"),
+    item("sw-pending", fwd ? "s4.legendUnread" : "s4.legendPending"),
+    item("sw-masked", "s4.legendMasked"),
+    item("sw-current", "s4.legendCurrent"),
+    data.keep && !fwd ? item("sw-drop", "s4.legendDropped") : null,
+  ];
+}
+
+function renderBackwardReadouts(step) {
   const total = data.steps.length;
   const ag = data.autograd;
   fill(
@@ -226,259 +577,273 @@ export function render() {
     ),
     readout("tiles", "s5.tiles", h("span", { class: "num" }, t("s4.tiles", { run: data.counters.tiles_run, skipped: data.counters.tiles_skipped }))),
   );
-  fill(document.getElementById("bw-heat"), heatmap(step, current));
-  fill(document.getElementById("bw-legend"), legend());
-  renderStep(step, current);
-  renderStats(current);
-  renderGrads(step, current);
-  bus.dispatchEvent(new Event("backward"));
 }
 
-function renderMaskGrid() {
-  const wrap = document.getElementById("mask-grid");
-  if (get("mask") !== "custom") return fill(wrap);
-  const { lq, lk } = shapes();
-  if (!lq || !lk) return fill(wrap);
-  const dense = customDense(lq, lk);
-  const grid = h("div", { class: "mask-grid", style: `grid-template-columns: repeat(${lk}, 22px)` });
-  dense.forEach((row, i) =>
-    row.forEach((on, j) => {
-      grid.append(
-        h("button", {
-          type: "button",
-          class: on ? "on" : "",
-          title: `q${i} \u00d7 k${j}`,
-          "data-cell": `${i},${j}`,
-          onclick: () => {
-            dense[i][j] = !dense[i][j];
-            set({ cm: denseText(dense), bstep: "0" });
-          },
-        }),
-      );
-    }),
+function renderForwardReadouts(step) {
+  const total = data.forward_steps.length;
+  let finished = 0;
+  for (let i = 0; i < data.lq; i++) if (rowState(i, step)?.finished) finished += 1;
+  const done = step === total;
+  fill(
+    document.getElementById("bw-readouts"),
+    readout("fw-progress", "s4.fwdProgress", h("span", { class: "num" }, `${step} / ${total}`)),
+    readout("fw-rows", "s4.fwdRows", h("span", { class: "num" }, `${finished} / ${data.lq}`)),
+    readout("fw-diff", "s4.fwdStepsDiff", done ? num(data.forward_steps_max_diff) : h("span", { class: "muted" }, t("s4.fwdNotYet")), done && data.forward_steps_max_diff <= data.tolerance ? "good" : ""),
+    readout("tiles", "s5.tiles", h("span", { class: "num" }, t("s4.tiles", { run: data.forward_counters.tiles_run, skipped: data.forward_counters.tiles_skipped }))),
   );
-  fill(wrap, grid);
 }
-
-const HEAT_SIZE = 320;
-
-function heatColor(p) {
-  const light = 97 - 66 * Math.pow(Math.min(Math.max(p, 0), 1), 0.6);
-  return `hsl(174 55% ${light.toFixed(1)}%)`;
-}
-
-/** SVG heat map of the P rebuilt in the first `step` tiles, with the tile grid. */
-function heatmap(step, current) {
-  const { lq, lk } = data;
-  const cell = Math.max(6, Math.min(56, Math.floor(HEAT_SIZE / Math.max(lq, lk))));
-  const pad = cell >= 14 ? 22 : 4;
-  const width = pad + lk * cell + 2;
-  const height = pad + lq * cell + 2;
-  const rebuilt = Array.from({ length: lq }, () => new Array(lk).fill(null));
-  for (const st of data.steps.slice(0, step)) {
-    st.p.forEach((row, r) => row.forEach((x, c) => (rebuilt[st.q_range[0] + r][st.k_range[0] + c] = x)));
-  }
-  const svg = s("svg", { width, height, viewBox: `0 0 ${width} ${height}`, class: "heat", role: "img" });
-  svg.append(
-    s(
-      "defs",
-      {},
-      s(
-        "pattern",
-        { id: "hatch", width: 6, height: 6, patternUnits: "userSpaceOnUse", patternTransform: "rotate(45)" },
-        s("rect", { width: 6, height: 6, fill: "#f3f4f6" }),
-        s("line", { x1: 0, y1: 0, x2: 0, y2: 6, stroke: "#cbd5e1", "stroke-width": 2 }),
-      ),
-    ),
-  );
-  const showText = cell >= 36;
-  for (let i = 0; i < lq; i++) {
-    for (let j = 0; j < lk; j++) {
-      const x = pad + j * cell;
-      const y = pad + i * cell;
-      const visible = data.mask[i][j];
-      const value = rebuilt[i][j];
-      let fillColor = "#fbfbfa";
-      let title = `P[${i},${j}]: ${t("s4.legendPending")}`;
-      if (!visible) {
-        fillColor = "url(#hatch)";
-        title = `P[${i},${j}]: ${t("s4.legendMasked")}`;
-      } else if (value !== null) {
-        fillColor = heatColor(value);
-        title = `P[${i},${j}] = ${value}`;
-      }
-      const g = s("g", { "data-cell": `${i},${j}` }, s("rect", { x, y, width: cell, height: cell, fill: fillColor, stroke: "#e5e7eb", "stroke-width": 0.5 }), s("title", {}, title));
-      if (!visible && cell >= 12) {
-        g.append(s("text", { x: x + cell / 2, y: y + cell / 2 + 4, "text-anchor": "middle", class: "heat-x" }, "\u00d7"));
-      } else if (value !== null && showText) {
-        g.append(s("text", { x: x + cell / 2, y: y + cell / 2 + 4, "text-anchor": "middle", class: value > 0.45 ? "heat-num dark" : "heat-num" }, value.toFixed(2)));
-      }
-      if (data.keep && visible && !data.keep[i][j] && value !== null) {
-        g.append(s("circle", { cx: x + cell - 5, cy: y + 5, r: 2.5, class: "heat-drop" }));
-      }
-      svg.append(g);
-    }
-  }
-  data.q_tiles.forEach(([a, b], ti) => {
-    data.k_tiles.forEach(([c, d], tj) => {
-      const kind = data.tile_kinds[ti][tj];
-      svg.append(
-        s("rect", {
-          x: pad + c * cell,
-          y: pad + a * cell,
-          width: (d - c) * cell,
-          height: (b - a) * cell,
-          class: kind === "empty" ? "tile skipped" : "tile",
-          "data-tile": `${ti},${tj}`,
-        }),
-      );
-    });
-  });
-  if (current) {
-    const [a, b] = current.q_range;
-    const [c, d] = current.k_range;
-    svg.append(s("rect", { x: pad + c * cell, y: pad + a * cell, width: (d - c) * cell, height: (b - a) * cell, class: "tile current" }));
-  }
-  if (pad > 4) {
-    for (let j = 0; j < lk; j++) svg.append(s("text", { x: pad + j * cell + cell / 2, y: 14, "text-anchor": "middle", class: "axis" }, `k${j}`));
-    for (let i = 0; i < lq; i++) svg.append(s("text", { x: pad - 4, y: pad + i * cell + cell / 2 + 4, "text-anchor": "end", class: "axis" }, `q${i}`));
-  }
-  return svg;
-}
-
-function legend() {
-  const item = (cls, key) => h("span", { class: "legend-item" }, h("span", { class: `swatch ${cls}` }), t(key));
-  return [
-    item("sw-p", "s4.heat"),
-    item("sw-pending", "s4.legendPending"),
-    item("sw-masked", "s4.legendMasked"),
-    item("sw-current", "s4.legendCurrent"),
-    data.keep ? item("sw-drop", "s4.legendDropped") : null,
-  ];
-}
-
-const STEP_WINDOW = 12;
 
 function rangeText(lo, hi, prefix) {
   return hi - lo === 1 ? `${prefix}${lo}` : `${prefix}${lo}\u2013${prefix}${hi - 1}`;
 }
 
-function renderStep(step, current) {
-  const el = document.getElementById("bw-step");
-  const parts = [];
-  if (!current) {
-    parts.push(h("p", { class: "muted" }, t("s4.noStep")));
-  } else {
-    const [a, b] = current.q_range;
-    const [c, d] = current.k_range;
-    parts.push(
+function tileTable(current) {
+  const [a, b] = current.q_range;
+  const [c, d] = current.k_range;
+  return h(
+    "div",
+    {},
+    h(
+      "table",
+      { class: "data compact" },
+      h("thead", {}, h("tr", {}, ["s4.thTile", "s4.thQueries", "s4.thKeys", "s4.thKind"].map((key) => h("th", {}, t(key))))),
       h(
-        "table",
-        { class: "data compact" },
-        h("thead", {}, h("tr", {}, ["s4.thTile", "s4.thQueries", "s4.thKeys", "s4.thKind"].map((key) => h("th", {}, t(key))))),
+        "tbody",
+        {},
         h(
-          "tbody",
+          "tr",
           {},
-          h(
-            "tr",
-            {},
-            h("td", {}, `(${current.q_tile}, ${current.k_tile})`),
-            h("td", {}, rangeText(a, b, "q")),
-            h("td", {}, rangeText(c, d, "k")),
-            h("td", {}, t(current.kind === "full" ? "s4.kindFull" : "s4.kindPartial")),
-          ),
+          h("td", {}, `(${current.q_tile}, ${current.k_tile})`),
+          h("td", {}, rangeText(a, b, "q")),
+          h("td", {}, rangeText(c, d, "k")),
+          h("td", {}, t(current.kind === "full" ? "s4.kindFull" : "s4.kindPartial")),
         ),
       ),
-      h(
-        "table",
-        { class: "data compact", id: "bw-prows" },
-        h("thead", {}, h("tr", {}, h("th", {}, t("s4.thRow")), h("th", {}, "P = exp(S \u2212 LSE)"), h("th", {}, "\u2202S"))),
-        h(
-          "tbody",
-          {},
-          current.p.map((row, r) => h("tr", {}, h("td", {}, `q${a + r}`), h("td", {}, vec(row)), h("td", {}, vec(current.ds[r])))),
-        ),
-      ),
-    );
-  }
-  const total = data.steps.length;
+    ),
+  );
+}
+
+/** The window of steps around the current one (at most STEP_WINDOW rows). */
+function stepsWindow(step, total, rowOf, head) {
   const lo = Math.max(0, Math.min(step - STEP_WINDOW / 2, total - STEP_WINDOW));
   const hi = Math.min(total, lo + STEP_WINDOW);
   const body = h("tbody");
   for (let n = lo; n < hi; n++) {
-    const st = data.steps[n];
-    const read = n < step;
-    body.append(
+    const cls = n === step - 1 ? "current" : n < step ? "" : "future";
+    body.append(hoverable(h("tr", { class: cls, "data-step": n + 1 }, rowOf(n, n < step)), { step: n + 1 }));
+  }
+  return [
+    h("h4", { class: "steps-title" }, t(mode() === "forward" ? "s4.stepsTitleFwd" : "s4.stepsTitle", { lo: lo + 1, hi, total })),
+    h("div", {}, h("table", { class: "data compact", id: "bw-steps" }, h("thead", {}, h("tr", {}, head.map((key) => h("th", {}, t(key))))), body)),
+  ];
+}
+
+function renderBackwardStep(step) {
+  const current = step > 0 ? data.steps[step - 1] : null;
+  const parts = [];
+  if (!current) {
+    parts.push(h("p", { class: "muted" }, t("s4.noStep")));
+  } else {
+    const a = current.q_range[0];
+    parts.push(
+      tileTable(current),
       h(
-        "tr",
-        { class: n === step - 1 ? "current" : read ? "" : "future", "data-step": n + 1 },
-        h("td", {}, String(n + 1)),
-        h("td", {}, `(${st.q_tile}, ${st.k_tile})`),
-        h("td", {}, rangeText(st.q_range[0], st.q_range[1], "q")),
-        h("td", {}, rangeText(st.k_range[0], st.k_range[1], "k")),
+        "div",
+        {},
         h(
-          "td",
-          {},
-          read
-            ? st.p.map((row, r) => h("div", {}, h("span", { class: "muted small" }, `q${st.q_range[0] + r} `), vec(row)))
-            : h("span", { class: "muted" }, t("s4.legendPending")),
+          "table",
+          { class: "data compact", id: "bw-prows" },
+          h("thead", {}, h("tr", {}, h("th", {}, t("s4.thRow")), h("th", {}, "P = exp(S \u2212 LSE)"), h("th", {}, "\u2202S"))),
+          h(
+            "tbody",
+            {},
+            current.p.map((row, r) => h("tr", {}, h("td", {}, `q${a + r}`), h("td", {}, vec(row)), h("td", {}, vec(current.ds[r])))),
+          ),
         ),
       ),
     );
   }
   parts.push(
-    h("h4", { class: "steps-title" }, t("s4.stepsTitle", { lo: lo + 1, hi, total })),
-    h(
-      "table",
-      { class: "data compact", id: "bw-steps" },
-      h("thead", {}, h("tr", {}, ["s4.thStep", "s4.thTile", "s4.thQueries", "s4.thKeys", "s4.thP"].map((key) => h("th", {}, t(key))))),
-      body,
+    ...stepsWindow(
+      step,
+      data.steps.length,
+      (n, read) => {
+        const st = data.steps[n];
+        return [
+          h("td", {}, String(n + 1)),
+          h("td", {}, `(${st.q_tile}, ${st.k_tile})`),
+          h("td", {}, rangeText(st.q_range[0], st.q_range[1], "q")),
+          h("td", {}, rangeText(st.k_range[0], st.k_range[1], "k")),
+          h(
+            "td",
+            {},
+            read
+              ? st.p.map((row, r) => h("div", {}, h("span", { class: "muted small" }, `q${st.q_range[0] + r} `), vec(row)))
+              : h("span", { class: "muted" }, t("s4.legendPending")),
+          ),
+        ];
+      },
+      ["s4.thStep", "s4.thTile", "s4.thQueries", "s4.thKeys", "s4.thP"],
     ),
   );
-  fill(el, parts);
+  fill(document.getElementById("bw-step"), parts);
 }
 
-function renderStats(current) {
-  const masked = new Set(data.fully_masked_rows);
-  const body = h("tbody");
-  data.lse.forEach((lse, i) => {
-    const active = current && i >= current.q_range[0] && i < current.q_range[1];
-    body.append(
+/** ℓ of one row in this tile: the old ℓ shrinking by α, then the tile's terms added. */
+function ellBar(before, alpha, after, most, animateIt) {
+  const W = 120;
+  const scale = (x) => (most > 0 ? (W * x) / most : 0);
+  const kept = alpha * before;
+  const svg = s("svg", { width: W + 2, height: 12, class: "ell-bar", viewBox: `0 0 ${W + 2} 12` });
+  const old = s("rect", { x: 0, y: 2, width: scale(kept), height: 8, class: "ell-old" });
+  const added = s("rect", { x: scale(kept), y: 2, width: Math.max(scale(after - kept), 0), height: 8, class: "ell-new" });
+  svg.append(old, added, s("title", {}, `\u2113: ${before} \u00d7 \u03b1 (${alpha}) + \u2026 = ${after}`));
+  if (animateIt) {
+    if (kept < before && before > 0) animate(old, [{ width: `${scale(before)}px` }, { width: `${scale(kept)}px` }], { duration: PHASE, delay: PHASE });
+    animate(added, [{ opacity: 0 }, { opacity: 1 }], { duration: PHASE, delay: 2 * PHASE });
+  }
+  return svg;
+}
+
+function renderForwardStep(step, prev) {
+  const current = step > 0 ? data.forward_steps[step - 1] : null;
+  const parts = [];
+  if (!current) {
+    parts.push(h("p", { class: "muted" }, t("s4.noStepFwd")));
+  } else {
+    const a = current.q_range[0];
+    const most = Math.max(...current.ell, ...current.ell_before, 1e-300);
+    const moving = prev === step - 1;
+    parts.push(
+      tileTable(current),
       h(
-        "tr",
-        { class: active ? "current" : "", "data-row": i },
-        h("td", {}, String(i), masked.has(i) ? h("span", { class: "tag" }, t("s4.fullyMasked")) : null),
-        h("td", { class: "num-col", "data-col": "lse" }, num(lse)),
-        h("td", { "data-col": "o" }, vec(data.o[i])),
-        h("td", { class: "num-col", "data-col": "D" }, num(data.D[i])),
+        "div",
+        {},
+        h(
+          "table",
+          { class: "data compact", id: "fw-rows" },
+          h("thead", {}, h("tr", {}, ["s4.thRow", "s4.thMmove", "s4.thAlpha", "s4.thEllMove", "s4.thOsoFar"].map((key) => h("th", {}, t(key))))),
+          h(
+            "tbody",
+            {},
+            current.m.map((m, r) =>
+              h(
+                "tr",
+                { "data-row": a + r, class: current.alpha[r] > 0 && current.alpha[r] < 1 ? "rescaled" : "" },
+                h("td", {}, `q${a + r}`),
+                h("td", { "data-col": "m" }, num(current.m_before[r]), " \u2192 ", num(m)),
+                h("td", { "data-col": "alpha" }, num(current.alpha[r])),
+                h("td", { "data-col": "ell" }, num(current.ell_before[r]), " \u2192 ", num(current.ell[r]), h("br"), ellBar(current.ell_before[r], current.alpha[r], current.ell[r], most, moving)),
+                h("td", { "data-col": "o" }, vec(current.o[r])),
+              ),
+            ),
+          ),
+        ),
       ),
     );
-  });
-  fill(
-    document.getElementById("bw-stats"),
-    h("thead", {}, h("tr", {}, ["s4.thRow", "s4.thLse", "s4.thO", "s4.thD"].map((key, i) => h("th", { class: i % 2 ? "num-col" : "" }, t(key))))),
-    body,
+  }
+  parts.push(
+    ...stepsWindow(
+      step,
+      data.forward_steps.length,
+      (n, read) => {
+        const st = data.forward_steps[n];
+        return [
+          h("td", {}, String(n + 1)),
+          h("td", {}, `(${st.q_tile}, ${st.k_tile})`),
+          h("td", {}, rangeText(st.q_range[0], st.q_range[1], "q")),
+          h("td", {}, rangeText(st.k_range[0], st.k_range[1], "k")),
+          h("td", {}, read ? vec(st.m) : h("span", { class: "muted" }, t("s4.legendUnread"))),
+          h("td", {}, read ? vec(st.alpha) : ""),
+        ];
+      },
+      ["s4.thStep", "s4.thTile", "s4.thQueries", "s4.thKeys", "s4.thM", "s4.thAlphaShort"],
+    ),
   );
+  fill(document.getElementById("bw-step"), parts);
 }
 
-function renderGrads(step, current) {
-  const acc = accumulated(step);
+// ------------------------------------------------------------------------ per-row tables
+
+function buildStats(fwd) {
+  const masked = new Set(data.fully_masked_rows);
   const body = h("tbody");
-  const names = { dq: "dQ", dk: "dK", dv: "dV" };
+  statRows = [];
+  data.lse.forEach((lse, i) => {
+    const tag = masked.has(i) ? h("span", { class: "tag" }, t("s4.fullyMasked")) : null;
+    const cells = fwd
+      ? [
+          h("td", {}, String(i), tag),
+          h("td", { class: "num-col", "data-col": "m" }),
+          h("td", { class: "num-col", "data-col": "ell" }),
+          h("td", { "data-col": "o" }),
+          h("td", { class: "num-col", "data-col": "lse" }),
+        ]
+      : [
+          h("td", {}, String(i), tag),
+          h("td", { class: "num-col", "data-col": "lse" }, num(lse)),
+          h("td", { "data-col": "o" }, vec(data.o[i])),
+          h("td", { class: "num-col", "data-col": "D" }, num(data.D[i])),
+        ];
+    const tr = hoverable(h("tr", { "data-row": i }, cells), { row: i });
+    statRows.push({ tr, key: null });
+    body.append(tr);
+  });
+  const head = fwd
+    ? [["s4.thRow", ""], ["s4.thM", "num-col"], ["s4.thEll", "num-col"], ["s4.thOsoFar", ""], ["s4.thLse", "num-col"]]
+    : [["s4.thRow", ""], ["s4.thLse", "num-col"], ["s4.thO", ""], ["s4.thD", "num-col"]];
+  fill(document.getElementById("bw-stats"), h("thead", {}, h("tr", {}, head.map(([key, cls]) => h("th", { class: cls }, t(key))))), body);
+}
+
+function updateStats(step) {
+  const current = step > 0 ? data.steps[step - 1] : null;
+  statRows.forEach(({ tr }, i) => tr.classList.toggle("current", Boolean(current) && i >= current.q_range[0] && i < current.q_range[1]));
+}
+
+function updateForwardStats(step, prev) {
+  const current = step > 0 ? data.forward_steps[step - 1] : null;
+  const dash = () => h("span", { class: "muted" }, "\u2014");
+  // one step forward changes only the rows of the new tile and of the previous one
+  let rows = statRows.map((_x, i) => i);
+  if (prev >= 0 && Math.abs(step - prev) === 1) {
+    const touched = [step, prev].filter((n) => n > 0).map((n) => data.forward_steps[n - 1]);
+    rows = [...new Set(touched.flatMap((st) => Array.from({ length: st.q_range[1] - st.q_range[0] }, (_x, r) => st.q_range[0] + r)))];
+  }
+  for (const i of rows) {
+    const { tr } = statRows[i];
+    const state = rowState(i, step);
+    const key = state ? `${state.st ? state.st.index : "x"}:${state.finished}` : "none";
+    tr.classList.toggle("current", Boolean(current) && i >= current.q_range[0] && i < current.q_range[1]);
+    if (statRows[i].key === key) continue;
+    statRows[i].key = key;
+    const [, mCell, ellCell, oCell, lseCell] = tr.children;
+    if (!state || !state.st) {
+      fill(mCell, num(-Infinity));
+      fill(ellCell, num(0));
+      fill(oCell, state?.finished ? vec(data.o[i]) : dash());
+      fill(lseCell, state?.finished ? num(data.lse[i]) : dash());
+    } else {
+      fill(mCell, num(state.st.m[state.r]));
+      fill(ellCell, num(state.st.ell[state.r]));
+      fill(oCell, vec(state.st.o[state.r]));
+      fill(lseCell, state.finished ? num(data.lse[i]) : dash());
+    }
+    tr.classList.toggle("finished", Boolean(state?.finished));
+  }
+}
+
+function buildGrads() {
+  const body = h("tbody");
+  gradRows = {};
   for (const name of ["dq", "dk", "dv"]) {
-    const range = current ? (name === "dq" ? current.q_range : current.k_range) : [0, 0];
-    acc[name].forEach((row, i) => {
-      const touched = i >= range[0] && i < range[1];
-      const done = maxAbsDiff(row, data.reference[name][i]) < 1e-12;
-      body.append(
-        h(
-          "tr",
-          { class: touched ? "current" : "", "data-grad": `${name}${i}` },
-          h("td", {}, `${names[name]}[${i}]`),
-          h("td", { class: done ? "" : "muted-num" }, vec(row)),
-          h("td", {}, vec(data.reference[name][i])),
-        ),
+    data.grads[name].forEach((_row, i) => {
+      const accCell = h("td", { "data-col": "acc" });
+      const tr = hoverable(
+        h("tr", { "data-grad": `${name}${i}` }, h("td", {}, `${NAMES[name]}[${i}]`), accCell, h("td", {}, vec(data.reference[name][i]))),
+        name === "dq" ? { row: i } : { key: i },
       );
+      gradRows[`${name}${i}`] = { tr, accCell, shown: null };
+      body.append(tr);
     });
   }
   fill(
@@ -488,3 +853,58 @@ function renderGrads(step, current) {
   );
 }
 
+function updateGrads(step, prev) {
+  const current = step > 0 ? data.steps[step - 1] : null;
+  const acc = accumulated(step);
+  const moving = prev >= 0 && step === prev + 1;
+  for (const name of ["dq", "dk", "dv"]) {
+    const range = current ? (name === "dq" ? current.q_range : current.k_range) : [0, 0];
+    acc[name].forEach((row, i) => {
+      const entry = gradRows[`${name}${i}`];
+      const touched = i >= range[0] && i < range[1];
+      entry.tr.classList.toggle("current", touched);
+      if (entry.shown && entry.shown.every((x, c) => x === row[c])) return;
+      entry.shown = row;
+      const done = maxAbsDiff(row, data.reference[name][i]) < 1e-12;
+      entry.accCell.classList.toggle("muted-num", !done);
+      fill(entry.accCell, vec(row));
+      if (moving && touched) {
+        const delay = name === "dq" ? 2 * PHASE : 3 * PHASE;
+        animate(entry.accCell, [{ backgroundColor: "rgba(194, 124, 14, 0.35)" }, { backgroundColor: "rgba(194, 124, 14, 0)" }], { duration: 2 * PHASE, delay });
+      }
+    });
+  }
+}
+
+// ------------------------------------------------------------------------ the custom mask grid
+
+function renderMaskGrid() {
+  const wrap = document.getElementById("mask-grid");
+  const { lq, lk } = shapes();
+  const key = `${get("mask")}|${get("cm")}|${lq}|${lk}`;
+  if (key === maskGridFor) return;
+  maskGridFor = key;
+  if (get("mask") !== "custom") return fill(wrap);
+  if (!lq || !lk) return fill(wrap);
+  const dense = customDense(lq, lk);
+  const size = lk > 16 ? 12 : 22;
+  const grid = h("div", { class: "mask-grid", style: `grid-template-columns: repeat(${lk}, ${size}px)` });
+  dense.forEach((row, i) =>
+    row.forEach((on, j) => {
+      grid.append(
+        h("button", {
+          type: "button",
+          class: on ? "on" : "",
+          style: size !== 22 ? `width:${size}px;height:${size}px` : null,
+          title: `q${i} \u00d7 k${j}`,
+          "data-cell": `${i},${j}`,
+          onclick: () => {
+            dense[i][j] = !dense[i][j];
+            set({ cm: denseText(dense), bstep: "0", fstep: "0" });
+          },
+        }),
+      );
+    }),
+  );
+  fill(wrap, h("div", { class: "table-scroll" }, grid));
+}

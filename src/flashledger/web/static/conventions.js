@@ -20,7 +20,7 @@ export function init(ctx) {
   const bindings = [bindInput(lk, "clk"), bindInput(document.getElementById("f-c-mask"), "cmask", { event: "change" })];
   subscribe((changes) => {
     if ("clk" in changes || "cmask" in changes) {
-      for (const b of bindings) b.sync();
+      for (const b of bindings) b.sync(changes);
       compute();
     }
   });

@@ -101,25 +101,33 @@ export function maxAbsDiff(a, b) {
   return Math.abs(a - b);
 }
 
+/** Separators people type in either language: U+2212 minus, full-width commas and semicolons. */
+function normalise(text) {
+  return String(text)
+    .replace(/[\u2212\u2012\u2013\uFE63\uFF0D]/g, "-")
+    .replace(/[\uFF0C\u3001]/g, ",")
+    .replace(/\uFF1B/g, ";")
+    .replace(/\uFF0B/g, "+");
+}
+
 /**
  * Parse a matrix typed by a person: one row per line ("0.2, -0.3") or the
- * bracket form "[[.2,-.3],[.5,.1]]". Returns {rows} or {error} (an i18n key
- * plus the values it names).
+ * bracket form "[[.2,-.3],[.5,.1]]". Blank lines are skipped. Returns {rows}
+ * or {error}: an i18n key plus the values it names (line and entry count from 1).
  */
 export function parseMatrix(text) {
-  const trimmed = text.trim();
+  const trimmed = normalise(text).trim();
   if (!trimmed) return { error: ["err.empty", {}] };
-  const lines = trimmed.startsWith("[")
-    ? trimmed.replace(/\[/g, "").split("]")
-    : trimmed.split(/\n|;/);
+  const bracketed = trimmed.startsWith("[");
+  const lines = bracketed ? trimmed.replace(/^\[\s*\[/, "[").replace(/\[/g, "").split("]") : trimmed.split(/\n|;/);
   const rows = [];
-  for (const line of lines) {
-    const body = line.replace(/^[\s,]+|[\s,]+$/g, "");
+  for (const [n, line] of lines.entries()) {
+    const body = bracketed ? line.replace(/^[\s,]+|[\s,]+$/g, "") : line.trim();
     if (!body) continue;
     const parsed = parseVector(body);
     if (parsed.error) {
       const [key, vars] = parsed.error;
-      return { error: [key, { ...vars, row: rows.length }] };
+      return { error: [`${key}Row`, { ...vars, row: bracketed ? rows.length + 1 : n + 1 }] };
     }
     rows.push(parsed.values);
   }
@@ -129,20 +137,27 @@ export function parseMatrix(text) {
 
 const NUMBER_RE = /^[+-]?(\d+\.?\d*|\.\d+)(e[+-]?\d+)?$/i;
 
-/** Parse "1, 2, -1" (commas or spaces) into numbers, or {error}. */
+/**
+ * Parse "1, 2, -1" (commas, spaces or both; U+2212 minus and full-width commas too) into
+ * numbers, or {error}. An empty entry between two commas is an error that says where;
+ * one trailing comma is allowed.
+ */
 export function parseVector(text) {
-  const tokens = text
-    .replace(/[[\]]/g, " ")
-    .split(/[\s,]+/)
-    .filter((tok) => tok.length);
-  if (!tokens.length) return { error: ["err.empty", {}] };
+  const body = normalise(text).trim().replace(/^\[/, "").replace(/\]$/, "").trim();
+  if (!body) return { error: ["err.empty", {}] };
+  const pieces = body.split(",");
+  if (pieces.length > 1 && !pieces[pieces.length - 1].trim()) pieces.pop();
   const values = [];
-  for (const [i, raw] of tokens.entries()) {
-    const tok = raw.replace("\u2212", "-");
-    if (!NUMBER_RE.test(tok)) return { error: ["err.notNumber", { token: raw, index: i }] };
-    const x = Number(tok);
-    if (!Number.isFinite(x)) return { error: ["err.notFinite", { token: raw, index: i }] };
-    values.push(x);
+  for (const piece of pieces) {
+    const tokens = piece.trim().split(/\s+/).filter((tok) => tok.length);
+    if (!tokens.length) return { error: ["err.emptyEntry", { index: values.length + 1 }] };
+    for (const tok of tokens) {
+      const index = values.length + 1;
+      if (!NUMBER_RE.test(tok)) return { error: ["err.notNumber", { token: tok, index }] };
+      const x = Number(tok);
+      if (!Number.isFinite(x)) return { error: ["err.notFinite", { token: tok, index }] };
+      values.push(x);
+    }
   }
   return { values };
 }

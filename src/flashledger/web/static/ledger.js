@@ -1,17 +1,33 @@
 // Section 02: one row of scores read block by block by flashledger.OnlineSoftmax.
-// The server computes every step; the page steps through them.
+// The server computes every step; the page steps through them, draws the row (scores,
+// running max, exp(s − m), ℓ and a) and lights the update formula's lines each step uses.
 
 import { latest, post } from "./api.js";
-import { fill, h, num, parseMatrix, parseVector, vec } from "./fmt.js";
+import { fill, fmtNumber, h, num, parseMatrix, parseVector, vec } from "./fmt.js";
+import { lightUp } from "./formula.js";
 import { t } from "./i18n.js";
+import { dragging, drawRowChart } from "./rowchart.js";
 import { get, set, subscribe } from "./state.js";
-import { bindInput, clearErrors, parseIntField, readout, showErrors, showFieldError, stepper } from "./widgets.js";
+import {
+  bindInput,
+  clearErrors,
+  parseIntField,
+  readout,
+  registerStepper,
+  showErrors,
+  showFieldError,
+  stepper,
+} from "./widgets.js";
 
 const INPUT_KEYS = ["scores", "values", "bs", "shift"];
+const DRAG_SEND_MS = 120;
 let section;
 let data = null;
 let bus;
 let stepCtl;
+let shownStep = 0;
+let dragTimer = null;
+let dragScores = null;
 const sequence = latest();
 
 export function init(ctx) {
@@ -30,30 +46,54 @@ export function init(ctx) {
     () => (data ? data.steps.length : 0),
     (step, total) => `${t("s2.blocksRead")}: ${step} / ${total}`,
   );
+  registerStepper("ledger", stepCtl);
+  registerStepper("running", stepCtl);
   subscribe((changes) => {
     if (INPUT_KEYS.some((key) => key in changes)) {
-      for (const b of bindings) b.sync();
+      for (const b of bindings) b.sync(changes);
       compute();
     } else if ("step" in changes || "avg" in changes) {
+      for (const b of bindings) b.sync(changes);
       render();
     }
   });
+  new ResizeObserver(() => data && drawChart(stepCtl.current(), stepCtl.current())).observe(document.getElementById("ledger-chart"));
   render();
   compute();
 }
 
-export function shown() {}
+export function shown(sec) {
+  if (sec === "ledger" && data) drawChart(stepCtl.current(), stepCtl.current());
+}
 
 /** The data of the last successful run and the current step (for section 01). */
 export function snapshot() {
   return data ? { data, step: stepCtl.current() } : null;
 }
 
+/** The lines of the running-state formula block `step` uses, in computing order. */
+export function formulaPhases(step) {
+  if (!data || step === 0) return [{ initial: [0] }];
+  const st = data.steps[step - 1];
+  const phases = [{ running: [0] }];
+  if (st.alpha > 0 && st.alpha < 1) phases.push({ running: [1] });
+  phases.push({ running: [2, 3] }, { running: [4] });
+  if (step === 1) phases.unshift({ initial: [0] });
+  return phases;
+}
+
+/** Extra marks for the formula: the α line when the old state was rescaled. */
+export function formulaMarks(step) {
+  if (!data || step === 0) return {};
+  const st = data.steps[step - 1];
+  return st.alpha > 0 && st.alpha < 1 ? { "lit-strong": { running: [1] } } : {};
+}
+
 async function compute() {
   const scores = parseVector(get("scores"));
   if (scores.error) {
     const [key, vars] = scores.error;
-    return showFieldError(section, "scores", t(key, { ...vars, row: 0 }));
+    return showFieldError(section, "scores", t(key, vars));
   }
   const values = parseMatrix(get("values"));
   if (values.error) {
@@ -62,8 +102,9 @@ async function compute() {
   }
   const blockSize = parseIntField(get("bs"));
   if (blockSize === null) return showFieldError(section, "block_size", t("err.integer"));
-  const shift = Number(get("shift") || "0");
-  if (!Number.isFinite(shift)) return showFieldError(section, "shift", t("err.notNumber", { row: 0, index: 0, token: get("shift") }));
+  const shiftText = String(get("shift") || "0").trim().replace(/^\u2212/, "-");
+  const shift = Number(shiftText);
+  if (!Number.isFinite(shift) || shiftText === "") return showFieldError(section, "shift", t("err.notNumber", { index: 1, token: get("shift") }));
   const answer = await sequence(
     post("/api/ledger", { scores: scores.values, values: values.rows, block_size: blockSize, shift }),
   );
@@ -78,6 +119,65 @@ async function compute() {
   render();
 }
 
+// ------------------------------------------------------------------------ dragging a score
+
+function scoresText(values) {
+  return values.map((x) => String(Math.round(x * 1e6) / 1e6)).join(", ");
+}
+
+function onScore(j, shiftedValue) {
+  const parsed = parseVector(get("scores"));
+  if (parsed.error || !data) return;
+  dragScores = parsed.values.slice();
+  dragScores[j] = Math.round((shiftedValue - data.shift) * 1e6) / 1e6;
+  if (dragTimer === null) {
+    dragTimer = setTimeout(() => {
+      dragTimer = null;
+      if (dragScores) set({ scores: scoresText(dragScores) });
+    }, DRAG_SEND_MS);
+  }
+}
+
+function onDragEnd() {
+  clearTimeout(dragTimer);
+  dragTimer = null;
+  if (dragScores) set({ scores: scoresText(dragScores) });
+  dragScores = null;
+  if (data) drawChart(stepCtl.current(), stepCtl.current());
+}
+
+function drawChart(step, prev) {
+  drawRowChart(document.getElementById("ledger-chart"), data, step, prev, { onScore, onDragEnd, onHover: (j) => link(j === null ? null : { pos: j }) });
+}
+
+// ------------------------------------------------------------------------ hover links
+
+/** Light what belongs together: a block (its band, its positions) or one position. */
+function link(target) {
+  for (const el of section.querySelectorAll(".linked")) el.classList.remove("linked");
+  if (!target || !data) return;
+  let block = target.block;
+  let positions = [];
+  if (target.pos !== undefined) {
+    positions = [target.pos];
+    block = data.blocks.findIndex(([a, b]) => target.pos >= a && target.pos < b);
+  } else {
+    const [a, b] = data.blocks[block];
+    positions = Array.from({ length: b - a }, (_x, i) => a + i);
+  }
+  const selectors = [`#ledger-table tr[data-block="${block}"]`, `#ledger-chart [data-band="${block}"]`];
+  for (const j of positions) selectors.push(`#ledger-row tr[data-pos="${j}"]`, `#ledger-chart g[data-pos="${j}"]`);
+  for (const el of section.querySelectorAll(selectors.join(","))) el.classList.add("linked");
+}
+
+function hoverable(el, target) {
+  el.addEventListener("pointerenter", () => link(target));
+  el.addEventListener("pointerleave", () => link(null));
+  return el;
+}
+
+// ------------------------------------------------------------------------ render
+
 export function render() {
   stepCtl.render();
   const readouts = document.getElementById("ledger-readouts");
@@ -89,6 +189,8 @@ export function render() {
     return;
   }
   const step = stepCtl.current();
+  const prev = shownStep;
+  shownStep = step;
   const last = step > 0 ? data.steps[step - 1] : null;
   const nothing = () => h("span", { class: "muted" }, t("common.dash"));
   fill(
@@ -103,6 +205,14 @@ export function render() {
   renderLedgerTable(table, step);
   renderRowTable(row, last);
   renderAverage();
+  if (!dragging()) drawChart(step, prev);
+  const formula = document.getElementById("ledger-formula");
+  lightUp(formula, formulaPhases(step), formulaMarks(step));
+  const note = document.getElementById("ledger-formula-note");
+  if (!last) note.textContent = t("s2.formulaStart");
+  else if (step === 1) note.textContent = t("s2.formulaFirst");
+  else if (last.alpha < 1) note.textContent = t("s2.formulaRescale", { alpha: fmtNumber(last.alpha), before: fmtNumber(last.m_before), after: fmtNumber(last.m) });
+  else note.textContent = t("s2.formulaSame", { m: fmtNumber(last.m) });
   bus.dispatchEvent(new Event("ledger"));
 }
 
@@ -126,18 +236,21 @@ function renderLedgerTable(table, step) {
       ? [
           h("td", { class: "num-col" }, num(st.block_max)),
           h("td", { class: "num-col" }, num(st.m)),
-          h("td", { class: "num-col" }, num(st.alpha)),
+          h("td", { class: `num-col${st.alpha > 0 && st.alpha < 1 ? " rescaled" : ""}` }, num(st.alpha)),
           h("td", { class: "num-col" }, num(st.ell)),
           h("td", { class: "num-col" }, vec(st.acc)),
         ]
       : [h("td", { colspan: 5, class: "muted" }, t("s2.unread"))];
     body.append(
-      h(
-        "tr",
-        { class: cls, "data-block": i },
-        h("td", {}, `${i + 1}`, h("span", { class: "muted small" }, ` [${st.start}, ${st.stop})`)),
-        h("td", {}, vec(st.scores)),
-        cells,
+      hoverable(
+        h(
+          "tr",
+          { class: cls, "data-block": i },
+          h("td", {}, `${i + 1}`, h("span", { class: "muted small" }, ` [${st.start}, ${st.stop})`)),
+          h("td", {}, vec(st.scores)),
+          cells,
+        ),
+        { block: i },
       ),
     );
   });
@@ -154,14 +267,17 @@ function renderRowTable(table, last) {
   const body = h("tbody");
   data.scores.forEach((score, j) => {
     body.append(
-      h(
-        "tr",
-        { class: j < stop ? "read" : "future" },
-        h("td", {}, String(j)),
-        h("td", {}, num(score)),
-        h("td", {}, vec(data.values[j])),
-        h("td", { class: "num-col" }, num(data.p[j]), h("span", { class: "pbar", style: `width:${(60 * data.p[j]).toFixed(1)}px` })),
-        h("td", {}, j < stop ? "\u2713" : ""),
+      hoverable(
+        h(
+          "tr",
+          { class: j < stop ? "read" : "future", "data-pos": j },
+          h("td", {}, String(j)),
+          h("td", {}, num(score)),
+          h("td", {}, vec(data.values[j])),
+          h("td", { class: "num-col" }, num(data.p[j]), h("span", { class: "pbar", style: `width:${(60 * data.p[j]).toFixed(1)}px` })),
+          h("td", {}, j < stop ? "\u2713" : ""),
+        ),
+        { pos: j },
       ),
     );
   });

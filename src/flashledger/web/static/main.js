@@ -1,4 +1,5 @@
-// Entry point: state from the URL, the tabs, the language switch, and the seven sections.
+// Entry point: state from the URL, the tabs, the language switch, the keys that step,
+// and the eight sections.
 
 import { getJson } from "./api.js";
 import * as backward from "./backward.js";
@@ -11,8 +12,9 @@ import * as running from "./running.js";
 import { get, initState, set, subscribe } from "./state.js";
 import * as ring from "./ring.js";
 import * as storage from "./storage.js";
+import { stepperFor, watchAllScrolls } from "./widgets.js";
 
-const SECTIONS = ["running", "ledger", "gpu", "backward", "storage", "conventions", "ring"];
+const SECTIONS = ["running", "ledger", "gpu", "backward", "storage", "conventions", "ring", "sources"];
 const MODULES = [running, ledger, gpu, backward, storage, conventions, ring];
 
 /** Defaults of every URL key; the seed's data comes from /api/examples. */
@@ -47,6 +49,8 @@ function defaultsFrom(examples) {
     alibi: "0",
     slope: "0.5",
     bstep: "0",
+    fstep: "0",
+    bpass: "backward",
     ml: "128",
     md: "16",
     mb: "32",
@@ -82,16 +86,59 @@ function defaultsFrom(examples) {
   };
 }
 
+function currentSection() {
+  return SECTIONS.includes(get("sec")) ? get("sec") : "running";
+}
+
 function showSection(name) {
   const sec = SECTIONS.includes(name) ? name : "running";
   for (const el of document.querySelectorAll("main > section")) {
     el.hidden = el.dataset.section !== sec;
   }
-  for (const btn of document.querySelectorAll("#tabs button")) {
-    btn.classList.toggle("active", btn.dataset.sec === sec);
-    btn.setAttribute("aria-current", btn.dataset.sec === sec ? "page" : "false");
+  const tabs = document.getElementById("tabs");
+  for (const btn of tabs.querySelectorAll("button")) {
+    const on = btn.dataset.sec === sec;
+    btn.classList.toggle("active", on);
+    btn.setAttribute("aria-current", on ? "page" : "false");
+    if (on) {
+      // bring the active tab into the (sideways scrolling) tab bar, without moving the page
+      const left = btn.offsetLeft - tabs.offsetLeft;
+      if (left < tabs.scrollLeft || left + btn.offsetWidth > tabs.scrollLeft + tabs.clientWidth) {
+        tabs.scrollLeft = left - (tabs.clientWidth - btn.offsetWidth) / 2;
+      }
+    }
   }
   for (const mod of MODULES) mod.shown?.(sec);
+}
+
+/** Tab bar edges: a fade on the side where more tabs are hidden. */
+function watchTabs() {
+  const tabs = document.getElementById("tabs");
+  const update = () => {
+    const more = tabs.scrollWidth - tabs.clientWidth;
+    tabs.classList.toggle("more-left", more > 1 && tabs.scrollLeft > 1);
+    tabs.classList.toggle("more-right", more > 1 && tabs.scrollLeft < more - 1);
+  };
+  tabs.addEventListener("scroll", update, { passive: true });
+  new ResizeObserver(update).observe(tabs);
+  update();
+}
+
+/** ←/→ step, space plays or pauses, Home/End jump: the stepper of the section shown. */
+function onKey(event) {
+  if (event.defaultPrevented || event.altKey || event.ctrlKey || event.metaKey) return;
+  const target = event.target;
+  if (target.closest?.("input, textarea, select, [contenteditable], [role='slider']")) return;
+  const ctl = stepperFor(currentSection());
+  if (!ctl) return;
+  const onButton = target.closest?.("button, a, [role='button']");
+  if (event.key === "ArrowRight") ctl.stop(), ctl.go(ctl.current() + 1);
+  else if (event.key === "ArrowLeft") ctl.stop(), ctl.go(ctl.current() - 1);
+  else if (event.key === "Home" && !onButton) ctl.stop(), ctl.go(0);
+  else if (event.key === "End" && !onButton) ctl.stop(), ctl.go(Number.MAX_SAFE_INTEGER);
+  else if (event.key === " " && !onButton) ctl.play();
+  else return;
+  event.preventDefault();
 }
 
 async function boot() {
@@ -111,6 +158,9 @@ async function boot() {
   for (const btn of document.querySelectorAll("#tabs button")) {
     btn.addEventListener("click", () => set({ sec: btn.dataset.sec }));
   }
+  document.addEventListener("keydown", onKey);
+  watchTabs();
+  watchAllScrolls();
   for (const btn of document.querySelectorAll("#lang-switch button")) {
     btn.addEventListener("click", () => set({ lang: btn.dataset.lang }));
   }
@@ -126,6 +176,7 @@ async function boot() {
       setLanguage(get("lang"));
       markLanguage();
       for (const mod of MODULES) mod.render();
+      for (const box of document.querySelectorAll(".table-scroll, .svg-scroll")) box.refreshCue?.();
     }
     if ("sec" in changes) {
       showSection(get("sec"));

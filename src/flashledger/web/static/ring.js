@@ -7,7 +7,7 @@ import { latest, post } from "./api.js";
 import { count, fill, h, num, s } from "./fmt.js";
 import { t } from "./i18n.js";
 import { get, set, subscribe } from "./state.js";
-import { bindInput, clearErrors, parseIntField, readout, showErrors, showFieldError, stepper } from "./widgets.js";
+import { bindInput, clearErrors, parseIntField, readout, registerStepper, showErrors, showFieldError, stepper, widthOf } from "./widgets.js";
 
 const INPUT_KEYS = ["rw", "rlay", "rl", "rd", "rb", "rmask", "rwl", "rwr", "rdata", "rseed"];
 const INTS = { world_size: "rw", length: "rl", d: "rd", block: "rb", seed: "rseed" };
@@ -20,6 +20,7 @@ let stepCtl;
 let bindings = [];
 let visible = false;
 let computedFor = null;
+let labelLimits = { world: 8, length: 64, d: 16 };
 const sequence = latest();
 
 /** Colours of rank r's chunks: fill, stroke, ink. */
@@ -28,8 +29,13 @@ function hue(r) {
   return { fill: `hsl(${x} 52% 90%)`, stroke: `hsl(${x} 45% 42%)`, ink: `hsl(${x} 50% 24%)`, solid: `hsl(${x} 45% 48%)` };
 }
 
-export function init() {
+export function init(ctx) {
   section = document.getElementById("sec-ring");
+  const limits = ctx.examples.limits;
+  document.getElementById("f-r-world").max = String(limits.max_ring_world);
+  document.getElementById("f-r-length").max = String(limits.max_trace_len);
+  document.getElementById("f-r-d").max = String(limits.max_head_dim);
+  labelLimits = { world: limits.max_ring_world, length: limits.max_trace_len, d: limits.max_head_dim };
   const ids = { rw: "f-r-world", rl: "f-r-length", rd: "f-r-d", rb: "f-r-block", rwl: "f-r-wl", rwr: "f-r-wr", rseed: "f-r-seed" };
   bindings = Object.entries(ids).map(([key, id]) => bindInput(document.getElementById(id), key));
   bindings.push(bindInput(document.getElementById("f-r-layout"), "rlay", { event: "change" }));
@@ -49,9 +55,11 @@ export function init() {
     () => (data ? data.world_size : 0),
     (step, total) => `${t("s7.progress")}: ${step} / ${total}`,
   );
+  registerStepper("ring", stepCtl);
+  new ResizeObserver(() => visible && data && renderBars(pass())).observe(document.getElementById("ring-bars"));
   subscribe((changes) => {
     if (INPUT_KEYS.some((key) => key in changes)) {
-      for (const b of bindings) b.sync();
+      for (const b of bindings) b.sync(changes);
       if (visible) compute();
     } else if ("rstep" in changes || "rpass" in changes || "rrank" in changes) {
       render();
@@ -124,7 +132,19 @@ function selectedRank() {
   return data && r >= 0 && r < data.world_size ? r : 0;
 }
 
+/** The field labels that state a limit take it from the server's limits. */
+function renderLabels() {
+  const put = (id, key, max) => {
+    const span = document.getElementById(id)?.closest(".field")?.querySelector("span");
+    if (span) span.textContent = t(key, { max });
+  };
+  put("f-r-world", "s7.world", labelLimits.world);
+  put("f-r-length", "s7.length", labelLimits.length);
+  put("f-r-d", "s7.d", labelLimits.d);
+}
+
 export function render() {
+  renderLabels();
   stepCtl.render();
   for (const btn of section.querySelectorAll("#ring-pass button")) {
     const on = btn.dataset.pass === pass();
@@ -552,10 +572,11 @@ function renderBars(p) {
   const rows = summary.work;
   const most = Math.max(...rows.map((x) => x.tiles_run + x.tiles_skipped), 1);
   const labelW = 70;
-  const barW = 360;
+  const W = Math.max(280, Math.min(widthOf(document.getElementById("ring-bars"), 540), 560));
+  const barW = W - labelW - 90;
   const rowH = 24;
   const height = rows.length * rowH + 8;
-  const svg = s("svg", { viewBox: `0 0 ${labelW + barW + 110} ${height}`, width: "100%", class: "ring-bars", role: "img" });
+  const svg = s("svg", { viewBox: `0 0 ${W} ${height}`, width: W, height, class: "ring-bars", role: "img" });
   svg.append(
     s(
       "defs",

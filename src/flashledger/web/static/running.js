@@ -1,6 +1,7 @@
 // Section 01: the update formulas, and what each symbol holds at the ledger's current step.
 
 import { fill, h, num, vec } from "./fmt.js";
+import { lightUp } from "./formula.js";
 import { t } from "./i18n.js";
 import * as ledger from "./ledger.js";
 import { set } from "./state.js";
@@ -25,6 +26,7 @@ export function render() {
     return;
   }
   const { data, step } = snap;
+  lightUp(document.getElementById("sec-running"), ledger.formulaPhases(step), ledger.formulaMarks(step));
   const last = step > 0 ? data.steps[step - 1] : null;
   title.textContent = last ? t("s1.liveTitle", { step }) : t("s1.liveEmpty");
   const dash = () => h("span", { class: "muted" }, "\u2014");

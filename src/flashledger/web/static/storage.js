@@ -1,16 +1,19 @@
-// Section 05: storage and work of the full-P path against the one-LSE-per-row path, the
-// memory-traffic model of three schedules, and the tile classes (flashledger.accounting).
+// Section 05: storage and work of the full-P path against the one-LSE-per-row path, storage
+// against the length (P grows as L², the LSE as L), the memory-traffic model of three
+// schedules, and the tile classes (flashledger.accounting). Pictures are drawn at 1:1
+// scale for the width they have, so their text stays readable on a phone.
 
 import { latest, post } from "./api.js";
 import { count, fill, h, s } from "./fmt.js";
 import { t, tNodes } from "./i18n.js";
 import { get, subscribe } from "./state.js";
-import { bindInput, clearErrors, parseIntField, showErrors, showFieldError } from "./widgets.js";
+import { bindInput, clearErrors, parseIntField, showErrors, showFieldError, widthOf } from "./widgets.js";
 
 const KEYS = ["slq", "slk", "sd", "sbq", "sbk", "smask", "swl", "swr", "sdt"];
 const INTS = { lq: "slq", lk: "slk", d: "sd", block_q: "sbq", block_k: "sbk" };
 let section;
 let data = null;
+let visible = false;
 const sequence = latest();
 
 export function init() {
@@ -21,14 +24,20 @@ export function init() {
   bindings.push(bindInput(document.getElementById("f-s-dtype"), "sdt", { event: "change" }));
   subscribe((changes) => {
     if (KEYS.some((key) => key in changes)) {
-      for (const b of bindings) b.sync();
+      for (const b of bindings) b.sync(changes);
       compute();
     }
   });
+  for (const id of ["storage-plot", "storage-traffic"]) {
+    new ResizeObserver(() => visible && data && renderPictures()).observe(document.getElementById(id));
+  }
   compute();
 }
 
-export function shown() {}
+export function shown(sec) {
+  visible = sec === "storage";
+  if (visible && data) renderPictures();
+}
 
 async function compute() {
   for (const el of section.querySelectorAll(".s-window-only")) el.hidden = get("smask") !== "sliding_window";
@@ -76,8 +85,73 @@ export function render() {
   });
   fill(document.getElementById("storage-summary"), summary);
   renderTable(L);
-  renderTraffic();
+  renderPictures();
   renderGrid();
+}
+
+function renderPictures() {
+  renderPlot();
+  renderTraffic();
+}
+
+function sup(n) {
+  const digits = "\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079";
+  return String(n)
+    .split("")
+    .map((c) => digits[Number(c)])
+    .join("");
+}
+
+/** Elements kept against L on log-log axes: P (L², slope 2), the LSE (L), Q/K/V/O (4Ld). */
+function renderPlot() {
+  const holder = document.getElementById("storage-plot");
+  const W = Math.max(280, widthOf(holder, 540));
+  const H = 240;
+  const left = 46;
+  const right = 12;
+  const top = 12;
+  const bottom = 40;
+  const pts = data.sweep;
+  const xs = pts.map((p) => p.length);
+  const ys = pts.flatMap((p) => [p.full_p, p.lse, p.common]);
+  const lx0 = Math.log10(Math.min(...xs));
+  const lx1 = Math.log10(Math.max(...xs));
+  const ly1 = Math.ceil(Math.log10(Math.max(...ys)));
+  const X = (v) => left + ((Math.log10(v) - lx0) / (lx1 - lx0 || 1)) * (W - left - right);
+  const Y = (v) => top + (1 - Math.log10(Math.max(v, 1)) / (ly1 || 1)) * (H - top - bottom);
+  const svg = s("svg", { viewBox: `0 0 ${W} ${H}`, width: W, height: H, class: "storage-plot", role: "img", "aria-label": t("s5.plotTitle") });
+  for (let e = 0; e <= ly1; e += ly1 > 8 ? 3 : 1) {
+    svg.append(s("line", { x1: left, x2: W - right, y1: Y(10 ** e), y2: Y(10 ** e), class: "grid-line" }), s("text", { x: left - 6, y: Y(10 ** e) + 4, "text-anchor": "end", class: "value" }, e === 0 ? "1" : `10${sup(e)}`));
+  }
+  for (const v of [1, 16, 256, 4096, 65536].filter((v) => v >= Math.min(...xs) && v <= Math.max(...xs))) {
+    svg.append(s("line", { x1: X(v), x2: X(v), y1: top, y2: H - bottom, class: "grid-line" }), s("text", { x: X(v), y: H - bottom + 15, "text-anchor": X(v) > W - right - 24 ? "end" : "middle", class: "value" }, String(v)));
+  }
+  svg.append(s("text", { x: (left + W - right) / 2, y: H - 6, "text-anchor": "middle", class: "label" }, t("s5.plotX")));
+  const series = [
+    ["full_p", "series-p", t("s5.plotP")],
+    ["common", "series-common", t("s5.plotCommon")],
+    ["lse", "series-lse", t("s5.plotLse")],
+  ];
+  series.forEach(([key, cls, name], n) => {
+    const d = pts.map((p, i) => `${i ? "L" : "M"}${X(p.length).toFixed(1)} ${Y(p[key]).toFixed(1)}`).join("");
+    const g = s("g", { class: `series ${cls}`, "data-series": key });
+    g.append(s("path", { d }));
+    for (const p of pts) {
+      g.append(s("circle", { cx: X(p.length), cy: Y(p[key]), r: 2.6, "data-length": p.length, "data-value": p[key] }, s("title", {}, `L = ${p.length}: ${p[key]}`)));
+    }
+    const lx = left + 8;
+    const ly = top + 14 + n * 16;
+    g.append(s("line", { x1: lx, x2: lx + 16, y1: ly - 4, y2: ly - 4 }), s("text", { x: lx + 22, y: ly, class: "label" }, name));
+    svg.append(g);
+  });
+  const here = pts.find((p) => p.length === data.ledger.config.lq);
+  if (here) {
+    svg.append(
+      s("line", { x1: X(here.length), x2: X(here.length), y1: top, y2: H - bottom, class: "here-line" }),
+      s("text", { x: Math.min(X(here.length) + 4, W - right - 60), y: H - bottom - 6, class: "value here-text" }, `L = ${here.length}`),
+    );
+  }
+  fill(holder, svg);
 }
 
 function renderTable(L) {
@@ -129,17 +203,19 @@ function renderTraffic() {
     }
   }
   const max = Math.max(...rows.map((r) => r.read + r.write), 1);
-  const W = 540;
-  const labelW = 200;
-  const rowH = 26;
-  const barW = W - labelW - 90;
-  const svg = s("svg", { viewBox: `0 0 ${W} ${rows.length * rowH + 30}`, width: "100%", role: "img" });
+  const holder = document.getElementById("storage-traffic");
+  const W = Math.max(280, widthOf(holder, 540));
+  const stacked = W < 480; // narrow: each label on its own line above its bar
+  const labelW = stacked ? 0 : 200;
+  const rowH = stacked ? 40 : 26;
+  const barW = W - labelW - 80;
+  const svg = s("svg", { viewBox: `0 0 ${W} ${rows.length * rowH + 30}`, width: W, height: rows.length * rowH + 30, role: "img" });
   rows.forEach((r, i) => {
-    const y = i * rowH + 4;
+    const y = i * rowH + 4 + (stacked ? 16 : 0);
     const wr = (barW * r.read) / max;
     const ww = (barW * r.write) / max;
     svg.append(
-      s("text", { x: 0, y: y + 14, class: "label" }, r.label),
+      s("text", { x: 0, y: stacked ? y - 4 : y + 14, class: "label" }, r.label),
       s("rect", { x: labelW, y, width: wr, height: 17, class: "bar-read" }, s("title", {}, `${t("s5.read")}: ${r.read} B`)),
       s("rect", { x: labelW + wr, y, width: ww, height: 17, class: "bar-write" }, s("title", {}, `${t("s5.written")}: ${r.write} B`)),
       s("text", { x: labelW + wr + ww + 6, y: y + 13, class: "value" }, humanBytes(r.read + r.write)),

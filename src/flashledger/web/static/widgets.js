@@ -1,14 +1,15 @@
-// Widgets shared by the sections: the stepper, readout cards, error display.
+// Widgets shared by the sections: the stepper, readout cards, errors, typed fields, scroll cues.
 
 import { fill, h } from "./fmt.js";
-import { t } from "./i18n.js";
+import { has, t } from "./i18n.js";
 import { get, set } from "./state.js";
 
 const PLAY_INTERVAL_MS = 900;
+const steppers = new Map();
 
 /**
  * A stepper bound to the integer state key `key`, running 0..max().
- * `label(step, max)` gives the progress text. Returns {render}.
+ * `label(step, max)` gives the progress text. Returns {render, current, stop, go, play}.
  */
 export function stepper(el, key, max, label) {
   let timer = null;
@@ -35,9 +36,10 @@ export function stepper(el, key, max, label) {
     play: h("button", { type: "button", class: "btn ghost", "data-action": "play", onclick: play }),
     end: h("button", { type: "button", class: "btn ghost", "data-action": "end", onclick: () => (stop(), go(max())) }),
   };
-  const progress = h("span", { class: "progress-text" });
+  const progress = h("span", { class: "progress-text", "aria-live": "polite" });
   const bar = h("span", { class: "progress-bar" }, h("span", { class: "progress-fill" }));
-  fill(el, Object.values(buttons), h("span", { class: "progress" }, progress, bar));
+  const hint = h("span", { class: "key-hint" });
+  fill(el, Object.values(buttons), h("span", { class: "progress" }, progress, bar), hint);
 
   function render() {
     const step = current();
@@ -52,10 +54,23 @@ export function stepper(el, key, max, label) {
     buttons.forward.disabled = step >= total;
     buttons.end.disabled = step >= total;
     buttons.play.disabled = total === 0;
+    buttons.play.setAttribute("aria-pressed", String(timer !== null));
     progress.textContent = label(step, total);
     bar.firstChild.style.width = `${total ? (100 * step) / total : 0}%`;
+    hint.textContent = t("btn.keys");
   }
-  return { render, current, stop };
+  return { render, current, stop, play, go, playing: () => timer !== null, key };
+}
+
+/** Make `ctl` the stepper that ←/→/space drive while section `sec` is shown (a function: chosen late). */
+export function registerStepper(sec, ctl) {
+  steppers.set(sec, ctl);
+}
+
+/** The stepper the keys drive in section `sec`, or null. */
+export function stepperFor(sec) {
+  const entry = steppers.get(sec);
+  return typeof entry === "function" ? entry() : (entry ?? null);
 }
 
 /** A readout card: label on top, value below. `id` names it for tests and links. */
@@ -66,6 +81,30 @@ export function readout(id, labelKey, value, extraClass = "") {
     h("span", { class: "readout-label" }, t(labelKey)),
     h("span", { class: "readout-value" }, value),
   );
+}
+
+// ------------------------------------------------------------------------ motion
+
+const reduce = window.matchMedia("(prefers-reduced-motion: reduce)");
+
+/** True when the reader asked for reduced motion (no step animations then). */
+export function reducedMotion() {
+  return reduce.matches;
+}
+
+/** el.animate(frames, options) unless reduced motion is asked for; returns the animation or null. */
+export function animate(el, frames, options) {
+  if (reducedMotion() || !el || typeof el.animate !== "function") return null;
+  return el.animate(frames, { fill: "backwards", easing: "ease-in-out", ...options });
+}
+
+// ------------------------------------------------------------------------ errors
+
+/** An API error item in the page's language: its kind and limits when the page knows the kind. */
+export function errorText(err) {
+  const key = `err.k.${err.kind}`;
+  if (err.kind && has(key)) return t(key, { ...(err.limits ?? {}) });
+  return err.message ?? "";
 }
 
 /** Clear the error texts of a section (its results are current again). */
@@ -86,24 +125,40 @@ function errorSlot(section, field, path) {
   return null;
 }
 
+/** Keep an error bubble (absolutely placed under its field) inside the viewport. */
+function placeBubble(slot) {
+  slot.style.left = "";
+  slot.style.maxWidth = "";
+  if (!slot.textContent) return;
+  const margin = 8;
+  const avail = document.documentElement.clientWidth - 2 * margin;
+  slot.style.maxWidth = `${Math.min(avail, 360)}px`;
+  const box = slot.getBoundingClientRect();
+  const shift = Math.min(0, document.documentElement.clientWidth - margin - box.right);
+  const left = Math.max(margin - box.left, shift);
+  if (left) slot.style.left = `${left}px`;
+}
+
+function markField(slot, message) {
+  slot.textContent = message;
+  slot.closest(".field")?.querySelector("input, textarea, select")?.setAttribute("aria-invalid", "true");
+  placeBubble(slot);
+}
+
 /**
- * Show an API error in a section: each {field, path, message} goes next to the
- * matching field (data-error-for); anything else goes to the section banner.
- * The section's last results stay visible, dimmed, until the input is valid.
+ * Show an API error in a section: each {field, path, kind, limits, message} goes next to
+ * the matching field (data-error-for), in the page's language; anything else goes to the
+ * section banner. The section's last results stay visible, dimmed, until the input is valid.
  */
 export function showErrors(section, banner, answer) {
   clearErrors(section);
   section.classList.add("stale");
   const errors = answer.errors?.length ? answer.errors : [{ field: "", message: answer.detail }];
   const unplaced = [];
-  for (const { field, path, message } of errors) {
-    const slot = errorSlot(section, field, path);
-    if (slot) {
-      slot.textContent = message;
-      slot.closest(".field")?.querySelector("input, textarea, select")?.setAttribute("aria-invalid", "true");
-    } else {
-      unplaced.push(message);
-    }
+  for (const err of errors) {
+    const slot = errorSlot(section, err.field, err.path);
+    if (slot) markField(slot, errorText(err));
+    else unplaced.push(errorText(err));
   }
   if (unplaced.length) banner.textContent = t("err.server", { detail: unplaced.join("; ") });
 }
@@ -112,29 +167,122 @@ export function showErrors(section, banner, answer) {
 export function showFieldError(section, field, message) {
   clearErrors(section);
   section.classList.add("stale");
-  const slot = section.querySelector(`[data-error-for="${CSS.escape(field)}"]`);
-  slot.textContent = message;
-  slot.closest(".field")?.querySelector("input, textarea, select")?.setAttribute("aria-invalid", "true");
+  markField(section.querySelector(`[data-error-for="${CSS.escape(field)}"]`), message);
 }
 
-/** Bind an input to a state key: value from state, writes back on change (debounced). */
-export function bindInput(el, key, { event = "input", delay = 350 } = {}) {
+window.addEventListener("resize", () => {
+  for (const slot of document.querySelectorAll(".field-error")) if (slot.textContent) placeBubble(slot);
+});
+
+// ------------------------------------------------------------------------ typed fields
+
+/**
+ * Commit what a person types in `el` through `commit(value)`: after `delay` ms without a
+ * key, at once on leaving the field (Tab) or on Enter. Returns {pending}: true while
+ * typed text has not been committed yet, so that a refresh never overwrites it.
+ */
+export function typedField(el, commit, { event = "input", delay = 350 } = {}) {
+  let timer = null;
+  let pending = false;
   const read = () => (el.type === "checkbox" ? (el.checked ? "1" : "0") : el.value);
+  const flush = () => {
+    clearTimeout(timer);
+    timer = null;
+    if (!pending) return;
+    pending = false;
+    commit(read());
+  };
+  const immediate = el.type === "checkbox" || el.tagName === "SELECT";
+  el.addEventListener(event, () => {
+    pending = true;
+    clearTimeout(timer);
+    timer = setTimeout(flush, immediate ? 0 : delay);
+  });
+  el.addEventListener("blur", flush);
+  el.addEventListener("keydown", (ev) => {
+    if (ev.key === "Enter" && el.tagName !== "TEXTAREA") flush();
+  });
+  return { pending: () => pending };
+}
+
+/**
+ * Bind an input to a state key: value from state, typed text written back (see typedField).
+ * sync(changes) rewrites the field only when its key changed and nothing typed there is
+ * waiting: a refresh caused by another field never touches text being typed.
+ */
+export function bindInput(el, key, options = {}) {
   const write = (value) => {
     if (el.type === "checkbox") el.checked = value === "1";
     else if (el.value !== value) el.value = value;
   };
   write(get(key));
-  let timer = null;
-  el.addEventListener(event, () => {
-    clearTimeout(timer);
-    timer = setTimeout(() => set({ [key]: read() }), el.type === "checkbox" || el.tagName === "SELECT" ? 0 : delay);
-  });
-  return { sync: () => write(get(key)) };
+  const typed = typedField(el, (value) => set({ [key]: value }), options);
+  return {
+    sync: (changes) => {
+      if (changes && !(key in changes)) return;
+      if (!typed.pending()) write(get(key));
+    },
+  };
 }
 
 /** Parse an integer field; returns the number or null. */
 export function parseIntField(text) {
-  const trimmed = String(text).trim();
+  const trimmed = String(text).trim().replace(/^\u2212/, "-");
   return /^[+-]?\d+$/.test(trimmed) ? Number(trimmed) : null;
+}
+
+// ------------------------------------------------------------------------ scroll cues
+
+/**
+ * A box that scrolls sideways inside its card says so: classes scroll-left / scroll-right
+ * on the box (and its frame, which draws edge shadows) while there is more to see on that
+ * side, and a small cue under it. Kept current on scroll and on any resize of box or content.
+ */
+export function watchScroll(box) {
+  if (box.dataset.scrollWatched) return;
+  box.dataset.scrollWatched = "1";
+  let frame = box.parentElement;
+  if (!frame.classList.contains("scroll-frame")) {
+    frame = h("div", { class: "scroll-frame" });
+    box.replaceWith(frame);
+    frame.append(box);
+  }
+  const cue = h("div", { class: "scroll-cue", "aria-hidden": "true" });
+  frame.append(cue);
+  const update = () => {
+    const more = box.scrollWidth - box.clientWidth;
+    const left = more > 1 && box.scrollLeft > 1;
+    const right = more > 1 && box.scrollLeft < more - 1;
+    for (const el of [box, frame]) {
+      el.classList.toggle("scroll-left", left);
+      el.classList.toggle("scroll-right", right);
+    }
+    cue.hidden = more <= 1;
+    cue.textContent = t("common.scrollCue");
+  };
+  box.addEventListener("scroll", update, { passive: true });
+  const observer = new ResizeObserver(update);
+  const watch = () => {
+    observer.disconnect(); // let go of children that were replaced
+    observer.observe(box);
+    for (const child of box.children) observer.observe(child);
+  };
+  watch();
+  new MutationObserver(() => {
+    watch();
+    update();
+  }).observe(box, { childList: true });
+  update();
+  box.refreshCue = update;
+}
+
+/** Watch every .table-scroll and .svg-scroll box under root. */
+export function watchAllScrolls(root = document) {
+  for (const box of root.querySelectorAll(".table-scroll, .svg-scroll")) watchScroll(box);
+}
+
+/** Render width (CSS px) available inside el, for pictures drawn at 1:1 scale. */
+export function widthOf(el, fallback = 600) {
+  const w = el.clientWidth;
+  return w > 0 ? w : fallback;
 }

@@ -1,0 +1,385 @@
+"""The explorer as a person uses it: typing at a person's pace, a phone, errors in both
+languages, Back, timing cards, and large problems stepped one tile at a time.
+
+Each test reproduces something a person met: typed text overwritten by a late
+refresh, a page wider than a phone, a Chinese page with English errors, Back
+leaving the app, a 64 x 64 problem whose every step re-added the whole page.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+from urllib.parse import urlencode
+
+import pytest
+from playwright.sync_api import expect
+
+pytestmark = pytest.mark.browser
+expect.set_options(timeout=20_000)
+
+KEY_DELAY_MS = 50
+"""A person's typing pace: one key every 50 ms."""
+PHONE = (390, 844)
+DESKTOP = (1400, 900)
+TABS = ["running", "ledger", "gpu", "backward", "storage", "conventions", "ring", "sources"]
+READY = {
+    "running": "#s1-live tbody tr",
+    "ledger": "#ledger-table tbody tr",
+    "gpu": "#measure-table tbody tr",
+    "backward": "#bw-stats tbody tr",
+    "storage": "#storage-table tbody tr",
+    "conventions": "#conv-table tbody tr",
+    "ring": "#ring-ranks tbody tr",
+    "sources": "#sources-list li",
+}
+
+
+def open_page(visit_at: Any, size: tuple[int, int], query: str = "", **options: Any) -> Any:
+    v = visit_at(*size, **options)
+    return v, v.open(query)
+
+
+def type_into(page: Any, selector: str, text: str) -> None:
+    """Click a field, select what is there and type ``text`` at a person's pace."""
+    page.click(selector)
+    page.keyboard.press("Control+A")
+    page.keyboard.type(text, delay=KEY_DELAY_MS)
+
+
+def quiet_errors(visit: Any) -> list[str]:
+    """Console errors other than the browser's own log line for a refused (4xx) request."""
+    return [e for e in visit.console_errors if "status of 4" not in e]
+
+
+# ----------------------------------------------------------------------------- 1. typing
+
+
+@pytest.mark.parametrize(
+    ("size", "lang"), [(DESKTOP, "en"), (PHONE, "zh")], ids=["1400-en", "390-zh"]
+)
+def test_typing_at_a_persons_pace_is_kept(visit_at: Any, size: tuple[int, int], lang: str) -> None:
+    v, page = open_page(visit_at, size, f"?sec=storage&lang={lang}&slq=512&slk=512&sbq=256&sbk=256")
+    expect(page.locator("#storage-table tbody tr").first).to_be_visible()
+    type_into(page, "#f-s-lq", "4096")
+    page.keyboard.press("Tab")  # on to Lk, whose text Tab selects
+    page.keyboard.type("4096", delay=KEY_DELAY_MS)
+    page.keyboard.press("Tab")
+    expect(page.locator('[data-figure="lk"] .num')).to_have_attribute("data-value", "4096")
+    expect(page.locator('[data-figure="lq"] .num')).to_have_attribute("data-value", "4096")
+    page.wait_for_timeout(600)  # any late refresh would land now
+    expect(page.locator("#f-s-lq")).to_have_value("4096")
+    expect(page.locator("#f-s-lk")).to_have_value("4096")
+    assert "slq=4096" in page.url and "slk=4096" in page.url, page.url
+
+    page.click('#tabs button[data-sec="ledger"]')
+    expect(page.locator("#ledger-table tbody tr")).to_have_count(3)
+    type_into(page, "#f-block", "3")
+    page.keyboard.press("Tab")  # on to Shift
+    page.keyboard.press("Control+A")
+    page.keyboard.type("10", delay=KEY_DELAY_MS)
+    page.wait_for_timeout(900)
+    expect(page.locator("#f-block")).to_have_value("3")
+    expect(page.locator("#f-shift")).to_have_value("10")
+    expect(page.locator("#ledger-table tbody tr")).to_have_count(2)
+    assert "bs=3" in page.url and "shift=10" in page.url, page.url
+    # the shift reached the engine: the row's largest score is 3 + 10
+    step_to_end(page, "#ledger-stepper")
+    expect(page.locator('[data-readout="m"] .readout-value .num')).to_have_attribute(
+        "data-value", "13"
+    )
+    assert not quiet_errors(v), v.console_errors
+
+
+def test_a_long_matrix_typed_slowly_survives_other_edits(visit_at: Any) -> None:
+    v, page = open_page(visit_at, DESKTOP, "?sec=backward")
+    expect(page.locator("#bw-stats tbody tr")).to_have_count(5)
+    page.click("#bw-inputs summary")
+    type_into(page, "#f-bq", "1")
+    page.click("#f-q")
+    page.keyboard.press("End")
+    page.keyboard.press("Control+End")
+    page.keyboard.type("\n0.3, 0.3", delay=KEY_DELAY_MS)  # a sixth query while block_q lands
+    page.wait_for_timeout(700)
+    assert page.input_value("#f-q").endswith("0.3, 0.3"), page.input_value("#f-q")
+    expect(page.locator("#f-bq")).to_have_value("1")
+    # six queries against five keys: G has five rows, so the server names G
+    expect(page.locator('#sec-backward [data-error-for="g"]')).not_to_be_empty()
+    assert not quiet_errors(v), v.console_errors
+
+
+# ----------------------------------------------------------------------------- 2. phone width
+
+SVG_TEXT_SIZES = """() => {
+  const out = [];
+  for (const svg of document.querySelectorAll('main > section:not([hidden]) svg')) {
+    const box = svg.getBoundingClientRect();
+    if (!box.width) continue;
+    const vb = svg.viewBox.baseVal;
+    const scale = vb && vb.width ? box.width / vb.width : 1;
+    for (const text of svg.querySelectorAll('text')) {
+      if (!text.getBBox().width) continue;
+      const size = parseFloat(getComputedStyle(text).fontSize) * scale;
+      out.push([svg.closest('[id]')?.id || '?', text.textContent.slice(0, 20), size]);
+    }
+  }
+  return out;
+}"""
+
+WIDTHS = """() => ({
+  page: document.scrollingElement.scrollWidth,
+  viewport: innerWidth,
+  sections: [...document.querySelectorAll('main > section:not([hidden])')].map(
+    s => [s.id, s.scrollWidth, s.clientWidth]),
+  spills: [...document.querySelectorAll('main > section:not([hidden]) .readout')]
+    .filter(r => r.offsetParent && r.scrollWidth > r.clientWidth + 1)
+    .map(r => r.dataset.readout),
+})"""
+
+
+@pytest.mark.parametrize(
+    ("size", "lang"),
+    [(PHONE, "en"), (PHONE, "zh"), (DESKTOP, "zh")],
+    ids=["390-en", "390-zh", "1400-zh"],
+)
+def test_every_section_fits_its_width(visit_at: Any, size: tuple[int, int], lang: str) -> None:
+    v, page = open_page(visit_at, size, f"?lang={lang}")
+    header = page.locator(".topbar").bounding_box()
+    assert header is not None and header["height"] <= 110, f"the header takes {header}"
+    for sec in TABS:
+        tab = page.locator(f'#tabs button[data-sec="{sec}"]')
+        tab.scroll_into_view_if_needed()
+        tab.click()
+        expect(page.locator(READY[sec]).first).to_be_attached()
+        page.wait_for_timeout(150)
+        w = page.evaluate(WIDTHS)
+        assert w["page"] <= w["viewport"], f"{sec}: page is {w['page']} px wide at {w['viewport']}"
+        for sid, scroll, client in w["sections"]:
+            assert scroll <= client, f"{sid} is {scroll} px wide in {client}"
+        assert not w["spills"], f"{sec}: readouts spill out of their boxes: {w['spills']}"
+        small = [x for x in page.evaluate(SVG_TEXT_SIZES) if x[2] < 9.5]
+        assert not small, f"{sec}: SVG text drawn below 9.5 px: {small[:5]}"
+        bar = page.locator(".topbar").bounding_box()
+        assert bar is not None and bar["height"] <= 110, f"{sec}: the header takes {bar}"
+    assert not quiet_errors(v), v.console_errors
+
+
+def test_phone_tables_scroll_inside_their_card_with_a_cue(visit_at: Any) -> None:
+    v, page = open_page(visit_at, PHONE, "?sec=ledger")
+    expect(page.locator("#ledger-table tbody tr")).to_have_count(3)
+    step_to_end(page, "#ledger-stepper")
+    box = page.locator("#ledger-table").locator("xpath=..")
+    assert box.evaluate("e => getComputedStyle(e).overflowX") == "auto"
+    wide = box.evaluate("e => e.scrollWidth > e.clientWidth")
+    assert wide, "at 390 px the ledger table is expected to need scrolling"
+    expect(box).to_have_class(_has("scroll-right"))
+    box.evaluate("e => { e.scrollLeft = e.scrollWidth; e.dispatchEvent(new Event('scroll')); }")
+    expect(box).to_have_class(_has("scroll-left"))
+    expect(box).not_to_have_class(_has("scroll-right"))
+    assert not quiet_errors(v), v.console_errors
+
+
+def _has(cls: str) -> Any:
+    import re
+
+    return re.compile(rf"(^|\s){cls}(\s|$)")
+
+
+# ----------------------------------------------------------------------------- 3. errors
+
+
+def test_errors_in_chinese_state_the_one_true_limit(visit_at: Any) -> None:
+    v, page = open_page(visit_at, DESKTOP, "?sec=ledger&lang=zh")
+    rows = page.locator("#ledger-table tbody tr")
+    expect(rows).to_have_count(3)
+    table_box = page.locator("#ledger-table").bounding_box()
+    block_error = page.locator('#sec-ledger [data-error-for="block_size"]')
+    for typed in ("100", "64", "0"):
+        page.fill("#f-block", typed)
+        expect(block_error).to_contain_text("允许范围 1..6")
+        expect(block_error).to_contain_text(typed)
+        text = block_error.inner_text()
+        assert "Input should" not in text and "allowed" not in text, text
+        assert page.locator("#ledger-table").bounding_box() == table_box, "an error moved the page"
+    page.fill("#f-block", "2")
+    expect(block_error).to_have_text("")
+
+    scores_error = page.locator('#sec-ledger [data-error-for="scores"]')
+    page.fill("#f-scores", "1, 2,, 3, 0, 2.5")
+    expect(scores_error).to_contain_text("第 3 项")
+    expect(scores_error).to_contain_text("空")
+    assert page.locator("#ledger-table").bounding_box() == table_box, "an error moved the page"
+    page.fill("#f-scores", "\u22121, \u22122, \u22121, 3, 0, \u22122.5")
+    expect(scores_error).to_have_text("")
+    expect(rows.nth(0).locator("td").nth(1)).to_have_text("[−1, −2]")
+    expect(rows.nth(2).locator("td").nth(1)).to_have_text("[0, −2.5]")
+    page.fill("#f-scores", "\u22122e\u22121, 2, \u22121, 3, 0, 2.5")  # two minus signs in one entry
+    expect(rows.nth(0).locator("td").nth(1)).to_have_text("[−0.2, 2]")
+    expect(scores_error).to_have_text("")
+    page.fill("#f-scores", "1, 2, 3")  # three scores for six value vectors: the server says so
+    values_error = page.locator('#sec-ledger [data-error-for="values"]')
+    expect(values_error).to_contain_text("6")
+    expect(values_error).to_contain_text("3")
+    assert "values" not in values_error.inner_text()
+    assert not quiet_errors(v), v.console_errors
+
+
+def test_server_errors_are_translated_in_every_section(visit_at: Any) -> None:
+    v, page = open_page(visit_at, DESKTOP, "?sec=storage&lang=zh")
+    expect(page.locator("#storage-table tbody tr").first).to_be_visible()
+    page.fill("#f-s-bq", "9")
+    expect(page.locator('#sec-storage [data-error-for="block_q"]')).to_contain_text("允许范围 1..5")
+    page.click('#tabs button[data-sec="ring"]')
+    expect(page.locator("#ring-ranks tbody tr")).to_have_count(4)
+    page.fill("#f-r-world", "9")
+    expect(page.locator('#sec-ring [data-error-for="world_size"]')).to_contain_text("允许范围 1..8")
+    page.fill("#f-r-world", "4")
+    page.fill("#f-r-length", "6")  # zigzag on 4 ranks cuts 8 chunks
+    expect(page.locator('#sec-ring [data-error-for="length"]')).to_contain_text("允许范围 8..64")
+    assert not quiet_errors(v), v.console_errors
+
+
+# ----------------------------------------------------------------------------- 4. navigation
+
+
+def test_back_returns_to_the_previous_section(visit_at: Any) -> None:
+    v, page = open_page(visit_at, DESKTOP, "?sec=running")
+    for sec in ("ledger", "backward", "ring"):
+        page.click(f'#tabs button[data-sec="{sec}"]')
+        expect(page.locator(f"#sec-{sec}")).to_be_visible()
+    page.locator('#ring-stepper [data-action="forward"]').click()
+    for sec in ("backward", "ledger", "running"):
+        page.go_back()
+        expect(page.locator(f"#sec-{sec}")).to_be_visible()
+        expect(page.locator(f'#tabs button[data-sec="{sec}"]')).to_have_class(_has("active"))
+    assert page.url.startswith(v.base), "Back left the explorer"
+    page.go_forward()
+    expect(page.locator("#sec-ledger")).to_be_visible()
+    assert "sec=ledger" in page.url
+    assert not quiet_errors(v), v.console_errors
+
+
+def test_a_wide_table_says_that_it_scrolls(visit_at: Any) -> None:
+    v, page = open_page(visit_at, DESKTOP, "?sec=conventions")
+    expect(page.locator("#conv-table tbody tr")).to_have_count(5)
+    page.fill("#f-c-lk", "5")
+    expect(page.locator("#conv-table thead th")).to_have_count(8)
+    box = page.locator("#conv-table").locator("xpath=..")
+    wide = box.evaluate("e => e.scrollWidth > e.clientWidth + 1")
+    if wide:
+        expect(box).to_have_class(_has("scroll-right"))
+        expect(box.locator("xpath=following-sibling::*[1]")).to_have_class("scroll-cue")
+        expect(box.locator("xpath=following-sibling::*[1]")).to_be_visible()
+    else:  # it fits: nothing is clipped
+        cells = page.locator("#conv-table td").evaluate_all(
+            "cs => cs.filter(c => c.scrollWidth > c.clientWidth + 1).length"
+        )
+        assert cells == 0
+    assert not quiet_errors(v), v.console_errors
+
+
+# ----------------------------------------------------------------------------- 5. timing
+
+
+def test_timing_cards_say_how_they_were_measured(visit_at: Any) -> None:
+    v, page = open_page(visit_at, DESKTOP, "?sec=gpu&ml=64&md=8&mb=16")
+    rows = page.locator("#measure-table tbody tr[data-run]")
+    expect(rows).to_have_count(4)
+    runs = rows.locator('[data-col="runs"]').all_inner_texts()
+    assert all(int(r) >= 5 for r in runs), f"runs shown: {runs}"
+    expect(page.locator("#measure-sub")).to_contain_text("warm-up")
+    for row in rows.all():
+        lo, med, hi = (
+            float(row.locator(f'[data-col="{c}"] .num').get_attribute("data-value") or "nan")
+            for c in ("min", "median", "max")
+        )
+        assert lo <= med <= hi, (lo, med, hi)
+    assert not quiet_errors(v), v.console_errors
+
+
+# ----------------------------------------------------------------------------- 6. large problems
+
+
+def _matrix(rows: int, cols: int, salt: int) -> str:
+    return "\n".join(
+        ", ".join(f"{math.sin(1.7 * i + 0.9 * j + salt):.2f}" for j in range(cols))
+        for i in range(rows)
+    )
+
+
+DOM_SIZE = "() => document.getElementsByTagName('*').length"
+COUNT_ADDED = """([selector, readout, expected]) => new Promise(resolve => {
+  let added = 0;
+  const obs = new MutationObserver(list => {
+    for (const m of list) for (const n of m.addedNodes) if (n.nodeType === 1)
+      added += 1 + n.getElementsByTagName('*').length;
+  });
+  obs.observe(document.body, {childList: true, subtree: true});
+  document.querySelector(selector).click();
+  const done = () => document.querySelector(readout)?.textContent === expected;
+  const wait = () => done()
+    ? setTimeout(() => { obs.disconnect(); resolve(added); }, 100)
+    : setTimeout(wait, 20);
+  wait();
+})"""
+
+
+def test_a_64_by_64_problem_in_1x1_tiles_steps_cheaply(visit_at: Any) -> None:
+    query = urlencode(
+        {
+            "sec": "backward",
+            "q": _matrix(64, 2, 0),
+            "k": _matrix(64, 2, 1),
+            "v": _matrix(64, 2, 2),
+            "g": _matrix(64, 2, 3),
+            "bq": "1",
+            "bk": "1",
+        }
+    )
+    v, page = open_page(visit_at, DESKTOP, f"?{query}")
+    progress = '[data-readout="bw-progress"] .readout-value'
+    # the server traces 2 x 2080 tiles: allow it time on a busy machine
+    expect(page.locator(progress)).to_have_text("0 / 2080", timeout=90_000)
+    before = page.evaluate(DOM_SIZE)
+    assert before < 20_000, f"{before} elements on the page"
+    added = page.evaluate(
+        COUNT_ADDED, ['#bw-stepper [data-action="forward"]', progress, "1 / 2080"]
+    )
+    expect(page.locator('[data-readout="bw-progress"] .readout-value')).to_have_text("1 / 2080")
+    assert added < 400, f"one Next added {added} elements (of {before})"
+    for _ in range(5):
+        page.keyboard.press("ArrowRight")
+    expect(page.locator('[data-readout="bw-progress"] .readout-value')).to_have_text("6 / 2080")
+    after = page.evaluate(DOM_SIZE)
+    assert abs(after - before) < 200, f"the page grew from {before} to {after} elements"
+    height = page.evaluate("document.scrollingElement.scrollHeight")
+    assert height < 4200, f"the page is {height} px tall"
+    page.locator('#bw-stepper [data-action="end"]').click()
+    expect(page.locator('[data-readout="bw-progress"] .readout-value')).to_have_text("2080 / 2080")
+    grads = page.locator("#bw-grads tbody tr")
+    for row in (grads.first, grads.last):
+        got = (
+            row.locator("td")
+            .nth(1)
+            .locator(".num")
+            .evaluate_all("e => e.map(n => +n.dataset.value)")
+        )
+        ref = (
+            row.locator("td")
+            .nth(2)
+            .locator(".num")
+            .evaluate_all("e => e.map(n => +n.dataset.value)")
+        )
+        assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-12
+    assert not quiet_errors(v), v.console_errors
+
+
+def step_to_end(page: Any, stepper: str) -> int:
+    """Press the stepper's forward button until it is disabled; returns the presses."""
+    forward = page.locator(f'{stepper} [data-action="forward"]')
+    presses = 0
+    while forward.is_enabled():
+        forward.click()
+        presses += 1
+        assert presses <= 100, f"{stepper} never reached its end"
+    return presses
