@@ -158,8 +158,22 @@ class BlockMaskBound(BoundMask):
         g = self.geo
         rows = torch.arange(q0, q1, device=g.device) + g.q_offset  # (r,) global
         keys = torch.arange(k0, k1, device=g.device) + g.k_offset  # (c,) global
-        kind = self.grid[:, :, rows // self.block_q][..., keys // self.block_k]  # (Bb, Hb, r, c)
         inside = self.caller(*index_grid(g.batch, g.heads, rows, keys))  # (Bm, Hm, r|1, c|1)
+        # the blocks the tile touches, then spread over its positions (only if they differ)
+        gq0, gq1, gk0, gk1 = q0 + g.q_offset, q1 + g.q_offset, k0 + g.k_offset, k1 + g.k_offset
+        rb0, rb1 = gq0 // self.block_q, (gq1 - 1) // self.block_q + 1
+        cb0, cb1 = gk0 // self.block_k, (gk1 - 1) // self.block_k + 1
+        kinds = self.grid[:, :, rb0:rb1, cb0:cb1]  # (Bb, Hb, nq, nk)
+        if bool((kinds == PARTIAL).all()):
+            return inside.expand(*inside.shape[:2], q1 - q0, k1 - k0)
+
+        def spread(lo: int, hi: int, block: int) -> torch.Tensor:
+            edges = torch.arange(lo // block, (hi - 1) // block + 2, device=g.device) * block
+            edges = edges.clamp(min=lo, max=hi)
+            return edges[1:] - edges[:-1]  # positions of the tile in each block
+
+        kind = kinds.repeat_interleave(spread(gq0, gq1, self.block_q), dim=2)
+        kind = kind.repeat_interleave(spread(gk0, gk1, self.block_k), dim=3)  # (Bb, Hb, r, c)
         return (kind == FULL) | ((kind == PARTIAL) & inside)
 
     def tile_classes(self, block_q: int, block_k: int) -> torch.Tensor:
