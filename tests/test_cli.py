@@ -548,7 +548,7 @@ def test_explore_calls_serve(
     monkeypatch.setitem(sys.modules, "flashledger.web.app", fake)
     code, _, err = run(capsys, "explore", "--port", "8123", "--open")
     assert code == 0, err
-    assert calls == [{"host": "127.0.0.1", "port": 8123, "open_browser": True}]
+    assert calls == [{"host": "127.0.0.1", "port": 8123, "open_browser": True, "allow_hosts": []}]
     assert_usage_error(*run(capsys, "explore", "--port", "70000"), "argument --port", "0..65535")
 
 

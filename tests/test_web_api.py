@@ -27,7 +27,7 @@ from flashledger.web.app import create_app, serve
 
 @pytest.fixture(scope="module")
 def client() -> TestClient:
-    return TestClient(create_app(), raise_server_exceptions=False)
+    return TestClient(create_app(), base_url="http://127.0.0.1", raise_server_exceptions=False)
 
 
 def _seed_ledger(**changes: Any) -> dict[str, Any]:

@@ -26,7 +26,7 @@ ALLOWED = re.compile(r"allowed: (-?\d+)\.\.(-?\d+)")
 
 @pytest.fixture(scope="module")
 def client() -> TestClient:
-    return TestClient(create_app(), raise_server_exceptions=False)
+    return TestClient(create_app(), base_url="http://127.0.0.1", raise_server_exceptions=False)
 
 
 def _ledger(**changes: Any) -> dict[str, Any]:
@@ -147,7 +147,7 @@ def test_bad_json_and_413_keep_the_shape(client: TestClient) -> None:
     assert res.status_code == 422 and res.json()["errors"][0]["kind"] == "invalid_json"
     big = client.post("/api/ledger", json=_ledger(pad="x" * 200_000))
     assert big.status_code == 413
-    assert big.json()["errors"][0]["kind"] == "invalid" and big.json()["detail"]
+    assert big.json()["errors"][0]["kind"] == "too_large" and big.json()["detail"]
 
 
 def test_the_schema_and_the_page_read_the_same_limits(client: TestClient) -> None:

@@ -1014,7 +1014,8 @@ def _cmd_explore(args: argparse.Namespace) -> int:
         from .web.app import serve
     except ImportError as exc:
         raise UsageError(f"the explorer is not available: {exc}") from None
-    serve(host=args.host, port=args.port, open_browser=args.open)
+    # a busy port or an unknown host raises OSError with one line, before the server starts
+    serve(host=args.host, port=args.port, open_browser=args.open, allow_hosts=args.allow_host)
     return 0
 
 
@@ -1057,7 +1058,11 @@ DESCRIPTIONS = {  # shown by each subcommand's --help
         "and P in HBM) and the FlashAttention-1/-2 schedules. Tiles from --sram M by the "
         "paper's rule (Bc = ceil(M/4d), Br = min(Bc, d)) or from --block-q/--block-k."
     ),
-    "explore": "Serve the explorer (the seed's sections and beyond) on a local port.",
+    "explore": (
+        "Serve the explorer (the seed's sections and beyond) on a local port. It answers "
+        "only to loopback names and the address it listens on (add names with "
+        "--allow-host); listening beyond this machine (--host 0.0.0.0) prints a warning."
+    ),
 }
 ONLINE_EXAMPLES = """\
 examples:
@@ -1093,6 +1098,7 @@ EXPLORE_EXAMPLES = """\
 examples:
   flashledger explore                       http://127.0.0.1:8000
   flashledger explore --port 8080 --open
+  flashledger explore --port 0              any free port (the address is printed)
 """
 
 
@@ -1257,8 +1263,12 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXPLORE_EXAMPLES, **kw,
     )  # fmt: skip
     ex.add_argument("--host", default="127.0.0.1", help="interface to listen on")
-    ex.add_argument("--port", type=_port, default=8000, help="port to listen on")
+    ex.add_argument("--port", type=_port, default=8000, help="port to listen on (0: any free)")
     ex.add_argument("--open", action="store_true", help="open a browser tab")
+    ex.add_argument(
+        "--allow-host", action="append", default=[], metavar="NAME",
+        help="another name the explorer answers to in the Host header (repeatable)",
+    )  # fmt: skip
     ex.set_defaults(handler=_cmd_explore)
 
     for name, text in DELEGATED.items():

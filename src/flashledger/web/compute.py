@@ -8,7 +8,12 @@ only computation written here is the independent PyTorch autograd check of
 section 04: naive attention in float64, differentiated by autograd.
 
 All inputs arrive validated and size-capped (see ``schemas.py``); tensors are
-float64 unless a measurement asks for float32.
+float64 unless a measurement asks for float32. Before a request is queued its
+work is estimated from the request alone (``check_work``): the tile steps the
+loops will run, weighted by what each step costs, at most ``MAX_WORK``
+(about a second of one core). The long computations take ``check``, a callable
+that raises when the client has gone away; they call it between tile steps
+(traced runs) or between phases, so abandoned work stops.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any
 
 import torch
 
-from flashledger import accounting, examples
+from flashledger import _native, accounting, examples
 from flashledger.blocked import blocked_backward, blocked_forward
 from flashledger.conventions import PRESETS, get_conventions
 from flashledger.ledger import BackwardTileStep, ForwardTileStep
@@ -35,13 +40,16 @@ from flashledger.ring import RankState, RingLedger, RingSetup, simulate_ring
 from . import schemas as sc
 
 __all__ = [
+    "MAX_WORK",
     "backward_steps",
+    "check_work",
     "conventions_table",
     "examples_payload",
     "ledger_steps",
     "measure",
     "ring",
     "storage",
+    "work_of",
 ]
 
 F64 = torch.float64
@@ -49,6 +57,29 @@ AUTOGRAD_RTOL = 1e-10
 """The autograd check passes when max |blocked - autograd| <= AUTOGRAD_RTOL * max(1, max |grad|)."""
 _MEASURE_LOCK = threading.Lock()
 """One measurement at a time, so that two timings never share the cores."""
+
+
+Check = Callable[[], None]
+"""Raises when the request's client has gone away; called between units of work."""
+
+
+def _no_check() -> None:
+    """The default ``check``: never stops."""
+
+
+class _Checkpoint:
+    """An observer that calls ``check`` at every tile step, so a traced run can be stopped."""
+
+    wants_tensors = False
+
+    def __init__(self, check: Check) -> None:
+        self.check = check
+
+    def forward_tile(self, _step: ForwardTileStep) -> None:
+        self.check()
+
+    def backward_tile(self, _step: BackwardTileStep) -> None:
+        self.check()
 
 
 def _t(rows: list[list[float]] | list[float]) -> torch.Tensor:
@@ -195,6 +226,96 @@ def _options(req: sc.AttentionProblem, mask: Mask | None) -> dict[str, Any]:
     }
 
 
+# ----------------------------------------------------------------------------- work limits
+
+MAX_WORK = 12_000
+"""Most work one request may ask for, in units of one plain tile step of the PyTorch step
+(about 0.1 ms of one core): about a second. The seed's examples need at most 2 % of it;
+the page's largest traced problem (64 x 64, causal, 1 x 1 tiles) about 97 %."""
+_NATIVE_STEP = 0.1
+"""Cost of an untraced forward tile step on the native step (plain scores, no dropout)."""
+_FORWARD_STEP = {"base": 1.0, "dropout": 5.0, "softcap": 0.5, "alibi": 1.5}
+"""Cost of an untraced forward tile step of the PyTorch step: base plus each option used."""
+_TRACED_FORWARD_STEP = {"base": 3.5, "dropout": 6.0, "softcap": 1.5, "alibi": 2.5}
+"""Cost of a traced forward tile step (its record and response included)."""
+_TRACED_BACKWARD_STEP = {"base": 2.0, "dropout": 6.0, "softcap": 1.0, "alibi": 1.5}
+"""Cost of a traced backward tile step (its record and response included)."""
+_PARTIAL = 0.5
+"""Extra cost of a partial tile (the mask is evaluated inside it), per pass."""
+
+
+def _used(req: sc.AttentionProblem) -> dict[str, bool]:
+    return {"dropout": req.dropout_p > 0.0, "softcap": req.softcap is not None, "alibi": req.alibi}
+
+
+def _step_cost(req: sc.AttentionProblem, table: dict[str, float], native: bool) -> float:
+    used = _used(req)
+    if native and not any(used.values()):
+        return _NATIVE_STEP
+    return table["base"] + sum(table[name] for name, on in used.items() if on)
+
+
+def _tiles_run(
+    req: sc.BackwardRequest | sc.ConventionsRequest, conventions: str
+) -> tuple[int, int]:
+    """Tiles of the ``(Lq / block_q) x (Lk / block_k)`` grid the loop runs (not empty), and
+    how many of them are partial."""
+    lq, lk = len(req.q), len(req.k)
+    mask = build_mask(req.mask)
+    if mask is None:
+        return -(-lq // req.block_q) * -(-lk // req.block_k), 0
+    align = get_conventions(conventions).causal_align
+    classes = mask.tile_classes(lq, lk, req.block_q, req.block_k, causal_align=align)
+    return int((classes != 0).sum()), int((classes == 1).sum())
+
+
+def _options_named(req: sc.AttentionProblem) -> str:
+    names = {"dropout": "dropout", "softcap": "softcap", "alibi": "ALiBi"}
+    used = [names[name] for name, on in _used(req).items() if on]
+    return f" with {', '.join(used)}" if used else ""
+
+
+def work_of(req: sc.BackwardRequest | sc.ConventionsRequest) -> tuple[float, str]:
+    """The work a request asks for (units of ``MAX_WORK``) and what it is, in words.
+
+    ``/api/backward`` runs an untraced forward, a traced forward and a traced backward
+    over the tiles the mask does not skip; ``/api/conventions`` one untraced forward per
+    preset. Measured with ``benchmarks/explorer_load.py --calibrate``.
+    """
+    native = _native.kernels() is not None
+    forward = _step_cost(req, _FORWARD_STEP, native)
+    if isinstance(req, sc.BackwardRequest):
+        tiles, partial = _tiles_run(req, req.conventions)
+        traced = _step_cost(req, _TRACED_FORWARD_STEP, native=False)
+        backward = _step_cost(req, _TRACED_BACKWARD_STEP, native=False)
+        units = tiles * (forward + traced + backward) + 3 * partial * _PARTIAL
+        what = f"{tiles:,} tiles run forward, traced forward and traced backward" + _options_named(
+            req
+        )
+        return units, what
+    tiles = partial = 0
+    for name in PRESETS:
+        run, part = _tiles_run(req, name)
+        tiles, partial = tiles + run, partial + part
+    what = f"{tiles:,} tiles run over the {len(PRESETS)} presets{_options_named(req)}"
+    return tiles * forward + partial * _PARTIAL, what
+
+
+def check_work(req: sc.BackwardRequest | sc.ConventionsRequest, *, limit: float = MAX_WORK) -> None:
+    """Raise :class:`InputError` (naming the tiles) when a request asks for more than ``limit``."""
+    units, what = work_of(req)
+    if units > limit:
+        raise sc.InputError(
+            "block_q",
+            f"block_q, block_k: too much work for one request: {what} count "
+            f"{units:,.0f} work units; the limit is {limit:,.0f} (about a second): use larger "
+            "tiles, a shorter sequence or fewer options",
+            "work",
+            units=round(units),
+            max=round(limit),
+        )
+
+
 # ----------------------------------------------------------------------------- section 04
 
 
@@ -292,18 +413,25 @@ def _backward_step(r: ForwardTileStep | BackwardTileStep) -> sc.BackwardStep:
     )
 
 
-def backward_steps(req: sc.BackwardRequest) -> sc.BackwardResponse:
-    """Blocked forward, then the traced blocked backward, against the reference and autograd."""
+def backward_steps(req: sc.BackwardRequest, *, check: Check = _no_check) -> sc.BackwardResponse:
+    """Blocked forward, then the traced blocked backward, against the reference and autograd.
+
+    ``check`` is called before each phase and at every traced tile step.
+    """
     q, k, v, g = _t(req.q), _t(req.k), _t(req.v), _t(req.g)  # (Lq, d) (Lk, d) (Lk, d_v) (Lq, d_v)
     lq, lk, d, dv = q.shape[0], k.shape[0], q.shape[1], v.shape[1]
     mask = build_mask(req.mask)
     opts = _options(req, mask)
     tiles: dict[str, Any] = {"block_q": req.block_q, "block_k": req.block_k}
+    check()
     fwd = blocked_forward(q, k, v, **opts, **tiles)
-    traced = blocked_forward(q, k, v, **opts, **tiles, trace=True)  # the same loop, observed
+    stop = _Checkpoint(check)
+    # the same loop, observed (and stopped at a tile step when the client has gone)
+    traced = blocked_forward(q, k, v, **opts, **tiles, trace=True, observer=stop)
     ref = reference_forward(q, k, v, **opts)
-    bwd = blocked_backward(q, k, v, fwd.o, fwd.lse, g, **opts, **tiles, trace=True)
+    bwd = blocked_backward(q, k, v, fwd.o, fwd.lse, g, **opts, **tiles, trace=True, observer=stop)
     refb = reference_backward(q, k, v, ref.o, ref.lse, g, **opts)
+    check()
     visible = _dense(mask, lq, lk, get_conventions(req.conventions).causal_align)  # (Lq, Lk)
     auto = _naive_autograd(req, q, k, v, g, visible, ref.keep)
 
@@ -354,13 +482,19 @@ def backward_steps(req: sc.BackwardRequest) -> sc.BackwardResponse:
 # ----------------------------------------------------------------------------- section 06
 
 
-def conventions_table(req: sc.ConventionsRequest) -> sc.ConventionsResponse:
-    """The same problem under every preset: each row's O and LSE, blocked vs reference."""
+def conventions_table(
+    req: sc.ConventionsRequest, *, check: Check = _no_check
+) -> sc.ConventionsResponse:
+    """The same problem under every preset: each row's O and LSE, blocked vs reference.
+
+    ``check`` is called before each preset.
+    """
     q, k, v = _t(req.q), _t(req.k), _t(req.v)
     lq, lk = q.shape[0], k.shape[0]
     mask = build_mask(req.mask)
     results = []
     for conv in PRESETS.values():
+        check()
         opts = _options(req, mask) | {"conventions": conv}
         fwd = blocked_forward(q, k, v, **opts, block_q=req.block_q, block_k=req.block_k)
         ref = reference_forward(q, k, v, **opts)
@@ -454,30 +588,38 @@ def _storage_sweep(req: sc.StorageRequest) -> list[sc.StoragePoint]:
 
 
 MEASURE_BUDGET_S = 1.0
-"""Time after which the timed runs of one function stop (the warm-up not counted)."""
+"""Time after which the timed runs of one request stop (warm-ups not counted), shared
+by its four functions; past it each still gets ``MEASURE_MIN_RUNS``."""
 MEASURE_MIN_RUNS = 3
 """Runs timed even past the budget (fewer only when fewer are asked for)."""
 
 
-def _timed_runs(fn: Callable[[], Any], repeats: int) -> list[float]:
+def _timed_runs(
+    fn: Callable[[], Any], repeats: int, budget_s: float, check: Check = _no_check
+) -> list[float]:
     """Run times (ms) of ``fn``: one warm-up run not timed (caches, the native step's first
-    build, allocator), then up to ``repeats`` timed runs, stopping once ``MEASURE_BUDGET_S``
-    is spent and at least ``MEASURE_MIN_RUNS`` are done."""
+    build, allocator), then up to ``repeats`` timed runs, stopping once ``budget_s`` is
+    spent and at least ``MEASURE_MIN_RUNS`` are done. ``check`` is called before each run."""
+    check()
     fn()  # warm-up
     times: list[float] = []
     spent = 0.0
     while len(times) < repeats:
+        check()
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1e3)
         spent += times[-1] / 1e3
-        if spent > MEASURE_BUDGET_S and len(times) >= min(repeats, MEASURE_MIN_RUNS):
+        if spent > budget_s and len(times) >= min(repeats, MEASURE_MIN_RUNS):
             break
     return times
 
 
-def measure(req: sc.MeasureRequest) -> sc.MeasureResponse:
-    """Time the untraced blocked loop and the dense reference on this machine (CPU)."""
+def measure(req: sc.MeasureRequest, *, check: Check = _no_check) -> sc.MeasureResponse:
+    """Time the untraced blocked loop and the dense reference on this machine (CPU).
+
+    ``check`` is called before each timed run (each is bounded by the request's limits).
+    """
     dt = torch.float64 if req.dtype == "float64" else torch.float32
     gen = torch.Generator().manual_seed(0)
     shape = (1, req.length, req.d)  # (H, L, d)
@@ -485,9 +627,13 @@ def measure(req: sc.MeasureRequest) -> sc.MeasureResponse:
     mask = Causal() if req.causal else None
     tiles: dict[str, Any] = {"block_q": req.block, "block_k": req.block}
     with _MEASURE_LOCK:
+        check()
         fwd = blocked_forward(q, k, v, mask=mask, **tiles)  # the results compared
+        check()
         ref = reference_forward(q, k, v, mask=mask, dtype=dt)
+        check()
         bwd = blocked_backward(q, k, v, fwd.o, fwd.lse, g, mask=mask, **tiles)
+        check()
         refb = reference_backward(q, k, v, ref.o, ref.lse, g, mask=mask, dtype=dt)
         runs: dict[str, Callable[[], Any]] = {
             "blocked_forward": lambda: blocked_forward(q, k, v, mask=mask, **tiles),
@@ -499,7 +645,8 @@ def measure(req: sc.MeasureRequest) -> sc.MeasureResponse:
                 q, k, v, ref.o, ref.lse, g, mask=mask, dtype=dt
             ),
         }
-        times = {name: _timed_runs(fn, req.repeats) for name, fn in runs.items()}
+        budget = MEASURE_BUDGET_S / len(runs)
+        times = {name: _timed_runs(fn, req.repeats, budget, check) for name, fn in runs.items()}
     itemsize = torch.finfo(dt).bits // 8
     return sc.MeasureResponse(
         device=f"CPU ({platform.machine() or 'unknown'})",
@@ -619,12 +766,14 @@ def _tiles_so_far(led: RingLedger, pass_name: str, rank: int, steps: int) -> tup
     return sum(p.counters.tiles_run for p in mine), sum(p.counters.tiles_skipped for p in mine)
 
 
-def ring(req: sc.RingRequest) -> sc.RingResponse:
+def ring(req: sc.RingRequest, *, check: Check = _no_check) -> sc.RingResponse:
     """Ring attention on ``W`` simulated ranks, every hop and every rank's state per step.
 
     The per-step states are the ring's own: ``simulate_ring(..., record_states=True)``
     keeps each rank's ``RankState`` at the end of every ring step of both passes.
+    ``check`` is called before the ring runs and before the oracle.
     """
+    check()
     q, k, v, g = _ring_inputs(req)  # (L, d) (L, d) (L, d_v) (L, d_v)
     mask = build_mask(req.mask)
     w, b = req.world_size, req.block
@@ -644,6 +793,7 @@ def ring(req: sc.RingRequest) -> sc.RingResponse:
     led = res.ledger
     setup = led.setup
     assert setup is not None
+    check()
     ref = reference_forward(q, k, v, mask=mask)
     refb = reference_backward(q, k, v, ref.o, ref.lse, g, mask=mask)
     rows = [_chunk_rows(setup, setup.chunks_of(r)) for r in range(w)]

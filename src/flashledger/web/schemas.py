@@ -28,6 +28,7 @@ from pydantic import (
     Field,
     GetCoreSchemaHandler,
     GetJsonSchemaHandler,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -44,6 +45,8 @@ __all__ = [
     "BackwardResponse",
     "ConventionsRequest",
     "ConventionsResponse",
+    "ErrorItem",
+    "ErrorResponse",
     "ExamplesResponse",
     "InputError",
     "LedgerRequest",
@@ -126,6 +129,11 @@ ERROR_KINDS: dict[str, str] = {
     "unknown_field": "a field the request does not have",
     "missing": "a required field left out",
     "invalid_json": "a body that is not JSON",
+    "work": "more work than one request may ask for (limits: units, max)",
+    "too_large": "a request body over the size limit (limits: max, got)",
+    "timeout": "a request not sent in time (limits: seconds)",
+    "host": "a Host header the explorer does not answer to (limits: allowed)",
+    "busy": "the explorer's queue is full; try again (limits: retry_after)",
     "invalid": "anything else (the message says what)",
 }
 """Kinds of input error; each error item carries ``kind`` and ``limits`` (numbers or text)."""
@@ -249,7 +257,12 @@ def _bounds(lo: int, hi: int) -> Any:
 Finite = Annotated[float, Field(allow_inf_nan=False), Range(-MAX_ABS_INPUT, MAX_ABS_INPUT)]
 Row = Annotated[list[Finite], Field(min_length=1, max_length=MAX_HEAD_DIM)]
 Matrix = Annotated[list[Row], Field(min_length=1, max_length=MAX_TRACE_LEN)]
-Num = float
+Num = Annotated[
+    float,
+    WithJsonSchema(
+        {"anyOf": [{"type": "number"}, {"type": "string", "enum": ["Infinity", "-Infinity"]}]}
+    ),
+]
 """A float64 in a response; non-finite values serialise as ``"Infinity"``/``"-Infinity"``."""
 Vec = list[Num]
 Mat = list[list[Num]]
@@ -284,7 +297,8 @@ class InputError(ValueError):
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # strict: a number is a JSON number (not "1", not true), an integer has no fraction
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class _Response(BaseModel):
@@ -321,14 +335,20 @@ class MaskSpec(_Request):
     ``causal_bottom_right`` fix it; ``sliding_window`` keeps keys
     ``c - left <= j <= c + right`` (-1 = unbounded) around the diagonal ``c`` of
     ``align`` (None: the preset's alignment); ``custom`` takes ``dense``, an
-    ``(Lq, Lk)`` grid of booleans (True = attend).
+    ``(Lq, Lk)`` grid of booleans (True = attend). With any other kind ``dense`` is
+    absent, null or empty (``[]``: no grid); a grid there would be ignored, so it is refused.
     """
 
     kind: MaskKind = "none"
     left: Annotated[int, Range(-1, MAX_STORAGE_LEN)] = -1
     right: Annotated[int, Range(-1, MAX_STORAGE_LEN)] = 0
     align: Literal["top_left", "bottom_right"] | None = None
-    dense: list[list[bool]] | None = Field(default=None, max_length=MAX_TRACE_LEN)
+    dense: list[list[bool]] | None = Field(
+        default=None,
+        max_length=MAX_TRACE_LEN,
+        description="kind 'custom' only: the Lq x Lk grid, true = attend; "
+        "null or [] with any other kind",
+    )
 
     @model_validator(mode="after")
     def _dense_only_for_custom(self) -> MaskSpec:
@@ -338,12 +358,15 @@ class MaskSpec(_Request):
                 "mask: kind 'custom' needs 'dense', an Lq x Lk grid of true/false",
                 "mask_dense",
             )
-        if self.kind != "custom" and self.dense is not None:
+        if self.kind != "custom" and self.dense:
             raise InputError(
                 "mask",
-                f"mask: 'dense' is only used with kind 'custom', not {self.kind!r}",
+                f"mask: 'dense' is only used with kind 'custom', not {self.kind!r} "
+                "(leave it out, null or [])",
                 "mask_dense",
             )
+        if self.kind != "custom":
+            self.dense = None  # an empty grid is no grid
         return self
 
     def check_shape(self, lq: int, lk: int) -> None:
@@ -961,3 +984,30 @@ class RingResponse(_Response):
         "ring's result| over O, LSE, dQ and the dK/dV it passes on to their owner (0: the "
         "per-step states are the loop's own)"
     )
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+class ErrorItem(BaseModel):
+    """One problem with a request."""
+
+    model_config = ConfigDict(extra="allow")
+
+    field: str = Field(description="the top-level request field to blame, '' when none")
+    path: str = Field(description="where in the body, e.g. 'q[3][1]'; '' when none")
+    message: str = Field(
+        description="one line naming the field, what was wrong and what is allowed"
+    )
+    kind: str = Field(
+        description="the rule broken, one of: " + ", ".join(ERROR_KINDS),
+        json_schema_extra={"enum": list(ERROR_KINDS)},
+    )
+    limits: dict[str, int | float | str] = Field(description="the numbers of that rule")
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error answer (400, 408, 413, 422, 503)."""
+
+    detail: str = Field(description="every message of ``errors``, on one line")
+    errors: list[ErrorItem]
