@@ -1061,8 +1061,11 @@ def _backward(
     observer: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, Ledger]:
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
-    # the backward loop is the same in both orders
-    kern = _native_step(pb, "fa2", trace is not None or observer is not None)
+    # The backward loop is the same in both orders; it runs on the step its forward ran on
+    # (the FA1 order's forward is always the PyTorch step), so that P = exp(S - λ) is
+    # rebuilt from bit for bit the scores that produced λ: another matmul may round S a
+    # unit in the last place apart, and P then misses 1 by that much times |S|.
+    kern = _native_step(pb, loop_order, trace is not None or observer is not None)
     block_q, block_k = _resolve_tiles(pb, kern, block_q, block_k)
     ledger = _new_ledger(pb, "backward", block_q, block_k, loop_order)
     classes = _classes(pb, block_q, block_k, ledger)
