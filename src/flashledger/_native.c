@@ -250,14 +250,12 @@ static const mm_block_fn blocks_1[13] = {FL_TABLE_12(1)}, blocks_2[13] = {FL_TAB
 static const mm_block_fn *const mm_blocks[5] = {0, blocks_1, blocks_2, blocks_3, blocks_4};
 static const int mm_cols[5] = {0, 12, 12, 8, 6};
 
-static int own_kc = 0; /* k per pass over C (0: all of k at once); see fl_set_kc */
-
 static void own_mm(int m, int n, int k, T alpha, const T *A, long long lda, const T *B,
                    long long sbk, long long sbn, int accum, T *C, long long ldc) {
     /* C's rows in blocks of 4 vectors; the last 1-3 vectors (5 as 3 + 2) in a block of
-     * their own, with more columns. A block of A's rows (own_kc of its columns at a time,
-     * so that the block stays in L1 however long k is) runs over all of n. */
-    int kc = own_kc > 0 && own_kc < k ? own_kc : k;
+     * their own, with more columns. A block of A's rows runs over all of n. (Passes over
+     * k of 64-256 at a time, to keep the block in L1 when k is 512, measured no faster on
+     * either vendor: the L2 keeps up.) */
     for (int i0 = 0; i0 < m;) {
         int left = (m - i0 + W - 1) / W, mv = left == 5 ? 3 : left < 4 ? left : 4;
         int rows = m - i0 < mv * W ? m - i0 : mv * W, nr = mm_cols[mv];
@@ -266,14 +264,10 @@ static void own_mm(int m, int n, int k, T alpha, const T *A, long long lda, cons
             int x = rows - r * W;
             mk[r] = x >= W ? (MT)-1 : (MT)((1u << x) - 1);
         }
-        for (int k0 = 0; k0 < k; k0 += kc) {
-            int kb = k - k0 < kc ? k - k0 : kc;
-            for (int j0 = 0; j0 < n; j0 += nr) {
-                int nb = n - j0 < nr ? n - j0 : nr;
-                mm_blocks[mv][nb](kb, alpha, A + i0 + (long long)k0 * lda, lda,
-                                  B + j0 * sbn + k0 * sbk, sbk, sbn, accum || k0 > 0,
-                                  C + i0 + j0 * ldc, ldc, mk, rows == mv * W);
-            }
+        for (int j0 = 0; j0 < n; j0 += nr) {
+            int nb = n - j0 < nr ? n - j0 : nr;
+            mm_blocks[mv][nb](k, alpha, A + i0, lda, B + j0 * sbn, sbk, sbn, accum,
+                              C + i0 + j0 * ldc, ldc, mk, rows == mv * W);
         }
         i0 += rows;
     }
@@ -284,16 +278,6 @@ static void own_mm(int m, int n, int k, T alpha, const T *A, long long lda, cons
 static int use_own = FL_OWN;
 /* 1: the step's own kernel (where built), 0: the BLAS gemm. Returns the setting in force. */
 int SUF(fl_set_own_gemm)(int on) { return use_own = FL_OWN && on; }
-/* The own kernel's pass length over k (0: none); returns it. */
-int SUF(fl_set_kc)(int kc) {
-#if FL_OWN
-    own_kc = kc > 0 ? kc : 0;
-    return own_kc;
-#else
-    (void)kc;
-    return 0;
-#endif
-}
 
 static void mm(int m, int n, int k, T alpha, const T *A, long long lda, const T *B,
                long long sbk, long long sbn, T beta, T *C, long long ldc) {
@@ -316,14 +300,22 @@ void SUF(fl_matmul)(int m, int n, int k, double alpha, const T *A, long long lda
     mm(m, n, k, (T)alpha, A, lda, B, sbk, sbn, (T)beta, C, ldc);
 }
 
+/* A row stride for x elements that is not a power of two times a cache line's worth of
+ * elements: x rounded up to whole vectors, plus one vector. Rows of a power-of-two stride
+ * (Lk = 4096, tiles of 512) all fall in a few L1 sets and evict each other when a matmul
+ * walks down a column; one more line per row spreads them over every set. */
+static inline long long padded(long long x) { return (x + W - 1) / W * W + W; }
+long long SUF(fl_padded)(long long x) { return padded(x); }
+
 /* The step's matmul rate: every thread runs `reps` products C += A B of n x n by n x n on
- * buffers of its own (bufs: threads x 3 x n x n), as the tile steps run theirs. */
+ * buffers of its own (bufs: threads x 3 x n x padded(n), rows padded as the step pads
+ * its tiles), as the tile steps run theirs. */
 void SUF(fl_matmul_rate)(T *bufs, int n, int reps) {
+    long long ld = padded(n), sz = n * ld; /* the step's padded row strides */
 #pragma omp parallel
     {
-        T *a = bufs + (long long)omp_get_thread_num() * 3 * n * n, *b = a + (long long)n * n;
-        T *c = b + (long long)n * n;
-        for (int r = 0; r < reps; ++r) mm(n, n, n, 1, a, n, b, 1, n, 1, c, n);
+        T *a = bufs + (long long)omp_get_thread_num() * 3 * sz, *b = a + sz, *c = b + sz;
+        for (int r = 0; r < reps; ++r) mm(n, n, n, 1, a, ld, b, 1, ld, 1, c, ld);
     }
 }
 
@@ -345,12 +337,6 @@ void SUF(fl_transpose)(const T *src, T *dst, long long n, long long rows, long l
     }
 }
 
-/* A row stride for x elements that is not a power of two times a cache line's worth of
- * elements: x rounded up to whole vectors, plus one vector. Rows of a power-of-two stride
- * (Lk = 4096, tiles of 512) all fall in a few L1 sets and evict each other when a matmul
- * walks down a column; one more line per row spreads them over every set. */
-static inline long long padded(long long x) { return (x + W - 1) / W * W + W; }
-long long SUF(fl_padded)(long long x) { return padded(x); }
 
 /* One pass's arguments. Layouts (row-major, contiguous), H = B·Hq query heads, head h
  * reading K/V head h / group. A pass runs a schedule: rows (the forward's query tiles, the

@@ -155,8 +155,6 @@ class Kernels:
             tr.restype = None
             getattr(lib, f"fl_padded_{suffix}").argtypes = [ll]
             getattr(lib, f"fl_padded_{suffix}").restype = ll
-            getattr(lib, f"fl_set_kc_{suffix}").argtypes = [i]
-            getattr(lib, f"fl_set_kc_{suffix}").restype = i
             getattr(lib, f"fl_set_own_gemm_{suffix}").argtypes = [i]
             # m n k alpha A lda B sbk sbn beta C ldc
             mm = [i, i, i, d, vp, ll, vp, ll, ll, d, vp, ll]
@@ -261,7 +259,9 @@ class Kernels:
         five timings of at least ``seconds`` / 5 each."""
         threads = self.max_threads()
         bufs = torch.randn(
-            threads * 3 * n * n, dtype=dtype, generator=torch.Generator().manual_seed(0)
+            threads * 3 * n * self.padded(dtype, n),
+            dtype=dtype,
+            generator=torch.Generator().manual_seed(0),
         )
         fn = self.fn("fl_matmul_rate", "f32" if dtype == torch.float32 else "f64")
         fn(bufs.data_ptr(), n, 1)  # warm up (pages, caches)
@@ -683,7 +683,17 @@ def _openblas() -> dict[str, int] | None:
         return None
     try:
         path = Path(scipy_openblas32.get_lib_dir()) / scipy_openblas32.get_library(fullname=True)
-        lib = ctypes.CDLL(str(path))
+        # OpenBLAS reads its thread count when it loads: with one it starts no pool of
+        # threads (which would wait, spinning, beside the step's own)
+        before = os.environ.get("OPENBLAS_NUM_THREADS")
+        os.environ["OPENBLAS_NUM_THREADS"] = "1"
+        try:
+            lib = ctypes.CDLL(str(path))
+        finally:
+            if before is None:
+                del os.environ["OPENBLAS_NUM_THREADS"]
+            else:
+                os.environ["OPENBLAS_NUM_THREADS"] = before
         lib.scipy_openblas_set_num_threads(1)
         return {"f32": _address(lib.scipy_sgemm_), "f64": _address(lib.scipy_dgemm_)}
     except (OSError, AttributeError):

@@ -395,7 +395,6 @@ class IntervalBound(BoundMask):
         out[full & nonempty] = FULL
         return out.cpu()
 
-
     def _tile_classes_few(self, block_q: int, block_k: int, tq: int, tk: int) -> torch.Tensor:
         """``tile_classes`` in plain integers, for a few rows (decode): the same rule
         without the two dozen small tensor operations, which there cost more than the
