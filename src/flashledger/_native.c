@@ -276,13 +276,17 @@ static void own_mm(int m, int n, int k, T alpha, const T *A, long long lda, cons
 #define FL_OWN 0
 #endif
 static int use_own = FL_OWN;
+/* m·n·k at or below which a product runs on the own kernel even with a BLAS chosen */
+#define FL_SMALL_MM (1LL << 18)
 /* 1: the step's own kernel (where built), 0: the BLAS gemm. Returns the setting in force. */
 int SUF(fl_set_own_gemm)(int on) { return use_own = FL_OWN && on; }
 
 static void mm(int m, int n, int k, T alpha, const T *A, long long lda, const T *B,
                long long sbk, long long sbn, T beta, T *C, long long ldc) {
 #if FL_OWN
-    if (use_own) {
+    /* a small product (a decode step's, a partial tile's narrow span) costs a BLAS call
+     * more to enter than to run: it takes the own kernel, whichever back end is chosen */
+    if (use_own || (long long)m * n * k <= FL_SMALL_MM) {
         own_mm(m, n, k, alpha, A, lda, B, sbk, sbn, beta != 0, C, ldc);
         return;
     }

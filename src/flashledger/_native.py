@@ -24,6 +24,7 @@ turns the native step off.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import ctypes
 import hashlib
@@ -123,13 +124,16 @@ class Schedule:
         """The most tiles in one row."""
         return max(b - a for a, b in itertools.pairwise(self._row_start)) if self.rows else 0
 
-    def _arrays(self) -> list[torch.Tensor]:
-        tiles = torch.tensor(self._tiles or [(0,) * 8], dtype=torch.int64)  # (n, 8)
+    def _arrays(self) -> list[array.array[int]]:
+        """The schedule as C arrays of int64: tiles (n x 8), row starts (rows + 1),
+        bounds (rows x 2) and ``seen`` (n, zeros); plain buffers, no tensors (a decode
+        step's schedule is a few numbers, and four small tensors cost more than its C work)."""
+        n = max(1, len(self._tiles))
         return [
-            tiles,
-            torch.tensor(self._row_start, dtype=torch.int64),  # (rows + 1,)
-            torch.tensor(self._bounds or [0, 0], dtype=torch.int64),  # (rows, 2)
-            torch.zeros(max(1, len(self._tiles)), dtype=torch.int64),  # seen, (n,)
+            array.array("q", itertools.chain.from_iterable(self._tiles or [(0,) * 8])),
+            array.array("q", self._row_start),
+            array.array("q", self._bounds or [0, 0]),
+            array.array("q", bytes(8 * n)),
         ]
 
 
@@ -337,7 +341,7 @@ class Kernels:
         if intervals is not None:
             iv_lo, iv_hi = (t.to(torch.int64).contiguous() for t in intervals)  # (B|1, Lq)
         tiles, row_start, bounds, seen = sched._arrays()
-        alive += [work, tiles, row_start, bounds, seen]
+        alive.append(work)
         args = _Args(
             q=q.data_ptr(),
             k=k.data_ptr(),
@@ -350,10 +354,10 @@ class Kernels:
             work=work.data_ptr(),
             iv_lo=None if iv_lo is None else iv_lo.data_ptr(),
             iv_hi=None if iv_hi is None else iv_hi.data_ptr(),
-            tiles=tiles.data_ptr(),
-            row_start=row_start.data_ptr(),
-            bounds=bounds.data_ptr(),
-            seen=seen.data_ptr(),
+            tiles=tiles.buffer_info()[0],
+            row_start=row_start.buffer_info()[0],
+            bounds=bounds.buffer_info()[0],
+            seen=seen.buffer_info()[0],
             heads=q.shape[0],
             group=group,
             lq=q.shape[1],
@@ -376,6 +380,7 @@ class Kernels:
         if forward and kt_buf is not None:
             _pool.give("kv_t", kt_buf)
         sched.seen = seen.tolist()
+        del tiles, row_start, bounds  # alive until the call returned
         return sched.seen
 
     def forward(
