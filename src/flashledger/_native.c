@@ -534,11 +534,62 @@ static void mask_bytes(const struct fl_args *a, const long long *t, const struct
  * read along its rows) and is transposed in cache. K and V in a half dtype are widened to
  * T tile by tile (each byte of the cache is read once). */
 struct keys {
-    const T *qt; /* the item's Qᵀ (d x rows of the item), or NULL: Kᵀ is laid out (a->kt) */
-    long long ldq;
+    int on;     /* K read in place (a->kt NULL) */
     T *kf, *vf; /* widened K_j, V_j tiles (half inputs) */
-    T *sc;      /* S, column-major */
 };
+
+static inline T hsum(VT v) {
+    T x = 0;
+    for (int i = 0; i < W; ++i) x += v[i];
+    return x;
+}
+
+/* One block of S = alpha · Q K_jᵀ with K read along its rows: RN rows x JN keys, each a
+ * dot product over d in vectors (the rows and keys of the block in registers), reduced
+ * across the vector at the end. */
+#define FL_DOT_BLOCK(RN, JN)                                                                \
+    static void dot_##RN##_##JN(const T *q, const T *k, int d, T alpha, T *s, long long ls) { \
+        VT acc[RN][JN], zero = {0};                                                         \
+        for (int r = 0; r < RN; ++r)                                                        \
+            for (int j = 0; j < JN; ++j) acc[r][j] = zero;                                  \
+        int c = 0;                                                                          \
+        for (; c + W <= d; c += W) {                                                        \
+            VT qv[RN], kv[JN];                                                              \
+            for (int r = 0; r < RN; ++r) qv[r] = loadv(q + (long long)r * d + c);           \
+            for (int j = 0; j < JN; ++j) kv[j] = loadv(k + (long long)j * d + c);           \
+            for (int r = 0; r < RN; ++r)                                                    \
+                for (int j = 0; j < JN; ++j) acc[r][j] += qv[r] * kv[j];                    \
+        }                                                                                   \
+        for (int r = 0; r < RN; ++r)                                                        \
+            for (int j = 0; j < JN; ++j) {                                                  \
+                T x = hsum(acc[r][j]);                                                      \
+                for (int e = c; e < d; ++e) x += q[(long long)r * d + e] * k[(long long)j * d + e]; \
+                s[(long long)r * ls + j] = alpha * x;                                       \
+            }                                                                               \
+    }
+FL_DOT_BLOCK(4, 4)
+FL_DOT_BLOCK(1, 4)
+FL_DOT_BLOCK(4, 1)
+FL_DOT_BLOCK(1, 1)
+
+/* S (nr x w, row stride ls) = alpha · Q K_jᵀ for a few rows (decode), from Q's rows
+ * (stride d) and K_j's rows as they lie: dot products, 4 rows x 4 keys at a time. For
+ * a handful of rows this reads each key once and keeps every vector lane busy, where a
+ * matmul laid out for many rows would run its vectors a few lanes wide. */
+static void dot_scores(const T *q, int nr, const T *k, int w, int d, T alpha, T *s,
+                       long long ls) {
+    int r = 0;
+    for (; r + 4 <= nr; r += 4) {
+        int j = 0;
+        for (; j + 4 <= w; j += 4) dot_4_4(q + (long long)r * d, k + (long long)j * d, d, alpha, s + r * ls + j, ls);
+        for (; j < w; ++j) dot_4_1(q + (long long)r * d, k + (long long)j * d, d, alpha, s + r * ls + j, ls);
+    }
+    for (; r < nr; ++r) {
+        int j = 0;
+        for (; j + 4 <= w; j += 4) dot_1_4(q + (long long)r * d, k + (long long)j * d, d, alpha, s + r * ls + j, ls);
+        for (; j < w; ++j) dot_1_1(q + (long long)r * d, k + (long long)j * d, d, alpha, s + r * ls + j, ls);
+    }
+}
 
 #if !FL_DOUBLE
 /* n half values (1: bfloat16, 2: float16) widened to float */
@@ -572,11 +623,11 @@ static void tile_kv(const struct fl_args *a, const struct keys *ks, long long kh
 }
 
 /* The online update of a block of rows (at most FL_PARTIAL_ROWS rows of a partial tile, or
- * any number of a full one; row c0 of the item) against tile t: m (base-2 units), ℓ, acc
+ * any number of a full one) against tile t: m (base-2 units), ℓ, acc
  * (nr x d_v) of the rows; s: nr · nc + nr scratch. Returns the visible dots of an interval
  * tile. */
 static long long forward_block(const struct fl_args *a, const long long *t, const struct rows *b,
-                               const struct keys *ks, int c0, T *m, T *ell, T *acc, T *s) {
+                               const struct keys *ks, T *m, T *ell, T *acc, T *s) {
     int nr = b->nr, idv = (int)a->dv, lo = 0, hi = (int)(t[3] - t[2]);
     int ca[FL_PARTIAL_ROWS], cb[FL_PARTIAL_ROWS];
     long long seen = 0, kh = b->h0 / a->group;
@@ -587,13 +638,11 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
     int w = hi - lo;
     long long ls = padded(w); /* S's row stride */
     const T *vh = a->v + (kh * a->lk + t[2] + lo) * a->dv;
-    if (ks->qt) { /* keys in place: Sᵀ-columns = Qᵀ-rows · K_j, then transposed */
+    if (ks->on) { /* keys in place: dot products of Q's rows with K_j's */
         const T *kp;
         tile_kv(a, ks, kh, t[2] + lo, w, &kp, &vh);
-        mm(nr, w, (int)a->d, (T)(a->scale * LOG2E), ks->qt + c0, ks->ldq, kp, 1, a->d, 0,
-           ks->sc, nr);
-        for (int r = 0; r < nr; ++r)
-            for (int j = 0; j < w; ++j) s[(long long)r * ls + j] = ks->sc[(long long)j * nr + r];
+        dot_scores(a->q + row_base(a, b) * a->d, nr, kp, w, (int)a->d, (T)(a->scale * LOG2E), s,
+                   ls);
     } else {
         scores(a, b, t[2] + lo, w, s, ls, a->scale * LOG2E, 0);
     }
@@ -627,8 +676,8 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
  * (natural units; an empty row, ℓ = 0, gives O = 0 and λ = -inf, as online.finalize does)
  * into split s's O and λ. The state stays in the thread's scratch: no other item touches
  * these rows, so the items need no barrier between tiles. Scratch: m, ℓ (nr each), acc
- * (nr · d_v), S/P and α (nr · padded(bk) + nr); with keys in place also Qᵀ (d · nr), S columns
- * (nr · bk) and, for half K/V, the widened tiles (bk · (d + d_v)). */
+ * (nr · d_v), S/P and α (nr · padded(bk) + nr); with keys in place and a half K/V also
+ * the widened tiles (bk · (d + d_v)). */
 static void forward_item(const struct fl_args *a, long long h0, long long r0, int nr, long long t0,
                          long long t1, long long split) {
     long long dv = a->dv, d = a->d, bk = 0;
@@ -638,16 +687,11 @@ static void forward_item(const struct fl_args *a, long long h0, long long r0, in
     }
     T *m = a->work + omp_get_thread_num() * a->work_stride, *ell = m + nr, *acc = ell + nr;
     T *s = acc + nr * dv;
-    struct keys ks = {NULL, nr, NULL, NULL, NULL};
+    struct keys ks = {0, NULL, NULL};
     struct rows b = {h0, r0, a->stacked ? a->lq : (1LL << 62), nr};
-    if (!a->kt) { /* keys in place: the rows' Qᵀ, once */
-        T *qt = s + nr * padded(bk) + nr;
-        const T *qh = a->q + row_base(a, &b) * d;
-        for (int r = 0; r < nr; ++r)
-            for (long long c = 0; c < d; ++c) qt[c * nr + r] = qh[r * d + c];
-        ks.qt = qt;
-        ks.sc = qt + d * nr;
-        ks.kf = ks.sc + nr * bk;
+    if (!a->kt) { /* keys in place: room for the widened tiles of a half cache */
+        ks.on = 1;
+        ks.kf = s + nr * padded(bk) + nr;
         ks.vf = ks.kf + bk * d;
     }
     for (int r = 0; r < nr; ++r) {
@@ -659,12 +703,12 @@ static void forward_item(const struct fl_args *a, long long h0, long long r0, in
         const long long *t = a->tiles + ti * FL_TILE;
         long long seen = 0;
         if (!t[4]) {
-            forward_block(a, t, &b, &ks, 0, m, ell, acc, s);
+            forward_block(a, t, &b, &ks, m, ell, acc, s);
             continue;
         }
         for (int c = 0; c < nr; c += FL_PARTIAL_ROWS) { /* partial: narrow row blocks */
             struct rows sub = {h0, r0 + c, b.lrows, nr - c < FL_PARTIAL_ROWS ? nr - c : FL_PARTIAL_ROWS};
-            seen += forward_block(a, t, &sub, &ks, c, m + c, ell + c, acc + c * dv, s);
+            seen += forward_block(a, t, &sub, &ks, m + c, ell + c, acc + c * dv, s);
         }
         if (seen) {
 #pragma omp atomic

@@ -418,7 +418,7 @@ class Kernels:
         d, bk = q.shape[2], sched.widest()[1]
         work = chunk * (2 + dv) + chunk * self.padded(q.dtype, bk) + chunk  # m, ℓ, acc; S/P; α
         if keys_in_place:
-            work += d * chunk + chunk * bk + bk * (d + dv)  # Qᵀ; S columns; widened K/V tiles
+            work += bk * (d + dv)  # widened K/V tiles of a half cache
         sizes = dict(
             chunk=chunk, splits=splits, stacked=int(stacked), keys_in_place=int(keys_in_place)
         )
