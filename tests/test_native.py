@@ -432,7 +432,9 @@ def test_native_step_on_either_matmul_equals_the_oracle(
 
 @pytest.fixture
 def small_calibration(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A calibration on small passes (the machinery, not the speed, is under test)."""
+    """A calibration on small passes (the machinery, not the speed, is under test), with
+    no back end forced from outside (``make test-backend`` sets FLASHLEDGER_GEMM)."""
+    monkeypatch.delenv("FLASHLEDGER_GEMM", raising=False)
     monkeypatch.setattr(_calibrate, "_L", 96)
     monkeypatch.setattr(_calibrate, "TILE_CANDIDATES", ((64, 64), (32, 48)))
 
