@@ -513,7 +513,7 @@ def _new_ledger(pb: Problem, name: str, block_q: int, block_k: int, order: str) 
 
 
 def _classes(pb: Problem, block_q: int, block_k: int) -> list[list[int]] | None:
-    return None if pb.mask is None else pb.mask.tile_classes(block_q, block_k).tolist()
+    return None if pb.mask is None else pb.mask.tile_class_rows(block_q, block_k)
 
 
 def _workspace(pb: Problem, block_q: int, block_k: int) -> _Workspace:
@@ -567,13 +567,15 @@ def _native_rows(pb: Problem, x5: torch.Tensor) -> torch.Tensor:
     return x5.to(pb.dtype).reshape(-1, *x5.shape[-2:]).contiguous()
 
 
-def _native_common(pb: Problem) -> dict[str, Any]:
+def _native_common(
+    pb: Problem, ran: list[tuple[int, int, int, int, int, torch.Tensor | None]]
+) -> dict[str, Any]:
     """The native pass arguments every pass shares: group size, scale, query heads per
-    batch and an interval mask (local half-open ``[lo, hi)`` per row)."""
+    batch and, when a partial tile of the pass ``ran`` reads it, an interval mask (local
+    half-open ``[lo, hi)`` per row; a pass of full tiles, as a decode step's, needs none)."""
     iv = None
-    if isinstance(pb.mask, IntervalBound):
-        ko = pb.geo.k_offset
-        iv = (pb.mask.lo - ko, pb.mask.hi - ko + 1)  # (Bm, Lq) each
+    if isinstance(pb.mask, IntervalBound) and any(t[0] == PARTIAL for t in ran):
+        iv = pb.mask.local_intervals()  # (Bm, Lq) each
     return dict(group=pb.shape[3], scale=pb.smod.scale, heads_per_batch=pb.shape[1], intervals=iv)
 
 
@@ -657,7 +659,7 @@ def _forward_native(
         splits=splits,
         stacked=stacked,
         keys_in_place=in_place,
-        **_native_common(pb),
+        **_native_common(pb, ran),
     )  # (S, B·Hq, Lq, d_v), (S, B·Hq, Lq)
     o, lse = o_s[0], lse_s[0]
     for s in range(1, splits):  # -- the one merge, parts in order --
@@ -726,7 +728,7 @@ def _backward_native(
         d_eff.to(dt).reshape(heads, lq).contiguous(),
         sched,
         splits=splits,
-        **_native_common(pb),
+        **_native_common(pb, ran),
     )
     _book_native(book, ran, sched.seen, d, dv, forward=False)
     read = {t[3] for t in ran}  # key tiles with a tile run
