@@ -661,9 +661,8 @@ def _forward_native(
         keys_in_place=in_place,
         **_native_common(pb, ran),
     )  # (S, B·Hq, Lq, d_v), (S, B·Hq, Lq)
-    o, lse = o_s[0], lse_s[0]
-    for s in range(1, splits):  # -- the one merge, parts in order --
-        o, lse = online.merge_partials(o, lse, o_s[s], lse_s[s])
+    if splits > 1:  # -- the one merge, every part at once --
+        o_s, lse_s = online.merge_partials(o_s, lse_s)  # (B·Hq, Lq, d_v), (B·Hq, Lq)
     _book_native(book, ran, sched.seen, d, dv, forward=True)
     read = {t[1] for t in ran}  # query tiles with a tile run
     for q0, q1 in qtiles:
@@ -671,7 +670,7 @@ def _forward_native(
             book.io(read=(q1 - q0) * d)
         book.io(write=(q1 - q0) * (dv + 1))
     book.flush()
-    return o.view(b, hkv, g, lq, dv), lse.view(b, hkv, g, lq), ledger
+    return o_s.view(b, hkv, g, lq, dv), lse_s.view(b, hkv, g, lq), ledger
 
 
 def _book_native(
