@@ -38,6 +38,30 @@ __all__ = ["flash_attention"]
 
 
 class _FlashAttention(torch.autograd.Function):
+    @classmethod
+    def apply(  # type: ignore[override]
+        cls,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        bias: torch.Tensor | None,
+        opts: dict[str, Any],
+        sink: Callable[[Ledger], None] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(o, lse)``; through autograd only when a gradient can flow (grad mode on and an
+        input requires one, or a functorch transform is active): otherwise the forward alone,
+        as autograd would run it, without a graph node (its bookkeeping is a large part of a
+        decode step)."""
+        if (
+            torch.is_grad_enabled()
+            and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, bias))
+        ) or torch._C._are_functorch_transforms_active():
+            return super().apply(q, k, v, bias, opts, sink)  # type: ignore[no-any-return]
+        res = blocked_forward(q, k, v, bias=bias, **opts)
+        if sink is not None:
+            sink(res.ledger)
+        return res.o, res.lse
+
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,

@@ -114,6 +114,7 @@ LoopOrder = Literal["fa2", "fa1"]
 # block_q/block_k given explicitly are always used as given.
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 512
+_HALF = (torch.bfloat16, torch.float16)  # dtypes the native step reads in place (decode)
 
 
 @dataclass(frozen=True)
@@ -563,8 +564,15 @@ def _native_vis(
 
 
 def _native_rows(pb: Problem, x5: torch.Tensor) -> torch.Tensor:
-    """A ``(B, Hkv, G|1, L, X)`` tensor as contiguous ``(B·Hkv·(G|1), L, X)`` in the loop's dtype."""
-    return x5.to(pb.dtype).reshape(-1, *x5.shape[-2:]).contiguous()
+    """A ``(B, Hkv, G|1, L, X)`` tensor as contiguous ``(B·Hkv·(G|1), L, X)`` in the loop's
+    dtype (a view when it is one already)."""
+    return _flat(x5 if x5.dtype == pb.dtype else x5.to(pb.dtype))
+
+
+def _flat(x5: torch.Tensor) -> torch.Tensor:
+    """``(B, Hkv, G|1, L, X)`` as contiguous ``(B·Hkv·(G|1), L, X)``, in its own dtype."""
+    x = x5 if x5.is_contiguous() else x5.contiguous()
+    return x.view(-1, *x.shape[-2:])
 
 
 def _native_common(
@@ -645,11 +653,9 @@ def _forward_native(
     if items < 4 * threads:  # too few to balance: split each row's key tiles
         splits = max(1, min(sched.longest_row(), -(-4 * threads // items), 16))
     q = _native_rows(pb, pb.q)
-    k, v = (
-        (x.reshape(-1, *x.shape[-2:]) for x in (pb.k_in, pb.v_in))
-        if in_place and pb.k_in.dtype in (torch.bfloat16, torch.float16)
-        else (_native_rows(pb, x) for x in (pb.k, pb.v))
-    )
+    # K, V in the loop's dtype, or as they are when read in place (a half-precision cache)
+    half_in_place = in_place and pb.k_in.dtype in _HALF
+    k, v = (_flat(x) if half_in_place else _native_rows(pb, x) for x in (pb.k_in, pb.v_in))
     o_s, lse_s = kern.forward(
         q,
         k,
@@ -947,10 +953,12 @@ def blocked_forward(
         trace=Trace.of(trace),
         observer=observer,
     )
-    pb.check_forward_lse(lse, o)
-    if not raw_lse:
+    if pb.check_forward_lse(lse, o) and not raw_lse:  # a row saw no key
         lse = _conventional_lse(lse, pb.conventions)
-    return ForwardResult(o=pb.user_q(o).to(pb.out_dtype), lse=pb.user_rows(lse), ledger=ledger)
+    o = pb.user_q(o)
+    if o.dtype != pb.out_dtype:
+        o = o.to(pb.out_dtype)
+    return ForwardResult(o=o, lse=pb.user_rows(lse), ledger=ledger)
 
 
 # ----------------------------------------------------------------------------------------
