@@ -183,3 +183,41 @@ def test_decode_helpers_keep_their_layout():
     assert flat.shape == (6, 5, 4) and flat.data_ptr() == x.data_ptr()
     strided = x.transpose(-1, -2)
     assert torch.equal(blocked._native_rows(pb, strided), strided.reshape(6, 4, 5))
+
+
+def test_decode_benchmark_reports_the_fixed_cost_and_the_sweep(tmp_path, capsys):
+    """``flashledger bench --decode``: the fixed cost of a call (Lk = 64: flashledger, SDPA,
+    the native pass and what is around it) and the Lk sweep, in one process, into
+    decode.json; the native pass's timer leaves the step as it found it."""
+    import json
+
+    from flashledger import bench, cli
+
+    kern = _native.kernels()
+    code = cli.main(
+        ["bench", "--decode", "--lengths", "96", "--dtypes", "float32", "--repeats", "3",
+         "--calls", "2", "--no-memory", "--out", str(tmp_path)]
+    )  # fmt: skip
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "decode's fixed cost" in out and "ratio" in out
+    report = json.loads((tmp_path / "decode.json").read_text())
+    fixed, sweep = report["fixed_cost"], report["results"]
+    assert [(r["dtype"], r["batch"], r["lk"]) for r in fixed] == [
+        ("float32", 1, bench.FIXED_COST_LK),
+        ("float32", 8, bench.FIXED_COST_LK),
+    ]
+    assert [(r["lk"], r["batch"]) for r in sweep] == [(96, 1), (96, 8)]
+    for r in fixed:
+        assert r["flashledger_us"] > 0 and r["sdpa_us"] > 0
+        assert r["ratio"] == pytest.approx(r["flashledger_us"] / r["sdpa_us"])
+        if kern is None:
+            assert r["native_pass_us"] is None and r["around_us"] is None
+        else:
+            assert 0 < r["native_pass_us"] < r["flashledger_us"]
+            assert r["around_us"] == pytest.approx(r["flashledger_us"] - r["native_pass_us"])
+    if kern is not None:
+        assert "forward" not in vars(kern), "the timer is gone"
+        with bench.native_pass_timer() as spent:
+            fl.flash_attention(*_decode_inputs(torch.Generator().manual_seed(0), dtype=f64))
+        assert len(spent) == 1 and "forward" not in vars(kern)
