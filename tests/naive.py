@@ -179,3 +179,61 @@ def tile_classes_from_dense(visible: torch.Tensor, block_q: int, block_k: int) -
             tile = visible[..., a * block_q : (a + 1) * block_q, b * block_k : (b + 1) * block_k]
             out[a, b] = 0 if not bool(tile.any()) else (2 if bool(tile.all()) else 1)
     return out
+
+
+# -- FlexAttention's mods, called as Flex's eager path calls them ------------------------------
+def _bhqkv_vmap(fn: Any, *, score: bool) -> Any:
+    """``fn`` under ``torch.vmap`` over batch, head, query and key (one scalar per call)."""
+    f = fn
+    for dim in (3, 2, 1, 0):
+        in_dims: list[int | None] = [None] * 4
+        in_dims[dim] = 0
+        f = torch.vmap(f, in_dims=tuple([0, *in_dims] if score else in_dims))
+    return f
+
+
+def flex_visible(mask_mod: Any, b: int, h: int, lq: int, lk: int) -> torch.Tensor:
+    """A mask_mod's dense visibility ``(B, H, Lq, Lk)``, evaluated per element under vmap."""
+    idx = (torch.arange(b), torch.arange(h), torch.arange(lq), torch.arange(lk))
+    return _bhqkv_vmap(mask_mod, score=False)(*idx)  # type: ignore[no-any-return]
+
+
+def naive_flex(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask_mod: Any = None,
+    score_mod: Any = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlexAttention's definition, dense: ``(o, lse)``, differentiable in q, k, v and every
+    tensor the mods capture. ``(B, H, L, d)`` tensors, K/V heads repeated for GQA; the mods
+    are called per element (``torch.vmap``); a fully-masked row has O = 0 and LSE -inf."""
+    hq, hkv = q.shape[1], k.shape[1]
+    k = k.repeat_interleave(hq // hkv, dim=1)
+    v = v.repeat_interleave(hq // hkv, dim=1)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    s = (q @ k.transpose(-1, -2)) * scale  # (B, H, Lq, Lk)
+    if score_mod is not None:
+        idx = [torch.arange(n) for n in s.shape]
+        s = _bhqkv_vmap(score_mod, score=True)(s, *idx)
+    visible = None
+    if mask_mod is not None:
+        visible = flex_visible(mask_mod, *s.shape)
+    return naive_attention_scores(s, v, visible)
+
+
+def naive_attention_scores(
+    s: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax of final scores ``s`` ``(B, H, Lq, Lk)`` (masked where ``visible`` is False)
+    times ``v``: ``(o, lse)`` with O = 0 and LSE -inf on fully-masked rows."""
+    if visible is not None:
+        s = torch.where(visible, s, -math.inf)
+    empty = torch.isneginf(s).all(dim=-1, keepdim=True)  # (B, H, Lq, 1)
+    s_safe = torch.where(empty, 0.0, s)
+    p = torch.softmax(s_safe, dim=-1) * (~empty)
+    lse = torch.where(empty.squeeze(-1), -math.inf, torch.logsumexp(s_safe, dim=-1))
+    return p @ v, lse

@@ -45,9 +45,22 @@ def _case(name: str) -> dict[str, Any]:
         "causal-zigzag-gqa": (2, 4, 2, 24, 24, "zigzag"),
         "window-zigzag-uneven": (1, 2, 1, 29, 29, "zigzag"),
         "masked-rows-fa2": (2, 2, 1, 30, 18, "zigzag"),
+        "flex-mods-zigzag": (2, 4, 2, 26, 26, "zigzag"),
     }
     b, hq, hkv, lq, lk, layout = shapes[name]
     d = 8
+    table = torch.randn(hq, lq + lk, generator=g, dtype=F64).requires_grad_(True)
+
+    def rel_bias(
+        s: torch.Tensor, b_: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, kv: torch.Tensor
+    ) -> torch.Tensor:
+        return s + table[h, qi - kv + lk]
+
+    def documents(
+        b_: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, kv: torch.Tensor
+    ) -> torch.Tensor:
+        return (qi // 9 == kv // 9) & (qi >= kv)
+
     opts: dict[str, Any] = {
         "plain": {},
         "causal-contiguous": {"mask": fl.Causal()},
@@ -58,6 +71,13 @@ def _case(name: str) -> dict[str, Any]:
             "mask": fl.Causal("bottom_right") & fl.KeyPadding([18, 0]),
             "conventions": fl.FLASH_ATTN_2,
         },
+        # a mask_mod and a score_mod with a learnable table: each rank gets its share of
+        # the table's gradient
+        "flex-mods-zigzag": {
+            "mask": fl.MaskMod(documents),
+            "score_mod": rel_bias,
+            "conventions": fl.FLEX_ATTENTION,
+        },
     }[name]
     return {
         "q": torch.randn(b, hq, lq, d, generator=g, dtype=F64),
@@ -67,6 +87,7 @@ def _case(name: str) -> dict[str, Any]:
         "dlse": torch.randn(b, hq, lq, generator=g, dtype=F64),
         "layout": layout,
         "opts": opts,
+        "table": table,
     }
 
 
@@ -76,6 +97,7 @@ CASES = (
     "causal-zigzag-gqa",
     "window-zigzag-uneven",
     "masked-rows-fa2",
+    "flex-mods-zigzag",
 )
 
 
@@ -120,7 +142,9 @@ def _run_case(name: str, group: Any, members: list[int]) -> dict[str, Any] | Non
         [o, lse],
         [shard_sequence(c["do"], r, w, layout), shard_sequence(c["dlse"], r, w, layout, dim=-1)],
     )
-    mine = [t.detach() for t in (o, lse, *(x.grad for x in xs))]
+    table = c["table"]
+    table_grad = torch.zeros_like(table) if table.grad is None else table.grad
+    mine = [t.detach() for t in (o, lse, *(x.grad for x in xs), table_grad)]
     every: list[Any] = [None] * w
     dist.all_gather_object(every, mine, group=group)
     full_ledger = ledger.gather(group)
@@ -160,6 +184,15 @@ def _run_case(name: str, group: Any, members: list[int]) -> dict[str, Any] | Non
             errors.append(f"{n} differs from the twin: worst {_worst(got[n], getattr(twin, n))[1]}")
         if bool(torch.isnan(got[n]).any()):
             errors.append(f"{n} has NaN")
+    has_table = "score_mod" in opts
+    d_table = sum(e[5] for e in every)  # the ranks' shares
+    want_table = refb.captured_grads[0][1] if has_table else torch.zeros_like(table)
+    err, where = _worst(d_table, want_table)
+    diffs["d_table"] = err
+    if not err <= 1e-12:
+        errors.append(f"d table vs oracle: {err:.3g} > 1e-12 at {where}")
+    if has_table and not torch.allclose(d_table, twin.captured_grads[0][1], rtol=0, atol=1e-14):
+        errors.append("d table differs from the twin's")
     if full_ledger != twin.ledger:
         errors.append("the gathered ledger (hops, pairs, per-step states) differs from the twin's")
     if not full_ledger.comm_matches():

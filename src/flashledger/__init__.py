@@ -40,6 +40,7 @@ _EXPORTS: dict[str, str] = {
     "ForwardResult": "blocked",
     "BackwardResult": "blocked",
     "flash_attention": "autograd",
+    "flex_attention": "_flex",
     "OnlineSoftmax": "online",
     "OnlineState": "online",
     "merge": "online",
@@ -55,6 +56,7 @@ _EXPORTS: dict[str, str] = {
     "KeyPadding": "masks",
     "DenseMask": "masks",
     "Padding": "masks",
+    "MaskMod": "_maskmod",
     "Conventions": "conventions",
     "PRESETS": "conventions",
     "SEED": "conventions",
@@ -107,6 +109,7 @@ __all__ = [
     "KeyPadding",
     "Ledger",
     "Mask",
+    "MaskMod",
     "ModelLedger",
     "OnlineSoftmax",
     "OnlineState",
@@ -125,6 +128,7 @@ __all__ = [
     "blocked_backward",
     "blocked_forward",
     "flash_attention",
+    "flex_attention",
     "ledger_of",
     "lse_from_base2",
     "lse_to_base2",
@@ -159,7 +163,9 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from ._flex import flex_attention
     from ._kvcache import KVCacheLedger, KVCacheResult, apply_rotary, attention_with_kvcache
+    from ._maskmod import MaskMod
     from ._native import native_status
     from ._options import AttentionOptions
     from ._problem import Placement

@@ -327,22 +327,30 @@ void SUF(fl_matmul_rate)(T *bufs, int n, int reps) {
     }
 }
 
-/* dst (n, cols, rows) = src (n, rows, cols) transposed, in 64 x 64 blocks over the
- * threads: the Kᵀ / Vᵀ a pass reads, laid out once. */
-void SUF(fl_transpose)(const T *src, T *dst, long long n, long long rows, long long cols) {
+/* dst (n, cols, ld) = src (n, rows, cols) transposed (row stride ld >= rows), in 64 x 64
+ * blocks over the threads: the Kᵀ / Vᵀ a pass reads, laid out once. */
+void SUF(fl_transpose)(const T *src, T *dst, long long n, long long rows, long long cols,
+                      long long ld) {
     long long rb = (rows + 63) / 64;
 #pragma omp parallel for schedule(static)
     for (long long w = 0; w < n * rb; ++w) {
         long long b = w / rb, r0 = (w % rb) * 64, r1 = r0 + 64 < rows ? r0 + 64 : rows;
         const T *sb = src + b * rows * cols;
-        T *db = dst + b * rows * cols;
+        T *db = dst + b * ld * cols;
         for (long long c0 = 0; c0 < cols; c0 += 64) {
             long long c1 = c0 + 64 < cols ? c0 + 64 : cols;
             for (long long c = c0; c < c1; ++c)
-                for (long long r = r0; r < r1; ++r) db[c * rows + r] = sb[r * cols + c];
+                for (long long r = r0; r < r1; ++r) db[c * ld + r] = sb[r * cols + c];
         }
     }
 }
+
+/* A row stride for x elements that is not a power of two times a cache line's worth of
+ * elements: x rounded up to whole vectors, plus one vector. Rows of a power-of-two stride
+ * (Lk = 4096, tiles of 512) all fall in a few L1 sets and evict each other when a matmul
+ * walks down a column; one more line per row spreads them over every set. */
+static inline long long padded(long long x) { return (x + W - 1) / W * W + W; }
+long long SUF(fl_padded)(long long x) { return padded(x); }
 
 /* One pass's arguments. Layouts (row-major, contiguous), H = B·Hq query heads, head h
  * reading K/V head h / group. A pass runs a schedule: rows (the forward's query tiles, the
@@ -402,14 +410,17 @@ static inline long long row_base(const struct fl_args *a, const struct rows *b) 
 /* S = factor · Q Kᵀ for a block of rows and keys [k0, k0 + nc), the factor riding on the
  * matmul, or, with `after`, (Q Kᵀ) · factor as the reference rounds it. */
 static void scores(const struct fl_args *a, const struct rows *b, long long k0, int nc, T *s,
-                   double factor, int after) {
+                   long long ls, double factor, int after) {
     const T *qh = a->q + row_base(a, b) * a->d;
-    const T *kt = a->kt + (b->h0 / a->group) * a->d * a->lk + k0;
-    /* S (nr x nc, row-major) = Q_i K_jᵀ, formed as Sᵀ = (Kᵀ_j)ᵀ-columns times Q's rows */
-    mm(nc, b->nr, (int)a->d, after ? (T)1 : (T)factor, kt, a->lk, qh, 1, a->d, 0, s, nc);
+    long long lt = padded(a->lk);
+    const T *kt = a->kt + (b->h0 / a->group) * a->d * lt + k0;
+    /* S (nr x nc, row-major, row stride ls) = Q_i K_jᵀ, formed as Sᵀ = (Kᵀ_j)ᵀ-columns
+     * times Q's rows */
+    mm(nc, b->nr, (int)a->d, after ? (T)1 : (T)factor, kt, lt, qh, 1, a->d, 0, s, ls);
     if (after) {
         T f = (T)factor;
-        for (long long j = 0; j < (long long)b->nr * nc; ++j) s[j] *= f;
+        for (int r = 0; r < b->nr; ++r)
+            for (int j = 0; j < nc; ++j) s[(long long)r * ls + j] *= f;
     }
 }
 
@@ -514,11 +525,11 @@ static long long row_ranges(const struct fl_args *a, const long long *t, const s
 
 /* S[r][c] = -inf where a byte mask hides (row r, column lo + c); within [ca, cb). */
 static void mask_bytes(const struct fl_args *a, const long long *t, const struct rows *b, T *s,
-                       int w, int lo, const int *ca, const int *cb) {
+                       long long ls, int lo, const int *ca, const int *cb) {
     if (!t[4] || !t[5]) return;
     for (int r = 0; r < b->nr; ++r) {
         const unsigned char *vr = vis_row(a, t, row_head(b, r), row_pos(b, r)) + lo;
-        T *row = s + (long long)r * w;
+        T *row = s + (long long)r * ls;
         for (int c = ca[r]; c < cb[r]; ++c)
             if (!vr[c]) row[c] = -INFINITY;
     }
@@ -584,6 +595,7 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
         if (lo == hi) return seen; /* nothing visible: m, ℓ and acc stay as they are */
     }
     int w = hi - lo;
+    long long ls = padded(w); /* S's row stride */
     const T *vh = a->v + (kh * a->lk + t[2] + lo) * a->dv;
     if (ks->qt) { /* keys in place: Sᵀ-columns = Qᵀ-rows · K_j, then transposed */
         const T *kp;
@@ -591,15 +603,15 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
         mm(nr, w, (int)a->d, (T)(a->scale * LOG2E), ks->qt + c0, ks->ldq, kp, 1, a->d, 0,
            ks->sc, nr);
         for (int r = 0; r < nr; ++r)
-            for (int j = 0; j < w; ++j) s[(long long)r * w + j] = ks->sc[(long long)j * nr + r];
+            for (int j = 0; j < w; ++j) s[(long long)r * ls + j] = ks->sc[(long long)j * nr + r];
     } else {
-        scores(a, b, t[2] + lo, w, s, a->scale * LOG2E, 0);
+        scores(a, b, t[2] + lo, w, s, ls, a->scale * LOG2E, 0);
     }
-    if (t[4]) mask_bytes(a, t, b, s, w, lo, ca, cb);
-    T *alpha = s + (long long)nr * w; /* α per row */
+    if (t[4]) mask_bytes(a, t, b, s, ls, lo, ca, cb);
+    T *alpha = s + (long long)nr * ls; /* α per row */
     int moved = 0;                     /* did any row's max move? */
     for (int r = 0; r < nr; ++r) {
-        T *row = s + (long long)r * w;
+        T *row = s + (long long)r * ls;
         int c0r = t[4] ? ca[r] : 0, c1r = t[4] ? cb[r] : w; /* the row's columns */
         T m_old = m[r], top = row_max(row + c0r, c1r - c0r);
         T m_new = m_old > top ? m_old : top, m_sub = m_new == -INFINITY ? 0 : m_new;
@@ -616,7 +628,7 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
             for (int c = 0; c < idv; ++c) ar[c] *= alpha[r];
         }
     /* acc (nr x d_v) += P (nr x w) V_j (w x d_v), formed as accᵀ += V_jᵀ Pᵀ */
-    mm(idv, nr, w, 1, vh, idv, s, 1, w, 1, acc, idv);
+    mm(idv, nr, w, 1, vh, idv, s, 1, ls, 1, acc, idv);
     return seen;
 }
 
@@ -625,7 +637,7 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
  * (natural units; an empty row, ℓ = 0, gives O = 0 and λ = -inf, as online.finalize does)
  * into split s's O and λ. The state stays in the thread's scratch: no other item touches
  * these rows, so the items need no barrier between tiles. Scratch: m, ℓ (nr each), acc
- * (nr · d_v), S/P and α (nr · bk + nr); with keys in place also Qᵀ (d · nr), S columns
+ * (nr · d_v), S/P and α (nr · padded(bk) + nr); with keys in place also Qᵀ (d · nr), S columns
  * (nr · bk) and, for half K/V, the widened tiles (bk · (d + d_v)). */
 static void forward_item(const struct fl_args *a, long long h0, long long r0, int nr, long long t0,
                          long long t1, long long split) {
@@ -639,7 +651,7 @@ static void forward_item(const struct fl_args *a, long long h0, long long r0, in
     struct keys ks = {NULL, nr, NULL, NULL, NULL};
     struct rows b = {h0, r0, a->stacked ? a->lq : (1LL << 62), nr};
     if (!a->kt) { /* keys in place: the rows' Qᵀ, once */
-        T *qt = s + nr * bk + nr;
+        T *qt = s + nr * padded(bk) + nr;
         const T *qh = a->q + row_base(a, &b) * d;
         for (int r = 0; r < nr; ++r)
             for (long long c = 0; c < d; ++c) qt[c * nr + r] = qh[r * d + c];
@@ -753,21 +765,22 @@ static long long backward_block(const struct fl_args *a, const long long *t, con
         if (lo == hi) return seen; /* every P is 0: no contribution */
     }
     int w = hi - lo;
-    T *dp = s + (long long)nr * w;
+    long long ls = padded(w), lt = padded(a->lk), ldt = padded(nc); /* row strides */
+    T *dp = s + (long long)nr * ls;
     /* the scores the PyTorch step (and the reference) form: the scale on the matmul only
      * when it is a power of two, so that a forward run with that step is matched exactly */
-    scores(a, b, t[2] + lo, w, s, a->scale, !a->scale_exact);
-    if (t[4]) mask_bytes(a, t, b, s, w, lo, ca, cb);
+    scores(a, b, t[2] + lo, w, s, ls, a->scale, !a->scale_exact);
+    if (t[4]) mask_bytes(a, t, b, s, ls, lo, ca, cb);
     long long base = row_base(a, b);
     const T *doh = a->dout + base * a->dv;
-    const T *vt = a->vt + (b->h0 / a->group) * a->dv * a->lk + t[2] + lo;
+    const T *vt = a->vt + (b->h0 / a->group) * a->dv * lt + t[2] + lo;
     const T *qh = a->q + base * a->d;
     T sc = (T)a->scale;
     /* dP (nr x w) = dO V_jᵀ */
-    mm(w, nr, idv, 1, vt, a->lk, doh, 1, idv, 0, dp, w);
+    mm(w, nr, idv, 1, vt, lt, doh, 1, idv, 0, dp, ls);
     const T *lam = a->lam + base, *dd = a->dd + base;
     for (int r = 0; r < nr; ++r) {
-        T *pr = s + (long long)r * w, *dr = dp + (long long)r * w;
+        T *pr = s + (long long)r * ls, *dr = dp + (long long)r * ls;
         VT sh = splat(lam[r]), dv_ = splat(dd[r]), l2e = splat((T)LOG2E);
         int c0 = t[4] ? ca[r] : 0, c1 = t[4] ? cb[r] : w, j = c0;
         zero_outside(pr, c0, c1, w); /* P = dS = 0 where the row cannot see */
@@ -785,9 +798,9 @@ static long long backward_block(const struct fl_args *a, const long long *t, con
     }
     const T *kh = a->k + ((b->h0 / a->group) * a->lk + t[2] + lo) * a->d;
     /* dV_jᵀ (d_v x w) += dOᵀ P;  dK_jᵀ (d x w) += scale Qᵀ dS;  dQ (nr x d) += scale dS K_j */
-    mm(w, idv, nr, 1, s, w, doh, idv, 1, 1, dvt + lo, nc);
-    mm(w, id, nr, sc, dp, w, qh, id, 1, 1, dkt + lo, nc);
-    mm(id, nr, w, sc, kh, id, dp, 1, w, 1, dq, id);
+    mm(w, idv, nr, 1, s, ls, doh, idv, 1, 1, dvt + lo, ldt);
+    mm(w, id, nr, sc, dp, ls, qh, id, 1, 1, dkt + lo, ldt);
+    mm(id, nr, w, sc, kh, id, dp, 1, ls, 1, dq, id);
     return seen;
 }
 
@@ -811,9 +824,10 @@ static void backward_item(const struct fl_args *a, long long kh, long long j0, l
         const long long *t;
         /* scratch: dK_jᵀ, dV_jᵀ of the key tile (its width: some tile of this row runs, so
          * the pass's widest run tile bounds it), then P and dP/dS */
-        T *dkt = a->work + omp_get_thread_num() * a->work_stride, *dvt = dkt + id * nc;
-        T *s = dvt + idv * nc;
-        memset(dkt, 0, (size_t)((id + idv) * nc) * sizeof(T));
+        long long ldt = padded(nc); /* dK_jᵀ, dV_jᵀ row stride */
+        T *dkt = a->work + omp_get_thread_num() * a->work_stride, *dvt = dkt + id * ldt;
+        T *s = dvt + idv * ldt;
+        memset(dkt, 0, (size_t)((id + idv) * ldt) * sizeof(T));
         for (long long ti = ta; ti < tb; ++ti) {
             t = a->tiles + ti * FL_TILE;
             long long q0 = t[0], nrows = t[1] - t[0], seen = 0;
@@ -831,8 +845,8 @@ static void backward_item(const struct fl_args *a, long long kh, long long j0, l
             }
         }
         for (long long c = 0; c < nc; ++c) {
-            for (long long e = 0; e < id; ++e) dk[c * id + e] = dkt[e * nc + c];
-            for (long long e = 0; e < idv; ++e) dv[c * idv + e] = dvt[e * nc + c];
+            for (long long e = 0; e < id; ++e) dk[c * id + e] = dkt[e * ldt + c];
+            for (long long e = 0; e < idv; ++e) dv[c * idv + e] = dvt[e * ldt + c];
         }
     }
 }

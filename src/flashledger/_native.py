@@ -151,8 +151,12 @@ class Kernels:
                 getattr(lib, f"{name}_{suffix}").argtypes = [vp]
                 getattr(lib, f"{name}_{suffix}").restype = None
             tr = getattr(lib, f"fl_transpose_{suffix}")
-            tr.argtypes = [vp, vp, ll, ll, ll]
+            tr.argtypes = [vp, vp, ll, ll, ll, ll]
             tr.restype = None
+            getattr(lib, f"fl_padded_{suffix}").argtypes = [ll]
+            getattr(lib, f"fl_padded_{suffix}").restype = ll
+            getattr(lib, f"fl_set_kc_{suffix}").argtypes = [i]
+            getattr(lib, f"fl_set_kc_{suffix}").restype = i
             getattr(lib, f"fl_set_own_gemm_{suffix}").argtypes = [i]
             # m n k alpha A lda B sbk sbn beta C ldc
             mm = [i, i, i, d, vp, ll, vp, ll, ll, d, vp, ll]
@@ -273,14 +277,20 @@ class Kernels:
             best = max(best, flop * reps / dt / 1e9)
         return best
 
+    def padded(self, dtype: torch.dtype, x: int) -> int:
+        """The row stride the step gives ``x`` elements of ``dtype`` (whole vectors plus
+        one: no power-of-two stride, whose rows would share a few cache sets)."""
+        return int(self.fn("fl_padded", _suffix(dtype))(x))
+
     def transposed(self, x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
-        """``x.mT.contiguous()`` of a contiguous float32/float64 ``(n, rows, cols)``, on the
-        step's threads, written into the flat scratch ``buf``."""
+        """``x.mT`` of a contiguous float32/float64 ``(n, rows, cols)`` laid out with row
+        stride ``padded(rows)``, on the step's threads, in the flat scratch ``buf`` (at
+        least ``n · cols · padded(rows)`` elements). Returns ``(n, cols, rows)`` (a view)."""
         n, rows, cols = x.shape
-        out = buf[: n * cols * rows].view(n, cols, rows)
-        suffix = "f32" if x.dtype == torch.float32 else "f64"
-        self.fn("fl_transpose", suffix)(x.data_ptr(), out.data_ptr(), n, rows, cols)
-        return out
+        ld = self.padded(x.dtype, rows)
+        out = buf[: n * cols * ld].view(n, cols, ld)
+        self.fn("fl_transpose", _suffix(x.dtype))(x.data_ptr(), out.data_ptr(), n, rows, cols, ld)
+        return out[..., :rows]
 
     def max_threads(self) -> int:
         """OpenMP threads a parallel region started from this thread would use."""
@@ -311,12 +321,15 @@ class Kernels:
         in_place = forward and bool(sizes.get("keys_in_place"))
         half = _HALF.get(k.dtype, 0) if in_place else 0
         kt_buf = kt = None
+        lt = self.padded(q.dtype, k.shape[1])  # the row stride of Kᵀ and Vᵀ
         if not in_place:
-            kt_buf = _pool.take("kv_t", k.numel(), q.dtype)
-            kt = self.transposed(k, kt_buf)  # Kᵀ (Hk, d, Lk)
-        vt = v if forward else self.transposed(v, torch.empty_like(v).view(-1))  # Vᵀ
+            kt_buf = _pool.take("kv_t", k.shape[0] * k.shape[2] * lt, q.dtype)
+            kt = self.transposed(k, kt_buf)  # Kᵀ (Hk, d, Lk), rows lt apart
+        vt = v
+        if not forward:
+            vt = self.transposed(v, torch.empty(v.shape[0] * v.shape[2] * lt, dtype=v.dtype))
         alive = [q, k, v, vt, *tensors.values()] + ([kt] if kt is not None else [])
-        assert all(t.is_contiguous() for t in alive)
+        assert all(t.is_contiguous() for t in alive if t is not kt and t is not vt)
         assert all(t.dtype == q.dtype for t in alive if t is not k and t is not v)
         assert k.dtype == v.dtype == (q.dtype if not half else k.dtype)
         work = _pool.take("work", self.max_threads() * work_per_thread, q.dtype)
@@ -398,7 +411,7 @@ class Kernels:
         o = torch.empty(splits, heads, lq, dv, dtype=q.dtype)  # (S, H, Lq, d_v)
         lse = torch.empty(splits, heads, lq, dtype=q.dtype)  # (S, H, Lq)
         d, bk = q.shape[2], sched.widest()[1]
-        work = chunk * (2 + dv) + chunk * bk + chunk  # m, ℓ, acc; S/P; α
+        work = chunk * (2 + dv) + chunk * self.padded(q.dtype, bk) + chunk  # m, ℓ, acc; S/P; α
         if keys_in_place:
             work += d * chunk + chunk * bk + bk * (d + dv)  # Qᵀ; S columns; widened K/V tiles
         sizes = dict(
@@ -447,7 +460,8 @@ class Kernels:
         dk = torch.empty(hk, lk, d, dtype=q.dtype)  # (Hk, Lk, d)
         dv_ = torch.empty(hk, lk, dv, dtype=q.dtype)  # (Hk, Lk, d_v)
         bq, bk = sched.widest()
-        work = (d + dv) * max(bk, 1) + 2 * bq * bk  # dK_jᵀ, dV_jᵀ; P, dP/dS
+        lb = self.padded(q.dtype, max(bk, 1))
+        work = (d + dv) * lb + 2 * bq * lb  # dK_jᵀ, dV_jᵀ; P, dP/dS
         self._run(
             "fl_backward",
             q,

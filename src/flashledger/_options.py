@@ -14,6 +14,7 @@ from typing import Any, TypedDict
 
 import torch
 
+from ._mods import ScoreModFn
 from .conventions import Conventions
 from .masks import Mask
 
@@ -24,8 +25,9 @@ class AttentionOptions(TypedDict, total=False):
     """Keyword options of every entry point (all optional; defaults in brackets).
 
     - ``mask``: a ``Mask`` (``Causal``, ``SlidingWindow``, ``KeyPadding``,
-      ``Padding``, ``DenseMask``, their ``&``) or a boolean tensor broadcastable
-      to ``(B, H, Lq, Lk)``, True = visible [None: every key visible].
+      ``Padding``, ``DenseMask``, ``MaskMod``, their ``&`` and ``|``) or a boolean
+      tensor broadcastable to ``(B, H, Lq, Lk)``, True = visible [None: every key
+      visible].
     - ``scale``: multiplies ``q kᵀ`` [``1/sqrt(d)``].
     - ``conventions``: a ``Conventions`` preset or its name [``SEED``].
     - ``dropout_p``, ``seed``: dropout probability in ``[0, 1)`` and the seed of
@@ -43,6 +45,10 @@ class AttentionOptions(TypedDict, total=False):
       how many queries / keys of each batch element (sequence) are used; the
       causal diagonal, windows and ALiBi are aligned to them, as flash-attn
       aligns them; query rows past ``seqused_q`` see no key [None: all].
+    - ``score_mod``: a FlexAttention ``score_mod(score, b, h, q_idx, kv_idx)
+      -> score``, called once per tile on broadcast index tensors, after the
+      scale, softcap, ALiBi and bias; the tensors it captures that require
+      grad get gradients [None].
     """
 
     mask: Mask | torch.Tensor | None
@@ -58,6 +64,7 @@ class AttentionOptions(TypedDict, total=False):
     cu_seqlens_k: torch.Tensor | None
     seqused_q: torch.Tensor | None
     seqused_k: torch.Tensor | None
+    score_mod: ScoreModFn | None
 
 
 OPTION_NAMES: frozenset[str] = frozenset(AttentionOptions.__annotations__)

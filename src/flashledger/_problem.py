@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ._checks import all_finite, check_finite, check_float_tensor, check_qkv, check_qkv_finite
+from ._mods import ScoreModFn
 from .conventions import Conventions, get_conventions
 from .dropout import dropout_keep
 from .masks import (
@@ -153,10 +154,14 @@ class Problem:
         j = torch.arange(k0, k1, device=dev).view(1, -1) + self.geo.k_offset
         return dropout_keep(self.seed, self.dropout_p, self.conventions.dropout_keep, bi, hi, i, j)
 
-    def mask_tile(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
-        """Visibility of a tile, bool broadcastable to ``(B, Hkv, G, bq, bk)``."""
+    def mask_tile(self, q0: int, q1: int, k0: int, k1: int, *, kept: bool = True) -> torch.Tensor:
+        """Visibility of a tile, bool broadcastable to ``(B, Hkv, G, bq, bk)``; ``kept``: a
+        partial tile of the loop (a mask_mod's visibility is kept between passes)."""
         assert self.mask is not None
-        vis = self.mask.block(q0, q1, k0, k1)  # (Bm, Hm, bq, bk)
+        if kept:
+            vis = self.mask.tile_visibility(q0, q1, k0, k1)  # (Bm, Hm, bq, bk)
+        else:
+            vis = self.mask.block(q0, q1, k0, k1)
         b, hq, hkv, g = self.shape[:4]
         if vis.shape[1] == 1:
             return vis.unsqueeze(2)
@@ -195,9 +200,12 @@ class Problem:
 
         ``|scale · q·k| <= |scale| · max‖q‖ · max‖k‖`` (softcap bounds it by ``c``), plus
         the largest ALiBi distance times the largest slope and the largest finite ``|bias|``.
-        Infinite when the norms themselves overflow float64.
+        Infinite when the norms themselves overflow float64, or with a score_mod (a user
+        function: no bound).
         """
         sm = self.smod
+        if sm.user is not None:
+            return math.inf
         if sm.softcap is not None:
             bound = sm.softcap
         else:
@@ -232,7 +240,9 @@ class Problem:
             lo, hi = (float(x) for x in torch.aminmax(lse))  # one pass; NaN propagates
         if not hi < math.inf and bool((torch.isnan(lse) | (lse == math.inf)).any()):
             bad = torch.isnan(lse) | (lse == math.inf)  # NaN or +inf: a score reached +inf
-        elif lo == -math.inf:  # -inf on a row that sees keys
+        elif self.smod.user is None and lo == -math.inf:
+            # -inf on a row that sees keys (a score_mod may send a whole row to -inf: Flex
+            # gives that row O = 0 and LSE -inf, as a masked one)
             rows = self.rows_with_keys()
             neg = torch.isneginf(lse)
             bad = neg if rows is None else neg & rows
@@ -271,6 +281,8 @@ class Problem:
         lo = -(bound + slack)
         hi = bound + slack + math.log(self.geo.lk_total) if whole else math.inf
         ok = torch.isfinite(lse) & (lse >= lo) & (lse <= hi)
+        if self.smod.user is not None:  # a score_mod may send a whole row to -inf
+            ok |= torch.isneginf(lse)
         if bool(ok.all()):
             return
         rows = self.rows_with_keys()  # only when needed: a dense mask makes it O(Lq·Lk)
@@ -294,6 +306,12 @@ class Problem:
             check_qkv_finite(*self.inputs)
 
     def _overflow_message(self, where: str) -> str:
+        if self.smod.user is not None:
+            return (
+                f"{where} overflow {_dtype_name(self.dtype)} (or the score_mod gave +inf or "
+                "NaN) although q, k and v are finite: check what the score_mod returns"
+                + self._wider_hint()
+            )
         bound = self.score_bound()
         reach = f"may reach {bound:.3g}" if math.isfinite(bound) else "exceeds float64's range"
         return (
@@ -413,6 +431,7 @@ def build_problem(
     seqused_q: torch.Tensor | None = None,
     seqused_k: torch.Tensor | None = None,
     dropout_mask: torch.Tensor | None = None,
+    score_mod: ScoreModFn | None = None,
     placement: Placement | None = None,
     acc_dtype: torch.dtype | None = None,
 ) -> Problem:
@@ -425,8 +444,8 @@ def build_problem(
     dtypes, devices and options (``_FRAMES``): what validation found and built depends on
     nothing else."""
     tensors = (alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
-    key = None
-    if dropout_mask is None and all(t is None for t in tensors):
+    key = None  # a score_mod is a user function (it may read tensors): never kept
+    if dropout_mask is None and score_mod is None and all(t is None for t in tensors):
         key = _frame_key(
             q, k, v, mask, conventions, placement, acc_dtype, scale, dropout_p, seed, softcap
         )
@@ -449,6 +468,7 @@ def build_problem(
             seqused_q=seqused_q,
             seqused_k=seqused_k,
             dropout_mask=dropout_mask,
+            score_mod=score_mod,
             placement=placement,
             acc_dtype=acc_dtype,
         )
@@ -582,6 +602,7 @@ def _frame_of(
     seqused_q: torch.Tensor | None = None,
     seqused_k: torch.Tensor | None = None,
     dropout_mask: torch.Tensor | None = None,
+    score_mod: ScoreModFn | None = None,
     placement: Placement | None = None,
     acc_dtype: torch.dtype | None = None,
 ) -> _Frame:
@@ -612,6 +633,11 @@ def _frame_of(
         alibi_slopes=alibi_slopes,
         bias=bias,
     )
+    if score_mod is not None and not callable(score_mod):
+        raise TypeError(
+            "score_mod must be None or callable as score_mod(score, b, h, q_idx, kv_idx) -> "
+            f"score, got {type(score_mod).__name__}"
+        )
     place = placement or Placement()
     lq_total = place.lq_total if place.lq_total is not None else lq
     lk_total = place.lk_total if place.lk_total is not None else lk
@@ -727,6 +753,8 @@ def _frame_of(
         bias=bias,
         dtype=acc_dtype,
         alibi_key_index=conv.alibi_causal == "key_index" and causal_in_fa_terms(m, geo),
+        score_mod=score_mod,
+        batch=b,
     )
     keep_mask = None
     if dropout_mask is not None:

@@ -9,7 +9,8 @@ with one all-gather of small integers, from every rank, whatever happened:
 - its shapes, dtype and layout (``_ring_core._META``);
 - a 64-bit digest of each option's canonical text (``FIELDS``): mask (a dense
   mask and a bias by content), scale, conventions, dropout, seed, softcap,
-  ALiBi slopes, bias, tiles, state recording.
+  ALiBi slopes, bias, a score_mod (by its qualified name: a callable has no
+  content to compare), tiles, state recording.
 
 Every rank then sees the same table and takes the same decision. A failed
 rank raises its own error and the others raise a ``ValueError`` quoting it; a
@@ -41,6 +42,7 @@ FIELDS = (
     "softcap",
     "alibi_slopes",
     "bias",
+    "score_mod",
     "block_q",
     "block_k",
     "record_states",
@@ -85,6 +87,13 @@ def _conventions_text(c: Conventions) -> str:
     )
 
 
+def _callable_text(fn: Any) -> str:
+    """A score_mod by its module and qualified name (the same code on every rank)."""
+    if fn is None:
+        return "None"
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+
+
 def _number(x: Any) -> str:
     return "None" if x is None else repr(float(x))
 
@@ -110,6 +119,7 @@ def describe_options(
         "softcap": _number(rest.get("softcap")),
         "alibi_slopes": "None" if alibi is None else _tensor_text(alibi),
         "bias": "None" if bias is None else _tensor_text(bias),
+        "score_mod": _callable_text(rest.get("score_mod")),
         "block_q": str(block_q),
         "block_k": str(block_k),
         "record_states": str(bool(record_states)),

@@ -48,6 +48,7 @@ import torch
 from . import online
 from ._checks import check_finite, check_qkv, check_size
 from ._limits import RING_TIMEOUT_S
+from ._mods import find_captured
 from ._options import AttentionOptions, check_options
 from ._problem import Placement, build_problem, check_option_values
 from ._ring_agree import (
@@ -363,6 +364,8 @@ class _RankRun:
         self.ledger = ledger if isinstance(ledger, RingLedger) else None
         self.recording = self.ledger is not None and self.ledger.record_states  # RankStates
         self.plan: _Plan | None = None
+        # gradients of the tensors a score_mod captures, summed over this rank's pairs
+        self.captured_grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def opts(self) -> _Options:
@@ -568,6 +571,9 @@ class _RankRun:
                         **kw,
                     )
                     self._book_pair("backward", step, src, qc, kc, res.ledger.counters)
+                    for t, g in res.captured_grads:
+                        prev = self.captured_grads.get(id(t))
+                        self.captured_grads[id(t)] = (t, g if prev is None else prev[1] + g)
                     dq[..., qc.local, :] += res.dq
                     dk_s[..., kc.local, :] += res.dk
                     dv_s[..., kc.local, :] += res.dv
@@ -588,10 +594,15 @@ class _RankRun:
 class _RingFunction(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: _RankRun
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        run: _RankRun,
+        *captured: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         o, lse = run.forward(q, k, v)
-        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.save_for_backward(q, k, v, o, lse, *captured)
         ctx.run = run
         return run.finish(q, o, lse)
 
@@ -599,11 +610,15 @@ class _RingFunction(torch.autograd.Function):
     def backward(  # type: ignore[override]
         ctx: Any, do: torch.Tensor, dlse: torch.Tensor | None
     ) -> tuple[Any, ...]:
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, lse, *captured = ctx.saved_tensors
         run: _RankRun = ctx.run
         use_dlse = run.opts.conventions.lse_differentiable and dlse is not None
         dq, dk, dv = run.backward(q, k, v, o, lse, do, dlse if use_dlse else None)
-        return dq, dk, dv, None
+        # this rank's share of each captured tensor's gradient (its query rows' pairs); a
+        # data-parallel all-reduce of the parameters sums the ranks' shares
+        got = run.captured_grads
+        dcap = [got[id(t)][1] if id(t) in got else torch.zeros_like(t) for t in captured]
+        return dq, dk, dv, None, *dcap
 
 
 def ring_attention(
@@ -626,9 +641,11 @@ def ring_attention(
     q ``(..., Lq_shard, d)``, k ``(..., Lk_shard, d)``, v ``(..., Lk_shard, d_v)``
     with ``...`` = ``()``, ``(H,)`` or ``(B, H)`` (GQA allowed). Returns this
     rank's ``o`` ``(..., Lq_shard, d_v)`` (and ``lse`` ``(..., Lq_shard)`` in the
-    accumulation dtype with ``return_lse=True``). Masks, ALiBi, ``bias``
-    (global ``(B, H, Lq, Lk)``, no gradient) and dropout use global positions;
-    every rank must pass the same options. Backward is a collective too: every
+    accumulation dtype with ``return_lse=True``). Masks (a ``MaskMod`` too), ALiBi,
+    ``bias`` (global ``(B, H, Lq, Lk)``, no gradient), a ``score_mod`` and dropout
+    use global positions; every rank must pass the same options. A tensor the
+    score_mod captures gets this rank's share of its gradient (the pairs of its
+    query rows: sum the ranks', as data parallelism does). Backward is a collective too: every
     rank must run it. ``ledger=RingLedger()`` records this rank's hops and
     chunk pairs (``ledger.gather(group)`` combines the ranks);
     ``RingLedger(record_states=True)`` also keeps this rank's running state at the
@@ -652,7 +669,13 @@ def ring_attention(
     run = _rank_run(
         tp, layout=layout, block_q=block_q, block_k=block_k, ledger=ledger, opts=opts, error=err
     )
-    o, lse = _RingFunction.apply(q, k, v, run)
+    captured: tuple[torch.Tensor, ...] = ()
+    score_mod = opts.get("score_mod")
+    wanted = err is None and callable(score_mod) and torch.is_grad_enabled()
+    if wanted and score_mod is not None and isinstance(q, torch.Tensor):
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        captured = find_captured(score_mod, dtype=acc, device=q.device)
+    o, lse = _RingFunction.apply(q, k, v, run, *captured)
     return (o, lse) if return_lse else o
 
 
@@ -715,6 +738,9 @@ class RingResult:
     dk: torch.Tensor | None
     dv: torch.Tensor | None
     ledger: RingLedger
+    captured_grads: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+    """``(tensor, gradient)`` for each tensor a score_mod captures that requires grad,
+    summed over the ranks (empty without ``do`` or a score_mod)."""
 
 
 def simulate_ring(
@@ -787,7 +813,7 @@ def simulate_ring(
                 if dos is not None:
                     dl = dlses[r] if dlses is not None and use_dlse else None
                     grads = run.backward(qs[r], ks[r], vs[r], o, lse, dos[r], dl)
-                out[r] = (*run.finish(qs[r], o, lse), *grads, led)
+                out[r] = (*run.finish(qs[r], o, lse), *grads, led, run.captured_grads)
         except BaseException as e:  # handed to the caller below
             errors[r] = e
             hub.abort()
@@ -818,6 +844,11 @@ def simulate_ring(
     grads_full: list[torch.Tensor | None] = [None, None, None]
     if do is not None:
         grads_full = [unshard_sequence([x[i] for x in res], lay) for i in (2, 3, 4)]
+    captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for x in res:  # each rank's share, summed
+        for key, (t, g) in x[6].items():
+            prev = captured.get(key)
+            captured[key] = (t, g if prev is None else prev[1] + g)
     return RingResult(
         o=o,
         lse=lse,
@@ -825,4 +856,5 @@ def simulate_ring(
         dk=grads_full[1],
         dv=grads_full[2],
         ledger=RingLedger.combine([x[5] for x in res]),
+        captured_grads=tuple(captured.values()),
     )

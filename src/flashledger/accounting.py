@@ -7,7 +7,10 @@ each one against the counters the blocked loop keeps while it runs.
 ``storage_and_work`` books what the seed's section 05 books: the path that
 keeps the whole probability matrix ``P`` against the path that keeps one LSE
 per row, the tensors both keep, the gradient side, the temporary probability
-tile, and the QK dot products, tiles, exponentials and FLOPs of both passes.
+tile, and the QK dot products, tiles, exponentials and FLOPs of both passes;
+with a user's ``MaskMod`` or ``score_mod``, their evaluations too (the loop's
+in closed form from the tile classes; the classification's by classifying, as
+its cost is the mask_mod's own: see ``_tiling``).
 
 ``memory_traffic`` counts slow-memory (HBM) element reads and writes, split by
 tensor, for standard attention (``S`` and ``P`` written to and read back from
@@ -32,7 +35,7 @@ from __future__ import annotations
 
 import html
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -160,6 +163,10 @@ class _Tiling:
     rows_any: int  # Σ_i r_i [query tile i has a tile run]
     keys_any: int  # Σ_j c_j [key tile j has a tile run]
     visible: int  # visible (query, key) pairs, total over batch and query heads
+    mask_mods: int = 0  # user mask_mods the mask evaluates (each per tile call)
+    classify_positions: int = 0  # positions per (batch, head) evaluated to classify, all mask_mods
+    kept: int = 0  # partial tiles whose visibility the classification kept for the loop
+    area_unkept: int = 0  # Σ r_i c_j over the partial tiles not kept
 
     @property
     def total(self) -> int:
@@ -228,13 +235,23 @@ def _tiling(
     _check_masked_size(shape, tq, tk)
     geo = m.geometry(shape.lq, shape.lk, batch=shape.batch, heads=shape.heads, conventions=conv)
     bound = m.bind(geo)
-    kinds = bound.tile_classes(block_q, block_k).to(torch.int64)  # (Tr, Tc)
+    kinds = bound.classes(block_q, block_k).to(torch.int64)  # (Tr, Tc)
+    classify_positions = sum(caller.positions for caller in bound.callers)
     ran = kinds != EMPTY  # (Tr, Tc)
     r = _sizes(shape.lq, block_q)  # (Tr,)
     c = _sizes(shape.lk, block_k)  # (Tc,)
     ran_i = ran.to(torch.int64)  # (Tr, Tc)
     per_row = ran_i.sum(dim=1)  # (Tr,) tiles run in each query tile
     per_col = ran_i.sum(dim=0)  # (Tc,) tiles run in each key tile
+    # a mask_mod: the classification's evaluations are what classifying costs (counted by
+    # the callers); the loop evaluates the partial tiles the classification did not keep
+    callers = bound.callers
+    kept = torch.zeros_like(ran)  # (Tr, Tc)
+    if callers:
+        for i, j in torch.nonzero(kinds == PARTIAL).tolist():
+            q0, k0 = i * block_q, j * block_k
+            kept[i, j] = bound.is_kept(q0, q0 + int(r[i]), k0, k0 + int(c[j]))
+    unkept = (kinds == PARTIAL) & ~kept
     return _Tiling(
         block_q, block_k, tq, tk,
         run=int(ran_i.sum()),
@@ -246,6 +263,10 @@ def _tiling(
         rows_any=int((r * (per_row > 0)).sum()),
         keys_any=int((c * (per_col > 0)).sum()),
         visible=_visible(bound, shape),
+        mask_mods=len(callers),
+        classify_positions=classify_positions,
+        kept=int(kept.sum()),
+        area_unkept=int((r[:, None] * c[None, :] * unkept).sum()),
     )  # fmt: skip
 
 
@@ -369,6 +390,21 @@ class StorageWork(_Report):
     """``2·(d + d_v)`` per dot computed: ``S = QKᵀ`` and ``P V``."""
     flops_backward: int
     """``2·(3d + 2d_v)`` per dot computed: ``S``, ``dP``, ``dV``, ``dQ``, ``dK``."""
+    mask_mod_classify_evals: int = 0
+    """Positions (over batch and query heads) a ``MaskMod``'s mask_mod is evaluated at to
+    classify the tiles, in a pass that classifies (``Lq·Lk`` per mask_mod, or the tiles a
+    closed-form side of ``&``/``|`` leaves open; none for a BlockMask's blocks)."""
+    mask_mod_tiles_kept: int = 0
+    """Partial tiles whose visibility the classification keeps for the loop (up to
+    ``masks.KEEP_BYTES``)."""
+    mask_mod_tiles: int = 0
+    """Tile calls of the mask_mods in each pass: the partial tiles not kept, per mask_mod."""
+    mask_mod_evals: int = 0
+    """Positions (over batch and query heads) those calls decide."""
+    score_mod_tiles: int = 0
+    """Tile calls of a score_mod in each pass: one per tile run."""
+    score_mod_evals: int = 0
+    """Positions (over batch and query heads) those calls cover: the dots computed."""
 
     @property
     def saved_elements(self) -> int:
@@ -400,6 +436,12 @@ class StorageWork(_Report):
             "exps_backward": self.exps_backward,
             "flops_forward": self.flops_forward,
             "flops_backward": self.flops_backward,
+            "mask_mod_classify_evals": self.mask_mod_classify_evals,
+            "mask_mod_tiles_kept": self.mask_mod_tiles_kept,
+            "mask_mod_tiles": self.mask_mod_tiles,
+            "mask_mod_evals": self.mask_mod_evals,
+            "score_mod_tiles": self.score_mod_tiles,
+            "score_mod_evals": self.score_mod_evals,
             "bytes": {
                 "common": sum(self.common_elements.values()) * b,
                 "full_p": self.full_p_elements * b,
@@ -457,7 +499,28 @@ class StorageWork(_Report):
             work("backward", "exponentials", self.exps_backward, "tile entries"),
             work("forward", "FLOPs", self.flops_forward, "2(d + d_v) per dot computed"),
             work("backward", "FLOPs", self.flops_backward, "2(3d + 2d_v) per dot computed"),
+            *self._mod_rows(work),
         ]  # fmt: skip
+
+    def _mod_rows(self, work: Any) -> list[list[str]]:
+        """Rows of a user's mask_mod and score_mod (none without them)."""
+        rows = []
+        if self.mask_mod_classify_evals or self.mask_mod_tiles or self.mask_mod_tiles_kept:
+            rows += [
+                work("classification", "mask_mod positions", self.mask_mod_classify_evals,
+                     "to classify the tiles"),
+                work("classification", "partial tiles kept", self.mask_mod_tiles_kept,
+                     "visibility kept for the loop"),
+                work("each pass", "mask_mod tile calls", self.mask_mod_tiles,
+                     "partial tiles not kept"),
+                work("each pass", "mask_mod positions", self.mask_mod_evals, "in those calls"),
+            ]  # fmt: skip
+        if self.score_mod_tiles:
+            rows += [
+                work("each pass", "score_mod tile calls", self.score_mod_tiles, "one per tile run"),
+                work("each pass", "score_mod positions", self.score_mod_evals, "whole tiles"),
+            ]
+        return rows
 
 
 def storage_and_work(
@@ -474,13 +537,16 @@ def storage_and_work(
     mask: Mask | torch.Tensor | None = None,
     conventions: Conventions | str = SEED,
     dtype: torch.dtype = torch.float64,
+    score_mod: bool | Callable[..., Any] | None = False,
 ) -> StorageWork:
     """The storage-and-work ledger in closed form (the seed's section 05).
 
     Sizes: ``lq``, ``lk``, ``d``, ``d_v`` (default ``d``), ``heads`` query heads,
     ``kv_heads`` (default ``heads``; GQA when fewer), ``batch``; tiles
     ``block_q x block_k``; ``mask`` a ``Mask``, a bool tensor or None;
-    ``conventions`` sets ``Causal()``'s alignment; ``dtype`` sets the bytes.
+    ``conventions`` sets ``Causal()``'s alignment; ``dtype`` sets the bytes;
+    ``score_mod``: whether a score_mod is given (True, or the score_mod itself: its
+    evaluations are booked).
 
     >>> from flashledger import Causal
     >>> sw = storage_and_work(lq=5, lk=5, d=2, block_q=2, block_k=2, mask=Causal())
@@ -490,6 +556,11 @@ def storage_and_work(
     shape = _Shape.build(lq, lk, d, d_v, heads, kv_heads, batch)
     conv = get_conventions(conventions)
     size = _element_size(dtype)
+    if not (score_mod is None or isinstance(score_mod, bool) or callable(score_mod)):
+        raise TypeError(
+            f"score_mod must be True/False or the score_mod callable, got {type(score_mod).__name__}"
+        )
+    score_mod = bool(score_mod)
     t = _tiling(shape, block_q, block_k, mask, conv)
     bh, bkv = shape.bh, shape.batch * shape.kv_heads
     computed = t.area * bh
@@ -531,6 +602,12 @@ def storage_and_work(
         exps_backward=computed,
         flops_forward=2 * (shape.d + shape.d_v) * computed,
         flops_backward=2 * (3 * shape.d + 2 * shape.d_v) * computed,
+        mask_mod_classify_evals=t.classify_positions * bh,
+        mask_mod_tiles_kept=t.kept,
+        mask_mod_tiles=(t.partial - t.kept) * t.mask_mods,
+        mask_mod_evals=t.area_unkept * t.mask_mods * bh,
+        score_mod_tiles=t.run if score_mod else 0,
+        score_mod_evals=computed if score_mod else 0,
     )
 
 

@@ -13,24 +13,43 @@ tile steps), so the gradients are themselves differentiable, exactly, to any
 order (``gradgradcheck`` in float64). That graph holds every tile's
 intermediates: memory ``O(B·H·Lq·Lk)``, like PyTorch's math backend.
 
-``_FlashAttention.apply(q, k, v, bias, opts, sink)`` is the op itself; ``sink``
-(or None) is called with each pass's ``Ledger`` as the pass ends, which is how
-a model's ledger (``flashledger.model.ledger_of``) books both passes of every
-attention call (a backward that builds a graph has no blocked ledger to book).
+``_FlashAttention.apply(q, k, v, bias, opts, sink, *captured)`` is the op
+itself; ``sink`` (or None) is called with each pass's ``Ledger`` as the pass
+ends, which is how a model's ledger (``flashledger.model.ledger_of``) books
+both passes of every attention call (a backward that builds a graph has no
+blocked ledger to book). Where no gradient can flow (grad mode off, or no input
+requires one: inference, a decode step) ``apply`` runs that forward alone,
+without an autograd node, whose bookkeeping would cost more than a short call's
+arithmetic.
+
+With a ``score_mod``, the tensors it captures that require grad (found once
+per call, ``_mods.find_captured``) are the op's ``captured`` inputs, so that
+its backward returns their gradients (summed over the tiles). The backward
+reuses the forward's bound mask and score_mod: a ``MaskMod`` is classified
+once per call, and the partial tiles' visibility it kept is not evaluated
+again. Second-order gradients with a score_mod are not supported (refused).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, Unpack
 
 import torch
 
 from ._backward_graph import graph_backward
+from ._mods import find_captured
 from ._options import AttentionOptions, check_options
-from .blocked import LoopOrder, blocked_backward, blocked_forward
+from ._problem import Problem, build_problem
+from .blocked import (
+    ForwardResult,
+    LoopOrder,
+    _backward_problem,
+    _check_options,
+    _forward_problem,
+)
 from .conventions import SEED, get_conventions
 from .ledger import Ledger
 
@@ -47,19 +66,19 @@ class _FlashAttention(torch.autograd.Function):
         bias: torch.Tensor | None,
         opts: dict[str, Any],
         sink: Callable[[Ledger], None] | None = None,
+        *captured: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(o, lse)``; through autograd only when a gradient can flow (grad mode on and an
         input requires one, or a functorch transform is active): otherwise the forward alone,
         as autograd would run it, without a graph node (its bookkeeping is a large part of a
         decode step)."""
+        inputs = (q, k, v, bias, *captured)
         if (
             torch.is_grad_enabled()
-            and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, bias))
+            and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
         ) or torch._C._are_functorch_transforms_active():
-            return super().apply(q, k, v, bias, opts, sink)  # type: ignore[no-any-return]
-        res = blocked_forward(q, k, v, bias=bias, **opts)
-        if sink is not None:
-            sink(res.ledger)
+            return super().apply(q, k, v, bias, opts, sink, *captured)  # type: ignore[no-any-return]
+        _, res = _forward(q, k, v, bias, opts, sink, captured)
         return res.o, res.lse
 
     @staticmethod
@@ -71,26 +90,34 @@ class _FlashAttention(torch.autograd.Function):
         bias: torch.Tensor | None,
         opts: dict[str, Any],
         sink: Callable[[Ledger], None] | None = None,
+        *captured: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        res = blocked_forward(q, k, v, bias=bias, **opts)
+        pb, res = _forward(q, k, v, bias, opts, sink, captured)
         ctx.set_materialize_grads(False)  # an unused LSE output costs no zero tensor and no pass
-        ctx.save_for_backward(q, k, v, bias, res.o, res.lse)
+        ctx.save_for_backward(q, k, v, bias, res.o, res.lse, *captured)
         ctx.opts, ctx.sink = opts, sink
-        if sink is not None:
-            sink(res.ledger)
+        # the bound mask (tile classes, kept partial tiles) and score_mod, for the backward
+        ctx.bound = (pb.mask, pb.smod.user)
         return res.o, res.lse
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: Any, do: torch.Tensor, dlse: torch.Tensor | None
     ) -> tuple[Any, ...]:
-        q, k, v, bias, o, lse = ctx.saved_tensors
+        q, k, v, bias, o, lse, *captured = ctx.saved_tensors
         opts = ctx.opts
         use_dlse = get_conventions(opts["conventions"]).lse_differentiable and dlse is not None
+        none = (None,) * len(captured)
         if do is None and not use_dlse:  # neither output carries a gradient
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, *none
         do = torch.zeros_like(o) if do is None else do.contiguous()
         if torch.is_grad_enabled():  # create_graph=True: gradients autograd can differentiate
+            if opts.get("score_mod") is not None:
+                raise ValueError(
+                    "flash_attention: second-order gradients (create_graph=True) are not "
+                    "supported with a score_mod; take first-order gradients, or express the "
+                    "modification as softcap=, alibi_slopes= or bias="
+                )
             conv = get_conventions(opts["conventions"])
             raw = replace(conv, masked_row_lse=-math.inf, lse_differentiable=True)
             o_g, lse_g = _FlashAttention.apply(q, k, v, bias, {**opts, "conventions": raw})
@@ -98,13 +125,61 @@ class _FlashAttention(torch.autograd.Function):
                 q, k, v, o_g, lse_g, do, dlse if use_dlse else None, bias, opts
             )
             return dq, dk, dv, dbias if ctx.needs_input_grad[3] else None, None, None
-        res = blocked_backward(
-            q, k, v, o, lse, do, dlse=dlse if use_dlse else None, bias=bias, **opts
-        )
+        problem, loop = _split(opts)
+        pb = build_problem(q, k, v, bias=bias, **problem)
+        pb.mask, pb.smod.user = ctx.bound  # the same geometry: the forward's serve as they are
+        res = _backward_problem(pb, o, lse, do, dlse if use_dlse else None, bias=bias, **loop)
         if ctx.sink is not None:
             ctx.sink(res.ledger)
         dbias = res.dbias if bias is not None and ctx.needs_input_grad[3] else None
-        return res.dq, res.dk, res.dv, dbias, None, None
+        found = _match(captured, res.captured_grads)
+        dcaptured = [g if ctx.needs_input_grad[6 + n] else None for n, g in enumerate(found)]
+        return res.dq, res.dk, res.dv, dbias, None, None, *dcaptured
+
+
+def _forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    opts: dict[str, Any],
+    sink: Callable[[Ledger], None] | None,
+    captured: Sequence[torch.Tensor],
+) -> tuple[Problem, ForwardResult]:
+    """The op's forward pass: its problem and result; the ledger goes to ``sink``."""
+    problem, loop = _split(opts)
+    pb = build_problem(q, k, v, bias=bias, **problem)
+    if pb.smod.user is not None:
+        pb.smod.user.use_captured(tuple(captured))  # found once, by flash_attention
+    res = _forward_problem(pb, **loop)
+    if sink is not None:
+        sink(res.ledger)
+    return pb, res
+
+
+_LOOP = ("block_q", "block_k", "loop_order")
+
+
+def _split(opts: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The op's options as ``(build_problem's, the loop's)``."""
+    problem = {n: x for n, x in opts.items() if n not in _LOOP}
+    return problem, {n: opts[n] for n in _LOOP}
+
+
+def _match(
+    captured: Sequence[torch.Tensor], grads: Sequence[tuple[torch.Tensor, torch.Tensor]]
+) -> list[torch.Tensor | None]:
+    """The gradient of each captured tensor, by identity (by position if the backward's
+    search found them as other tensor objects)."""
+    by_id = {id(t): g for t, g in grads}
+    if all(id(t) in by_id for t in captured):
+        return [by_id[id(t)] for t in captured]
+    if len(grads) == len(captured):
+        return [g for _, g in grads]
+    raise RuntimeError(
+        f"the score_mod captured {len(captured)} tensor(s) requiring grad in the forward and "
+        f"{len(grads)} in the backward; keep the tensors it captures fixed until backward"
+    )
 
 
 def flash_attention(
@@ -123,9 +198,11 @@ def flash_attention(
     q ``(..., Lq, d)``, k ``(..., Lk, d)``, v ``(..., Lk, d_v)``; returns ``o``
     ``(..., Lq, d_v)`` (and ``lse`` ``(..., Lq)`` with ``return_lse=True``).
     ``opts``: ``AttentionOptions``, as for ``blocked_forward``; ``bias`` receives
-    a gradient when it requires one.
+    a gradient when it requires one, and so does every tensor a ``score_mod``
+    captures that requires one.
     """
     check_options("flash_attention", opts)
+    _check_options(block_q, block_k, loop_order)
     slopes = opts.get("alibi_slopes")
     if isinstance(slopes, torch.Tensor) and slopes.requires_grad:
         raise ValueError(
@@ -136,7 +213,12 @@ def flash_attention(
     bias = rest.pop("bias", None)
     rest.setdefault("conventions", SEED)
     rest.update(block_q=block_q, block_k=block_k, loop_order=loop_order)
-    o, lse = _FlashAttention.apply(q, k, v, bias, rest)
+    captured: tuple[torch.Tensor, ...] = ()
+    score_mod = rest.get("score_mod")
+    if score_mod is not None and torch.is_grad_enabled() and isinstance(q, torch.Tensor):
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        captured = find_captured(score_mod, dtype=acc, device=q.device)
+    o, lse = _FlashAttention.apply(q, k, v, bias, rest, None, *captured)
     return (o, lse) if return_lse else o
 
 

@@ -30,7 +30,13 @@ dS_ij    ``ds``        (B, Hkv, G, bq, bk)        P ⊙ (dP - D)
 =======  ============  =========================  ====================================
 
 A mask classifies every tile: empty tiles are skipped (booked as skipped),
-full tiles never evaluate the mask, partial tiles do.
+full tiles never evaluate the mask, partial tiles do. A user's FlexAttention
+``mask_mod`` (``MaskMod``) is evaluated on each partial tile at once, and a
+``score_mod`` on each tile run at once (in the backward with its graph, for
+its vector-Jacobian product on the tile); the ledger books both
+(``mask_mod_*`` and ``score_mod_*`` counters). Tiles with a score_mod run the
+PyTorch step; without one, a mask_mod's full tiles run the native step and its
+partial tiles hand it their visibility bytes, as a dense mask's do.
 
 Counters (``ledger.counters``, totals over batch and query heads) are always
 kept. Slow-memory traffic is counted in elements, per (batch, query head),
@@ -94,11 +100,13 @@ import torch
 
 from . import _native, online
 from ._checks import check_size
+from ._mods import find_captured
 from ._options import AttentionOptions, check_options
 from ._problem import Placement, Problem, build_problem
 from .ledger import BackwardTileStep, Counters, ForwardTileStep, Ledger, Trace, ordinal
 from .masks import EMPTY, FULL, PARTIAL, TILE_KINDS, IntervalBound
 from .reference import _backward_inputs, _conventional_lse
+from .scores import TileGrad
 
 __all__ = [
     "BackwardResult",
@@ -128,7 +136,9 @@ class ForwardResult:
 
 @dataclass(frozen=True)
 class BackwardResult:
-    """Gradients like their inputs; ``dbias`` like ``bias`` (or None); ``D`` ``(..., Lq)``."""
+    """Gradients like their inputs; ``dbias`` like ``bias`` (or None); ``D`` ``(..., Lq)``;
+    ``captured_grads``: ``(tensor, gradient)`` for each tensor the score_mod captures that
+    requires grad (empty without one)."""
 
     dq: torch.Tensor
     dk: torch.Tensor
@@ -136,6 +146,7 @@ class BackwardResult:
     dbias: torch.Tensor | None
     D: torch.Tensor
     ledger: Ledger
+    captured_grads: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
 
 
 def _tiles(n: int, b: int) -> list[tuple[int, int]]:
@@ -305,6 +316,21 @@ class _Book:
         self.c = counters
         self._visible: torch.Tensor | None = None  # pending visible dots (0-d int64)
         self._dropped: torch.Tensor | None = None  # pending dropped entries (0-d int64)
+        # user callables count their own tile calls and positions; the loop's share is
+        # booked by ``flush`` from the difference
+        self._masks = () if pb.mask is None else pb.mask.callers
+        self._score = None if pb.smod.user is None else pb.smod.user.caller
+        self._seen = self._tally()
+
+    def _tally(self) -> tuple[int, int, int, int]:
+        """Tile calls and positions of the mask_mods and of the score_mod so far."""
+        sc = self._score
+        return (
+            sum(m.calls for m in self._masks),
+            sum(m.positions for m in self._masks),
+            0 if sc is None else sc.calls,
+            0 if sc is None else sc.positions,
+        )
 
     def skip(self) -> None:
         self.c.tiles_skipped += 1
@@ -346,7 +372,13 @@ class _Book:
         self.c.elements_written += write * self.bh
 
     def flush(self) -> None:
-        """Move the pending on-device counts into the counters."""
+        """Move the pending on-device counts (and the user callables' calls) into the counters."""
+        now, was = self._tally(), self._seen
+        self.c.mask_mod_tiles += now[0] - was[0]
+        self.c.mask_mod_evals += (now[1] - was[1]) * self.bh
+        self.c.score_mod_tiles += now[2] - was[2]
+        self.c.score_mod_evals += (now[3] - was[3]) * self.bh
+        self._seen = now
         if self._visible is not None:
             self.c.qk_dots_visible += int(self._visible)
             self._visible = None
@@ -357,7 +389,7 @@ class _Book:
 
 def _pending(total: torch.Tensor | None, x: torch.Tensor, area: int) -> torch.Tensor:
     """Add the true entries of a broadcastable bool tile, counted over the full ``area``."""
-    n = x.sum() * (area // x.numel())  # 0-d int64 on x's device
+    n = torch.count_nonzero(x) * (area // x.numel())  # 0-d int64 on x's device
     return n if total is None else total + n
 
 
@@ -413,9 +445,9 @@ def _unflat(pb: Problem, x: torch.Tensor) -> torch.Tensor:
 
 
 def _plain_scores(pb: Problem) -> bool:
-    """True when the scores are just ``scale · q kᵀ`` (no softcap, ALiBi or bias)."""
+    """True when the scores are just ``scale · q kᵀ`` (no softcap, ALiBi, bias or score_mod)."""
     sm = pb.smod
-    return sm.softcap is None and sm.slopes is None and sm.bias is None
+    return sm.softcap is None and sm.slopes is None and sm.bias is None and sm.user is None
 
 
 def _scale_in_matmul(pb: Problem) -> bool:
@@ -439,48 +471,67 @@ def _tile_scores(
     q1: int,
     k0: int,
     k1: int,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """``(s, t, vis, keep)`` of one tile: scores with the mask applied (partial tiles only).
+    *,
+    grad: bool = False,
+) -> tuple[torch.Tensor, TileGrad, torch.Tensor | None, torch.Tensor | None]:
+    """``(s, ctx, vis, keep)`` of one tile: scores with the mask applied (partial tiles only).
 
     ``qi`` ``(B·Hkv, G·bq, d)``, ``kt`` = ``K_jᵀ`` ``(B·Hkv, d, bk)``; ``s``
     ``(B·Hkv, G·bq, bk)`` in workspace slot 0 (plain scores: the scale folded
-    into the matmul).
+    into the matmul); ``ctx``: what the backward needs of the score transform
+    (``grad=True``: the score_mod's graph on the tile).
     """
     qk = ws.get(0, qi.shape[0], qi.shape[1], kt.shape[2])  # (B·Hkv, G·bq, bk)
     if _scale_in_matmul(pb):
         torch.baddbmm(qk, qi, kt, beta=0.0, alpha=pb.smod.scale, out=qk)
     else:
         torch.bmm(qi, kt, out=qk)
-    return _finish_scores(pb, qk, kind, q0, q1, k0, k1)
+    return _finish_scores(pb, qk, kind, q0, q1, k0, k1, grad=grad)
 
 
 def _finish_scores(
-    pb: Problem, qk: torch.Tensor, kind: int, q0: int, q1: int, k0: int, k1: int
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    pb: Problem,
+    qk: torch.Tensor,
+    kind: int,
+    q0: int,
+    q1: int,
+    k0: int,
+    k1: int,
+    *,
+    grad: bool = False,
+) -> tuple[torch.Tensor, TileGrad, torch.Tensor | None, torch.Tensor | None]:
     """Final scores from the tile's ``q kᵀ`` ``(B·Hkv, G·bq, bk)`` (already scaled when the
     scale rides on the matmul).
 
-    Returns ``(s, t, vis, keep)``: softcap's ``t``, the visibility (partial
-    tiles) and the dropout keep mask in the 5-D layout, or None.
+    Returns ``(s, ctx, vis, keep)``: the transform's backward context
+    (``TileGrad``), the visibility (partial tiles) and the dropout keep mask in
+    the 5-D layout, or None.
     """
-    s, t = qk, None
+    s, ctx = qk, TileGrad()
     if not _scale_in_matmul(pb):
-        s5, t = pb.smod.tile(_unflat(pb, qk), q0, q1, k0, k1)
+        s5, ctx = pb.smod.tile(_unflat(pb, qk), q0, q1, k0, k1, grad=grad)
         s = s5.reshape(qk.shape)
     vis = None
     if kind == PARTIAL:
         vis = pb.mask_tile(q0, q1, k0, k1)  # (Bm, Hkv|1, G|1, bq, bk)
         _unflat(pb, s).masked_fill_(~vis, -math.inf)
     keep = pb.keep_tile(q0, q1, k0, k1)  # (B, Hkv, G, bq, bk) or None
-    return s, t, vis, keep
+    return s, ctx, vis, keep
 
 
-def _refuse_graph(where: str, tensors: dict[str, Any]) -> None:
+def _refuse_graph(
+    where: str, tensors: dict[str, Any], score_mod: Any = None, q: Any = None
+) -> None:
     """The loop fills buffers in place and records no graph: with grad mode on, an input that
-    requires a gradient would silently get none from it. Refuse, and name the op that does."""
+    requires a gradient would silently get none from it (a tensor a ``score_mod`` captures
+    too). Refuse, and name the op that does."""
     if not torch.is_grad_enabled():
         return
     names = [n for n, t in tensors.items() if isinstance(t, torch.Tensor) and t.requires_grad]
+    if callable(score_mod) and isinstance(q, torch.Tensor):
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        if find_captured(score_mod, dtype=acc, device=q.device):
+            names.append("tensors the score_mod captures")
     if names:
         raise ValueError(
             f"{where} is not differentiable (its loop records no graph), but "
@@ -513,8 +564,26 @@ def _new_ledger(pb: Problem, name: str, block_q: int, block_k: int, order: str) 
     return led
 
 
-def _classes(pb: Problem, block_q: int, block_k: int) -> list[list[int]] | None:
-    return None if pb.mask is None else pb.mask.tile_class_rows(block_q, block_k)
+def _classes(
+    pb: Problem, block_q: int, block_k: int, ledger: Ledger | None = None
+) -> list[list[int]] | None:
+    """The mask's tile classes (None without a mask); with ``ledger``, set in it, and the
+    positions a mask_mod was evaluated at to find them booked (none when the bound mask
+    knew them already)."""
+    if pb.mask is None:
+        if ledger is not None:
+            ledger.set_tile_classes(None)
+        return None
+    callers = pb.mask.callers
+    before = sum(m.positions for m in callers)
+    classes = pb.mask.tile_class_rows(block_q, block_k)
+    if ledger is not None:
+        b, hq = pb.shape[:2]
+        ledger.counters.mask_mod_classify_evals += (sum(m.positions for m in callers) - before) * (
+            b * hq
+        )
+        ledger.set_tile_classes(classes)
+    return classes
 
 
 def _workspace(pb: Problem, block_q: int, block_k: int) -> _Workspace:
@@ -761,8 +830,7 @@ def _forward(
     kern = _native_step(pb, loop_order, trace is not None or observer is not None)
     block_q, block_k = _resolve_tiles(pb, kern, block_q, block_k)
     ledger = _new_ledger(pb, "forward", block_q, block_k, loop_order)
-    classes = _classes(pb, block_q, block_k)
-    ledger.set_tile_classes(classes)
+    classes = _classes(pb, block_q, block_k, ledger)
     obs, wants = _observers(ledger, trace, observer)
     book = _Book(pb, ledger.counters)
     qtiles, ktiles = _tiles(lq, block_q), _tiles(lk, block_k)
@@ -943,8 +1011,32 @@ def blocked_forward(
     """
     _check_options(block_q, block_k, loop_order)
     check_options("blocked_forward", opts)
-    _refuse_graph("blocked_forward", dict(q=q, k=k, v=v, bias=opts.get("bias")))
+    _refuse_graph(
+        "blocked_forward", dict(q=q, k=k, v=v, bias=opts.get("bias")), opts.get("score_mod"), q
+    )
     pb = build_problem(q, k, v, placement=placement, **opts)
+    return _forward_problem(
+        pb,
+        block_q=block_q,
+        block_k=block_k,
+        loop_order=loop_order,
+        trace=trace,
+        observer=observer,
+        raw_lse=raw_lse,
+    )
+
+
+def _forward_problem(
+    pb: Problem,
+    *,
+    block_q: int | None,
+    block_k: int | None,
+    loop_order: str,
+    trace: bool | int | Trace = False,
+    observer: Any = None,
+    raw_lse: bool = False,
+) -> ForwardResult:
+    """``blocked_forward`` on a built problem."""
     o, lse, ledger = _forward(
         pb,
         block_q=block_q,
@@ -982,8 +1074,7 @@ def _backward(
     kern = _native_step(pb, "fa2", trace is not None or observer is not None)
     block_q, block_k = _resolve_tiles(pb, kern, block_q, block_k)
     ledger = _new_ledger(pb, "backward", block_q, block_k, loop_order)
-    classes = _classes(pb, block_q, block_k)
-    ledger.set_tile_classes(classes)
+    classes = _classes(pb, block_q, block_k, ledger)
     obs, wants = _observers(ledger, trace, observer)
     book = _Book(pb, ledger.counters)
     qtiles, ktiles = _tiles(lq, block_q), _tiles(lk, block_k)
@@ -1048,7 +1139,7 @@ def _backward(
             qi, do_i = q_t[i], do_t[i]
             r = qi.shape[1]
             # -- recompute the scores; dP = dO Vᵀ --
-            s, t, vis, keep = _tile_scores(pb, ws, qi, kt, kind, q0, q1, k0, k1)
+            s, ctx, vis, keep = _tile_scores(pb, ws, qi, kt, kind, q0, q1, k0, k1, grad=True)
             dp = torch.bmm(do_i, vt, out=ws.get(1, n, r, bk))  # (B·Hkv, G·bq, bk)
             ds, p = ws.get(2, n, r, bk), ws.get(3, n, r, bk)  # (B·Hkv, G·bq, bk)
             # -- rebuild the probability block from the whole row's LSE --
@@ -1060,12 +1151,16 @@ def _backward(
                 dp.mul_(keep3).mul_(pb.keep_scale)
             torch.sub(dp, d_t[i], out=ds).mul_(p)  # dS = P ⊙ (dP - D)
             ds_seen = ds.clone() if want else None
+            if pb.smod.user is not None:  # the score_mod's VJP on the tile: dS of its input
+                ds_in = pb.smod.grad_user(_unflat(pb, ds), ctx)
+                if ds_in.data_ptr() != ds.data_ptr():  # (an additive score_mod passes ds on)
+                    ds.copy_(ds_in.reshape(ds.shape))
             if dbias5 is not None:
                 _add_bias_grad(dbias5, _unflat(pb, ds), pb, q0, q1, k0, k1)
             if keep is not None:
                 p.mul_(keep3).mul_(pb.keep_scale)  # the dropped P that weighted V
             if not plain:  # gradient of q kᵀ; plain scores carry the scale in alpha instead
-                ds.copy_(pb.smod.grad_qk(_unflat(pb, ds), t).view(ds.shape))
+                ds.copy_(pb.smod.grad_qk(_unflat(pb, ds), ctx).view(ds.shape))
             # -- accumulate: dQᵀ_i += a Kᵀ_j dSᵀ, dKᵀ_j += a Qᵀ_i dS, dVᵀ_j += dOᵀ_i P --
             dqt_t[i].baddbmm_(kt_c, ds.mT, alpha=a)  # (B·Hkv, d, G·bq)
             dkt_j.baddbmm_(qt_t[i], ds, alpha=a)  # (B·Hkv, d, bk), summed over the group
@@ -1159,11 +1254,49 @@ def blocked_backward(
     _refuse_graph(
         "blocked_backward",
         dict(q=q, k=k, v=v, o=o, lse=lse, do=do, dlse=dlse, bias=opts.get("bias")),
+        opts.get("score_mod"),
+        q,
     )
     pb = build_problem(q, k, v, placement=placement, **opts)
+    return _backward_problem(
+        pb,
+        o,
+        lse,
+        do,
+        dlse,
+        bias=opts.get("bias"),
+        block_q=block_q,
+        block_k=block_k,
+        loop_order=loop_order,
+        trace=trace,
+        observer=observer,
+        whole=placement is None,
+    )
+
+
+def _backward_problem(
+    pb: Problem,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    do: torch.Tensor,
+    dlse: torch.Tensor | None,
+    *,
+    bias: torch.Tensor | None,
+    block_q: int | None,
+    block_k: int | None,
+    loop_order: str,
+    trace: bool | int | Trace = False,
+    observer: Any = None,
+    whole: bool = True,
+) -> BackwardResult:
+    """``blocked_backward`` on a built problem (``flash_attention`` gives it the forward's
+    bound mask, so that a mask_mod's tile classes and kept tiles serve both passes);
+    ``whole``: the call covers the whole sequence (no placement)."""
     o5, do5, dlse5 = _backward_inputs(pb, o, lse, do, dlse)
+    if pb.smod.user is not None:
+        pb.smod.user.reset_grads()
     lse5 = pb.to_internal_rows(lse.to(pb.dtype))
-    pb.check_saved_lse(lse5, whole=placement is None)
+    pb.check_saved_lse(lse5, whole=whole)
     dq, dk, dv, dbias5, D, ledger = _backward(
         pb,
         o5,
@@ -1177,16 +1310,18 @@ def blocked_backward(
         observer=observer,
     )
     pb.check_gradients(dq=dq, dk=dk, dv=dv)
-    dbias, bias = None, opts.get("bias")
+    dbias = None
     if dbias5 is not None and bias is not None:
         dbias = dbias5.reshape(bias.shape).to(bias.dtype)
+    user = pb.smod.user
     return BackwardResult(
-        dq=pb.user_q(dq).to(q.dtype),
-        dk=pb.user_k(dk).to(k.dtype),
-        dv=pb.user_k(dv).to(v.dtype),
+        dq=pb.user_q(dq).to(pb.out_dtype),
+        dk=pb.user_k(dk).to(pb.out_dtype),
+        dv=pb.user_k(dv).to(pb.out_dtype),
         dbias=dbias,
         D=pb.user_rows(D),
         ledger=ledger,
+        captured_grads=() if user is None else user.captured_grads(),
     )
 
 
@@ -1215,7 +1350,9 @@ def split_kv_forward(
     check_size("num_splits", num_splits)
     _check_options(block_q, block_k, "fa2")
     check_options("split_kv_forward", opts, refused=("cu_seqlens_q", "cu_seqlens_k"))
-    _refuse_graph("split_kv_forward", dict(q=q, k=k, v=v, bias=opts.get("bias")))
+    _refuse_graph(
+        "split_kv_forward", dict(q=q, k=k, v=v, bias=opts.get("bias")), opts.get("score_mod"), q
+    )
     pb = build_problem(q, k, v, placement=placement, **opts)
     block_q, block_k = _resolve_tiles(pb, _native_step(pb, "fa2", False), block_q, block_k)
     lq, lk = pb.shape[4], pb.shape[5]

@@ -91,6 +91,20 @@ class Counters:
     """Slow-memory (HBM) elements read under the schedule run (see blocked.py)."""
     elements_written: int = 0
     """Slow-memory (HBM) elements written under the schedule run."""
+    mask_mod_tiles: int = 0
+    """Tile calls of a user mask_mod in the loop: one per partial tile run and mask_mod (full
+    and empty tiles never evaluate it)."""
+    mask_mod_evals: int = 0
+    """(batch, query head, query, key) positions those calls decided."""
+    mask_mod_classify_evals: int = 0
+    """Positions (over batch and query heads) a mask_mod was evaluated at to classify the tiles
+    before the loop; 0 when the classes were known (a BlockMask's blocks, or the forward's
+    classes reused by the backward of ``flash_attention``)."""
+    score_mod_tiles: int = 0
+    """Tile calls of a user score_mod: one per tile run (the backward's keeps its graph for the
+    vector-Jacobian product on the tile)."""
+    score_mod_evals: int = 0
+    """(batch, query head, query, key) positions those calls covered."""
 
     def to_dict(self) -> dict[str, int]:
         return {f.name: int(getattr(self, f.name)) for f in fields(self)}
@@ -251,6 +265,13 @@ class Ledger:
                 else ""
             )
         )
+        if c.mask_mod_tiles or c.mask_mod_classify_evals:
+            head += (
+                f"; mask_mod: {c.mask_mod_evals} positions in {c.mask_mod_tiles} tile calls, "
+                f"{c.mask_mod_classify_evals} to classify"
+            )
+        if c.score_mod_tiles:
+            head += f"; score_mod: {c.score_mod_evals} positions in {c.score_mod_tiles} tile calls"
         if self.record_every > 1 and self.records:
             head += f"; records of every {ordinal(self.record_every)} step"
         rows = self.rows()

@@ -12,7 +12,12 @@ Structured masks (causal, sliding window, key padding, variable-length
 sequence bounds) are *interval* masks: query row ``i`` sees exactly the keys
 ``lo[i] <= j <= hi[i]``. Their tiles are classified in closed form from the
 intervals, without evaluating a single pair. Dense masks are classified by
-reducing the boolean matrix. ``a & b`` intersects two masks.
+reducing the boolean matrix. ``a & b`` intersects two masks, ``a | b`` unites
+them. A user's FlexAttention ``mask_mod`` (``flashledger.MaskMod``) is a mask
+like these: its tiles are classified by evaluating it blockwise over index
+tensors (``classify_by_rows``), and it composes with the others through ``&``
+and ``|``; a composition evaluates the mask_mod only on the tiles its
+closed-form side leaves undecided.
 
 Positions are global: a call may cover query rows ``[q_offset, q_offset+Lq)``
 and keys ``[k_offset, k_offset+Lk)`` of a longer sequence (split-KV, ring
@@ -37,6 +42,9 @@ Conventions (flash-attn semantics):
   Query rows past ``q_lens[b]`` see no key. It sets the lengths of the whole
   call, so it is given alone or combined with ``&``.
 - ``DenseMask(t)``: any bool tensor broadcastable to ``(B, H, Lq, Lk)``.
+- ``a | b``: visible iff visible in either. Tile classes: full if either is
+  full, empty if both are empty, else partial (two partial tiles that cover
+  each other's gaps are found full).
 
 Windows under ``Conventions.window_rewrite == "flash_attn_2"`` are read as
 flash-attn 2 reads them: a side ``>= seqlen_k`` becomes -1 (unbounded), then
@@ -58,6 +66,7 @@ import torch
 from ._limits import MAX_SIZE
 
 if TYPE_CHECKING:
+    from ._mods import TileCaller
     from .conventions import Conventions
 
 __all__ = [
@@ -72,6 +81,7 @@ __all__ = [
     "Padding",
     "SlidingWindow",
     "as_mask",
+    "classify_by_rows",
 ]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -294,10 +304,66 @@ def fa2_window(left: int | None, right: int | None, seqlen_k: int) -> tuple[int 
     return lo, hi
 
 
+KEEP_BYTES = 64 << 20
+"""Most bytes of partial-tile visibility a mask with a mask_mod keeps (see ``BoundMask.keep``)."""
+
+
 class BoundMask(ABC):
     """A mask evaluated against one call's geometry."""
 
     geo: Geometry
+
+    @property
+    def callers(self) -> tuple[TileCaller, ...]:
+        """The user mask_mods this mask evaluates (each once per ``block`` call); none for
+        the closed-form and dense masks."""
+        return ()
+
+    def keep(self, q0: int, q1: int, k0: int, k1: int, vis: torch.Tensor) -> None:
+        """Keep a partial tile's visibility (a mask with a mask_mod only), so that no later
+        step or pass over the same bound mask evaluates it again. Tiles are kept in the
+        order they come until ``KEEP_BYTES`` would be passed; none after that."""
+        if not self.callers:
+            return
+        kept, used = self._kept()
+        if used[0] < 0:  # the budget ran out: keep nothing more
+            return
+        if used[0] + vis.numel() > KEEP_BYTES:
+            used[0] = -1
+            return
+        kept[(q0, q1, k0, k1)] = vis.clone() if vis._base is not None else vis.contiguous()
+        used[0] += vis.numel()
+
+    def is_kept(self, q0: int, q1: int, k0: int, k1: int) -> bool:
+        """Whether this tile's visibility is kept."""
+        return (q0, q1, k0, k1) in self._kept()[0]
+
+    def _kept(self) -> tuple[dict[tuple[int, int, int, int], torch.Tensor], list[int]]:
+        store = self.__dict__.get("_kept_tiles")
+        if store is None:
+            store = self.__dict__["_kept_tiles"] = ({}, [0])
+        return store  # type: ignore[no-any-return]
+
+    def classes(self, block_q: int, block_k: int) -> torch.Tensor:
+        """``tile_classes``, remembered per tile size by a mask with a mask_mod (a second
+        pass over the same bound mask does not evaluate it again)."""
+        if not self.callers:
+            return self.tile_classes(block_q, block_k)
+        memo = self.__dict__.setdefault("_classes_memo", {})
+        if (block_q, block_k) not in memo:
+            memo[(block_q, block_k)] = self.tile_classes(block_q, block_k)
+        return memo[(block_q, block_k)].clone()  # type: ignore[no-any-return]
+
+    def tile_visibility(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        """``block`` of a partial tile the loop runs: the kept visibility when there is
+        one, else evaluated (and kept, while the budget lasts)."""
+        if not self.callers:
+            return self.block(q0, q1, k0, k1)
+        vis = self._kept()[0].get((q0, q1, k0, k1))
+        if vis is None:
+            vis = self.block(q0, q1, k0, k1)
+            self.keep(q0, q1, k0, k1, vis)
+        return vis
 
     @abstractmethod
     def block(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
@@ -310,8 +376,9 @@ class BoundMask(ABC):
         ...
 
     def tile_class_rows(self, block_q: int, block_k: int) -> list[list[int]]:
-        """``tile_classes`` as nested lists ``(Tq, Tk)``, what the loops read."""
-        rows: list[list[int]] = self.tile_classes(block_q, block_k).tolist()
+        """``classes`` as nested lists ``(Tq, Tk)``, what the loops read (not to be modified:
+        a mask may keep them)."""
+        rows: list[list[int]] = self.classes(block_q, block_k).tolist()
         return rows
 
     def dense(self) -> torch.Tensor:
@@ -529,10 +596,16 @@ class AndBound(BoundMask):
         self.geo = a.geo
         self.a, self.b = a, b
 
+    @property
+    def callers(self) -> tuple[TileCaller, ...]:
+        return self.a.callers + self.b.callers
+
     def block(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
         return self.a.block(q0, q1, k0, k1) & self.b.block(q0, q1, k0, k1)
 
     def tile_classes(self, block_q: int, block_k: int) -> torch.Tensor:
+        if self.callers:  # a mask_mod inside: evaluated where the other side leaves it open
+            return _classify_composite(self, (self.a, self.b), EMPTY, block_q, block_k)
         ca = self.a.tile_classes(block_q, block_k)
         cb = self.b.tile_classes(block_q, block_k)
         out = torch.minimum(ca, cb)  # EMPTY wins; FULL only if both FULL
@@ -545,6 +618,108 @@ class AndBound(BoundMask):
             elif bool(vis.all()) and _covers(vis, self.geo):
                 out[tq_, tk_] = FULL
         return out
+
+
+class OrBound(BoundMask):
+    """Union of two bound masks."""
+
+    def __init__(self, a: BoundMask, b: BoundMask) -> None:
+        self.geo = a.geo
+        self.a, self.b = a, b
+
+    @property
+    def callers(self) -> tuple[TileCaller, ...]:
+        return self.a.callers + self.b.callers
+
+    def block(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        return self.a.block(q0, q1, k0, k1) | self.b.block(q0, q1, k0, k1)
+
+    def tile_classes(self, block_q: int, block_k: int) -> torch.Tensor:
+        if self.callers:
+            return _classify_composite(self, (self.a, self.b), FULL, block_q, block_k)
+        ca = self.a.tile_classes(block_q, block_k)
+        cb = self.b.tile_classes(block_q, block_k)
+        out = torch.maximum(ca, cb)  # FULL wins; EMPTY only if both EMPTY
+        # two partial tiles may cover each other's gaps: those are looked at
+        both = (ca == PARTIAL) & (cb == PARTIAL)
+        if bool(both.any()):
+            exact = classify_by_rows(self, block_q, block_k, need=both)
+            out[both] = exact[both]
+        return out
+
+
+CLASSIFY_CHUNK = 1 << 22
+"""Most (query, key) positions one classifying evaluation covers (per batch and head it varies over)."""
+
+
+def classify_by_rows(
+    bound: BoundMask, block_q: int, block_k: int, *, need: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Exact ``(Tq, Tk)`` tile classes from the mask's values, one row of tiles at a time.
+
+    Each call of ``bound.block`` covers one query tile's rows and at most
+    ``CLASSIFY_CHUNK`` positions, so memory stays linear in the length.
+    ``need`` ``(Tq, Tk)`` bool: only the tiles of each row from its first to
+    its last needed one are evaluated; the others are reported ``EMPTY``. The
+    partial tiles' visibility is kept (``BoundMask.keep``) for the loop.
+    Like ``_classes_from_dense``, a ragged last tile is full when all its real
+    positions are visible.
+    """
+    g = bound.geo
+    tq, tk = -(-g.lq // block_q), -(-g.lk // block_k)
+    out = torch.full((tq, tk), EMPTY, dtype=torch.int8)
+    per_call = max(1, CLASSIFY_CHUNK // (block_q * block_k))  # key tiles per evaluation
+    rows_needed = None if need is None else need.cpu()
+    for i in range(tq):
+        if rows_needed is None:
+            j0, j1 = 0, tk
+        else:
+            cols = torch.nonzero(rows_needed[i]).view(-1)
+            if cols.numel() == 0:
+                continue
+            j0, j1 = int(cols[0]), int(cols[-1]) + 1
+        q0, q1 = i * block_q, min((i + 1) * block_q, g.lq)
+        for ja in range(j0, j1, per_call):
+            jb = min(ja + per_call, j1)
+            k0, k1 = ja * block_k, min(jb * block_k, g.lk)
+            vis = bound.block(q0, q1, k0, k1).contiguous()  # (Bm, Hm, r, c)
+            u8 = vis.view(torch.uint8)
+            some = u8.amax(dim=2)  # (Bm, Hm, c): a row sees the key
+            every = u8.amin(dim=2)  # (Bm, Hm, c): every row sees the key
+            pad = (jb - ja) * block_k - (k1 - k0)
+            if pad:
+                some = torch.nn.functional.pad(some, (0, pad), value=0)
+                every = torch.nn.functional.pad(every, (0, pad), value=1)
+            some_t = some.reshape(-1, jb - ja, block_k).amax(dim=2).amax(dim=0)  # (n,)
+            every_t = every.reshape(-1, jb - ja, block_k).amin(dim=2).amin(dim=0)  # (n,)
+            row = torch.where(some_t > 0, PARTIAL, EMPTY).to(torch.int8)
+            row[every_t > 0] = FULL
+            out[i, ja:jb] = row.cpu()
+            for j in torch.nonzero(row == PARTIAL).view(-1).tolist():  # kept for the loop
+                c0 = j * block_k
+                c1 = min(c0 + block_k, k1 - k0)
+                bound.keep(q0, q1, k0 + c0, k0 + c1, vis[..., c0:c1])
+    return out
+
+
+def _classify_composite(
+    bound: BoundMask,
+    parts: tuple[BoundMask, BoundMask],
+    absorbing: int,
+    block_q: int,
+    block_k: int,
+) -> torch.Tensor:
+    """Tile classes of ``a & b`` (``absorbing`` EMPTY) or ``a | b`` (FULL) with a mask_mod
+    inside: a side without one is classified in closed form; the tiles it decides alone
+    (empty for ``&``, full for ``|``) are never evaluated, the rest exactly."""
+    g = bound.geo
+    need = torch.ones(-(-g.lq // block_q), -(-g.lk // block_k), dtype=torch.bool)
+    for part in parts:
+        if not part.callers:
+            need &= part.tile_classes(block_q, block_k) != absorbing
+    out = classify_by_rows(bound, block_q, block_k, need=need)
+    out[~need] = absorbing
+    return out
 
 
 def _covers(vis: torch.Tensor, geo: Geometry) -> bool:
@@ -568,7 +743,7 @@ def _classes_from_dense(t: torch.Tensor, block_q: int, block_k: int) -> torch.Te
 
 
 class Mask(ABC):
-    """Base class: which (query, key) pairs may attend. Combine with ``&``."""
+    """Base class: which (query, key) pairs may attend. Combine with ``&`` and ``|``."""
 
     @abstractmethod
     def bind(self, geo: Geometry) -> BoundMask:
@@ -580,6 +755,12 @@ class Mask(ABC):
 
     def __rand__(self, other: Mask | torch.Tensor) -> Mask:
         return And(_operand(other), self)
+
+    def __or__(self, other: Mask | torch.Tensor) -> Mask:
+        return Or(self, _operand(other, "unite"))
+
+    def __ror__(self, other: Mask | torch.Tensor) -> Mask:
+        return Or(_operand(other, "unite"), self)
 
     def dense(
         self,
@@ -876,11 +1057,24 @@ class And(Mask):
         return AndBound(ba, bb)
 
 
-def _operand(other: Mask | torch.Tensor) -> Mask:
-    """The other side of ``mask & other``: a ``Mask`` or a bool tensor, never None."""
+class Or(Mask):
+    """``a | b``: visible iff visible in either."""
+
+    def __init__(self, a: Mask, b: Mask) -> None:
+        self.a, self.b = a, b
+
+    def __repr__(self) -> str:
+        return f"({self.a!r} | {self.b!r})"
+
+    def bind(self, geo: Geometry) -> BoundMask:
+        return OrBound(self.a.bind(geo), self.b.bind(geo))
+
+
+def _operand(other: Mask | torch.Tensor, verb: str = "intersect") -> Mask:
+    """The other side of ``mask & other`` (or ``|``): a ``Mask`` or a bool tensor, never None."""
     m = as_mask(other)
     if m is None:
-        raise TypeError("cannot intersect a mask with None; allowed: a Mask or a bool tensor")
+        raise TypeError(f"cannot {verb} a mask with None; allowed: a Mask or a bool tensor")
     return m
 
 
@@ -892,20 +1086,27 @@ def as_mask(mask: Mask | torch.Tensor | None) -> Mask | None:
         return DenseMask(mask)
     raise TypeError(
         "mask must be None, a flashledger Mask (Causal, SlidingWindow, KeyPadding, Padding, "
-        "DenseMask) "
-        f"or a bool tensor, got {type(mask).__name__}"
+        f"DenseMask, MaskMod) or a bool tensor, got {type(mask).__name__}"
     )
 
 
 def _demo() -> None:
     """Tile classes of a few masks, Lq = 12, Lk = 16 in 4 x 4 tiles (. empty, p partial, F full)."""
-    for mask in (
-        Causal(),
-        Causal("bottom_right"),
-        SlidingWindow(4, 0),
-        KeyPadding([7]),
-        Causal("bottom_right") & Padding([9], [7]),
-    ):
+    from . import masks as m  # the package's module (run as a script, this one is __main__)
+    from ._maskmod import MaskMod
+
+    def two_documents(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor):  # type: ignore[no-untyped-def]
+        return (q < 8) == (kv < 8)  # a FlexAttention mask_mod: tokens 0..7, then 8..
+
+    shown: tuple[m.Mask, ...] = (
+        m.Causal(),
+        m.Causal("bottom_right"),
+        m.SlidingWindow(4, 0),
+        m.KeyPadding([7]),
+        m.Causal("bottom_right") & m.Padding([9], [7]),
+        MaskMod(two_documents) | m.SlidingWindow(1, 1),
+    )
+    for mask in shown:
         print(repr(mask))
         for row in mask.tile_classes(12, 16, 4, 4).tolist():
             print("  " + " ".join(".pF"[c] for c in row))

@@ -13,7 +13,10 @@ not autograd::
     dS = P ⊙ (M ⊙ dP / (1 - p) - D + dλ)                 (B, H, Lq, Lk)
     dQ = f'(dS) K,   dK = f'(dS)ᵀ Q,   dV = (P ⊙ M / (1 - p))ᵀ dO
 
-``f`` is the score transform (scale, softcap, ALiBi, bias; see scores.py), ``M``
+``f`` is the score transform (scale, softcap, ALiBi, bias, a user's
+``score_mod``; see scores.py: the score_mod's part of ``f'`` is its
+vector-Jacobian product, from autograd, which also gives the gradients of the
+tensors it captures), ``M``
 the dropout keep mask and ``dλ`` an optional gradient on the LSE. A query row
 with no visible key has ``O = 0``, zero gradients and the LSE of the chosen
 conventions (-inf by default): it is handled separately, so ``-inf - (-inf)``
@@ -35,6 +38,7 @@ from ._checks import all_finite
 from ._options import AttentionOptions, check_options
 from ._problem import Placement, Problem, build_problem
 from .conventions import Conventions
+from .scores import TileGrad
 
 __all__ = ["ReferenceBackward", "ReferenceForward", "reference_backward", "reference_forward"]
 
@@ -57,23 +61,27 @@ class ReferenceForward:
 
 @dataclass(frozen=True)
 class ReferenceBackward:
-    """Dense backward: ``dq``, ``dk``, ``dv`` like q, k, v; ``dbias`` like bias; ``D`` ``(..., Lq)``."""
+    """Dense backward: ``dq``, ``dk``, ``dv`` like q, k, v; ``dbias`` like bias; ``D`` ``(..., Lq)``;
+    ``captured_grads``: ``(tensor, gradient)`` for each tensor the score_mod captures that
+    requires grad (empty without one)."""
 
     dq: torch.Tensor
     dk: torch.Tensor
     dv: torch.Tensor
     dbias: torch.Tensor | None
     D: torch.Tensor
+    captured_grads: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
 
 
-def _dense_scores(pb: Problem) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """All scores at once: ``S`` ``(B, Hkv, G, Lq, Lk)`` with masked entries -inf, and softcap's t."""
+def _dense_scores(pb: Problem, *, grad: bool = False) -> tuple[torch.Tensor, TileGrad]:
+    """All scores at once: ``S`` ``(B, Hkv, G, Lq, Lk)`` with masked entries -inf, and what
+    the backward needs of the transform (``grad=True``: the score_mod's graph too)."""
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
     qk = pb.q @ pb.k.transpose(-1, -2)  # (B, Hkv, G, Lq, Lk)
-    s, t = pb.smod.tile(qk, 0, lq, 0, lk)
+    s, ctx = pb.smod.tile(qk, 0, lq, 0, lk, grad=grad)
     if pb.mask is not None:
-        s = s.masked_fill(~pb.mask_tile(0, lq, 0, lk), -math.inf)
-    return s, t
+        s = s.masked_fill(~pb.mask_tile(0, lq, 0, lk, kept=False), -math.inf)
+    return s, ctx
 
 
 def _softmax_rows(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,7 +164,7 @@ def reference_backward(
     pb = build_problem(q, k, v, placement=placement, acc_dtype=dtype, **opts)
     o5, do5, dlse5 = _backward_inputs(pb, o, lse, do, dlse)
     lq, lk = pb.shape[4], pb.shape[5]
-    s, t = _dense_scores(pb)  # (B, Hkv, G, Lq, Lk)
+    s, ctx = _dense_scores(pb, grad=True)  # (B, Hkv, G, Lq, Lk)
     p, lse_raw = _softmax_rows(s)
     pb.check_forward_lse(lse_raw)
     keep = pb.keep_tile(0, lq, 0, lk)
@@ -171,7 +179,8 @@ def reference_backward(
     if dlse5 is not None:
         inner = inner + dlse5.unsqueeze(-1)
     ds = p * inner  # (B, Hkv, G, Lq, Lk)
-    dqk = pb.smod.grad_qk(ds, t)  # (B, Hkv, G, Lq, Lk)
+    ds = pb.smod.grad_user(ds, ctx)  # through the score_mod: the scores before it
+    dqk = pb.smod.grad_qk(ds, ctx)  # (B, Hkv, G, Lq, Lk)
     dq = dqk @ pb.k  # (B, Hkv, G, Lq, d)
     dk = (dqk.transpose(-1, -2) @ pb.q).sum(dim=2, keepdim=True)  # (B, Hkv, 1, Lk, d)
     dv = (pd.transpose(-1, -2) @ do5).sum(dim=2, keepdim=True)  # (B, Hkv, 1, Lk, d_v)
@@ -180,7 +189,12 @@ def reference_backward(
     if bias is not None:
         dbias = reduce_to_bias(pb.user_q(ds), bias)
     return ReferenceBackward(
-        dq=pb.user_q(dq), dk=pb.user_k(dk), dv=pb.user_k(dv), dbias=dbias, D=pb.user_rows(D)
+        dq=pb.user_q(dq),
+        dk=pb.user_k(dk),
+        dv=pb.user_k(dv),
+        dbias=dbias,
+        D=pb.user_rows(D),
+        captured_grads=() if pb.smod.user is None else pb.smod.user.captured_grads(),
     )
 
 

@@ -3,16 +3,20 @@
 Order (flash-attn): ``s = scale * q k^T``; softcap ``s = c * tanh(s / c)``;
 then ALiBi ``- slope * |i + Lk - Lq - j|`` (bottom-right aligned, per
 sequence with variable length or used lengths; slopes ``(H,)``, ``(B, H)``,
-or one row per packed sequence) and an additive ``bias``; masks last
-(masked entries become ``-inf``). Under a causal mask flash-attn 2's kernel
+or one row per packed sequence) and an additive ``bias``; then a user's
+FlexAttention ``score_mod(score, b, h, q_idx, kv_idx)`` on the whole tile
+(alone, it sees ``scale * q k^T``, as in Flex); masks last (masked entries
+become ``-inf``). Under a causal mask flash-attn 2's kernel
 adds ``+ slope * j`` instead (``j`` counted from the sequence's first key;
 ``Conventions.alibi_causal == "key_index"``): on every visible key that is
 the same term plus ``slope * (i + Lk - Lq)``, so P and O are unchanged and
 the LSE grows by that amount.
 
-Backward: with ``dS`` the gradient of the final scores, ``dBias = dS`` and
-the gradient of ``q k^T`` is ``scale * (1 - t^2) * dS`` with
-``t = tanh(scale * q k^T / c)`` (just ``scale * dS`` without softcap).
+Backward: with ``dS`` the gradient of the final scores, the score_mod's
+vector-Jacobian product on the tile gives the gradient ``dS'`` of its input
+(and adds the gradients of the tensors it captures; ``_mods.UserScore``);
+``dBias = dS'`` and the gradient of ``q k^T`` is ``scale * (1 - t^2) * dS'``
+with ``t = tanh(scale * q k^T / c)`` (just ``scale * dS'`` without softcap).
 
 Tensors are in the loop's internal 5-D layout ``(B, Hkv, G, rows, cols)``.
 """
@@ -23,9 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ._mods import ScoreModFn, TileVJP, UserScore
 from .masks import Geometry
 
-__all__ = ["ScoreMod", "alibi_slopes"]
+__all__ = ["ScoreMod", "TileGrad", "alibi_slopes"]
 
 
 MAX_ALIBI_HEADS = 2**16
@@ -62,6 +67,14 @@ def to5d(x: torch.Tensor, hkv: int, g: int) -> torch.Tensor:
     return x.view(x.shape[0], hkv, g, *x.shape[2:])
 
 
+@dataclass(frozen=True)
+class TileGrad:
+    """What the backward keeps of a tile's score transform."""
+
+    t: torch.Tensor | None = None  # softcap's tanh(scale * q k^T / c)
+    user: TileVJP | None = None  # the score_mod's input and output, with their graph
+
+
 @dataclass
 class ScoreMod:
     """Score transform bound to one call (all tensors already validated)."""
@@ -74,6 +87,7 @@ class ScoreMod:
     slopes: torch.Tensor | None = None  # (B|1, Hkv, G, Lq|1, 1): per row with per-sequence slopes
     bias: torch.Tensor | None = None  # (B|1, Hkv|1, G|1, Lq_total|1, Lk_total|1)
     alibi_key_index: bool = False  # flash-attn 2's causal form: + slope · (j - first key)
+    user: UserScore | None = None  # a FlexAttention score_mod
 
     @staticmethod
     def build(
@@ -87,6 +101,8 @@ class ScoreMod:
         bias: torch.Tensor | None,
         dtype: torch.dtype,
         alibi_key_index: bool = False,
+        score_mod: ScoreModFn | None = None,
+        batch: int = 1,
     ) -> ScoreMod:
         slopes = None
         if alibi_slopes is not None:
@@ -103,16 +119,30 @@ class ScoreMod:
             while b.ndim < 4:
                 b = b.unsqueeze(0)
             b5 = to5d(b, hkv, g)
-        return ScoreMod(scale, geo, hkv, g, softcap, slopes, b5, alibi_key_index)
+        user = None
+        if score_mod is not None:
+            user = UserScore.bind(
+                score_mod, batch=batch, heads=hkv * g, dtype=dtype, device=geo.device
+            )
+        return ScoreMod(scale, geo, hkv, g, softcap, slopes, b5, alibi_key_index, user)
 
     def tile(
-        self, qk: torch.Tensor, q0: int, q1: int, k0: int, k1: int, *, inplace: bool = True
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Final scores of a tile from ``qk = q k^T``; returns ``(s, t)``.
+        self,
+        qk: torch.Tensor,
+        q0: int,
+        q1: int,
+        k0: int,
+        k1: int,
+        *,
+        grad: bool = False,
+        inplace: bool = True,
+    ) -> tuple[torch.Tensor, TileGrad]:
+        """Final scores of a tile from ``qk = q k^T``; returns ``(s, ctx)``.
 
         ``qk`` is modified in place unless ``inplace=False`` (out-of-place ops only, for
-        a graph autograd differentiates again). ``t = tanh(scale * qk / c)`` is kept for
-        the backward when softcap is on.
+        a graph autograd differentiates again). ``ctx`` keeps what the backward needs:
+        ``t = tanh(scale * qk / c)`` when softcap is on and, with ``grad=True``, the
+        score_mod's graph on the tile.
         """
         s = qk.mul_(self.scale) if inplace else qk * self.scale  # (B, Hkv, G, bq, bk)
         t = None
@@ -132,7 +162,17 @@ class ScoreMod:
                 s = s - slopes * dist[:, None, None]
         if self.bias is not None:
             s = s + self.bias_tile(q0, q1, k0, k1)
-        return s, t
+        if self.user is None:
+            return s, TileGrad(t)
+        # -- the user's score_mod, once on the whole tile, in Flex's (B, H, r, c) layout --
+        geo = self.geo
+        rows = geo.rows()[q0:q1]  # (r,) global
+        keys = torch.arange(k0, k1, device=geo.device) + geo.k_offset  # (c,) global
+        s4 = s.reshape(s.shape[0], self.hkv * self.g, q1 - q0, k1 - k0)  # (B, Hq, r, c)
+        if not grad:
+            return self.user.apply(s4, rows, keys).reshape(s.shape), TileGrad(t)
+        out, vjp = self.user.forward(s4, rows, keys)
+        return out.reshape(s.shape), TileGrad(t, vjp)
 
     def bias_tile(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
         assert self.bias is not None
@@ -142,11 +182,21 @@ class ScoreMod:
         rk = slice(geo.k_offset + k0, geo.k_offset + k1) if b.shape[-1] != 1 else slice(None)
         return b[..., rq, rk]
 
-    def grad_qk(self, ds: torch.Tensor, t: torch.Tensor | None) -> torch.Tensor:
-        """Gradient with respect to ``q k^T`` from the gradient of the final scores."""
-        if t is None:
+    def grad_user(self, ds: torch.Tensor, ctx: TileGrad) -> torch.Tensor:
+        """Gradient of the score_mod's input from ``ds``, that of the final scores (5-D);
+        ``ds`` itself without a score_mod. The captured tensors' gradients accumulate in
+        ``self.user.grads``."""
+        if self.user is None or ctx.user is None:
+            return ds
+        ds4 = ds.reshape(ctx.user.out.shape)  # (B, Hq, r, c)
+        return self.user.vjp(ctx.user, ds4).reshape(ds.shape)
+
+    def grad_qk(self, ds: torch.Tensor, ctx: TileGrad) -> torch.Tensor:
+        """Gradient with respect to ``q k^T`` from ``ds``, that of the scores after bias
+        (``grad_user``'s result)."""
+        if ctx.t is None:
             return ds * self.scale
-        return ds * (self.scale * (1.0 - t * t))
+        return ds * (self.scale * (1.0 - ctx.t * ctx.t))
 
 
 def _demo() -> None:

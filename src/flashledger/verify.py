@@ -45,8 +45,11 @@ True
 the CPU flash kernel and its LSE, the causal bias objects, FlexAttention and
 its BlockMask) and flashledger's own blocked loop under each preset, the
 flash-attn edges its presets reproduce (against an emulation of flash-attn's
-source, one row per edge), a 50-digit mpmath oracle on tiny cases, and
-reports the facts it observed.
+source, one row per edge), flashledger's FlexAttention path
+(``flex_attention``, ``MaskMod``, ``score_mod``) against torch's
+FlexAttention forward and a dense float64 autograd oracle on
+attention-gym-style cases (``_verify_flex``), a 50-digit mpmath oracle on
+tiny cases, and reports the facts it observed.
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ from ._verify_cases import (
     make_case,
 )
 from ._verify_flash_attn import flash_attn_edge_rows
+from ._verify_flex import flex_rows
 from ._verify_mp import MP_DIGITS, MpResult, mp_attention, ulps
 from ._verify_report import Fact, VerifyReport, VerifyRow
 from ._verify_rule import (
@@ -612,7 +616,9 @@ def _plan(quick: bool) -> list[tuple[Case, list[_System]]]:
     return plan
 
 
-EXTRA_STEPS = 5  # observed facts, FlexAttention backward, tile classes, flash-attn edges, mpmath
+EXTRA_STEPS = (
+    6  # observed facts, FlexAttention backward and tiles, flash-attn edges, Flex model, mpmath
+)
 
 
 def matrix_steps(*, quick: bool = False) -> int:
@@ -657,6 +663,8 @@ def run_matrix(
         step("FlexAttention tiles")
         report.rows += flash_attn_edge_rows(quick)
         step("flash-attn edges")
+        report.rows += flex_rows(quick=quick)
+        step("Flex programming model")
         report.rows += _mp_rows(quick)
         step("mpmath")
     report.seconds = time.perf_counter() - start

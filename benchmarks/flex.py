@@ -1,0 +1,184 @@
+"""FlexAttention's programming model in flashledger: what a mask_mod or score_mod costs.
+
+Each case times forward + backward (``flash_attention``, float32 by default)
+against its baseline in the same process, round by round (median of the
+rounds), and prints the ratio with its target:
+
+- ``MaskMod(causal)``: a causal mask_mod against ``fl.Causal()`` (target 1.2x);
+- ``BlockMask(causal)``: ``fl.flex_attention`` with a ``create_block_mask`` block
+  mask (made once, outside the timing, as Flex code does) against
+  ``fl.Causal()`` (target 1.2x);
+- ``MaskMod(document)``: causal attention inside packed documents as a mask_mod,
+  against the same documents as variable-length sequences (``cu_seqlens``,
+  ``fl.Causal()``) (target 1.2x); ``BlockMask(document)``: the same mask_mod
+  through ``create_block_mask`` once (the classification then costs nothing per
+  call);
+- ``score_mod(rel. bias)``: a learnable relative-position bias table as a
+  score_mod (with ``fl.Causal()``, gradients for the table too) against the
+  plain causal path (target 3x);
+
+and the cost of classifying the mask_mod's tiles alone (``MaskMod.tile_classes``)
+and of ``create_block_mask``, for reference.
+
+    .venv/bin/python benchmarks/flex.py                  # L = 4096, H = 4, d = 64
+    .venv/bin/python benchmarks/flex.py --length 1024 --rounds 3   # a quick look
+
+Ratios, not times, are the result: measure on a quiet machine and name its CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+
+import flashledger as fl
+
+TARGETS = {
+    "MaskMod(causal)": 1.2,
+    "BlockMask(causal)": 1.2,
+    "MaskMod(document)": 1.2,
+    "BlockMask(document)": 1.2,
+    "score_mod(rel. bias)": 3.0,
+}
+
+
+def _timed(runners: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:
+    """Median seconds of each runner: one warm-up each, then ``rounds`` rounds of all."""
+    for run in runners.values():
+        run()
+    samples: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(rounds):
+        for name, run in runners.items():
+            t0 = time.perf_counter()
+            run()
+            samples[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in samples.items()}
+
+
+def _fwd_bwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Callable[..., torch.Tensor]
+) -> Callable[[], None]:
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+
+    def run() -> None:
+        for x in leaves:
+            x.grad = None
+        o = call(*leaves)
+        o.backward(torch.ones_like(o))
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    parser.add_argument("--documents", type=int, default=8, help="packed documents")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--cases", nargs="*", choices=list(TARGETS), default=list(TARGETS), help="cases to run"
+    )
+    args = parser.parse_args()
+    warnings.simplefilter("ignore", UserWarning)
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    dt = getattr(torch, args.dtype)
+    n, h, d = args.length, args.heads, args.dim
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, n, d, generator=gen, dtype=dt) for _ in range(3))
+
+    def causal(
+        b: torch.Tensor, hh: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor
+    ) -> torch.Tensor:
+        return qi >= ki
+
+    # documents of random lengths that tile the sequence
+    cuts = torch.sort(torch.randperm(n - 1, generator=gen)[: args.documents - 1] + 1).values
+    cu = torch.cat([torch.tensor([0]), cuts, torch.tensor([n])]).to(torch.int32)
+    doc = torch.repeat_interleave(torch.arange(args.documents), torch.diff(cu).long())
+
+    def document(
+        b: torch.Tensor, hh: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor
+    ) -> torch.Tensor:
+        return (doc[qi] == doc[ki]) & (qi >= ki)
+
+    table = torch.zeros(h, 2 * n - 1, dtype=dt, requires_grad=True)
+
+    def rel_bias(
+        score: torch.Tensor, b: torch.Tensor, hh: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor
+    ) -> torch.Tensor:
+        return score + table[hh, qi - ki + n - 1]
+
+    t0 = time.perf_counter()
+    bm = create_block_mask(causal, None, None, n, n, device="cpu")
+    t_create = time.perf_counter() - t0
+    bm_doc = create_block_mask(document, None, None, n, n, device="cpu")
+    t0 = time.perf_counter()
+    fl.MaskMod(causal).tile_classes(n, n, 512, 512)
+    t_classify = time.perf_counter() - t0
+
+    flash = fl.flash_attention
+    cases: dict[str, tuple[Callable[[], None], Callable[[], None]]] = {
+        "MaskMod(causal)": (
+            _fwd_bwd(q, k, v, lambda a, b, c: flash(a, b, c, mask=fl.MaskMod(causal))),
+            _fwd_bwd(q, k, v, lambda a, b, c: flash(a, b, c, mask=fl.Causal())),
+        ),
+        "BlockMask(causal)": (
+            _fwd_bwd(q, k, v, lambda a, b, c: fl.flex_attention(a, b, c, block_mask=bm)),
+            _fwd_bwd(q, k, v, lambda a, b, c: flash(a, b, c, mask=fl.Causal())),
+        ),
+        "MaskMod(document)": (
+            _fwd_bwd(q, k, v, lambda a, b, c: flash(a, b, c, mask=fl.MaskMod(document))),
+            _fwd_bwd(
+                q[0],
+                k[0],
+                v[0],
+                lambda a, b, c: flash(a, b, c, mask=fl.Causal(), cu_seqlens_q=cu, cu_seqlens_k=cu),
+            ),
+        ),
+        "BlockMask(document)": (
+            _fwd_bwd(q, k, v, lambda a, b, c: fl.flex_attention(a, b, c, block_mask=bm_doc)),
+            _fwd_bwd(
+                q[0],
+                k[0],
+                v[0],
+                lambda a, b, c: flash(a, b, c, mask=fl.Causal(), cu_seqlens_q=cu, cu_seqlens_k=cu),
+            ),
+        ),
+        "score_mod(rel. bias)": (
+            _fwd_bwd(q, k, v, lambda a, b, c: flash(a, b, c, mask=fl.Causal(), score_mod=rel_bias)),
+            _fwd_bwd(q, k, v, lambda a, b, c: flash(a, b, c, mask=fl.Causal())),
+        ),
+    }
+    print(
+        f"flashledger Flex benchmark: L={n} H={h} d={d} {args.dtype}, forward + backward, "
+        f"median of {args.rounds}; {platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads, native step: {fl.native_status()}"
+    )
+    print(f"{'case':<22} {'baseline ms':>12} {'flex ms':>10} {'ratio':>7} {'target':>7}")
+    for name, (run, base) in cases.items():
+        if name not in args.cases:
+            continue
+        got = _timed({"flex": run, "base": base}, args.rounds)
+        ratio = got["flex"] / got["base"]
+        ok = "ok" if ratio <= TARGETS[name] else "OVER"
+        print(
+            f"{name:<22} {got['base'] * 1e3:>12.1f} {got['flex'] * 1e3:>10.1f} "
+            f"{ratio:>7.2f} {TARGETS[name]:>6.1f}x {ok}"
+        )
+    print(
+        f"classifying MaskMod(causal) alone (512 x 512 tiles): {t_classify * 1e3:.1f} ms; "
+        f"create_block_mask(causal): {t_create * 1e3:.1f} ms"
+    )
+
+
+if __name__ == "__main__":
+    main()

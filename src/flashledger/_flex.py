@@ -1,0 +1,104 @@
+"""``flex_attention``: PyTorch's FlexAttention call, computed by the blocked loop.
+
+Same signature and semantics as ``torch.nn.attention.flex_attention.
+flex_attention`` (query ``(B, Hq, L, E)``, key ``(B, Hkv, S, E)``, value
+``(B, Hkv, S, Ev)``; ``score_mod``; a ``BlockMask`` from ``create_block_mask``;
+``scale``; ``enable_gqa``; ``return_lse``), with the FLEX_ATTENTION
+conventions: the LSE is natural-log and differentiable, a fully-masked row
+gives O = 0 and LSE -inf. What flashledger adds on CPU: a backward (torch
+2.13 has none there), float64 throughout, and gradients for every tensor the
+score_mod captures that requires grad.
+
+The block mask is used as Flex's kernels use it (``_maskmod.BlockMaskBound``):
+its blocks give the tile classes, its ``mask_mod`` decides inside partial
+blocks. flashledger's tiles (``block_q x block_k``, by default those of
+``flash_attention``) need not be the block mask's (default 128 x 128): a tile
+is classified from the blocks it covers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ._checks import check_float_tensor
+from ._maskmod import MaskMod, is_block_mask
+from ._mods import ScoreModFn
+from .autograd import flash_attention
+from .conventions import FLEX_ATTENTION
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
+
+__all__ = ["flex_attention"]
+
+
+def flex_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    score_mod: ScoreModFn | None = None,
+    block_mask: BlockMask | None = None,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    *,
+    block_q: int | None = None,
+    block_k: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """FlexAttention, exact and differentiable on CPU (torch's signature).
+
+    query ``(B, Hq, L, E)``, key ``(B|1, Hkv, S, E)``, value ``(B|1, Hkv, S, Ev)``
+    (``Hkv < Hq`` needs ``enable_gqa=True``; a key/value batch of 1 is broadcast
+    when the block mask has the query's batch); ``score_mod(score, b, h, q_idx,
+    kv_idx)``; ``block_mask`` a ``BlockMask`` made for ``(L, S)``; ``scale``
+    [``1/sqrt(E)``]. Returns ``o`` ``(B, Hq, L, Ev)`` in the query's dtype, and
+    with ``return_lse=True`` also the LSE ``(B, Hq, L)`` (float64 for float64
+    inputs, else float32). ``block_q``, ``block_k``: flashledger's tiles [None: the
+    native step's, as for ``flash_attention``].
+    """
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        check_float_tensor(name, x)
+        if x.ndim != 4:
+            raise ValueError(
+                f"flex_attention: {name} must be 4-D (B, H, L, E) as in FlexAttention, "
+                f"got shape {tuple(x.shape)}"
+            )
+    if not isinstance(enable_gqa, bool):
+        raise TypeError(f"enable_gqa must be True or False, got {enable_gqa!r}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be True or False, got {return_lse!r}")
+    hq, hkv = query.shape[1], key.shape[1]
+    if not enable_gqa and hq != hkv:
+        raise ValueError(
+            f"flex_attention: query has {hq} heads and key/value {hkv}; pass enable_gqa=True "
+            "for grouped-query attention"
+        )
+    mask = None
+    if block_mask is not None:
+        if not is_block_mask(block_mask):
+            raise TypeError(
+                "block_mask must be a torch.nn.attention.flex_attention.BlockMask (from "
+                f"create_block_mask) or None, got {type(block_mask).__name__}"
+            )
+        mask = MaskMod(block_mask)
+    if query.shape[0] != key.shape[0]:
+        bm_batch = None if block_mask is None else block_mask.kv_num_blocks.shape[0]
+        if key.shape[0] != 1 or bm_batch != query.shape[0]:
+            raise ValueError(
+                f"flex_attention: query batch {query.shape[0]} and key/value batch "
+                f"{key.shape[0]} differ; a key/value batch of 1 is broadcast when the block "
+                "mask has the query's batch"
+            )
+        key = key.expand(query.shape[0], *key.shape[1:])
+        value = value.expand(query.shape[0], *value.shape[1:])
+    opts: dict[str, Any] = {"conventions": FLEX_ATTENTION, "scale": scale}
+    if mask is not None:
+        opts["mask"] = mask
+    if score_mod is not None:
+        opts["score_mod"] = score_mod
+    o, lse = flash_attention(
+        query, key, value, block_q=block_q, block_k=block_k, return_lse=True, **opts
+    )
+    return (o, lse) if return_lse else o

@@ -1,0 +1,205 @@
+"""``MaskMod``: a FlexAttention ``mask_mod`` (or a torch ``BlockMask``) as a flashledger mask.
+
+``MaskMod(mask_mod)`` answers the two questions every mask answers:
+
+- which keys a row sees: ``mask_mod(b, h, q_idx, kv_idx)`` evaluated on the
+  tile, vectorised over broadcast index tensors (``_mods.TileCaller``), and
+- each tile's class: ``classify_by_rows`` evaluates it one row of tiles at a
+  time (memory linear in the length) and reduces each tile to empty, partial
+  or full, as ``create_block_mask`` does (without its padding: a ragged last
+  tile whose real positions are all visible is full).
+
+``MaskMod(block_mask)`` takes a ``torch.nn.attention.flex_attention.BlockMask``
+instead: tile classes come from its block structure, without evaluating
+anything, and inside a tile a position is visible iff its block is full, or
+partial and the block mask's ``mask_mod`` says so: what Flex's compiled
+kernels compute (its eager path applies the ``mask_mod`` alone, ignoring the
+blocks; they agree whenever the blocks were made from the ``mask_mod``, as
+``create_block_mask`` makes them). flashledger's tiles need not match the
+block size: a tile is empty when every block it touches is empty (for every
+batch and head), full when every one is full, partial otherwise.
+
+Positions are global (placement, split-KV, ring); with variable length they
+are positions in the packed sequence.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ._mods import MaskModFn, TileCaller, index_grid
+from .masks import EMPTY, FULL, PARTIAL, BoundMask, Geometry, Mask, classify_by_rows
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
+
+__all__ = ["BlockMaskBound", "MaskMod", "MaskModBound", "is_block_mask"]
+
+
+def is_block_mask(x: Any) -> bool:
+    """True for a ``torch.nn.attention.flex_attention.BlockMask``."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    return isinstance(x, BlockMask)
+
+
+def _fn_name(fn: Any) -> str:
+    inner = getattr(fn, "fn", fn)  # torch wraps some mask_mods (_MaskModWrapper)
+    return str(getattr(inner, "__name__", type(inner).__name__))
+
+
+class MaskMod(Mask):
+    """A FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True = attend) as a mask.
+
+    Or a torch ``BlockMask`` (from ``create_block_mask``): then its block
+    structure gives the tile classes and its ``mask_mod`` decides inside
+    partial blocks. Composes with the other masks: ``MaskMod(f) & Causal()``,
+    ``MaskMod(f) | MaskMod(g)``. See the module docstring for the semantics.
+    """
+
+    def __init__(self, mask_mod: MaskModFn | BlockMask) -> None:
+        self.block_mask: BlockMask | None = None
+        if is_block_mask(mask_mod):
+            self.block_mask = mask_mod  # type: ignore[assignment]
+            fn = mask_mod.mask_mod  # type: ignore[union-attr]
+            if _fn_name(fn) == "_sliced_mask_mod_error":
+                raise ValueError(
+                    "MaskMod: this BlockMask was sliced (block_mask[...]), which drops its "
+                    "mask_mod; slice the inputs instead, or build a BlockMask for them"
+                )
+            self.mask_mod: MaskModFn = fn
+        elif callable(mask_mod):
+            self.mask_mod = mask_mod
+        else:
+            raise TypeError(
+                "MaskMod needs a mask_mod callable mask_mod(b, h, q_idx, kv_idx) -> bool tensor, "
+                f"or a torch BlockMask; got {type(mask_mod).__name__}"
+            )
+
+    def __repr__(self) -> str:
+        if self.block_mask is not None:
+            bq, bk = self.block_mask.BLOCK_SIZE
+            return f"MaskMod(BlockMask {_fn_name(self.mask_mod)} {bq}x{bk})"
+        return f"MaskMod({_fn_name(self.mask_mod)})"
+
+    def bind(self, geo: Geometry) -> BoundMask:
+        caller = TileCaller(self.mask_mod, "mask_mod")
+        if self.block_mask is not None:
+            return BlockMaskBound(geo, self.block_mask, caller)
+        return MaskModBound(geo, caller)
+
+
+class MaskModBound(BoundMask):
+    """A mask_mod against one call's geometry."""
+
+    def __init__(self, geo: Geometry, caller: TileCaller) -> None:
+        self.geo = geo
+        self.caller = caller
+
+    @property
+    def callers(self) -> tuple[TileCaller, ...]:
+        return (self.caller,)
+
+    def block(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        g = self.geo
+        rows = torch.arange(q0, q1, device=g.device) + g.q_offset  # (r,) global
+        keys = torch.arange(k0, k1, device=g.device) + g.k_offset  # (c,) global
+        out = self.caller(*index_grid(g.batch, g.heads, rows, keys))  # (Bm, Hm, r|1, c|1)
+        return out.expand(out.shape[0], out.shape[1], q1 - q0, k1 - k0)
+
+    def tile_classes(self, block_q: int, block_k: int) -> torch.Tensor:
+        return classify_by_rows(self, block_q, block_k)
+
+
+class BlockMaskBound(BoundMask):
+    """A torch ``BlockMask`` against one call's geometry (see the module docstring)."""
+
+    def __init__(self, geo: Geometry, bm: BlockMask, caller: TileCaller) -> None:
+        self.geo = geo
+        self.caller = caller
+        lq, lk = (int(x) for x in bm.seq_lengths)
+        if (lq, lk) != (geo.lq_total, geo.lk_total):
+            raise ValueError(
+                f"the BlockMask was made for (Lq, Lk) = ({lq}, {lk}) but the inputs have "
+                f"({geo.lq_total}, {geo.lk_total}); make it with create_block_mask for these "
+                "lengths"
+            )
+        self.block_q, self.block_k = (int(x) for x in bm.BLOCK_SIZE)
+        kv_num, kv_idx = bm.kv_num_blocks, bm.kv_indices  # (Bb, Hb, Tq), (Bb, Hb, Tq, W)
+        bb, hb = kv_num.shape[0], kv_num.shape[1]
+        if bb not in (1, geo.batch) or hb not in (1, geo.heads):
+            raise ValueError(
+                f"the BlockMask has batch x heads {bb} x {hb}; the inputs need 1 or "
+                f"{geo.batch} batch entries and 1 or {geo.heads} heads"
+            )
+        tq, tk = -(-lq // self.block_q), -(-lk // self.block_k)
+        # -- the block grid: EMPTY, PARTIAL (kv_indices) or FULL (full_kv_indices) --
+        width = max(tk, kv_idx.shape[-1])
+        grid = torch.zeros(bb, hb, tq, width + 1, dtype=torch.int8, device=geo.device)
+        pairs = [(kv_num, kv_idx, PARTIAL)]
+        if bm.full_kv_num_blocks is not None and bm.full_kv_indices is not None:
+            pairs.append((bm.full_kv_num_blocks, bm.full_kv_indices, FULL))
+        for num, idx, kind in pairs:
+            idx = idx[..., :tq, :].to(device=geo.device, dtype=torch.int64)  # (Bb, Hb, Tq, W)
+            num = num[..., :tq].to(device=geo.device, dtype=torch.int64)  # (Bb, Hb, Tq)
+            slots = torch.arange(idx.shape[-1], device=geo.device)  # (W,)
+            listed = (slots < num[..., None]) & (idx >= 0) & (idx < tk)
+            cols = torch.where(listed, idx, width)  # unlisted slots land in a spare column
+            grid.scatter_(-1, cols, kind)
+        self.grid = grid[..., :tk]  # (Bb, Hb, Tq, Tk)
+
+    @property
+    def callers(self) -> tuple[TileCaller, ...]:
+        return (self.caller,)
+
+    def block(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        g = self.geo
+        rows = torch.arange(q0, q1, device=g.device) + g.q_offset  # (r,) global
+        keys = torch.arange(k0, k1, device=g.device) + g.k_offset  # (c,) global
+        inside = self.caller(*index_grid(g.batch, g.heads, rows, keys))  # (Bm, Hm, r|1, c|1)
+        # the blocks the tile touches, then spread over its positions (only if they differ)
+        gq0, gq1, gk0, gk1 = q0 + g.q_offset, q1 + g.q_offset, k0 + g.k_offset, k1 + g.k_offset
+        rb0, rb1 = gq0 // self.block_q, (gq1 - 1) // self.block_q + 1
+        cb0, cb1 = gk0 // self.block_k, (gk1 - 1) // self.block_k + 1
+        kinds = self.grid[:, :, rb0:rb1, cb0:cb1]  # (Bb, Hb, nq, nk)
+        if bool((kinds == PARTIAL).all()):
+            return inside.expand(*inside.shape[:2], q1 - q0, k1 - k0)
+
+        def spread(lo: int, hi: int, block: int) -> torch.Tensor:
+            edges = torch.arange(lo // block, (hi - 1) // block + 2, device=g.device) * block
+            edges = edges.clamp(min=lo, max=hi)
+            return edges[1:] - edges[:-1]  # positions of the tile in each block
+
+        kind = kinds.repeat_interleave(spread(gq0, gq1, self.block_q), dim=2)
+        kind = kind.repeat_interleave(spread(gk0, gk1, self.block_k), dim=3)  # (Bb, Hb, r, c)
+        return (kind == FULL) | ((kind == PARTIAL) & inside)
+
+    def tile_classes(self, block_q: int, block_k: int) -> torch.Tensor:
+        g = self.geo
+        seen = (self.grid != EMPTY).any(dim=1).any(dim=0)  # (Tq_b, Tk_b) some (b, h) sees it
+        open_ = (self.grid != FULL).any(dim=1).any(dim=0)  # not full for some (b, h)
+
+        def prefix(x: torch.Tensor) -> torch.Tensor:
+            p = torch.zeros(x.shape[0] + 1, x.shape[1] + 1, dtype=torch.int64, device=x.device)
+            p[1:, 1:] = x.to(torch.int64).cumsum(0).cumsum(1)
+            return p
+
+        def spans(n: int, block: int, offset: int, grain: int) -> tuple[torch.Tensor, ...]:
+            start = torch.arange(0, n, block, device=g.device)  # local tile starts
+            stop = torch.clamp(start + block, max=n)
+            return (start + offset) // grain, (stop - 1 + offset) // grain + 1  # block range
+
+        r0, r1 = spans(g.lq, block_q, g.q_offset, self.block_q)  # (Tq,) each
+        c0, c1 = spans(g.lk, block_k, g.k_offset, self.block_k)  # (Tk,) each
+
+        def count(p: torch.Tensor) -> torch.Tensor:
+            a, b = r0[:, None], r1[:, None]
+            return p[b, c1] - p[a, c1] - p[b, c0] + p[a, c0]  # (Tq, Tk)
+
+        n_seen, n_open = count(prefix(seen)), count(prefix(open_))
+        out = torch.full(n_seen.shape, PARTIAL, dtype=torch.int8)
+        out[(n_seen == 0).cpu()] = EMPTY
+        out[((n_open == 0) & (n_seen > 0)).cpu()] = FULL
+        return out

@@ -1,0 +1,347 @@
+"""Flex's user callables on whole tiles: ``mask_mod`` and ``score_mod``.
+
+FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) -> bool`` says which keys a
+query sees and ``score_mod(score, b, h, q_idx, kv_idx) -> score`` rewrites a
+score. Flex calls them per element (under ``torch.vmap`` in eager mode,
+inlined in its compiled kernels). flashledger calls them once per tile, with
+broadcast index tensors::
+
+    b       (B, 1, 1, 1)   batch index                      int64
+    h       (1, H, 1, 1)   query head index                 int64
+    q_idx   (1, 1, r, 1)   global positions of the rows     int64
+    kv_idx  (1, 1, 1, c)   global positions of the keys     int64
+    score   (B, H, r, c)   the scaled score (score_mod only)
+
+and takes the result broadcast to ``(B, H, r, c)``; a mask may leave out the
+batch and head dims it does not depend on (``(1, 1, r, c)``), which keeps its
+bytes small. A callable written for scalars that does not broadcast (say
+``table[b][h]`` instead of ``table[b, h]``) is detected (it raises or returns
+a wrong shape) and called under ``torch.vmap`` over the four index dims
+instead, as Flex's eager path calls it.
+
+A score_mod may capture tensors that require grad (a learnable bias table, an
+ALiBi slope parameter, a tensor computed from one). ``find_captured`` finds
+them by running the score_mod once on a 1-element probe under a
+``TorchFunctionMode`` that sees every tensor an operation receives: those
+that require grad and were not made during the call are the captured ones
+(leaf or not, a closure cell, a global or a module attribute alike). A walk
+of the probe's autograd graph then checks that nothing was missed (an
+operation the mode cannot see, e.g. inside a custom autograd Function); any
+leaf it reaches that is not behind a captured tensor is added. Closure
+inspection would miss globals, module attributes and tensors reached through
+containers; the graph walk alone would find only the leaves behind a
+captured intermediate and have to backpropagate through its history on
+every tile.
+
+The backward differentiates the score_mod tile by tile: ``UserScore.forward``
+evaluates it on a tile with its input as a fresh leaf, and ``vjp`` takes the
+vector-Jacobian product with ``torch.autograd.grad``, returning the gradient
+of the input scores and adding the captured tensors' gradients to
+``UserScore.grads``. Never a dense ``L x L`` graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = [
+    "MaskModFn",
+    "ScoreModFn",
+    "TileCaller",
+    "UserScore",
+    "find_captured",
+    "index_grid",
+]
+
+MaskModFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` (True = attend)."""
+ScoreModFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+]
+"""``score_mod(score, b, h, q_idx, kv_idx) -> score``."""
+
+Kind = Literal["mask_mod", "score_mod"]
+
+
+def index_grid(
+    batch: int, heads: int, rows: torch.Tensor, keys: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(b, h, q_idx, kv_idx)`` as broadcast index tensors for global ``rows`` ``(r,)``
+    and ``keys`` ``(c,)``: shapes ``(B,1,1,1)``, ``(1,H,1,1)``, ``(1,1,r,1)``, ``(1,1,1,c)``."""
+    dev = rows.device
+    b = torch.arange(batch, device=dev).view(batch, 1, 1, 1)
+    h = torch.arange(heads, device=dev).view(1, heads, 1, 1)
+    return b, h, rows.view(1, 1, -1, 1), keys.view(1, 1, 1, -1)
+
+
+def _vmapped(fn: Callable[..., torch.Tensor], kind: Kind) -> Callable[..., torch.Tensor]:
+    """``fn`` mapped over the batch, head, query and key dims with ``torch.vmap`` (Flex's
+    eager convention): called with 1-D indices ``(B,)``, ``(H,)``, ``(r,)``, ``(c,)``."""
+    f = fn
+    for dim in (3, 2, 1, 0):  # innermost: keys; outermost: batch
+        in_dims: list[int | None] = [None] * 4
+        in_dims[dim] = 0
+        if kind == "score_mod":
+            in_dims.insert(0, 0)  # the score is mapped along with every index
+        f = torch.vmap(f, in_dims=tuple(in_dims), out_dims=0)
+    return f
+
+
+def _fit(out: Any, want: tuple[int, int, int, int], kind: Kind) -> torch.Tensor | str:
+    """``out`` viewed as 4-D and checked against ``want`` = (B, H, r, c): each dim 1 or equal
+    (a mask keeps its broadcast batch and head dims); a string says what is wrong."""
+    if not isinstance(out, torch.Tensor):
+        return f"returned {type(out).__name__}, not a tensor"
+    if kind == "mask_mod" and out.dtype != torch.bool:
+        return f"returned a {out.dtype} tensor; a mask_mod returns bool (True = attend)"
+    if kind == "score_mod" and not out.is_floating_point():
+        return f"returned a {out.dtype} tensor; a score_mod returns floating-point scores"
+    if out.ndim > 4:
+        return f"returned shape {tuple(out.shape)}, which does not broadcast to {want}"
+    y = out.reshape((1,) * (4 - out.ndim) + tuple(out.shape))
+    if any(s not in (1, w) for s, w in zip(y.shape, want)):
+        return f"returned shape {tuple(out.shape)}, which does not broadcast to {want}"
+    return y
+
+
+class TileCaller:
+    """Calls a user ``mask_mod`` or ``score_mod`` on a whole tile (see the module docstring).
+
+    Broadcast first; on an error or a result that does not broadcast, the same call
+    under ``torch.vmap``, which is then kept for every later tile. ``calls`` and
+    ``positions`` count the tile calls and the (query, key) positions they decided.
+    """
+
+    def __init__(self, fn: Callable[..., torch.Tensor], kind: Kind) -> None:
+        if not callable(fn):
+            raise TypeError(
+                f"{kind} must be callable as {kind}"
+                f"({'score, ' if kind == 'score_mod' else ''}b, h, q_idx, kv_idx), "
+                f"got {type(fn).__name__}"
+            )
+        self.fn = fn
+        self.kind = kind
+        self.name = getattr(fn, "__name__", type(fn).__name__)
+        self._vmap: Callable[..., torch.Tensor] | None = None
+        self.calls = 0
+        self.positions = 0
+
+    def __call__(
+        self,
+        b: torch.Tensor,
+        h: torch.Tensor,
+        q_idx: torch.Tensor,
+        kv_idx: torch.Tensor,
+        score: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The result on the grid ``(B, H, r, c)`` the indices span (a mask: its batch and head
+        dims may stay 1); ``score`` ``(B, H, r, c)`` for a score_mod."""
+        want = (b.shape[0], h.shape[1], q_idx.shape[2], kv_idx.shape[3])
+        self.calls += 1
+        self.positions += want[2] * want[3]
+        head = () if score is None else (score,)
+        if self._vmap is None:
+            try:
+                got = _fit(self.fn(*head, b, h, q_idx, kv_idx), want, self.kind)
+            except Exception as exc:  # scalar-only code, or a plain error: vmap will tell
+                got = f"raised {type(exc).__name__}: {' '.join(str(exc).split())}"
+            if isinstance(got, torch.Tensor):
+                return got
+            try:
+                self._vmap = _vmapped(self.fn, self.kind)
+                flat = (b.view(-1), h.view(-1), q_idx.view(-1), kv_idx.view(-1))
+                out = _fit(self._vmap(*head, *flat), want, self.kind)
+            except Exception as exc:
+                raise ValueError(
+                    f"{self.kind} {self.name!r} {got} when called on a tile with broadcast "
+                    f"indices b {tuple(b.shape)}, h {tuple(h.shape)}, q_idx "
+                    f"{tuple(q_idx.shape)}, kv_idx {tuple(kv_idx.shape)}, and fails under "
+                    f"torch.vmap too ({type(exc).__name__}: {exc})"
+                ) from exc
+            if isinstance(out, str):
+                raise ValueError(f"{self.kind} {self.name!r} {out}")
+            return out
+        flat = (b.view(-1), h.view(-1), q_idx.view(-1), kv_idx.view(-1))
+        out = _fit(self._vmap(*head, *flat), want, self.kind)
+        if isinstance(out, str):
+            raise ValueError(f"{self.kind} {self.name!r} {out}")
+        return out
+
+
+# ----------------------------------------------------------------------------------------
+# captured tensors
+# ----------------------------------------------------------------------------------------
+class _SeeTensors(TorchFunctionMode):
+    """Records every tensor an operation receives that requires grad and was not made
+    by an earlier operation of the same call."""
+
+    def __init__(self, made: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.made = made  # kept alive, so that no id is reused while the probe runs
+        self.made_ids = {id(t) for t in made}
+        self.seen: list[torch.Tensor] = []
+        self._seen_ids: set[int] = set()
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        for x in tree_leaves((args, kwargs)):
+            if (
+                isinstance(x, torch.Tensor)
+                and x.requires_grad
+                and id(x) not in self.made_ids
+                and id(x) not in self._seen_ids
+            ):
+                self.seen.append(x)
+                self._seen_ids.add(id(x))
+        out = func(*args, **kwargs)
+        for y in tree_leaves(out):
+            if isinstance(y, torch.Tensor) and id(y) not in self._seen_ids:
+                self.made.append(y)
+                self.made_ids.add(id(y))
+        return out
+
+
+def find_captured(
+    score_mod: ScoreModFn, *, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """The tensors ``score_mod`` captures that require grad, in the order first used.
+
+    One call on a ``(1, 1, 1, 1)`` probe (score 0, every index 0) under
+    ``enable_grad`` (see the module docstring). A score_mod that only works on
+    scalars is probed under ``torch.vmap`` instead, and its captured tensors are
+    the leaves its graph reaches. Raises ``ValueError`` (as a tile call does)
+    when the score_mod fails or does not return floating-point scores.
+    """
+    caller = TileCaller(score_mod, "score_mod")
+    score = torch.zeros(1, 1, 1, 1, dtype=dtype, device=device, requires_grad=True)
+    idx = [torch.zeros(1, 1, 1, 1, dtype=torch.int64, device=device) for _ in range(4)]
+    mode = _SeeTensors([score, *idx])
+    with torch.enable_grad():
+        try:
+            with mode:
+                fitted = _fit(score_mod(score, *idx), (1, 1, 1, 1), "score_mod")
+        except Exception:  # scalar-only code, or an error the tile call will name
+            fitted = "failed"
+        if isinstance(fitted, torch.Tensor):
+            out, captured = fitted, list(mode.seen)
+        else:  # the tile call: vmap, or a ValueError naming the score_mod
+            out, captured = caller(idx[0], idx[1], idx[2], idx[3], score=score), []
+    # -- the graph walk: any leaf reached that is not behind a captured tensor --
+    stop = {id(t.grad_fn) for t in captured if t.grad_fn is not None}
+    known = {id(t) for t in captured} | {id(score)}
+    todo: list[Any] = [out.grad_fn] if out.grad_fn is not None else []
+    visited: set[int] = set()
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in visited or id(node) in stop:
+            continue
+        visited.add(id(node))
+        leaf = getattr(node, "variable", None)  # AccumulateGrad
+        if isinstance(leaf, torch.Tensor):
+            if id(leaf) not in known:
+                captured.append(leaf)
+                known.add(id(leaf))
+            continue
+        todo.extend(fn for fn, _ in node.next_functions if fn is not None)
+    return tuple(captured)
+
+
+# ----------------------------------------------------------------------------------------
+# a score_mod bound to one call
+# ----------------------------------------------------------------------------------------
+@dataclass
+class TileVJP:
+    """A tile's score_mod evaluated with its graph: the input leaf and the output."""
+
+    leaf: torch.Tensor  # (B, H, r, c), requires grad
+    out: torch.Tensor  # (B, H, r, c)
+
+
+@dataclass
+class UserScore:
+    """A ``score_mod`` bound to one call: batch, query heads and global positions.
+
+    ``captured``: the tensors it captures that require grad (``find_captured``,
+    run when first needed: a forward never needs them; ``flash_attention``
+    hands over the ones it found); ``grads``: their gradients, summed over the
+    tiles ``vjp`` has seen (None until one contributes).
+    """
+
+    caller: TileCaller
+    batch: int
+    heads: int
+    dtype: torch.dtype
+    device: torch.device
+    _captured: tuple[torch.Tensor, ...] | None = None
+    grads: list[torch.Tensor | None] = field(default_factory=list)
+
+    @staticmethod
+    def bind(
+        score_mod: ScoreModFn, *, batch: int, heads: int, dtype: torch.dtype, device: torch.device
+    ) -> UserScore:
+        return UserScore(TileCaller(score_mod, "score_mod"), batch, heads, dtype, device)
+
+    @property
+    def captured(self) -> tuple[torch.Tensor, ...]:
+        if self._captured is None:
+            self.use_captured(find_captured(self.caller.fn, dtype=self.dtype, device=self.device))
+        assert self._captured is not None
+        return self._captured
+
+    def use_captured(self, captured: tuple[torch.Tensor, ...]) -> None:
+        """Take ``captured`` as the score_mod's captured tensors (found by the caller)."""
+        self._captured = captured
+        self.grads = [None] * len(captured)
+
+    def reset_grads(self) -> None:
+        """Start a backward pass: no gradient summed yet."""
+        self.grads = [None] * len(self.captured)
+
+    def _call(self, s4: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        b, h, qi, ki = index_grid(self.batch, self.heads, rows, keys)
+        out = self.caller(b, h, qi, ki, score=s4)  # (B|1, H|1, r, c)
+        return out.expand(s4.shape).to(s4.dtype)
+
+    def apply(self, s4: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Scores ``(B, H, r, c)`` of global ``rows`` ``(r,)`` x ``keys`` ``(c,)`` through the
+        score_mod (no graph kept)."""
+        with torch.no_grad():
+            return self._call(s4, rows, keys)
+
+    def forward(
+        self, s4: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor
+    ) -> tuple[torch.Tensor, TileVJP]:
+        """As ``apply``, keeping the graph for ``vjp``: ``(scores, context)``."""
+        leaf = s4.detach().requires_grad_(True)
+        with torch.enable_grad():
+            out = self._call(leaf, rows, keys)
+        return out.detach(), TileVJP(leaf, out)
+
+    def vjp(self, ctx: TileVJP, ds: torch.Tensor) -> torch.Tensor:
+        """The gradient of the tile's input scores from ``ds`` (that of its output), both
+        ``(B, H, r, c)``; the captured tensors' gradients are added to ``grads``."""
+        inputs = (ctx.leaf, *self.captured)
+        if not ctx.out.requires_grad:  # the score_mod ignores the score and every capture
+            return torch.zeros_like(ds)
+        with torch.enable_grad():  # (retain: a captured leaf's own history stays usable)
+            got = torch.autograd.grad(
+                ctx.out, inputs, grad_outputs=ds, allow_unused=True, retain_graph=True
+            )
+        for n, g in enumerate(got[1:]):
+            if g is not None:
+                prev = self.grads[n]
+                self.grads[n] = g if prev is None else prev + g
+        return torch.zeros_like(ds) if got[0] is None else got[0]
+
+    def captured_grads(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """``(tensor, gradient)`` per captured tensor (zeros where no tile contributed)."""
+        return tuple(
+            (t, torch.zeros_like(t) if g is None else g.to(t.dtype))
+            for t, g in zip(self.captured, self.grads)
+        )

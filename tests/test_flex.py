@@ -1,0 +1,824 @@
+"""FlexAttention's programming model: ``mask_mod``, ``score_mod``, ``BlockMask``, ``flex_attention``.
+
+Forward against torch's own FlexAttention (CPU eager) within 1e-12 in
+float64; gradients (q, k, v and the tensors a score_mod captures) against the
+dense autograd oracle of tests/naive.py (the mods called per element under
+``torch.vmap``, as Flex's eager path calls them) within 1e-11. Mods of the
+kinds attention-gym ships; lengths that are no multiple of any tile
+(1, 97, 113; Lq != Lk), GQA, fully-masked rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from naive import flex_visible, naive_flex, tile_classes_from_dense
+
+import flashledger as fl
+from flashledger import masks
+from flashledger._mods import find_captured
+
+F64 = torch.float64
+FWD = 1e-12
+GRAD = 1e-11
+Tensor = torch.Tensor
+
+flex_mod = pytest.importorskip("torch.nn.attention.flex_attention")
+
+
+@pytest.fixture(autouse=True)
+def _quiet() -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's "flex_attention called without torch.compile"
+        yield
+
+
+# ----------------------------------------------------------------------------------------
+# mods of the kinds attention-gym ships
+# ----------------------------------------------------------------------------------------
+def causal(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+    return q >= kv
+
+
+def sliding_window(size: int) -> Callable[..., Tensor]:
+    def window(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        return (q >= kv) & (q - kv < size)
+
+    return window
+
+
+def prefix_lm(prefix: Tensor) -> Callable[..., Tensor]:
+    def mask(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        return (kv < prefix[b]) | (q >= kv)
+
+    return mask
+
+
+def document(lengths: list[int]) -> Callable[..., Tensor]:
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+
+    def mask(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        return (doc[q] == doc[kv]) & (q >= kv)
+
+    return mask
+
+
+def dilated(window: int, dilation: int) -> Callable[..., Tensor]:
+    def mask(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        diff = q - kv
+        return (diff >= 0) & (diff < window * dilation) & (diff % dilation == 0)
+
+    return mask
+
+
+def neighbourhood(width: int, radius: int) -> Callable[..., Tensor]:
+    """natten-style: tokens of a ``? x width`` image see a ``(2r+1)^2`` neighbourhood."""
+
+    def mask(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        qx, qy, kx, ky = q // width, q % width, kv // width, kv % width
+        return ((qx - kx).abs() <= radius) & ((qy - ky).abs() <= radius)
+
+    return mask
+
+
+def strict_causal(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+    return kv < q  # row 0 sees no key
+
+
+def alibi(slopes: Tensor) -> Callable[..., Tensor]:
+    def score(s: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        return s + slopes[h] * (kv - q)
+
+    return score
+
+
+def softcap(cap: float) -> Callable[..., Tensor]:
+    def score(s: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        return cap * torch.tanh(s / cap)
+
+    return score
+
+
+def rel_bias(table: Tensor, lk: int) -> Callable[..., Tensor]:
+    def score(s: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        return s + table[h, q - kv + lk]
+
+    return score
+
+
+def _inputs(
+    b: int, hq: int, hk: int, lq: int, lk: int, d: int = 8, seed: int = 0
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(b, hq, lq, d, generator=g, dtype=F64),
+        torch.randn(b, hk, lk, d, generator=g, dtype=F64),
+        torch.randn(b, hk, lk, d, generator=g, dtype=F64),
+        torch.randn(b, hq, lq, d, generator=g, dtype=F64),
+    )
+
+
+def _table(hq: int, lq: int, lk: int, seed: int = 1) -> Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.nn.Parameter(0.3 * torch.randn(hq, lq + lk + 1, generator=g, dtype=F64))
+
+
+SHAPES = {  # (B, Hq, Hkv, Lq, Lk)
+    "B2 GQA 97x113": (2, 4, 2, 97, 113),
+    "MQA 113x97": (1, 4, 1, 113, 97),
+    "one query": (1, 2, 2, 1, 113),
+    "one key": (2, 2, 2, 97, 1),
+}
+
+
+def _case(name: str, shape: tuple[int, ...]) -> tuple[Any, Any, tuple[Tensor, ...]]:
+    """``(mask_mod, score_mod, learned tensors)`` of a named case for a shape."""
+    b, hq, hk, lq, lk = shape
+    slopes = torch.tensor([2.0 ** -(i + 1) for i in range(hq)], dtype=F64)
+    table = _table(hq, lq, lk)
+    docs = [max(1, lk // 3), max(1, lk // 4)]
+    docs.append(max(lq, lk) - sum(docs))
+    cases: dict[str, tuple[Any, Any, tuple[Tensor, ...]]] = {
+        "causal": (causal, None, ()),
+        "sliding window": (sliding_window(17), None, ()),
+        "prefix LM": (prefix_lm(torch.tensor([5, 40])[:b]), None, ()),
+        "document": (document(docs), None, ()),
+        "dilated window": (dilated(6, 3), None, ()),
+        "2-D neighbourhood": (neighbourhood(11, 2), None, ()),
+        "ALiBi": (causal, alibi(slopes), ()),
+        "tanh softcap": (None, softcap(2.5), ()),
+        "relative-position table": (None, rel_bias(table, lk), (table,)),
+        "document + table + softcap": (
+            document(docs),
+            lambda s, b_, h, q, kv: 3.0 * torch.tanh(rel_bias(table, lk)(s, b_, h, q, kv) / 3.0),
+            (table,),
+        ),
+        "window + ALiBi": (sliding_window(9), alibi(slopes), ()),
+        "strict causal (empty row) + table": (strict_causal, rel_bias(table, lk), (table,)),
+    }
+    return cases[name]
+
+
+CASE_NAMES = [
+    "causal",
+    "sliding window",
+    "prefix LM",
+    "document",
+    "dilated window",
+    "2-D neighbourhood",
+    "ALiBi",
+    "tanh softcap",
+    "relative-position table",
+    "document + table + softcap",
+    "window + ALiBi",
+    "strict causal (empty row) + table",
+]
+
+
+def _torch_flex(
+    q: Tensor, k: Tensor, v: Tensor, mask_mod: Any, score_mod: Any
+) -> tuple[Tensor, Tensor]:
+    bm = None
+    if mask_mod is not None:
+        bm = flex_mod.create_block_mask(
+            mask_mod, q.shape[0], None, q.shape[2], k.shape[2], device="cpu"
+        )
+    with torch.no_grad():
+        o, aux = flex_mod.flex_attention(
+            q, k, v, score_mod, bm, enable_gqa=True, return_aux=flex_mod.AuxRequest(lse=True)
+        )
+    return o, aux.lse
+
+
+# ----------------------------------------------------------------------------------------
+# flex_attention against torch's FlexAttention and the dense oracle
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_forward_equals_torch_flex_attention(name, assert_close):
+    shape = SHAPES["B2 GQA 97x113"]
+    mask_mod, score_mod, _ = _case(name, shape)
+    q, k, v, _ = _inputs(*shape)
+    o_t, lse_t = _torch_flex(q, k, v, mask_mod, score_mod)
+    bm = None
+    if mask_mod is not None:
+        bm = flex_mod.create_block_mask(mask_mod, shape[0], None, shape[3], shape[4], device="cpu")
+    for tiles in ((512, 512), (32, 16)):
+        o, lse = fl.flex_attention(
+            q, k, v, score_mod, bm, enable_gqa=True, return_lse=True,
+            block_q=tiles[0], block_k=tiles[1],
+        )  # fmt: skip
+        assert_close(o, o_t, rtol=FWD, name=f"O {name} tiles {tiles}")
+        assert_close(lse, lse_t, rtol=FWD, name=f"LSE {name} tiles {tiles}")
+        assert o.dtype == o_t.dtype and lse.dtype == lse_t.dtype
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+@pytest.mark.parametrize("shape", [s for n, s in SHAPES.items() if n != "B2 GQA 97x113"])
+def test_forward_on_shapes_that_break_tiling(name, shape, assert_close):
+    """Lq = 1, Lk = 1, Lq > Lk with MQA: against the dense oracle (torch's FlexAttention on
+    these too in ``flashledger verify``)."""
+    mask_mod, score_mod, _ = _case(name, shape)
+    q, k, v, _ = _inputs(*shape)
+    o_n, lse_n = naive_flex(q, k, v, mask_mod=mask_mod, score_mod=score_mod)
+    mask = None if mask_mod is None else fl.MaskMod(mask_mod)
+    for tiles in ((512, 512), (32, 16), (7, 5)):
+        o, lse = fl.flash_attention(
+            q, k, v, mask=mask, score_mod=score_mod, conventions=fl.FLEX_ATTENTION,
+            return_lse=True, block_q=tiles[0], block_k=tiles[1],
+        )  # fmt: skip
+        assert_close(o, o_n, rtol=FWD, name=f"O {name} tiles {tiles}")
+        assert_close(lse, lse_n, rtol=FWD, name=f"LSE {name} tiles {tiles}")
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_gradients_equal_the_dense_oracle(name, assert_close):
+    shape = SHAPES["B2 GQA 97x113"]
+    mask_mod, score_mod, learned = _case(name, shape)
+    q, k, v, do = _inputs(*shape, seed=3)
+    bm = None
+    if mask_mod is not None:
+        bm = flex_mod.create_block_mask(
+            mask_mod, 2, None, 97, 113, device="cpu", BLOCK_SIZE=(16, 32)
+        )
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    o, lse = fl.flex_attention(
+        *leaves, score_mod, bm, enable_gqa=True, return_lse=True, block_q=32, block_k=64
+    )
+    dlse = torch.randn(lse.shape, dtype=F64, generator=torch.Generator().manual_seed(5))
+    loss = (o * do).sum() + torch.where(torch.isinf(lse), 0.0, lse * dlse).sum()
+    got = torch.autograd.grad(loss, [*leaves, *learned])
+    oracle_leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    o_n, lse_n = naive_flex(*oracle_leaves, mask_mod=mask_mod, score_mod=score_mod)
+    loss_n = (o_n * do).sum() + torch.where(torch.isinf(lse_n), 0.0, lse_n * dlse).sum()
+    want = torch.autograd.grad(loss_n, [*oracle_leaves, *learned])
+    assert_close(o, o_n, rtol=FWD, name=f"O {name}")
+    for what, a, b in zip(["dQ", "dK", "dV", "d table"], got, want):
+        assert not bool(torch.isnan(a).any()), f"NaN in {what} ({name})"
+        assert_close(a, b, rtol=GRAD, name=f"{what} {name}")
+
+
+def test_fully_masked_rows_give_zero_output_and_gradients(assert_close):
+    q, k, v, do = _inputs(1, 2, 2, 20, 20)
+
+    def docs(b, h, qi, kv):
+        return (qi >= 5) & (kv >= 5) & (qi >= kv)  # rows 0..4 see no key
+
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    o, lse = fl.flash_attention(
+        *leaves, mask=fl.MaskMod(docs), conventions=fl.FLEX_ATTENTION, return_lse=True,
+        block_q=3, block_k=4,
+    )  # fmt: skip
+    o.backward(do)
+    assert bool((o[:, :, :5] == 0).all()) and bool(torch.isneginf(lse[:, :, :5]).all())
+    assert bool((leaves[0].grad[:, :, :5] == 0).all())
+    assert bool((leaves[1].grad[:, :, :5] == 0).all()) and not bool(torch.isnan(o).any())
+    o_t, lse_t = _torch_flex(q, k, v, docs, None)
+    assert_close(o, o_t, rtol=FWD, name="O with empty rows")
+    assert_close(lse, lse_t, rtol=FWD, name="LSE with empty rows")
+
+
+# ----------------------------------------------------------------------------------------
+# every entry point takes MaskMod and score_mod
+# ----------------------------------------------------------------------------------------
+def test_every_entry_point_takes_mask_mod_and_score_mod(assert_close):
+    shape = (2, 4, 2, 97, 113)
+    mask_mod, score_mod, (table,) = _case("document + table + softcap", shape)
+    q, k, v, do = _inputs(*shape, seed=9)
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    o_n, lse_n = naive_flex(*leaves, mask_mod=mask_mod, score_mod=score_mod)
+    want = torch.autograd.grad((o_n * do).sum(), [*leaves, table])
+    opts: dict[str, Any] = {"mask": fl.MaskMod(mask_mod), "score_mod": score_mod}
+
+    def check(where: str, o: Tensor, grads: tuple[Tensor, ...] | None = None) -> None:
+        assert_close(o, o_n, rtol=FWD, name=f"O ({where})")
+        for what, a, b in zip(["dQ", "dK", "dV", "d table"], grads or (), want):
+            assert_close(a, b, rtol=GRAD, name=f"{what} ({where})")
+
+    ref = fl.reference_forward(q, k, v, **opts)
+    refb = fl.reference_backward(q, k, v, ref.o, ref.lse, do, **opts)
+    assert [t for t, _ in refb.captured_grads] == [table]
+    check("reference", ref.o, (refb.dq, refb.dk, refb.dv, refb.captured_grads[0][1]))
+    assert_close(ref.lse, lse_n, rtol=FWD, name="reference LSE")
+    for order, trace, tiles in (
+        ("fa2", False, (32, 16)),
+        ("fa1", True, (16, 32)),
+        ("fa2", True, (7, 5)),
+    ):
+        kw = dict(block_q=tiles[0], block_k=tiles[1], loop_order=order, trace=trace)
+        with torch.no_grad():  # the blocked loop records no graph (flash_attention does)
+            fwd = fl.blocked_forward(q, k, v, **opts, **kw)
+            bwd = fl.blocked_backward(q, k, v, fwd.o, fwd.lse, do, **opts, **kw)
+        assert [t for t, _ in bwd.captured_grads] == [table]
+        check(
+            f"blocked {order} trace={trace}",
+            fwd.o,
+            (bwd.dq, bwd.dk, bwd.dv, bwd.captured_grads[0][1]),
+        )
+    o = fl.flash_attention(*leaves, block_q=64, block_k=32, **opts)
+    check("flash_attention", o, torch.autograd.grad((o * do).sum(), [*leaves, table]))
+    with torch.no_grad():
+        split = fl.split_kv_forward(q, k, v, num_splits=3, block_q=32, block_k=16, **opts)
+    check("split_kv_forward", split.o)
+    ring = fl.simulate_ring(
+        q, k, v, world_size=3, layout="zigzag", do=do, block_q=16, block_k=16, **opts
+    )
+    assert [t for t, _ in ring.captured_grads] == [table]
+    check("simulate_ring", ring.o, (ring.dq, ring.dk, ring.dv, ring.captured_grads[0][1]))
+
+
+def test_varlen_with_mask_mod_and_score_mod(assert_close):
+    """With cu_seqlens, q_idx/kv_idx are positions in the packed sequence."""
+    q, k, v, do = _inputs(1, 2, 2, 50, 50)
+    cu = torch.tensor([0, 20, 50])
+    table = _table(2, 50, 50)
+    score_mod = rel_bias(table, 50)
+    opts: dict[str, Any] = {"mask": fl.MaskMod(dilated(5, 2)), "score_mod": score_mod}
+    with pytest.raises(ValueError, match="tensors the score_mod captures"):
+        fl.blocked_forward(q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu, **opts)
+    with torch.no_grad():
+        fwd = fl.blocked_forward(
+            q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu, block_q=8, block_k=8, **opts
+        )
+    seq = torch.tensor([0] * 20 + [1] * 30)
+
+    def packed(b, h, qi, kv):
+        return dilated(5, 2)(b, h, qi, kv) & (seq[qi] == seq[kv])
+
+    o_n, _ = naive_flex(q, k, v, mask_mod=packed, score_mod=score_mod)
+    assert_close(fwd.o, o_n[0], rtol=FWD, name="varlen O")
+
+
+# ----------------------------------------------------------------------------------------
+# captured tensors
+# ----------------------------------------------------------------------------------------
+class RelBias(torch.nn.Module):
+    """A module whose method is the score_mod (its table a module attribute)."""
+
+    def __init__(self, heads: int, span: int) -> None:
+        super().__init__()
+        self.table = torch.nn.Parameter(
+            torch.linspace(-1, 1, heads * span, dtype=F64).view(heads, span)
+        )
+        self.span = span
+
+    def score_mod(self, s: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        return s + self.table[h, (q - kv) % self.span]
+
+
+GLOBAL_GATE = torch.nn.Parameter(torch.tensor([0.5, -0.25], dtype=F64))
+
+
+def _gated(s: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+    return s * (1 + GLOBAL_GATE[h])
+
+
+def test_gradients_reach_every_kind_of_captured_tensor(assert_close):
+    q, k, v, do = _inputs(1, 2, 2, 40, 33, seed=11)
+    param = torch.nn.Parameter(torch.tensor([0.3, -0.7], dtype=F64))
+    weight = torch.nn.Parameter(torch.tensor(1.5, dtype=F64))
+    module = RelBias(2, 16)
+    box = {"bias": torch.nn.Parameter(torch.tensor(0.25, dtype=F64))}
+    frozen = torch.tensor([1.0, 2.0], dtype=F64)  # captured, no grad: no gradient asked
+
+    def build() -> tuple[Callable[..., Tensor], list[Tensor]]:
+        derived = param * weight  # a non-leaf derived from parameters, made once per step
+
+        def score_mod(s, b, h, qi, kv):
+            s = module.score_mod(s, b, h, qi, kv) - derived[h] * (qi - kv).abs() / 10
+            s = _gated(s, b, h, qi, kv) + box["bias"] * frozen[h]
+            return functools.partial(torch.clamp, min=-30.0)(s)
+
+        return score_mod, [param, weight, module.table, GLOBAL_GATE, box["bias"]]
+
+    score_mod, learned = build()
+    found = find_captured(score_mod, dtype=F64, device=torch.device("cpu"))
+    assert not any(t is frozen for t in found)
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    o = fl.flash_attention(*leaves, mask=fl.Causal(), score_mod=score_mod, block_q=8, block_k=16)
+    got = torch.autograd.grad((o * do).sum(), [*leaves, *learned])
+    score_mod, _ = build()  # the oracle's own derived tensor
+    oracle_leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    o_n, _ = naive_flex(*oracle_leaves, mask_mod=causal, score_mod=score_mod)
+    want = torch.autograd.grad((o_n * do).sum(), [*oracle_leaves, *learned])
+    names = ["dQ", "dK", "dV", "d param", "d weight", "d module.table", "d global", "d dict entry"]
+    for what, a, b in zip(names, got, want):
+        assert float(b.abs().max()) > 0, f"{what}: the oracle gradient is zero, the test is void"
+        assert_close(a, b, rtol=GRAD, name=what)
+
+
+def test_find_captured_names_the_tensor_the_score_mod_uses():
+    param = torch.nn.Parameter(torch.ones(3, dtype=F64))
+    derived = param * 2  # captured as it is (not walked down to param)
+
+    def score_mod(s, b, h, q, kv):
+        return s + derived[h]
+
+    found = find_captured(score_mod, dtype=F64, device=torch.device("cpu"))
+    assert len(found) == 1 and found[0] is derived
+
+    class Opaque(torch.autograd.Function):  # hides its input from the function mode
+        @staticmethod
+        def forward(ctx, x):  # type: ignore[override]
+            return x * 3
+
+        @staticmethod
+        def backward(ctx, g):  # type: ignore[override]
+            return g * 3
+
+    def hidden(s, b, h, q, kv):
+        return s + Opaque.apply(param)[h]
+
+    assert any(t is param for t in find_captured(hidden, dtype=F64, device=torch.device("cpu")))
+
+
+def test_gradcheck_with_a_learnable_table():
+    q, k, v, _ = _inputs(1, 2, 1, 6, 7, d=3, seed=2)
+    table = _table(2, 6, 7)
+
+    def fn(q_, k_, v_, t_):
+        def score_mod(s, b, h, qi, kv):
+            return s + t_[h, qi - kv + 7]
+
+        o, lse = fl.flash_attention(
+            q_, k_, v_, mask=fl.MaskMod(causal), score_mod=score_mod, block_q=2, block_k=3,
+            conventions=fl.FLEX_ATTENTION, return_lse=True,
+        )  # fmt: skip
+        return o, torch.where(torch.isinf(lse), 0.0, lse)
+
+    args = tuple(x.clone().requires_grad_(True) for x in (q, k, v, table.detach()))
+    assert torch.autograd.gradcheck(fn, args, atol=1e-8, fast_mode=True)
+
+
+# ----------------------------------------------------------------------------------------
+# the mask model: classification, composition, the native step
+# ----------------------------------------------------------------------------------------
+@settings(max_examples=40, deadline=None)
+@given(
+    lq=st.integers(1, 40),
+    lk=st.integers(1, 40),
+    bq=st.integers(1, 16),
+    bk=st.integers(1, 16),
+    density=st.sampled_from([0.0, 0.3, 0.9, 1.0]),
+    op=st.sampled_from(["alone", "& causal", "| window", "| padding", "& mod", "| mod"]),
+    seed=st.integers(0, 2**16),
+)
+def test_mask_mod_tile_classes_equal_the_dense_ones(lq, lk, bq, bk, density, op, seed):
+    g = torch.Generator().manual_seed(seed)
+    table = torch.rand(2, lq, lk, generator=g) < density  # per batch
+
+    def from_table(b, h, q, kv):
+        return table[b, q, kv]
+
+    other = torch.rand(lq, lk, generator=g) < 0.5
+    mod = fl.MaskMod(from_table)
+    dense = table[:, None]  # (B, 1, Lq, Lk)
+    mask, want = {
+        "alone": (mod, dense),
+        "& causal": (mod & fl.Causal(), dense & fl.Causal().dense(lq, lk)),
+        "| window": (mod | fl.SlidingWindow(3, 1), dense | fl.SlidingWindow(3, 1).dense(lq, lk)),
+        "| padding": (
+            fl.KeyPadding([lk // 2, 0]) | mod,
+            dense | fl.KeyPadding([lk // 2, 0]).dense(lq, lk, batch=2),
+        ),
+        "& mod": (mod & fl.MaskMod(lambda b, h, q, kv: other[q, kv]), dense & other),
+        "| mod": (mod | fl.MaskMod(lambda b, h, q, kv: other[q, kv]), dense | other),
+    }[op]
+    got = mask.tile_classes(lq, lk, bq, bk, batch=2, heads=3)
+    assert torch.equal(got, tile_classes_from_dense(want, bq, bk)), f"{op}: {got.tolist()}"
+    assert torch.equal(
+        mask.dense(lq, lk, batch=2, heads=3).expand(2, 3, lq, lk), want.expand(2, 3, lq, lk)
+    )
+
+
+def test_or_tile_rules_for_closed_form_masks():
+    a, b = fl.Causal(), fl.SlidingWindow(None, 0, align="bottom_right")
+    classes = (a | fl.SlidingWindow(0, None)).tile_classes(16, 16, 4, 4)
+    assert bool((classes == masks.FULL).all()), "causal | anti-causal covers every tile"
+    got = (a | b).tile_classes(10, 16, 4, 4)
+    want = tile_classes_from_dense(a.dense(10, 16) | b.dense(10, 16), 4, 4)
+    assert torch.equal(got, want)
+    # full if either is full, empty only if both are
+    ca, cb = a.tile_classes(10, 16, 4, 4), b.tile_classes(10, 16, 4, 4)
+    assert bool((got[(ca == masks.FULL) | (cb == masks.FULL)] == masks.FULL).all())
+    assert torch.equal(got == masks.EMPTY, (ca == masks.EMPTY) & (cb == masks.EMPTY))
+
+
+def test_classification_is_chunked_and_skips_what_the_closed_form_decides(monkeypatch):
+    shapes: list[tuple[int, ...]] = []
+
+    def seen(b, h, q, kv):
+        shapes.append(tuple(torch.broadcast_shapes(q.shape, kv.shape)))
+        return q >= kv
+
+    monkeypatch.setattr(masks, "CLASSIFY_CHUNK", 64 * 64 * 3)
+    fl.MaskMod(seen).tile_classes(1000, 1000, 64, 64)
+    assert max(s[-2] * s[-1] for s in shapes) <= 64 * 64 * 3, "memory per call is bounded"
+    assert sum(s[-2] * s[-1] for s in shapes) == 1000 * 1000
+    shapes.clear()
+    (fl.MaskMod(seen) & fl.SlidingWindow(10, 0)).tile_classes(1000, 1000, 64, 64)
+    assert sum(s[-2] * s[-1] for s in shapes) < 1000 * 1000 // 4, "only tiles the window opens"
+
+
+def test_mask_mod_runs_the_native_step_like_a_dense_mask(native_calls):
+    q, k, v, do = (x.float() for x in _inputs(1, 4, 2, 300, 280, d=16))
+    mod = fl.MaskMod(document([100, 90, 110]))
+    dense = mod.dense(300, 280)
+    a = fl.blocked_forward(q, k, v, mask=mod, block_q=64, block_k=64)
+    b = fl.blocked_forward(q, k, v, mask=dense, block_q=64, block_k=64)
+    assert torch.equal(a.o, b.o) and torch.equal(a.lse, b.lse), "the same bytes to the same step"
+    ga = fl.blocked_backward(q, k, v, a.o, a.lse, do.float(), mask=mod, block_q=64, block_k=64)
+    gb = fl.blocked_backward(q, k, v, b.o, b.lse, do.float(), mask=dense, block_q=64, block_k=64)
+    assert torch.equal(ga.dq, gb.dq) and torch.equal(ga.dk, gb.dk) and torch.equal(ga.dv, gb.dv)
+    assert native_calls == {"forward": 2, "backward": 2}
+    fl.blocked_forward(q, k, v, mask=mod, score_mod=softcap(3.0), block_q=64, block_k=64)
+    assert native_calls["forward"] == 2, "a score_mod runs the PyTorch step"
+
+
+def test_scalar_style_mods_fall_back_to_vmap(assert_close):
+    q, k, v, _ = _inputs(2, 2, 2, 30, 30)
+    per_bh = torch.tensor([[3, 5], [7, 2]])
+    slopes = torch.tensor([[0.1, 0.2], [0.3, 0.4]], dtype=F64)
+
+    def scalar_mask(b, h, qi, kv):  # indexes b then h: fine for scalars, wrong when broadcast
+        return (qi - kv).abs() <= per_bh[b][h]
+
+    def scalar_score(s, b, h, qi, kv):
+        return s - slopes[b][h] * (qi - kv).abs()
+
+    got = fl.blocked_forward(
+        q, k, v, mask=fl.MaskMod(scalar_mask), score_mod=scalar_score, block_q=8, block_k=8
+    )
+    o_n, _ = naive_flex(q, k, v, mask_mod=scalar_mask, score_mod=scalar_score)
+    assert_close(got.o, o_n, rtol=FWD, name="vmapped mods")
+
+
+# ----------------------------------------------------------------------------------------
+# BlockMask
+# ----------------------------------------------------------------------------------------
+def test_block_mask_with_other_block_sizes_than_the_tiles(assert_close):
+    q, k, v, _ = _inputs(2, 2, 2, 97, 113)
+    mm = document([40, 30, 43])
+    o_n, _ = naive_flex(q, k, v, mask_mod=mm)
+    for block in ((128, 128), (16, 32), (7, 9)):
+        bm = flex_mod.create_block_mask(mm, None, None, 97, 113, device="cpu", BLOCK_SIZE=block)
+        for tiles in ((512, 512), (16, 32), (20, 24)):
+            o = fl.flex_attention(q, k, v, block_mask=bm, block_q=tiles[0], block_k=tiles[1])
+            assert_close(o, o_n, rtol=FWD, name=f"blocks {block}, tiles {tiles}")
+        # the ledger's classes, for tiles equal to the blocks: the block mask's own
+        res = fl.blocked_forward(q, k, v, mask=fl.MaskMod(bm), block_q=block[0], block_k=block[1])
+        dense = flex_visible(mm, 1, 1, 97, 113)
+        want = tile_classes_from_dense(dense, *block)
+        ragged_q = (torch.arange(want.shape[0]) * block[0] + block[0] > 97)[:, None]
+        ragged_k = (torch.arange(want.shape[1]) * block[1] + block[1] > 113)[None, :]
+        want[(ragged_q | ragged_k) & (want == masks.FULL)] = masks.PARTIAL  # Flex pads with False
+        kinds = [["empty", "partial", "full"][int(c)] for c in want.reshape(-1)]
+        assert [x for row in res.ledger.tile_kinds for x in row] == kinds
+        assert res.ledger.counters.mask_mod_classify_evals == 0, "the blocks are the classes"
+
+
+def test_block_mask_blocks_rule_over_its_mask_mod(assert_close):
+    """from_kv_blocks with the default (all-true) mask_mod: exactly the listed blocks are
+    attended, as Flex's kernels compute (its eager path applies the mask_mod alone)."""
+    q, k, v, do = _inputs(1, 2, 2, 256, 256)
+    num = torch.tensor([[[1, 2]]], dtype=torch.int32)
+    idx = torch.tensor([[[[1, 0], [0, 1]]]], dtype=torch.int32)
+    bm = flex_mod.BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=128)
+    visible = torch.zeros(256, 256, dtype=torch.bool)
+    visible[:128, 128:] = True
+    visible[128:, :] = True
+    want = fl.reference_forward(q, k, v, mask=visible)
+    for tiles in ((512, 512), (64, 96)):
+        o = fl.flex_attention(q, k, v, block_mask=bm, block_q=tiles[0], block_k=tiles[1])
+        assert_close(o, want.o, rtol=FWD, name=f"block-sparse O, tiles {tiles}")
+
+
+def test_block_mask_errors():
+    q, k, v, _ = _inputs(2, 2, 2, 64, 64)
+    bm = flex_mod.create_block_mask(causal, 2, None, 64, 64, device="cpu")
+    with pytest.raises(
+        ValueError, match=r"made for \(Lq, Lk\) = \(64, 64\) but the inputs have \(32, 64\)"
+    ):
+        fl.flex_attention(q[:, :, :32], k, v, block_mask=bm)
+    with pytest.raises(ValueError, match="sliced"):
+        fl.MaskMod(bm[0])
+    with pytest.raises(ValueError, match="batch x heads 2 x 1"):
+        fl.flex_attention(q[:1], k[:1], v[:1], block_mask=bm)
+    with pytest.raises(
+        TypeError, match=r"block_mask must be a torch\.nn\.attention\.flex_attention\.BlockMask"
+    ):
+        fl.flex_attention(q, k, v, block_mask=causal)  # type: ignore[arg-type]
+
+
+def test_flex_attention_argument_errors(assert_close):
+    q, k, v, _ = _inputs(1, 4, 2, 16, 16)
+    with pytest.raises(ValueError, match="enable_gqa=True"):
+        fl.flex_attention(q, k, v)
+    with pytest.raises(ValueError, match=r"query must be 4-D \(B, H, L, E\)"):
+        fl.flex_attention(q[0], k[0], v[0], enable_gqa=True)
+    with pytest.raises(TypeError, match="score_mod must be callable"):
+        fl.flex_attention(q, k, v, score_mod=3, enable_gqa=True)  # type: ignore[arg-type]
+    # a key/value batch of 1 broadcasts over a block mask's batch, as in Flex
+    qb = q.expand(2, -1, -1, -1)
+    bm = flex_mod.create_block_mask(causal, 2, None, 16, 16, device="cpu")
+    o = fl.flex_attention(qb, k, v, block_mask=bm, enable_gqa=True)
+    o_n, _ = naive_flex(qb, k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1), mask_mod=causal)
+    assert_close(o, o_n, rtol=FWD, name="broadcast K/V batch")
+
+
+def test_bad_mods_are_named():
+    q, k, v, _ = _inputs(1, 2, 2, 16, 16)
+    with pytest.raises(
+        ValueError,
+        match=r"mask_mod 'floaty' returned a torch.float64 tensor; a mask_mod returns bool",
+    ):
+
+        def floaty(b, h, qi, kv):
+            return (qi - kv).to(F64)
+
+        fl.blocked_forward(q, k, v, mask=fl.MaskMod(floaty))
+    with pytest.raises(ValueError, match=r"score_mod .to_int. returned a torch\.int64 tensor"):
+
+        def to_int(s, b, h, qi, kv):
+            return qi - kv
+
+        fl.blocked_forward(q, k, v, score_mod=to_int)
+    with pytest.raises(ValueError, match="score_mod 'broken' raised KeyError: 'no such table'"):
+
+        def broken(s, b, h, qi, kv):
+            raise KeyError("no such table")
+
+        fl.blocked_forward(q, k, v, score_mod=broken)
+    with pytest.raises(TypeError, match="MaskMod needs a mask_mod callable"):
+        fl.MaskMod(torch.ones(3))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"cannot unite a mask with None"):
+        fl.Causal() | None  # type: ignore[operator]
+
+
+# ----------------------------------------------------------------------------------------
+# the ledger and its closed form
+# ----------------------------------------------------------------------------------------
+KEYS = (
+    "mask_mod_classify_evals",
+    "mask_mod_tiles",
+    "mask_mod_evals",
+    "score_mod_tiles",
+    "score_mod_evals",
+)
+
+
+@pytest.mark.parametrize("keep", ["all kept", "none kept"])
+@pytest.mark.parametrize("which", ["MaskMod", "MaskMod & window", "BlockMask", "score_mod only"])
+def test_counters_equal_the_closed_form(which, keep, monkeypatch):
+    if keep == "none kept":
+        monkeypatch.setattr(masks, "KEEP_BYTES", 0)
+    shape = (2, 4, 2, 97, 113)
+    q, k, v, do = _inputs(*shape)
+    mm = document([40, 30, 43])
+    table = _table(4, 97, 113)
+    mask: Any = {
+        "MaskMod": fl.MaskMod(mm),
+        "MaskMod & window": fl.MaskMod(mm) & fl.SlidingWindow(20, 0),
+        "BlockMask": fl.MaskMod(
+            flex_mod.create_block_mask(mm, None, None, 97, 113, device="cpu", BLOCK_SIZE=(16, 32))
+        ),
+        "score_mod only": fl.Causal(),
+    }[which]
+    sm = rel_bias(table, 113)
+    opts = dict(mask=mask, score_mod=sm, block_q=16, block_k=32)
+    with torch.no_grad():
+        fwd = fl.blocked_forward(q, k, v, **opts)
+        bwd = fl.blocked_backward(q, k, v, fwd.o, fwd.lse, do, **opts)
+    sw = fl.storage_and_work(
+        lq=97,
+        lk=113,
+        d=8,
+        heads=4,
+        kv_heads=2,
+        batch=2,
+        block_q=16,
+        block_k=32,
+        mask=mask,
+        score_mod=sm,
+    )
+    want = {key: getattr(sw, key) for key in KEYS}
+    for led in (fwd.ledger, bwd.ledger):
+        got = {key: getattr(led.counters, key) for key in KEYS}
+        assert got == want, f"{which}, {keep}, {led.pass_name}: {got} != {want}"
+    c = fwd.ledger.counters
+    assert c.score_mod_tiles == c.tiles_run and c.score_mod_evals == c.qk_dots_computed
+    if which != "score_mod only":
+        assert sw.mask_mod_tiles == (c.tiles_partial - sw.mask_mod_tiles_kept) * 1
+        assert (sw.mask_mod_tiles_kept == 0) == (keep == "none kept" or which == "BlockMask")
+        assert (c.mask_mod_classify_evals == 0) == (which == "BlockMask")
+    if which == "MaskMod":
+        assert c.mask_mod_classify_evals == 97 * 113 * 2 * 4, "each position once, per (b, h)"
+    text = str(fwd.ledger)
+    assert f"score_mod: {c.score_mod_evals} positions in {c.score_mod_tiles} tile calls" in text
+    assert fwd.ledger.to_dict()["counters"]["score_mod_tiles"] == c.score_mod_tiles
+
+
+def test_the_loop_calls_the_mods_once_per_tile_on_the_tile(monkeypatch):
+    """Never an L x L evaluation in the blocked loop, and flash_attention's backward
+    reuses the forward's classes and kept tiles."""
+    monkeypatch.setattr(masks, "KEEP_BYTES", 0)  # every partial tile evaluated in the loop
+    calls: dict[str, list[tuple[int, ...]]] = {"mask": [], "score": []}
+
+    def mm(b, h, qi, kv):
+        calls["mask"].append(tuple(torch.broadcast_shapes(qi.shape, kv.shape)))
+        return qi >= kv
+
+    def sm(s, b, h, qi, kv):
+        calls["score"].append(tuple(s.shape))
+        return s * 0.5
+
+    q, k, v, do = _inputs(1, 2, 2, 100, 100)
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    o = fl.flash_attention(*leaves, mask=fl.MaskMod(mm), score_mod=sm, block_q=32, block_k=32)
+    after_forward = len(calls["mask"])
+    n_fwd = len(calls["score"])
+    o.backward(do)
+    assert max(s[-2] * s[-1] for s in calls["score"]) <= 32 * 32 and calls["score"][1:]
+    runs = 4 * 5 // 2  # causal 4 x 4 tiles: 10 run (4 partial, 6 full)
+    assert n_fwd == runs + 1 and len(calls["score"]) == 2 * runs + 1  # one probe
+    # classification: one call per row of tiles (4); each pass: the 4 partial tiles
+    assert after_forward == 4 + 4 and len(calls["mask"]) == 4 + 2 * 4, "no second classification"
+
+
+# ----------------------------------------------------------------------------------------
+# README-style training loop (tiny): a learnable bias trained by flashledger's gradients
+# ----------------------------------------------------------------------------------------
+def test_a_learnable_bias_trains():
+    q, k, v, _ = _inputs(1, 2, 2, 24, 24)
+    target, _ = naive_flex(
+        q, k, v, mask_mod=causal, score_mod=alibi(torch.tensor([0.5, 0.25], dtype=F64))
+    )
+    table = torch.nn.Parameter(torch.zeros(2, 49, dtype=F64))
+    bm = flex_mod.create_block_mask(causal, None, None, 24, 24, device="cpu")
+    opt = torch.optim.Adam([table], lr=0.1)
+    losses = []
+    for _ in range(30):
+        o = fl.flex_attention(
+            q, k, v, score_mod=rel_bias(table, 24), block_mask=bm, block_q=8, block_k=8
+        )
+        loss = ((o - target) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    assert losses[-1] < 0.2 * losses[0], losses[::5]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    lq=st.integers(1, 30),
+    lk=st.integers(1, 30),
+    bq=st.integers(1, 12),
+    bk=st.integers(1, 12),
+    heads=st.sampled_from([(2, 2), (4, 2), (3, 1)]),
+    density=st.sampled_from([0.0, 0.4, 1.0]),
+    mod=st.sampled_from(["none", "table", "softcap", "alibi"]),
+    order=st.sampled_from(["fa2", "fa1"]),
+    seed=st.integers(0, 2**16),
+)
+def test_blocked_mods_equal_the_oracle_property(
+    lq, lk, bq, bk, heads, density, mod, order, seed, assert_close
+):
+    """Random shapes, tiles, masks and score_mods: the blocked loop (forward and backward,
+    the table's gradient too) equals the dense autograd oracle (the native step runs the
+    fa2 cases without a score_mod)."""
+    hq, hk = heads
+    q, k, v, do = _inputs(2, hq, hk, lq, lk, d=4, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    table = torch.rand(2, lq, lk, generator=g) < density
+
+    def mask_mod(b, h, qi, kv):
+        return table[b, qi, kv]
+
+    bias = _table(hq, lq, lk, seed=seed)
+    score_mod = {
+        "none": None,
+        "table": rel_bias(bias, lk),
+        "softcap": softcap(1.5),
+        "alibi": alibi(torch.linspace(0.1, 1.0, hq, dtype=F64)),
+    }[mod]
+    opts: dict[str, Any] = dict(mask=fl.MaskMod(mask_mod), score_mod=score_mod)
+    kw: dict[str, Any] = dict(block_q=bq, block_k=bk, loop_order=order)
+    with torch.no_grad():
+        fwd = fl.blocked_forward(q, k, v, **opts, **kw)
+        bwd = fl.blocked_backward(q, k, v, fwd.o, fwd.lse, do, **opts, **kw)
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    o_n, lse_n = naive_flex(*leaves, mask_mod=mask_mod, score_mod=score_mod)
+    learned = [bias] if mod == "table" else []
+    want = torch.autograd.grad((o_n * do).sum(), [*leaves, *learned])
+    got = [bwd.dq, bwd.dk, bwd.dv] + [gr for _, gr in bwd.captured_grads]
+    assert_close(fwd.o, o_n, rtol=FWD, name="O")
+    assert_close(fwd.lse, lse_n, rtol=FWD, name="LSE")
+    for what, a, b in zip(["dQ", "dK", "dV", "d table"], got, want):
+        assert_close(a, b, rtol=GRAD, name=what)
