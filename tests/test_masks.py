@@ -237,3 +237,66 @@ def test_interval_tiles_in_integers_equal_the_tensor_rule(b, lq, lk, bq, bk, kin
     finally:
         masks._FEW_ROWS = masks_few
     assert torch.equal(few, want), (few, want)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    lq=st.integers(1, 40),
+    lk=st.integers(1, 60),
+    extra_q=st.integers(0, 5),
+    extra_k=st.integers(0, 9),
+    data=st.data(),
+)
+def test_masks_bound_in_integers_equal_the_tensor_form(lq, lk, extra_q, extra_k, data):
+    """On a plain geometry a few rows bind in plain integers (a decode step); their
+    intervals equal the tensor form's, row for row, for every alignment, window side and
+    placement inside a longer sequence, alone and under ``&``."""
+    from flashledger import masks
+
+    def one() -> fl.Mask:
+        align = data.draw(st.sampled_from([None, *ALIGNS]))
+        if data.draw(st.booleans()):
+            return fl.Causal(align)
+        return fl.SlidingWindow(data.draw(side), data.draw(side), align=align)
+
+    mask = one() if data.draw(st.booleans()) else one() & one()
+    q_off, k_off = data.draw(st.integers(0, extra_q)), data.draw(st.integers(0, extra_k))
+    geo = Geometry.build(
+        lq=lq,
+        lk=lk,
+        q_offset=q_off,
+        k_offset=k_off,
+        lq_total=lq + extra_q,
+        lk_total=lk + extra_k,
+        causal_align=data.draw(st.sampled_from(ALIGNS)),
+        window_rewrite=data.draw(st.booleans()),
+    )
+    assert geo.plain
+    few = mask.bind(geo)
+    rows = masks._FEW_ROWS
+    try:
+        masks._FEW_ROWS = -1  # the tensor form
+        want = mask.bind(geo)
+    finally:
+        masks._FEW_ROWS = rows
+    assert isinstance(few, masks.IntervalBound) and isinstance(want, masks.IntervalBound)
+    assert few._rows is not None and want._rows is None, "one form each"
+    assert torch.equal(few.lo, want.lo), (mask, few.lo, want.lo)
+    assert torch.equal(few.hi, want.hi), (mask, few.hi, want.hi)
+    assert few.rows() == want.rows()
+    for got, ref in zip(few.local_intervals(), want.local_intervals()):
+        assert torch.equal(got, ref), (mask, got, ref)
+    assert torch.equal(few.dense(), want.dense()), mask
+
+
+def test_a_plain_geometry_makes_its_row_tensors_when_asked():
+    """A plain geometry (no variable or used lengths) holds no tensor until asked; then its
+    rows read ``[0, Lk_total)`` with the two diagonals, as a bounded geometry's do."""
+    geo = Geometry.build(lq=3, lk=5, q_offset=2, lq_total=6, lk_total=9)
+    assert geo.plain and not geo.bounded and "k_lo" not in geo.__dict__
+    assert geo.k_lo.tolist() == [[0, 0, 0]] and geo.k_hi.tolist() == [[9, 9, 9]]
+    assert geo.diagonal("top_left").tolist() == [[2, 3, 4]]
+    assert geo.diagonal("bottom_right").tolist() == [[5, 6, 7]]
+    assert geo.diagonal_rows("bottom_right") == [5, 6, 7]
+    used = Geometry.build(lq=3, lk=5, batch=2, seqused_k=torch.tensor([5, 2]))
+    assert not used.plain and used.k_hi.tolist() == [[5, 5, 5], [2, 2, 2]]

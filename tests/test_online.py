@@ -189,6 +189,53 @@ def test_a_part_with_no_key_merges_away_whichever_infinity_it_carries(empty_lse,
 
 @settings(max_examples=40, deadline=None)
 @given(
+    parts=st.integers(1, 7),
+    rows=st.integers(1, 5),
+    d_v=st.integers(1, 4),
+    empty=st.lists(st.sampled_from([-math.inf, math.inf, None]), min_size=35, max_size=35),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_parts_stacked_merge_in_one_pass_to_the_whole(parts, rows, d_v, empty, seed, assert_close):
+    """S partial results stacked along a first dim merge at once to the attention of the
+    union of their keys (rows that see no key in a part carry -inf or +inf there; a row with
+    no key at all merges to O = 0, LSE -inf); two parts give bit for bit what the two-part
+    form gives."""
+    gen = torch.Generator().manual_seed(seed)
+    n_keys = 3
+    s = torch.randn(parts, rows, n_keys, generator=gen, dtype=torch.float64) * 3  # (S, R, n)
+    v = torch.randn(parts, n_keys, d_v, generator=gen, dtype=torch.float64)  # (S, n, d_v)
+    seen = torch.ones(parts, rows, dtype=torch.bool)  # (S, R)
+    lse_s = torch.logsumexp(s, -1)  # (S, R)
+    o_s = torch.softmax(s, -1) @ v  # (S, R, d_v)
+    for i, e in enumerate(empty[: parts * rows]):
+        if e is not None:
+            p, r = divmod(i, rows)
+            seen[p, r] = False
+            lse_s[p, r], o_s[p, r] = e, 7.0  # the O of a part with no key is ignored
+    o, lse = merge_partials(o_s, lse_s)
+    for r in range(rows):
+        keep = seen[:, r]
+        if not bool(keep.any()):
+            assert o[r].tolist() == [0.0] * d_v and lse[r].item() == -math.inf
+            continue
+        scores = s[keep, r].reshape(-1)  # (S'·n,)
+        values = v[keep].reshape(-1, d_v)  # (S'·n, d_v)
+        assert_close(o[r], full_row(scores, values), rtol=TOL, name=f"O of row {r}")
+        assert_close(lse[r], torch.logsumexp(scores, 0), rtol=TOL, name=f"LSE of row {r}")
+    if parts == 2:
+        o2, lse2 = merge_partials(o_s[0], lse_s[0], o_s[1], lse_s[1])
+        assert torch.equal(o2, o) and torch.equal(lse2, lse), "two parts: one merge, one answer"
+
+
+def test_merge_partials_takes_both_halves_of_the_second_part():
+    o = torch.zeros(1, 2, dtype=torch.float64)
+    lse = torch.zeros(1, dtype=torch.float64)
+    with pytest.raises(ValueError, match="o_b and lse_b together"):
+        merge_partials(o, lse, o)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
     n=st.integers(1, 40),
     d_v=st.integers(1, 5),
     block=st.integers(1, 45),

@@ -83,6 +83,9 @@ static gemm_fn GEMM;
 
 void SUF(fl_set_gemm)(void *fn) { GEMM = (gemm_fn)fn; }
 int SUF(fl_max_threads)(void) { return omp_get_max_threads(); }
+/* the calling thread's team size (OpenMP keeps one per thread: a thread Python starts
+ * does not see torch.set_num_threads from the main thread) */
+void SUF(fl_set_threads)(int n) { omp_set_num_threads(n > 0 ? n : 1); }
 int SUF(fl_vector_bytes)(void) { return VBYTES; }
 
 static const double LOG2E = 1.4426950408889634, LN2 = 0.6931471805599453;

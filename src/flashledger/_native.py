@@ -160,6 +160,8 @@ class Kernels:
             getattr(lib, f"fl_padded_{suffix}").argtypes = [ll]
             getattr(lib, f"fl_padded_{suffix}").restype = ll
             getattr(lib, f"fl_set_own_gemm_{suffix}").argtypes = [i]
+            getattr(lib, f"fl_set_threads_{suffix}").argtypes = [i]
+            getattr(lib, f"fl_set_threads_{suffix}").restype = None
             # m n k alpha A lda B sbk sbn beta C ldc
             mm = [i, i, i, d, vp, ll, vp, ll, ll, d, vp, ll]
             getattr(lib, f"fl_matmul_{suffix}").argtypes = mm
@@ -297,8 +299,12 @@ class Kernels:
         return out[..., :rows]
 
     def max_threads(self) -> int:
-        """OpenMP threads a parallel region started from this thread would use."""
-        return int(self._lib.fl_max_threads_f32())
+        """OpenMP threads a parallel region started from this thread uses: PyTorch's
+        (``torch.get_num_threads()``), set on the calling thread when it differs."""
+        n = torch.get_num_threads()
+        if int(self._lib.fl_max_threads_f32()) != n:
+            self._lib.fl_set_threads_f32(n)
+        return n
 
     def _run(
         self,

@@ -8,6 +8,8 @@ layout ``(B, Hkv, G, L, d)`` (``G = Hq // Hkv``; K and V have ``G = 1``).
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -225,16 +227,20 @@ class Problem:
         full = self.user_rows(bad.expand(b, hkv, g, lq))
         return tuple(int(i) for i in torch.nonzero(full)[0].tolist())
 
-    def check_forward_lse(self, lse: torch.Tensor, o: torch.Tensor | None = None) -> None:
+    def check_forward_lse(self, lse: torch.Tensor, o: torch.Tensor | None = None) -> bool:
         """Raise ``ValueError`` when a result is not finite where it must be: the scores or
         the output overflowed the accumulation dtype (the inputs are finite, so they are too
         large). ``lse`` ``(B, Hkv, G, Lq)`` is the raw LSE (-inf on rows that see no key);
-        ``o`` ``(B, Hkv, G, Lq, d_v)`` optional."""
+        ``o`` ``(B, Hkv, G, Lq, d_v)`` optional. Returns True when some row's LSE is -inf
+        (a row that sees no key: the conventions may report another value there)."""
         bad = None
         lse = lse.detach()
-        if not all_finite(lse, allow_neg_inf=True):  # NaN or +inf: a score reached +inf
-            bad = torch.isnan(lse) | (lse == math.inf)
-        elif self.smod.user is None and lse.numel() and float(lse.amin()) == -math.inf:
+        lo = hi = 0.0
+        if lse.numel():
+            lo, hi = (float(x) for x in torch.aminmax(lse))  # one pass; NaN propagates
+        if not hi < math.inf and bool((torch.isnan(lse) | (lse == math.inf)).any()):
+            bad = torch.isnan(lse) | (lse == math.inf)  # NaN or +inf: a score reached +inf
+        elif self.smod.user is None and lo == -math.inf:
             # -inf on a row that sees keys (a score_mod may send a whole row to -inf: Flex
             # gives that row O = 0 and LSE -inf, as a masked one)
             rows = self.rows_with_keys()
@@ -251,6 +257,7 @@ class Problem:
             bad = ~torch.isfinite(o).all(dim=-1)  # (B, Hkv, G, Lq)
             idx = ", ".join(map(str, self._user_index(bad)))
             raise ValueError(self._overflow_message(f"output row o[{idx}, :]"))
+        return lo == -math.inf
 
     def check_gradients(self, **grads: torch.Tensor) -> None:
         """Raise ``ValueError`` when a gradient is not finite (its sums overflowed)."""
@@ -430,13 +437,181 @@ def build_problem(
 ) -> Problem:
     """Validate every input and option and lay the problem out for a loop. The values of
     q, k, v are checked when a result is not finite (a NaN or inf no visible score reads
-    changes nothing), not here: that check reads every input once more."""
+    changes nothing), not here: that check reads every input once more.
+
+    A call of a few rows whose options hold no tensor (a decode step: every layer of a
+    model repeats its shapes) reuses the frame of an earlier call with the same shapes,
+    dtypes, devices and options (``_FRAMES``): what validation found and built depends on
+    nothing else."""
+    tensors = (alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    key = None  # a score_mod is a user function (it may read tensors): never kept
+    if dropout_mask is None and score_mod is None and all(t is None for t in tensors):
+        key = _frame_key(
+            q, k, v, mask, conventions, placement, acc_dtype, scale, dropout_p, seed, softcap
+        )
+    frame = _FRAMES.get(key) if key is not None else None
+    if frame is None:
+        frame = _frame_of(
+            q,
+            k,
+            v,
+            mask=mask,
+            scale=scale,
+            conventions=conventions,
+            dropout_p=dropout_p,
+            seed=seed,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
+            bias=bias,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k,
+            seqused_q=seqused_q,
+            seqused_k=seqused_k,
+            dropout_mask=dropout_mask,
+            score_mod=score_mod,
+            placement=placement,
+            acc_dtype=acc_dtype,
+        )
+        if key is not None:
+            _FRAMES.put(key, frame)
+    return frame.problem(q, k, v)
+
+
+@dataclass(frozen=True)
+class _Frame:
+    """What a call's shapes and options make of it, before any value is read: validated,
+    with its conventions, geometry, bound mask and score transform (shared by the calls
+    that reuse it: never modified)."""
+
+    dims: tuple[int, int, int, int, int]  # (B, Hkv, G, Lq, d)
+    acc_dtype: torch.dtype
+    conventions: Conventions
+    geo: Geometry
+    mask: BoundMask | None
+    smod: ScoreMod
+    dropout_p: float
+    seed: int
+    keep_mask: torch.Tensor | None
+
+    def problem(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Problem:
+        """The call's ``Problem``: q, k, v laid out in the internal 5-D layout."""
+        b, hkv, g, lq, d = self.dims
+        q4, k4, v4 = _add_leading(q, 4), _add_leading(k, 4), _add_leading(v, 4)
+        if q4.dtype != self.acc_dtype:
+            q4 = q4.to(self.acc_dtype)
+        return Problem(
+            # contiguous once here (a copy only for strided inputs, e.g. heads sliced out of
+            # a larger tensor), so that every tile of the loop is a view
+            q=q4.contiguous().view(b, hkv, g, lq, d),
+            k_in=k4.contiguous().unsqueeze(2),
+            v_in=v4.contiguous().unsqueeze(2),
+            ndim=q.ndim,
+            out_dtype=q.dtype,
+            conventions=self.conventions,
+            geo=self.geo,
+            mask=self.mask,
+            smod=self.smod,
+            dropout_p=self.dropout_p,
+            seed=self.seed,
+            keep_mask=self.keep_mask,
+            inputs=(q, k, v),
+        )
+
+
+_FRAME_ROWS = 512  # frames are kept for calls of at most this many query rows
+
+
+def _frame_key(
+    q: Any,
+    k: Any,
+    v: Any,
+    mask: Any,
+    conventions: Any,
+    placement: Any,
+    acc_dtype: Any,
+    *scalars: Any,
+) -> tuple[Any, ...] | None:
+    """The frame cache's key of a call: shapes, dtypes and devices of q, k, v and the
+    options (scalars with their types, so that ``True`` is not taken for ``1``); None
+    when the frame may not be kept: inputs that are not tensors, many rows, a mask other
+    than ``Causal``/``SlidingWindow`` (those are values; others may hold tensors), or an
+    unhashable option."""
+    if not all(isinstance(x, torch.Tensor) for x in (q, k, v)):
+        return None
+    if q.ndim < 2 or q.shape[-2] > _FRAME_ROWS:
+        return None
+    if mask is not None and type(mask) not in (Causal, SlidingWindow):
+        return None
+    key = (
+        (q.shape, k.shape, v.shape),
+        (q.dtype, k.dtype, v.dtype),
+        (q.device, k.device, v.device),
+        mask,
+        conventions,
+        placement,
+        acc_dtype,
+        tuple((type(x), x) for x in scalars),
+    )
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+class _FrameCache:
+    """The most recent frames (``size`` of them), by key; safe to share between threads."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._frames: OrderedDict[tuple[Any, ...], _Frame] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[Any, ...]) -> _Frame | None:
+        with self._lock:
+            frame = self._frames.get(key)
+            if frame is not None:
+                self._frames.move_to_end(key)
+            return frame
+
+    def put(self, key: tuple[Any, ...], frame: _Frame) -> None:
+        with self._lock:
+            self._frames[key] = frame
+            while len(self._frames) > self.size:
+                self._frames.popitem(last=False)
+
+
+_FRAMES = _FrameCache(64)
+
+
+def _frame_of(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Mask | torch.Tensor | None = None,
+    scale: float | None = None,
+    conventions: Conventions | str | None = None,
+    dropout_p: float = 0.0,
+    seed: int = 0,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    seqused_q: torch.Tensor | None = None,
+    seqused_k: torch.Tensor | None = None,
+    dropout_mask: torch.Tensor | None = None,
+    score_mod: ScoreModFn | None = None,
+    placement: Placement | None = None,
+    acc_dtype: torch.dtype | None = None,
+) -> _Frame:
+    """Validate every input and option (not the values of q, k, v) and build the call's
+    frame: conventions, geometry, bound mask, score transform."""
     check_qkv(q, k, v, finite=False)
     conv = get_conventions(conventions)
-    ndim = q.ndim
     q4 = _add_leading(q, 4)
     k4 = _add_leading(k, 4)
-    v4 = _add_leading(v, 4)
     b, hq, lq, d = q4.shape
     hkv, lk = k4.shape[1], k4.shape[2]
     g = hq // hkv
@@ -585,14 +760,9 @@ def build_problem(
     if dropout_mask is not None:
         km = _add_leading(dropout_mask, 4).to(q.device)
         keep_mask = to5d(km, hkv, g)
-    return Problem(
-        # contiguous once here (a copy only for strided inputs, e.g. heads sliced out of a
-        # larger tensor), so that every tile of the loop is a view
-        q=q4.to(acc_dtype).contiguous().view(b, hkv, g, lq, d),
-        k_in=k4.contiguous().unsqueeze(2),
-        v_in=v4.contiguous().unsqueeze(2),
-        ndim=ndim,
-        out_dtype=q.dtype,
+    return _Frame(
+        dims=(b, hkv, g, lq, d),
+        acc_dtype=acc_dtype,
         conventions=conv,
         geo=geo,
         mask=bound,
@@ -600,7 +770,6 @@ def build_problem(
         dropout_p=float(dropout_p),
         seed=seed,
         keep_mask=keep_mask,
-        inputs=(q, k, v),
     )
 
 

@@ -17,7 +17,10 @@ intermediates: memory ``O(B·H·Lq·Lk)``, like PyTorch's math backend.
 itself; ``sink`` (or None) is called with each pass's ``Ledger`` as the pass
 ends, which is how a model's ledger (``flashledger.model.ledger_of``) books
 both passes of every attention call (a backward that builds a graph has no
-blocked ledger to book).
+blocked ledger to book). Where no gradient can flow (grad mode off, or no input
+requires one: inference, a decode step) ``apply`` runs that forward alone,
+without an autograd node, whose bookkeeping would cost more than a short call's
+arithmetic.
 
 With a ``score_mod``, the tensors it captures that require grad (found once
 per call, ``_mods.find_captured``) are the op's ``captured`` inputs, so that
@@ -39,8 +42,14 @@ import torch
 from ._backward_graph import graph_backward
 from ._mods import find_captured
 from ._options import AttentionOptions, check_options
-from ._problem import build_problem
-from .blocked import LoopOrder, _backward_problem, _check_options, _forward_problem
+from ._problem import Problem, build_problem
+from .blocked import (
+    ForwardResult,
+    LoopOrder,
+    _backward_problem,
+    _check_options,
+    _forward_problem,
+)
 from .conventions import SEED, get_conventions
 from .ledger import Ledger
 
@@ -48,6 +57,30 @@ __all__ = ["flash_attention"]
 
 
 class _FlashAttention(torch.autograd.Function):
+    @classmethod
+    def apply(  # type: ignore[override]
+        cls,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        bias: torch.Tensor | None,
+        opts: dict[str, Any],
+        sink: Callable[[Ledger], None] | None = None,
+        *captured: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(o, lse)``; through autograd only when a gradient can flow (grad mode on and an
+        input requires one, or a functorch transform is active): otherwise the forward alone,
+        as autograd would run it, without a graph node (its bookkeeping is a large part of a
+        decode step)."""
+        inputs = (q, k, v, bias, *captured)
+        if (
+            torch.is_grad_enabled()
+            and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
+        ) or torch._C._are_functorch_transforms_active():
+            return super().apply(q, k, v, bias, opts, sink, *captured)  # type: ignore[no-any-return]
+        _, res = _forward(q, k, v, bias, opts, sink, captured)
+        return res.o, res.lse
+
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
@@ -59,18 +92,12 @@ class _FlashAttention(torch.autograd.Function):
         sink: Callable[[Ledger], None] | None = None,
         *captured: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        problem, loop = _split(opts)
-        pb = build_problem(q, k, v, bias=bias, **problem)
-        if pb.smod.user is not None:
-            pb.smod.user.use_captured(captured)  # found once, by flash_attention
-        res = _forward_problem(pb, **loop)
+        pb, res = _forward(q, k, v, bias, opts, sink, captured)
         ctx.set_materialize_grads(False)  # an unused LSE output costs no zero tensor and no pass
         ctx.save_for_backward(q, k, v, bias, res.o, res.lse, *captured)
         ctx.opts, ctx.sink = opts, sink
         # the bound mask (tile classes, kept partial tiles) and score_mod, for the backward
         ctx.bound = (pb.mask, pb.smod.user)
-        if sink is not None:
-            sink(res.ledger)
         return res.o, res.lse
 
     @staticmethod
@@ -108,6 +135,26 @@ class _FlashAttention(torch.autograd.Function):
         found = _match(captured, res.captured_grads)
         dcaptured = [g if ctx.needs_input_grad[6 + n] else None for n, g in enumerate(found)]
         return res.dq, res.dk, res.dv, dbias, None, None, *dcaptured
+
+
+def _forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    opts: dict[str, Any],
+    sink: Callable[[Ledger], None] | None,
+    captured: Sequence[torch.Tensor],
+) -> tuple[Problem, ForwardResult]:
+    """The op's forward pass: its problem and result; the ledger goes to ``sink``."""
+    problem, loop = _split(opts)
+    pb = build_problem(q, k, v, bias=bias, **problem)
+    if pb.smod.user is not None:
+        pb.smod.user.use_captured(tuple(captured))  # found once, by flash_attention
+    res = _forward_problem(pb, **loop)
+    if sink is not None:
+        sink(res.ledger)
+    return pb, res
 
 
 _LOOP = ("block_q", "block_k", "loop_order")

@@ -802,6 +802,80 @@ def decode(
     return rows
 
 
+FIXED_COST_LK = 64  # keys of the fixed-cost measurement: the arithmetic is a few microseconds
+
+
+@contextlib.contextmanager
+def native_pass_timer() -> Iterator[list[float]]:
+    """Seconds of every native forward pass (``Kernels.forward``: its operands laid out and
+    the C call) run while the block is open, in this process; nothing when the native
+    step is off."""
+    spent: list[float] = []
+    kern = _native.kernels()
+    if kern is None:
+        yield spent
+        return
+    real = kern.forward
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            spent.append(time.perf_counter() - t0)
+
+    kern.forward = timed  # type: ignore[method-assign]  # this instance, until the block ends
+    try:
+        yield spent
+    finally:
+        delattr(kern, "forward")
+
+
+def decode_fixed_cost(
+    dtypes: Sequence[str], batches: Sequence[int], *, rounds: int, calls: int
+) -> list[dict[str, Any]]:
+    """What a decode call costs around its arithmetic: one row against ``FIXED_COST_LK``
+    keys, flashledger and SDPA interleaved in ``rounds`` rounds of ``calls`` calls each
+    (their order alternating), medians in microseconds per call; ``native_pass_us`` is the
+    time inside the native pass (operands laid out + the C call) and ``around_us`` the
+    rest of flashledger's call (validation, schedule, ledger, merge, checks)."""
+    rows = []
+    for dt in dtypes:
+        for b in batches:
+            cfg = DecodeConfig(lk=FIXED_COST_LK, dtype=dt, batch=b)
+            q, k, v = cfg.inputs()
+            fns = {m: decode_fn(m, cfg) for m in ("flashledger", "sdpa")}
+            per: dict[str, list[float]] = {"flashledger": [], "sdpa": [], "native_pass": []}
+            with torch.no_grad():
+                for fn in fns.values():
+                    for _ in range(max(1, calls // 10)):  # warm-up: pools, caches, frames
+                        fn(q, k, v)
+                for r in range(rounds):
+                    for m in fns if r % 2 == 0 else list(fns)[::-1]:
+                        with native_pass_timer() as spent:
+                            t0 = time.perf_counter()
+                            for _ in range(calls):
+                                fns[m](q, k, v)
+                            per[m].append((time.perf_counter() - t0) / calls)
+                        if m == "flashledger":
+                            per["native_pass"].append(sum(spent) / calls if spent else math.nan)
+            med = {m: 1e6 * statistics.median(t) for m, t in per.items()}
+            native = not math.isnan(med["native_pass"])
+            rows.append(
+                {
+                    **asdict(cfg),
+                    "calls": calls,
+                    "rounds": rounds,
+                    "flashledger_us": med["flashledger"],
+                    "sdpa_us": med["sdpa"],
+                    "ratio": med["flashledger"] / med["sdpa"],
+                    "native_pass_us": med["native_pass"] if native else None,
+                    "around_us": med["flashledger"] - med["native_pass"] if native else None,
+                }
+            )
+    return rows
+
+
 def measure_decode_memory(method: str, cfg: DecodeConfig) -> int:
     """Peak extra resident bytes of one decode call, in a fresh interpreter."""
     code = (
@@ -1073,9 +1147,15 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--decode", action="store_true",
-        help="the decode benchmark instead: Lq = 1 against Lk = --lengths (default "
+        help="the decode benchmark instead: first the fixed cost of a call (Lq = 1 against "
+        f"Lk = {FIXED_COST_LK}, --calls per round), then Lq = 1 against Lk = --lengths (default "
         f"{','.join(map(str, DECODE_LENGTHS))}), 32/8 heads, d = 128, B = 1 and 8, --dtypes "
-        "(default float32,bfloat16); writes decode.json",
+        "(default float32,bfloat16), flashledger and SDPA in the same process; writes "
+        "decode.json",
+    )  # fmt: skip
+    parser.add_argument(
+        "--calls", type=_positive_int, default=200, metavar="N",
+        help=f"--decode: calls per round of the fixed-cost measurement (Lk = {FIXED_COST_LK})",
     )  # fmt: skip
     parser.add_argument(
         "--contention", action="store_true",
@@ -1143,10 +1223,15 @@ def _run_side_benchmark(args: argparse.Namespace, out: Path) -> int:
         raise ValueError(f"--out {out}: cannot write {name} there: {problem}")
     machine = machine_info()
     head = f"{machine['cpu']} ({machine['isa']}), {machine['threads']} threads, torch {machine['torch']}"
+    report: dict[str, Any] = {"machine": machine}
+    tables: list[Any] = []
     if args.decode:
         given = args.lengths != FULL_LENGTHS and not args.quick
         lengths = args.lengths if given else DECODE_LENGTHS
         dtypes = args.dtypes if args.dtypes != DEFAULT_DTYPES else ("float32", "bfloat16")
+        fixed = decode_fixed_cost(dtypes, (1, 8), rounds=args.repeats, calls=args.calls)
+        report["fixed_cost"] = fixed
+        tables.append(_fixed_cost_table(fixed, head))
         rows = decode(lengths, dtypes, (1, 8), repeats=args.repeats, memory=not args.no_memory)
         table = Table(
             title="decode: Lq = 1 against a KV cache of Lk keys, 32 query / 8 K/V heads, d = 128; "
@@ -1189,14 +1274,37 @@ def _run_side_benchmark(args: argparse.Namespace, out: Path) -> int:
                 f"{sd['quiet_ms']:.1f}/{sd['busy_ms']:.1f}", f"{sd['slowdown']:.2f}",
                 f"{r['slowdown_ratio']:.2f}",
             )  # fmt: skip
-    report = {"machine": machine, "results": rows}
+    report["results"] = rows
+    tables.append(table)
     write_file(out / name, (json.dumps(report, indent=2) + "\n").encode())
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        make_console().print(table)
+        console = make_console()
+        for t in tables:
+            console.print(t)
         print(f"wrote {out / name}")
     return 0
+
+
+def _fixed_cost_table(rows: list[dict[str, Any]], caption: str) -> Any:
+    from rich.table import Table
+
+    table = Table(
+        title=f"decode's fixed cost: Lq = 1 against Lk = {FIXED_COST_LK} keys (a few microseconds "
+        "of arithmetic), 32 query / 8 K/V heads, d = 128; microseconds per call, medians; "
+        "native pass = operands laid out + the C call, around = the rest of the call",
+        caption=caption,
+    )
+    for c in ("dtype", "B", "us FL/SDPA", "ratio", "native pass", "around", "FL - SDPA"):
+        table.add_column(c, justify="right")
+    for r in rows:
+        table.add_row(
+            r["dtype"], str(r["batch"]), f"{r['flashledger_us']:.0f}/{r['sdpa_us']:.0f}",
+            f"{r['ratio']:.2f}", _fmt(r["native_pass_us"], ".0f"), _fmt(r["around_us"], ".0f"),
+            f"{r['flashledger_us'] - r['sdpa_us']:.0f}",
+        )  # fmt: skip
+    return table
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -122,6 +122,7 @@ LoopOrder = Literal["fa2", "fa1"]
 # block_q/block_k given explicitly are always used as given.
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 512
+_HALF = (torch.bfloat16, torch.float16)  # dtypes the native step reads in place (decode)
 
 
 @dataclass(frozen=True)
@@ -575,7 +576,7 @@ def _classes(
         return None
     callers = pb.mask.callers
     before = sum(m.positions for m in callers)
-    classes = pb.mask.classes(block_q, block_k).tolist()
+    classes = pb.mask.tile_class_rows(block_q, block_k)
     if ledger is not None:
         b, hq = pb.shape[:2]
         ledger.counters.mask_mod_classify_evals += (sum(m.positions for m in callers) - before) * (
@@ -632,17 +633,26 @@ def _native_vis(
 
 
 def _native_rows(pb: Problem, x5: torch.Tensor) -> torch.Tensor:
-    """A ``(B, Hkv, G|1, L, X)`` tensor as contiguous ``(B·Hkv·(G|1), L, X)`` in the loop's dtype."""
-    return x5.to(pb.dtype).reshape(-1, *x5.shape[-2:]).contiguous()
+    """A ``(B, Hkv, G|1, L, X)`` tensor as contiguous ``(B·Hkv·(G|1), L, X)`` in the loop's
+    dtype (a view when it is one already)."""
+    return _flat(x5 if x5.dtype == pb.dtype else x5.to(pb.dtype))
 
 
-def _native_common(pb: Problem) -> dict[str, Any]:
+def _flat(x5: torch.Tensor) -> torch.Tensor:
+    """``(B, Hkv, G|1, L, X)`` as contiguous ``(B·Hkv·(G|1), L, X)``, in its own dtype."""
+    x = x5 if x5.is_contiguous() else x5.contiguous()
+    return x.view(-1, *x.shape[-2:])
+
+
+def _native_common(
+    pb: Problem, ran: list[tuple[int, int, int, int, int, torch.Tensor | None]]
+) -> dict[str, Any]:
     """The native pass arguments every pass shares: group size, scale, query heads per
-    batch and an interval mask (local half-open ``[lo, hi)`` per row)."""
+    batch and, when a partial tile of the pass ``ran`` reads it, an interval mask (local
+    half-open ``[lo, hi)`` per row; a pass of full tiles, as a decode step's, needs none)."""
     iv = None
-    if isinstance(pb.mask, IntervalBound):
-        ko = pb.geo.k_offset
-        iv = (pb.mask.lo - ko, pb.mask.hi - ko + 1)  # (Bm, Lq) each
+    if isinstance(pb.mask, IntervalBound) and any(t[0] == PARTIAL for t in ran):
+        iv = pb.mask.local_intervals()  # (Bm, Lq) each
     return dict(group=pb.shape[3], scale=pb.smod.scale, heads_per_batch=pb.shape[1], intervals=iv)
 
 
@@ -698,7 +708,7 @@ def _forward_native(
     qtiles, ktiles = _tiles(lq, block_q), _tiles(lk, block_k)
     sched, ran = _native_schedule(pb, book, qtiles, ktiles, kind_of, forward=True)
     # rows per work item: a whole tile, or fewer when the heads alone cannot fill the threads
-    threads, rows = kern.max_threads(), min(block_q, lq)
+    threads, rows = _PLAN_THREADS, min(block_q, lq)
     stacked = len(qtiles) == 1  # decode: the group's rows share their K/V tiles
     # a few rows against many keys: read K in place (a Kᵀ would cost as much traffic as
     # the attention), in its own dtype (a half-precision cache is widened tile by tile)
@@ -712,11 +722,9 @@ def _forward_native(
     if items < 4 * threads:  # too few to balance: split each row's key tiles
         splits = max(1, min(sched.longest_row(), -(-4 * threads // items), 16))
     q = _native_rows(pb, pb.q)
-    k, v = (
-        (x.reshape(-1, *x.shape[-2:]) for x in (pb.k_in, pb.v_in))
-        if in_place and pb.k_in.dtype in (torch.bfloat16, torch.float16)
-        else (_native_rows(pb, x) for x in (pb.k, pb.v))
-    )
+    # K, V in the loop's dtype, or as they are when read in place (a half-precision cache)
+    half_in_place = in_place and pb.k_in.dtype in _HALF
+    k, v = (_flat(x) if half_in_place else _native_rows(pb, x) for x in (pb.k_in, pb.v_in))
     o_s, lse_s = kern.forward(
         q,
         k,
@@ -726,11 +734,10 @@ def _forward_native(
         splits=splits,
         stacked=stacked,
         keys_in_place=in_place,
-        **_native_common(pb),
+        **_native_common(pb, ran),
     )  # (S, B·Hq, Lq, d_v), (S, B·Hq, Lq)
-    o, lse = o_s[0], lse_s[0]
-    for s in range(1, splits):  # -- the one merge, parts in order --
-        o, lse = online.merge_partials(o, lse, o_s[s], lse_s[s])
+    if splits > 1:  # -- the one merge, every part at once --
+        o_s, lse_s = online.merge_partials(o_s, lse_s)  # (B·Hq, Lq, d_v), (B·Hq, Lq)
     _book_native(book, ran, sched.seen, d, dv, forward=True)
     read = {t[1] for t in ran}  # query tiles with a tile run
     for q0, q1 in qtiles:
@@ -738,7 +745,15 @@ def _forward_native(
             book.io(read=(q1 - q0) * d)
         book.io(write=(q1 - q0) * (dv + 1))
     book.flush()
-    return o.view(b, hkv, g, lq, dv), lse.view(b, hkv, g, lq), ledger
+    return o_s.view(b, hkv, g, lq, dv), lse_s.view(b, hkv, g, lq), ledger
+
+
+# The native passes cut their work (row chunks, key splits) as if for this many threads,
+# whatever the machine has: the cut decides how partial sums are grouped, and a result
+# must not change with the core count or with torch.set_num_threads (the ring's
+# processes and its in-process twin agree bit for bit). Enough items for 16 cores; on
+# fewer, a few more merges (microseconds).
+_PLAN_THREADS = 16
 
 
 def _book_native(
@@ -783,8 +798,7 @@ def _backward_native(
     heads = b * hq
     qtiles, ktiles = _tiles(lq, block_q), _tiles(lk, block_k)
     sched, ran = _native_schedule(pb, book, ktiles, qtiles, kind_of, forward=False)
-    threads = kern.max_threads()
-    splits = max(1, min(len(ktiles), -(-2 * threads // (b * hkv)), 8))
+    splits = max(1, min(len(ktiles), -(-2 * _PLAN_THREADS // (b * hkv)), 8))
     q, k, v = (_native_rows(pb, x) for x in (pb.q, pb.k, pb.v))
     dq, dk, dv_ = kern.backward(
         q,
@@ -795,7 +809,7 @@ def _backward_native(
         d_eff.to(dt).reshape(heads, lq).contiguous(),
         sched,
         splits=splits,
-        **_native_common(pb),
+        **_native_common(pb, ran),
     )
     _book_native(book, ran, sched.seen, d, dv, forward=False)
     read = {t[3] for t in ran}  # key tiles with a tile run
@@ -1038,10 +1052,12 @@ def _forward_problem(
         trace=Trace.of(trace),
         observer=observer,
     )
-    pb.check_forward_lse(lse, o)
-    if not raw_lse:
+    if pb.check_forward_lse(lse, o) and not raw_lse:  # a row saw no key
         lse = _conventional_lse(lse, pb.conventions)
-    return ForwardResult(o=pb.user_q(o).to(pb.out_dtype), lse=pb.user_rows(lse), ledger=ledger)
+    o = pb.user_q(o)
+    if o.dtype != pb.out_dtype:
+        o = o.to(pb.out_dtype)
+    return ForwardResult(o=o, lse=pb.user_rows(lse), ledger=ledger)
 
 
 # ----------------------------------------------------------------------------------------

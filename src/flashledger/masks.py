@@ -55,7 +55,9 @@ a -1 side opposite a bounded side becomes ``seqlen_k`` (``Geometry.window_len``:
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -101,6 +103,12 @@ class Geometry:
     (``[0, Lk_total)`` without variable length; empty for a query row past its
     sequence's used length); ``off_tl``/``off_br`` are the per-row offsets
     ``c - i`` of the top-left / bottom-right diagonal.
+
+    A *plain* geometry (no variable length, no used lengths: every row may see keys
+    ``[0, Lk_total)``, diagonals at offsets 0 and ``Lk_total - Lq_total``) holds no
+    tensor: its four are made when first asked, and masks bound to a few of its rows
+    work in plain integers (``diagonal_rows``), which for a decode step costs less than
+    the tensor operations would.
     """
 
     lq: int  # rows in this call
@@ -113,10 +121,9 @@ class Geometry:
     lk_total: int
     causal_align: Align
     device: torch.device
-    k_lo: torch.Tensor  # (Bg, Lq) first key of the row's sequence (global)
-    k_hi: torch.Tensor  # (Bg, Lq) one past its last used key (k_lo for a padding row)
-    off_tl: torch.Tensor  # (Bg, Lq) top-left diagonal offset
-    off_br: torch.Tensor  # (Bg, Lq) bottom-right diagonal offset
+    # (k_lo, k_hi, off_tl, off_br), (Bg, Lq) each, when rows are bounded to their sequence;
+    # None on a plain geometry (see the properties below)
+    per_row: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     varlen: bool = False
     row_seq: torch.Tensor | None = None  # (Lq,) sequence of each row (variable length)
     window_len: int | None = None  # seqlen_k of flash-attn 2's window rewriting; None: as given
@@ -154,7 +161,6 @@ class Geometry:
         dev = torch.device(device) if device is not None else torch.device("cpu")
         lq_total = lq if lq_total is None else lq_total
         lk_total = lk if lk_total is None else lk_total
-        rows = torch.arange(q_offset, q_offset + lq, device=dev)  # (Lq,) global rows
         used: SeqUsed | None = None
         if seqused_q is not None or seqused_k is not None:
             used = (_as_key(seqused_q), _as_key(seqused_k))
@@ -173,29 +179,25 @@ class Geometry:
         )
         if cu_seqlens_q is None:
             win = lk_total if window_len is None else window_len
-            if used is None:
-                zeros = torch.zeros(1, lq, dtype=torch.int64, device=dev)  # (1, Lq)
-                return Geometry(
-                    **common,  # type: ignore[arg-type]
-                    k_lo=zeros,
-                    k_hi=zeros + lk_total,
-                    off_tl=zeros,
-                    off_br=zeros + (lk_total - lq_total),
-                    window_len=win if window_rewrite else None,
-                )
+            if used is None:  # plain: no tensor until one is asked for
+                return Geometry(**common, window_len=win if window_rewrite else None)  # type: ignore[arg-type]
+            rows = torch.arange(q_offset, q_offset + lq, device=dev)  # (Lq,) global rows
             qn = _per_batch(seqused_q, lq_total, batch, dev)  # (B,)
             kn = _per_batch(seqused_k, lk_total, batch, dev)  # (B,)
             live = rows[None, :] < qn[:, None]  # (B, Lq) rows inside the used queries
             zeros = torch.zeros(batch, lq, dtype=torch.int64, device=dev)  # (B, Lq)
             return Geometry(
                 **common,  # type: ignore[arg-type]
-                k_lo=zeros,
-                k_hi=torch.where(live, kn[:, None], 0),
-                off_tl=zeros,
-                off_br=zeros + (kn - qn)[:, None],
+                per_row=(
+                    zeros,
+                    torch.where(live, kn[:, None], 0),
+                    zeros,
+                    zeros + (kn - qn)[:, None],
+                ),
                 window_len=win if window_rewrite else None,
             )
         assert cu_seqlens_k is not None
+        rows = torch.arange(q_offset, q_offset + lq, device=dev)  # (Lq,) global rows
         cq = cu_seqlens_q.to(device=dev, dtype=torch.int64)
         ck = cu_seqlens_k.to(device=dev, dtype=torch.int64)
         qn = cq[1:] - cq[:-1] if seqused_q is None else seqused_q.to(dev, torch.int64)  # (n,)
@@ -205,10 +207,12 @@ class Geometry:
         win = int((ck[1:] - ck[:-1]).max()) if window_len is None else window_len
         return Geometry(
             **common,  # type: ignore[arg-type]
-            k_lo=ck[seq][None, :],
-            k_hi=torch.where(live, ck[seq] + kn[seq], ck[seq])[None, :],
-            off_tl=(ck[seq] - cq[seq])[None, :],
-            off_br=(ck[seq] + kn[seq] - cq[seq] - qn[seq])[None, :],
+            per_row=(
+                ck[seq][None, :],
+                torch.where(live, ck[seq] + kn[seq], ck[seq])[None, :],
+                (ck[seq] - cq[seq])[None, :],
+                (ck[seq] + kn[seq] - cq[seq] - qn[seq])[None, :],
+            ),
             varlen=True,
             row_seq=seq,
             window_len=win if window_rewrite else None,
@@ -219,6 +223,37 @@ class Geometry:
         """True when rows are bounded to their own sequence (variable length, used lengths)."""
         return self.varlen or self.seq_used is not None
 
+    @property
+    def plain(self) -> bool:
+        """True when every row may see keys ``[0, Lk_total)`` and the diagonals sit at
+        offsets 0 (top-left) and ``Lk_total - Lq_total`` (bottom-right)."""
+        return self.per_row is None
+
+    def _row_tensor(self, index: int, value: int) -> torch.Tensor:
+        if self.per_row is not None:
+            return self.per_row[index]
+        return torch.full((1, self.lq), value, dtype=torch.int64, device=self.device)  # (1, Lq)
+
+    @functools.cached_property
+    def k_lo(self) -> torch.Tensor:
+        """``(Bg, Lq)`` first key of each row's sequence (global)."""
+        return self._row_tensor(0, 0)
+
+    @functools.cached_property
+    def k_hi(self) -> torch.Tensor:
+        """``(Bg, Lq)`` one past each row's last used key (``k_lo`` for a padding row)."""
+        return self._row_tensor(1, self.lk_total)
+
+    @functools.cached_property
+    def off_tl(self) -> torch.Tensor:
+        """``(Bg, Lq)`` top-left diagonal offset ``c - i``."""
+        return self._row_tensor(2, 0)
+
+    @functools.cached_property
+    def off_br(self) -> torch.Tensor:
+        """``(Bg, Lq)`` bottom-right diagonal offset ``c - i``."""
+        return self._row_tensor(3, self.lk_total - self.lq_total)
+
     def rows(self) -> torch.Tensor:
         """Global query indices of this call, ``(Lq,)``."""
         return torch.arange(self.q_offset, self.q_offset + self.lq, device=self.device)
@@ -227,6 +262,13 @@ class Geometry:
         """Per-row diagonal key position ``c`` for the alignment, ``(Bg, Lq)``."""
         a = align or self.causal_align
         return self.rows()[None, :] + (self.off_tl if a == "top_left" else self.off_br)
+
+    def diagonal_rows(self, align: Align | None) -> list[int]:
+        """``diagonal`` of a plain geometry in plain integers, one per row (``Lq``)."""
+        assert self.plain
+        a = align or self.causal_align
+        first = self.q_offset + (0 if a == "top_left" else self.lk_total - self.lq_total)
+        return list(range(first, first + self.lq))
 
 
 def _as_key(t: torch.Tensor | None) -> tuple[int, ...] | None:
@@ -333,6 +375,12 @@ class BoundMask(ABC):
         """``(Tq, Tk)`` int8 tensor of ``EMPTY``/``PARTIAL``/``FULL``."""
         ...
 
+    def tile_class_rows(self, block_q: int, block_k: int) -> list[list[int]]:
+        """``classes`` as nested lists ``(Tq, Tk)``, what the loops read (not to be modified:
+        a mask may keep them)."""
+        rows: list[list[int]] = self.classes(block_q, block_k).tolist()
+        return rows
+
     def dense(self) -> torch.Tensor:
         """The whole visibility matrix, bool ``(Bm, Hm, Lq, Lk)``."""
         return self.block(0, self.geo.lq, 0, self.geo.lk)
@@ -343,14 +391,91 @@ class BoundMask(ABC):
 
 
 class IntervalBound(BoundMask):
-    """Row ``i`` sees global keys ``lo[i] <= j <= hi[i]`` (``lo``, ``hi``: ``(Bm, Lq)``)."""
+    """Row ``i`` sees global keys ``lo[i] <= j <= hi[i]`` (``lo``, ``hi``: ``(Bm, Lq)``).
+
+    Made from tensors, or (``of_rows``) from plain integers for a few rows of a plain
+    geometry, shared by the batch (a decode step): its tensors are then made only when
+    a loop asks for them, and ``rows()`` reads the integers as they are.
+    """
 
     def __init__(self, geo: Geometry, lo: torch.Tensor, hi: torch.Tensor) -> None:
         self.geo = geo
         lo, hi = torch.broadcast_tensors(
             torch.maximum(lo, geo.k_lo), torch.minimum(hi, geo.k_hi - 1)
         )
-        self.lo, self.hi = lo.contiguous(), hi.contiguous()  # (Bm, Lq) each
+        self._lo: torch.Tensor | None = lo.contiguous()  # (Bm, Lq)
+        self._hi: torch.Tensor | None = hi.contiguous()  # (Bm, Lq)
+        self._rows: tuple[list[list[int]], list[list[int]]] | None = None
+        self._class_rows: dict[tuple[int, int], list[list[int]]] = {}
+
+    @classmethod
+    def of_rows(
+        cls, geo: Geometry, lo: Sequence[int] | None, hi: Sequence[int] | None
+    ) -> IntervalBound:
+        """Row ``i`` sees ``lo[i] <= j <= hi[i]`` (global; ``None``: unbounded on that
+        side), one interval per row for the whole batch, on a plain geometry; clipped to
+        the keys ``[0, Lk_total)`` as the tensor form clips to ``[k_lo, k_hi)``."""
+        assert geo.plain
+        top = geo.lk_total - 1
+        bound = cls.__new__(cls)
+        bound.geo = geo
+        bound._lo = bound._hi = None
+        bound._class_rows = {}
+        bound._rows = (
+            [[0] * geo.lq if lo is None else [max(x, 0) for x in lo]],
+            [[top] * geo.lq if hi is None else [min(x, top) for x in hi]],
+        )
+        return bound
+
+    @property
+    def lo(self) -> torch.Tensor:
+        """``(Bm, Lq)`` int64: each row's first visible key (global)."""
+        if self._lo is None:
+            assert self._rows is not None
+            self._lo = torch.tensor(self._rows[0], dtype=torch.int64, device=self.geo.device)
+        return self._lo
+
+    @property
+    def hi(self) -> torch.Tensor:
+        """``(Bm, Lq)`` int64: each row's last visible key (global)."""
+        if self._hi is None:
+            assert self._rows is not None
+            self._hi = torch.tensor(self._rows[1], dtype=torch.int64, device=self.geo.device)
+        return self._hi
+
+    def rows(self) -> tuple[list[list[int]], list[list[int]]]:
+        """``(lo, hi)`` as plain integers, ``(Bm, Lq)`` nested lists."""
+        if self._rows is None:
+            self._rows = (self.lo.cpu().tolist(), self.hi.cpu().tolist())
+        return self._rows
+
+    def _shared_rows(self) -> tuple[list[int], list[int]] | None:
+        """``(lo, hi)`` in plain integers, one per row, when the bound was made from them
+        (``of_rows``); else None."""
+        if self._rows is None or len(self._rows[0]) != 1 or not _few_plain_rows(self.geo):
+            return None
+        return self._rows[0][0], self._rows[1][0]
+
+    def local_intervals(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's keys as local half-open ``[lo, hi)`` (``k_offset`` taken off), int64
+        ``(Bm, Lq)`` each: what the native step reads."""
+        ko = self.geo.k_offset
+        if self._lo is None and self._rows is not None:
+            lo_rows, hi_rows = self._rows
+            dev = self.geo.device
+            return (
+                torch.tensor([[x - ko for x in r] for r in lo_rows], dtype=torch.int64, device=dev),
+                torch.tensor(
+                    [[x - ko + 1 for x in r] for r in hi_rows], dtype=torch.int64, device=dev
+                ),
+            )
+        return self.lo - ko, self.hi - ko + 1
+
+    def _size(self) -> int:
+        """``Bm · Lq``: how many row intervals there are."""
+        if self._rows is not None:
+            return len(self._rows[0]) * self.geo.lq
+        return self.lo.numel()
 
     def block(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
         j = torch.arange(k0, k1, device=self.geo.device) + self.geo.k_offset  # (bk,)
@@ -366,8 +491,8 @@ class IntervalBound(BoundMask):
     def tile_classes(self, block_q: int, block_k: int) -> torch.Tensor:
         g = self.geo
         tq, tk = -(-g.lq // block_q), -(-g.lk // block_k)
-        if self.lo.numel() <= _FEW_ROWS and tq * tk <= _FEW_TILES:
-            return self._tile_classes_few(block_q, block_k, tq, tk)
+        if self._size() <= _FEW_ROWS and tq * tk <= _FEW_TILES:
+            return torch.tensor(self._tile_class_rows(block_q, block_k, tq, tk), dtype=torch.int8)
         pad = tq * block_q - g.lq
         k0 = torch.arange(tk, device=g.device) * block_k + g.k_offset  # (Tk,) global first key
         k1 = torch.clamp(k0 + block_k, max=g.k_offset + g.lk) - 1  # (Tk,) global last key
@@ -395,13 +520,30 @@ class IntervalBound(BoundMask):
         out[full & nonempty] = FULL
         return out.cpu()
 
+    def tile_class_rows(self, block_q: int, block_k: int) -> list[list[int]]:
+        """``tile_classes`` as nested lists; a few rows' are kept per tile size (a mask bound
+        once serves every call that reuses its frame: the loops only read them)."""
+        g = self.geo
+        tq, tk = -(-g.lq // block_q), -(-g.lk // block_k)
+        if self._size() <= _FEW_ROWS and tq * tk <= _FEW_TILES:
+            rows = self._class_rows.get((block_q, block_k))
+            if rows is None:
+                rows = self._tile_class_rows(block_q, block_k, tq, tk)
+                self._class_rows[(block_q, block_k)] = rows
+            return rows
+        return super().tile_class_rows(block_q, block_k)
+
     def _tile_classes_few(self, block_q: int, block_k: int, tq: int, tk: int) -> torch.Tensor:
         """``tile_classes`` in plain integers, for a few rows (decode): the same rule
         without the two dozen small tensor operations, which there cost more than the
         attention itself."""
+        return torch.tensor(self._tile_class_rows(block_q, block_k, tq, tk), dtype=torch.int8)
+
+    def _tile_class_rows(self, block_q: int, block_k: int, tq: int, tk: int) -> list[list[int]]:
+        """``_tile_classes_few`` as nested lists ``(Tq, Tk)``."""
         g = self.geo
         ko, lk = g.k_offset, g.lk
-        lo_rows, hi_rows = self.lo.cpu().tolist(), self.hi.cpu().tolist()  # (Bm, Lq) global
+        lo_rows, hi_rows = self.rows()  # (Bm, Lq) global
         out = []
         for qi in range(tq):
             r0, r1 = qi * block_q, min(qi * block_q + block_q, g.lq)
@@ -422,10 +564,15 @@ class IntervalBound(BoundMask):
                 full = max_lo <= k0 and min_hi >= k1
                 row.append(EMPTY if hits <= 0 else FULL if full else PARTIAL)
             out.append(row)
-        return torch.tensor(out, dtype=torch.int8)
+        return out
 
 
 _FEW_ROWS, _FEW_TILES = 512, 4096  # classified in plain integers below these sizes
+
+
+def _few_plain_rows(geo: Geometry) -> bool:
+    """Interval masks bind in plain integers: a plain geometry of at most ``_FEW_ROWS`` rows."""
+    return geo.plain and geo.lq <= _FEW_ROWS
 
 
 class DenseBound(BoundMask):
@@ -677,6 +824,8 @@ class Causal(Mask):
         _check_align(self.align)
 
     def bind(self, geo: Geometry) -> BoundMask:
+        if _few_plain_rows(geo):
+            return IntervalBound.of_rows(geo, None, geo.diagonal_rows(self.align))
         return IntervalBound(geo, geo.k_lo, geo.diagonal(self.align))  # (Bg, Lq) each
 
 
@@ -713,6 +862,13 @@ class SlidingWindow(Mask):
 
     def bind(self, geo: Geometry) -> BoundMask:
         left, right = self.sides(geo)
+        if _few_plain_rows(geo):
+            rows = geo.diagonal_rows(self.align)  # c, one per row
+            return IntervalBound.of_rows(
+                geo,
+                None if left is None else [c - left for c in rows],
+                None if right is None else [c + right for c in rows],
+            )
         c = geo.diagonal(self.align)  # (Bg, Lq)
         lo = geo.k_lo if left is None else c - left
         hi = geo.k_hi - 1 if right is None else c + right
@@ -889,6 +1045,12 @@ class And(Mask):
     def bind(self, geo: Geometry) -> BoundMask:
         ba, bb = self.a.bind(geo), self.b.bind(geo)
         if isinstance(ba, IntervalBound) and isinstance(bb, IntervalBound):
+            shared_a, shared_b = ba._shared_rows(), bb._shared_rows()
+            if shared_a is not None and shared_b is not None:  # plain integers
+                (lo_a, hi_a), (lo_b, hi_b) = shared_a, shared_b
+                return IntervalBound.of_rows(
+                    geo, list(map(max, lo_a, lo_b)), list(map(min, hi_a, hi_b))
+                )
             lo = torch.maximum(ba.lo, bb.lo)
             hi = torch.minimum(ba.hi, bb.hi)
             return IntervalBound(geo, lo, hi)

@@ -23,9 +23,10 @@ P̃          ``p``       (..., rows, cols)    exp(s - m_new) of this block
 λ (LSE)    ``lse``     (..., rows)          m + log ℓ (-inf for an empty row)
 =========  ==========  ===================  ==============================
 
-``merge`` combines two partial states of the same rows over disjoint key sets;
-it is the only merge in flashledger: split-KV and ring attention call it, and
-a partial result ``(o, lse)`` is the state ``(m=lse, ℓ=1, a=o)``.
+``merge`` combines partial states of the same rows over disjoint key sets (two,
+or any number stacked along a first dim, in one pass); it is the only merge in
+flashledger: split-KV, the native step's key splits (flash-decoding) and ring
+attention call it, and a partial result ``(o, lse)`` is the state ``(m=lse, ℓ=1, a=o)``.
 
 Run ``python -m flashledger.online`` for the seed's six-score demo.
 """
@@ -181,24 +182,36 @@ def finalize(state: OnlineState) -> tuple[torch.Tensor, torch.Tensor]:
     """``(o, lse)`` of a state: ``o = acc / ℓ``, ``lse = m + log ℓ``; an empty row gives
     ``o = 0`` and ``lse = -inf`` (conventions replace that LSE later)."""
     empty = state.ell == 0  # (..., rows)
-    ell = torch.where(empty, torch.ones_like(state.ell), state.ell)
+    ell = torch.where(empty, 1.0, state.ell)
     o = state.acc / ell.unsqueeze(-1)  # (..., rows, d_v)
-    lse = torch.where(empty, torch.full_like(state.m, -math.inf), state.m + torch.log(ell))
+    lse = torch.where(empty, -math.inf, state.m + torch.log(ell))
     return o, lse
 
 
-def merge(a: OnlineState, b: OnlineState) -> OnlineState:
-    """Combine two partial states of the same rows over disjoint key sets.
+def merge(a: OnlineState, b: OnlineState | None = None) -> OnlineState:
+    """Combine partial states of the same rows over disjoint key sets: ``a`` and ``b``,
+    or (``b`` omitted) the ``S`` parts of ``a`` stacked along its first dim (``m``,
+    ``ell`` ``(S, ..., rows)``, ``acc`` ``(S, ..., rows, d_v)``), all in one pass.
 
-    ``m = max(m_a, m_b)``; each side is rescaled by ``exp(m_side - m)`` (0 for an
-    empty side). Never produces NaN, even when both sides are empty.
+    ``m = max`` over the parts; each part is rescaled by ``exp(m_part - m)`` (0 for
+    an empty part) and the parts' ``ℓ`` and ``acc`` are summed. Never produces NaN,
+    even when every part is empty.
     """
-    m = torch.maximum(a.m, b.m)  # (..., rows)
-    alpha_a = rescale_factor(a.m, m)  # (..., rows)
-    alpha_b = rescale_factor(b.m, m)
-    ell = alpha_a * a.ell + alpha_b * b.ell
-    acc = alpha_a.unsqueeze(-1) * a.acc + alpha_b.unsqueeze(-1) * b.acc  # (..., rows, d_v)
+    parts = a if b is None else _stacked(a, b)
+    m = parts.m.amax(dim=0)  # (..., rows)
+    alpha = rescale_factor(parts.m, m)  # (S, ..., rows)
+    ell = (alpha * parts.ell).sum(dim=0)  # (..., rows)
+    acc = (alpha.unsqueeze(-1) * parts.acc).sum(dim=0)  # (..., rows, d_v)
     return OnlineState(m, ell, acc)
+
+
+def _stacked(a: OnlineState, b: OnlineState) -> OnlineState:
+    """Two states as one of two parts stacked along a new first dim (broadcast first)."""
+    m_a, m_b, ell_a, ell_b = torch.broadcast_tensors(a.m, b.m, a.ell, b.ell)
+    acc_a, acc_b = torch.broadcast_tensors(a.acc, b.acc)
+    return OnlineState(
+        torch.stack((m_a, m_b)), torch.stack((ell_a, ell_b)), torch.stack((acc_a, acc_b))
+    )
 
 
 def state_from_partial(o: torch.Tensor, lse: torch.Tensor) -> OnlineState:
@@ -215,14 +228,26 @@ def state_from_partial(o: torch.Tensor, lse: torch.Tensor) -> OnlineState:
 
 
 def merge_partials(
-    o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
+    o_a: torch.Tensor,
+    lse_a: torch.Tensor,
+    o_b: torch.Tensor | None = None,
+    lse_b: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge two partial ``(o, lse)`` results of the same rows over disjoint keys.
+    """Merge partial ``(o, lse)`` results of the same rows over disjoint keys: two parts
+    (``o`` ``(..., rows, d_v)``, ``lse`` ``(..., rows)`` each), or (``o_b``, ``lse_b``
+    omitted) ``S`` parts stacked along the first dim of ``o_a`` ``(S, ..., rows, d_v)``
+    and ``lse_a`` ``(S, ..., rows)``, merged in one pass.
 
     A row with no key in a part has LSE ±inf there (see ``state_from_partial``);
     the merged LSE is -inf for a row with no key at all.
     """
-    return finalize(merge(state_from_partial(o_a, lse_a), state_from_partial(o_b, lse_b)))
+    if (o_b is None) != (lse_b is None):
+        raise ValueError("merge_partials takes o_b and lse_b together (or neither: stacked parts)")
+    if o_b is not None and lse_b is not None:
+        o_a, o_b = torch.broadcast_tensors(o_a, o_b)
+        lse_a, lse_b = torch.broadcast_tensors(lse_a, lse_b)
+        o_a, lse_a = torch.stack((o_a, o_b)), torch.stack((lse_a, lse_b))
+    return finalize(merge(state_from_partial(o_a, lse_a)))
 
 
 @dataclass(frozen=True)
