@@ -329,7 +329,7 @@ def test_scratch_kept_is_bounded_whatever_the_threads(native, gen, assert_close)
 @contextlib.contextmanager
 def _gemms_kept(native: _native.Kernels) -> Any:
     """Put back each dtype's matmul back end afterwards."""
-    before = {dt: native.gemm(dt) for dt in (torch.float32, torch.float64)}
+    before = {dt: native.gemm(dt) for dt in _calibrate.DTYPES}
     try:
         yield
     finally:
@@ -435,6 +435,7 @@ def small_calibration(monkeypatch: pytest.MonkeyPatch) -> None:
     """A calibration on small passes (the machinery, not the speed, is under test), with
     no back end forced from outside (``make test-backend`` sets FLASHLEDGER_GEMM)."""
     monkeypatch.delenv("FLASHLEDGER_GEMM", raising=False)
+    monkeypatch.delenv("FLASHLEDGER_HALF", raising=False)
     monkeypatch.setattr(_calibrate, "_L", 96)
     monkeypatch.setattr(_calibrate, "TILE_CANDIDATES", ((64, 64), (32, 48)))
 
@@ -469,24 +470,28 @@ def test_a_choice_no_longer_possible_is_measured_again(native, tmp_path, small_c
     cache.write_text(json.dumps({"by_threads": by}))
     with _gemms_kept(native):
         got = _calibrate.choose(native, cache)
-    assert all(c.how == "calibrated" and c.gemm in native.gemm_names() for c in got.values())
+    assert set(got) == set(_calibrate.DTYPES)
+    assert all(c.how == "calibrated" and c.gemm in native.gemm_names(dt) for dt, c in got.items())
     cache.write_text("{not json")  # a damaged file is measured again too
     with _gemms_kept(native):
         assert _calibrate.choose(native, cache)[torch.float32].how == "calibrated"
+
+
+FLOATS = (torch.float32, torch.float64)
 
 
 def test_flashledger_gemm_forces_the_back_end(native, tmp_path, monkeypatch, small_calibration):
     cache = tmp_path / "choices.json"
     monkeypatch.setenv("FLASHLEDGER_GEMM", "blas")
     with _gemms_kept(native):
-        got = _calibrate.choose(native, cache)
+        got = {dt: c for dt, c in _calibrate.choose(native, cache).items() if dt in FLOATS}
         assert all(c.gemm == "blas" and c.how == "FLASHLEDGER_GEMM=blas" for c in got.values())
         assert all(set(c.rates) == {"blas 64x64", "blas 32x48"} for c in got.values())
         monkeypatch.setenv("FLASHLEDGER_GEMM", "mkl")
         with pytest.warns(UserWarning, match="FLASHLEDGER_GEMM='mkl' is not one of"):
             got = _calibrate.choose(native, cache)
     assert all(c.how == "calibrated" for c in got.values())  # measured: not the forced one
-    with pytest.raises(ValueError, match="no matmul back end 'mkl' here"):
+    with pytest.raises(ValueError, match=r"no matmul back end 'mkl' for torch\.float32 here"):
         native.set_gemm(torch.float32, "mkl")
 
 
@@ -588,6 +593,7 @@ def test_decode_reads_a_half_precision_cache_in_place(native, monkeypatch, gen, 
 )
 @given(
     dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+    path=st.sampled_from(_calibrate.HALF_PATHS),
     b=st.integers(1, 2),
     hkv=st.integers(1, 2),
     g=st.integers(1, 3),
@@ -600,13 +606,17 @@ def test_decode_reads_a_half_precision_cache_in_place(native, monkeypatch, gen, 
     seed=st.integers(0, 2**16),
 )
 def test_half_inputs_on_the_native_step_keep_the_rule(
-    native_calls, dtype, b, hkv, g, lq, lk, d, mask, seed
+    native, native_calls, dtype, path, b, hkv, g, lq, lk, d, mask, seed
 ):
-    """bfloat16/float16 inputs on the native step (accumulating in float32; decode rows
-    reading the cache in place) against the float64 oracle under verify's rule: error
-    within 2x (O, LSE) / 3x (gradients) of naive attention in the same dtype, plus the
-    floor; no NaN on fully-masked rows."""
+    """bfloat16/float16 inputs on the native step, on either path (``half``: products on
+    MKL's half gemm with P and dS rounded to the dtype; ``float32``: converted up front;
+    decode rows reading the cache in place), accumulating in float32, against the float64
+    oracle under verify's rule: error within 2x (O, LSE) / 3x (gradients) of naive
+    attention in the same dtype, plus the floor; no NaN on fully-masked rows."""
     from flashledger._verify_cases import Shape
+
+    if path not in native.gemm_names(dtype):
+        pytest.skip(f"no {path} path for {dtype} here")
     from flashledger.verify import assert_attention_close, make_case
 
     case = make_case(Shape(b, hkv * g, hkv, lq, lk, d), mask, dtype, seed=seed)
@@ -625,7 +635,12 @@ def test_half_inputs_on_the_native_step_keep_the_rule(
         )
 
     before = dict(native_calls)
-    assert_attention_close(fn, cases=[case])
+    kept = native.gemm(dtype)
+    native.set_gemm(dtype, path)
+    try:
+        assert_attention_close(fn, cases=[case])
+    finally:
+        native.set_gemm(dtype, kept)
     assert (
         native_calls["forward"] > before["forward"]
         and native_calls["backward"] > before["backward"]
@@ -681,3 +696,61 @@ def test_the_result_does_not_depend_on_the_thread_count(native, gen, shape):
     for name, a, b_, c in zip(("o", "lse", "dq", "dk", "dv"), one, many, in_thread[0]):
         assert torch.equal(a, b_), f"{name}: 1 thread and {max(2, before)} differ"
         assert torch.equal(a, c), f"{name}: a Python thread's pass differs"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rounding_to_a_half_dtype_matches_pytorch(native, gen, dtype):
+    """P and dS are rounded to the input dtype as PyTorch rounds (nearest, ties to even;
+    subnormals kept; overflow to inf; NaN stays NaN), in the vector body and the tail."""
+    fi = torch.finfo(dtype)
+    special = torch.tensor(
+        [0.0, -0.0, 1.0, fi.max, fi.max * 1.01, -fi.max * 1.01, fi.tiny, fi.tiny / 3,
+         -fi.tiny / 7, 1e-40, -1e-42, float("inf"), float("-inf"), 1 + fi.eps / 2,
+         1 + 3 * fi.eps / 2, 1 + fi.eps / 2 + 1e-7],
+        dtype=torch.float32,
+    )  # fmt: skip
+    x = torch.cat(
+        [
+            special,
+            torch.randn(1000, generator=gen)
+            * 10.0 ** torch.randint(-45, 6, (1000,), generator=gen),
+        ]
+    )
+    for n in (x.numel(), 16 * 7 + 5):  # whole vectors and a tail
+        got = native.round_to(x[:n], dtype)
+        want = x[:n].to(dtype)
+        same = (got.view(torch.int16) == want.view(torch.int16)) | (got.isnan() & want.isnan())
+        worst = int((~same).nonzero()[0]) if not bool(same.all()) else -1
+        assert bool(same.all()), f"{x[worst].item()!r}: got {got[worst]}, want {want[worst]}"
+    nan = native.round_to(torch.tensor([float("nan")] * 20), dtype)
+    assert bool(nan.isnan().all())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_half_gemm_sums_the_rounded_operands_in_float32(native, gen, dtype):
+    """``matmul`` with half operands and a float32 result (MKL's half gemm) gives the
+    float32 product of the same half values, within float32 summation error."""
+    if "half" not in native.gemm_names(dtype):
+        pytest.skip(f"PyTorch's library has no half gemm for {dtype} here")
+    a = torch.randn(70, 130, generator=gen).to(dtype)
+    b = torch.randn(130, 45, generator=gen).to(dtype)
+    c = torch.empty(70, 45)
+    native.matmul(a, b, c)
+    want = a.double() @ b.double()
+    bound = 130 * torch.finfo(torch.float32).eps * (a.double().abs() @ b.double().abs())
+    err = (c.double() - want).abs()
+    assert bool((err <= bound).all()), f"worst {float((err - bound).max())} over the bound"
+
+
+def test_flashledger_half_forces_the_path(native, tmp_path, monkeypatch, small_calibration):
+    """FLASHLEDGER_HALF=float32 converts half inputs whatever was measured; a value that is
+    not a path here warns and measures."""
+    monkeypatch.setenv("FLASHLEDGER_HALF", "float32")
+    with _gemms_kept(native):
+        got = _calibrate.choose(native, tmp_path / "c.json")
+    for dt in (torch.bfloat16, torch.float16):
+        assert got[dt].gemm == "float32" and got[dt].how == "FLASHLEDGER_HALF=float32"
+    monkeypatch.setenv("FLASHLEDGER_HALF", "amx")
+    with _gemms_kept(native), pytest.warns(UserWarning, match="FLASHLEDGER_HALF='amx'"):
+        got = _calibrate.choose(native, tmp_path / "d.json")
+    assert {got[dt].gemm for dt in (torch.bfloat16, torch.float16)} <= set(_calibrate.HALF_PATHS)

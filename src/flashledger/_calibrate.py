@@ -12,6 +12,15 @@ processes wait for one measurement), and is cached beside the compiled
 library, keyed by CPU model, ISA flags, thread count and PyTorch version (the
 library's own key); afterwards the same machine always runs the same choice.
 ``FLASHLEDGER_GEMM`` (``own``, ``blas``, ``openblas``) forces the back end.
+
+bfloat16 and float16 inputs have two paths (``HALF_PATHS``): ``half`` keeps
+them in their dtype and runs the products on MKL's half gemm (AMX or AVX512-BF16
+where the CPU has them), ``float32`` converts them up front and runs the float32
+step with float32's choice. Which one is faster depends on the CPU and its MKL
+(a CPU without bfloat16 arithmetic emulates it), so it is measured the same
+way, per half dtype, against float32's choice; where PyTorch's library has no
+half gemm the float32 path runs unmeasured. ``FLASHLEDGER_HALF`` (``half``,
+``float32``) forces the path.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,10 +44,22 @@ import torch
 if TYPE_CHECKING:
     from ._native import Kernels
 
-__all__ = ["GEMMS", "TILE_CANDIDATES", "Choice", "choose", "cpu_info", "cpu_model"]
+__all__ = [
+    "DTYPES",
+    "GEMMS",
+    "HALF_PATHS",
+    "TILE_CANDIDATES",
+    "Choice",
+    "choose",
+    "cpu_info",
+    "cpu_model",
+    "gemm_name",
+]
 
 GEMMS = ("own", "blas", "openblas")
 """The matmul back ends: the step's own kernel, PyTorch's BLAS, OpenBLAS."""
+HALF_PATHS = ("half", "float32")
+"""How bfloat16/float16 inputs run: in their dtype on MKL's half gemm, or as float32."""
 TILE_CANDIDATES = ((512, 512), (256, 256), (256, 512))
 """Default tiles measured, the first also the one each back end is measured at."""
 FALLBACK_TILES = (512, 512)
@@ -52,16 +73,27 @@ _L, _D = 1024, 64  # the measured problem: B = 1, H = 4 x threads heads, L x L, 
 class Choice:
     """What the native step runs for one dtype, and why."""
 
-    gemm: str  # "own", "blas" or "openblas"
+    gemm: str  # "own", "blas" or "openblas"; bfloat16/float16: "half" or "float32"
     block_q: int
     block_k: int
-    how: str  # "calibrated", "cached" or "FLASHLEDGER_GEMM=..."
+    how: str  # "calibrated", "cached", "FLASHLEDGER_GEMM=..." or "FLASHLEDGER_HALF=..."
     rates: dict[str, float] = field(default_factory=dict)
     """GFLOP/s of every candidate measured (forward + backward), e.g. ``"own 512x512"``."""
 
     def describe(self) -> str:
-        names = {"own": "own matmul kernel", "blas": "PyTorch's BLAS", "openblas": "OpenBLAS"}
-        return f"{names[self.gemm]}, tiles {self.block_q}x{self.block_k} ({self.how})"
+        """E.g. ``"own matmul kernel, tiles 512x512 (calibrated)"``."""
+        return f"{gemm_name(self.gemm)}, tiles {self.block_q}x{self.block_k} ({self.how})"
+
+
+def gemm_name(gemm: str) -> str:
+    """A back end (or half path) in words."""
+    return {
+        "own": "own matmul kernel",
+        "blas": "PyTorch's BLAS",
+        "openblas": "OpenBLAS",
+        "half": "in its dtype on MKL's half gemm",
+        "float32": "converted to float32",
+    }[gemm]
 
 
 def cpu_model() -> str:
@@ -119,20 +151,35 @@ def calibrating() -> bool:
     return getattr(_local, "on", False)
 
 
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+"""The dtypes with a choice, in the order measured (the half paths' float32 candidate runs
+with float32's choice)."""
+_HALF = (torch.bfloat16, torch.float16)
+
+
 def choose(kern: Kernels, cache: Path) -> dict[torch.dtype, Choice]:
-    """The choice for float32 and float64 at this thread count: read from ``cache`` (a
-    JSON file), or measured and saved there. ``FLASHLEDGER_GEMM`` forces the back end
-    (then only the tiles are measured, and saved apart)."""
-    forced = os.environ.get("FLASHLEDGER_GEMM")
-    names = kern.gemm_names()
-    if forced is not None and forced not in names:
-        warnings.warn(
-            f"FLASHLEDGER_GEMM={forced!r} is not one of {', '.join(names)} here; "
-            "choosing by measurement",
-            stacklevel=3,
-        )
-        forced = None
-    key = str(kern.max_threads()) + ("" if forced is None else f" {forced}")
+    """The choice for every dtype (``DTYPES``) at this thread count: read from ``cache`` (a
+    JSON file), or measured and saved there. ``FLASHLEDGER_GEMM`` forces float32's and
+    float64's back end, ``FLASHLEDGER_HALF`` bfloat16's and float16's path (then only the
+    tiles are measured, and saved apart)."""
+    names = {_name(dt): kern.gemm_names(dt) for dt in DTYPES}
+    forced: dict[str, str | None] = {}
+    warned = set()
+    for dt in DTYPES:  # a setting that names no candidate here is measured instead
+        variable, f = _variable(dt), os.environ.get(_variable(dt))
+        if f is not None and f not in names[_name(dt)]:
+            if variable not in warned:
+                warnings.warn(
+                    f"{variable}={f!r} is not one of {', '.join(names[_name(dt)])} here; "
+                    "choosing by measurement",
+                    stacklevel=3,
+                )
+                warned.add(variable)
+            f = None
+        forced[_name(dt)] = f
+    # choices made under a forced setting are saved apart
+    settings = {f"{_variable(dt)}={f}" for dt in DTYPES if (f := forced[_name(dt)]) is not None}
+    key = " ".join([str(kern.max_threads()), *sorted(settings)])
     with _lock, _file_lock(cache):
         saved = _read(cache)
         mine = saved.get("by_threads", {}).get(key)
@@ -141,8 +188,15 @@ def choose(kern: Kernels, cache: Path) -> dict[torch.dtype, Choice]:
         else:
             _local.on = True
             try:
-                gemms = names if forced is None else [forced]
-                mine = {_name(dt): asdict(_measure(kern, dt, gemms)) for dt in _DTYPES}
+                mine = {}
+                for dt in DTYPES:
+                    f = forced[_name(dt)]
+                    cands = names[_name(dt)] if f is None else [f]
+                    if dt in _HALF:
+                        base = Choice(**mine["float32"])
+                        mine[_name(dt)] = asdict(_measure_half(kern, dt, cands, base))
+                    else:
+                        mine[_name(dt)] = asdict(_measure(kern, dt, cands))
             finally:
                 _local.on = False
             saved.setdefault("by_threads", {})[key] = mine
@@ -150,19 +204,21 @@ def choose(kern: Kernels, cache: Path) -> dict[torch.dtype, Choice]:
             _write(cache, saved)
             how = "calibrated"
     out = {}
-    for dt in _DTYPES:
-        c = {**mine[_name(dt)], "how": how if forced is None else f"FLASHLEDGER_GEMM={forced}"}
-        out[dt] = Choice(**c)
+    for dt in DTYPES:
+        f = forced[_name(dt)]
+        out[dt] = Choice(**{**mine[_name(dt)], "how": how if f is None else f"{_variable(dt)}={f}"})
     return out
 
 
-_DTYPES = (torch.float32, torch.float64)
+def _variable(dt: torch.dtype) -> str:
+    """The environment variable that forces ``dt``'s choice."""
+    return "FLASHLEDGER_HALF" if dt in _HALF else "FLASHLEDGER_GEMM"
 
 
-def _usable(mine: Any, names: list[str]) -> bool:
-    """A cached choice for both dtypes, well formed, on a back end available now."""
+def _usable(mine: Any, names: dict[str, list[str]]) -> bool:
+    """A cached choice for every dtype, well formed, on a back end available now."""
     try:
-        return all(Choice(**mine[_name(dt)]).gemm in names for dt in _DTYPES)
+        return all(Choice(**mine[_name(dt)]).gemm in names[_name(dt)] for dt in DTYPES)
     except (TypeError, KeyError):
         return False
 
@@ -171,13 +227,20 @@ def _name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 
 
-def _measure(kern: Kernels, dtype: torch.dtype, names: list[str]) -> Choice:
-    """Forward + backward passes of every candidate, interleaved rounds, medians."""
+def _fastest(
+    kern: Kernels, dtype: torch.dtype, cands: list[tuple[str, int, int]]
+) -> tuple[tuple[str, int, int], dict[str, float]]:
+    """The fastest ``(back end, block_q, block_k)`` of ``cands`` for ``dtype`` inputs:
+    forward + backward passes of every candidate, interleaved rounds, medians; and each
+    candidate's rate (GFLOP/s), keyed ``"own 512x512"``."""
     from .blocked import blocked_backward, blocked_forward  # the loop the step serves
 
     heads = 4 * kern.max_threads()
     gen = torch.Generator().manual_seed(0)
-    q, k, v, do = (torch.randn(1, heads, _L, _D, dtype=dtype, generator=gen) for _ in range(4))
+    q, k, v, do = (
+        torch.randn(1, heads, _L, _D, generator=gen, dtype=torch.float64).to(dtype)
+        for _ in range(4)
+    )
     flop = 4.0 * _L * _L * _D * heads * 3.5  # forward 4·L²·d·H, backward 2.5 x that
 
     def run(gemm: str, bq: int, bk: int) -> float:
@@ -187,26 +250,48 @@ def _measure(kern: Kernels, dtype: torch.dtype, names: list[str]) -> Choice:
         blocked_backward(q, k, v, f.o, f.lse, do, block_q=bq, block_k=bk)
         return time.perf_counter() - t0
 
-    def best(cands: list[tuple[str, int, int]]) -> tuple[tuple[str, int, int], dict[str, float]]:
-        times: dict[tuple[str, int, int], list[float]] = {c: [] for c in cands}
-        for c in cands:  # warm-up: pages, caches, the BLAS's own buffers
-            run(*c)
-        for _ in range(_ROUNDS):
-            for c in cands:
-                times[c].append(run(*c))
-        med = {c: statistics.median(t) for c, t in times.items()}
-        rates = {f"{g} {bq}x{bk}": round(flop / t / 1e9, 1) for (g, bq, bk), t in med.items()}
-        return min(med, key=lambda c: med[c]), rates
+    times: dict[tuple[str, int, int], list[float]] = {c: [] for c in cands}
+    for c in cands:  # warm-up: pages, caches, the BLAS's own buffers
+        run(*c)
+    for _ in range(_ROUNDS):
+        for c in cands:
+            times[c].append(run(*c))
+    med = {c: statistics.median(t) for c, t in times.items()}
+    rates = {f"{g} {bq}x{bk}": round(flop / t / 1e9, 1) for (g, bq, bk), t in med.items()}
+    return min(med, key=lambda c: med[c]), rates
 
+
+def _measure(kern: Kernels, dtype: torch.dtype, names: list[str]) -> Choice:
+    """float32/float64: every back end at the first tile candidate, then the tile
+    candidates on the fastest."""
     bq, bk = TILE_CANDIDATES[0]
     gemm = names[0]
     rates: dict[str, float] = {}
     if len(names) > 1:
-        (gemm, _, _), rates = best([(g, bq, bk) for g in names])
-    (gemm, bq, bk), more = best([(gemm, bq, bk) for bq, bk in TILE_CANDIDATES])
+        (gemm, _, _), rates = _fastest(kern, dtype, [(g, bq, bk) for g in names])
+    (gemm, bq, bk), more = _fastest(kern, dtype, [(gemm, bq, bk) for bq, bk in TILE_CANDIDATES])
     rates.update(more)
     kern.set_gemm(dtype, gemm)
     return Choice(gemm=gemm, block_q=bq, block_k=bk, how="calibrated", rates=rates)
+
+
+def _measure_half(kern: Kernels, dtype: torch.dtype, paths: list[str], base: Choice) -> Choice:
+    """bfloat16/float16: the ``half`` path (at the first tile candidate) against the
+    ``float32`` path (at float32's choice ``base``), interleaved rounds, medians; then the
+    tiles of the ``half`` path when it wins. Nothing to measure when only ``float32`` is
+    possible (no half gemm here)."""
+    if paths == ["float32"]:
+        kern.set_gemm(dtype, "float32")
+        return replace(base, gemm="float32", how="calibrated", rates={})
+    cands = [
+        (p, *(TILE_CANDIDATES[0] if p == "half" else (base.block_q, base.block_k))) for p in paths
+    ]
+    (path, bq, bk), rates = _fastest(kern, dtype, cands)
+    if path == "half":
+        (path, bq, bk), more = _fastest(kern, dtype, [("half", q, k) for q, k in TILE_CANDIDATES])
+        rates.update(more)
+    kern.set_gemm(dtype, path)
+    return Choice(gemm=path, block_q=bq, block_k=bk, how="calibrated", rates=rates)
 
 
 @contextlib.contextmanager

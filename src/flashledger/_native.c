@@ -45,12 +45,29 @@
  * H = B·Hq query heads, head h reading K/V head h / G: q, dO, O (H, Lq, ·); k (Hk, Lk, d),
  * kt = Kᵀ (Hk, d, Lk), v (Hk, Lk, d_v), and in the backward vt = Vᵀ (Hk, d_v, Lk); dQ
  * (H, Lq, d); λ, D (H, Lq); an item's acc (rows, d_v), dK_jᵀ, dV_jᵀ (·, bk).
+ *
+ * Half inputs. Built twice more, -DFL_HALF=1 (bfloat16) and -DFL_HALF=2 (float16), the
+ * same loops keep Q, K (Kᵀ), V (Vᵀ) and dO in the input dtype (TIN; T = float for all
+ * the rest) and run every product on the BLAS's mixed gemm (MKL's gemm_bf16bf16f32_ /
+ * gemm_f16f16f32_: half operands, float32 sums and results); P (and in the backward dS)
+ * is rounded to the input dtype right before the products that read it, as flash-attn
+ * does, from the float32 value the row sums (ℓ) and dS were formed from. The running
+ * state, the accumulators (acc, dK_jᵀ, dV_jᵀ, dQ), λ and D stay float32. The rounding is
+ * to nearest, ties to even, subnormals kept (store_in: AVX512-BF16 / AVX-512 F16C where
+ * built for them, the same rule in integers or _Float16 elsewhere). In the float builds
+ * TIN = T and the rounded copies are the float buffers themselves.
  */
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
 
+#ifndef FL_HALF
+#define FL_HALF 0 /* 1: bfloat16 inputs, 2: float16 inputs (T = float) */
+#endif
 #if FL_DOUBLE
 typedef double T;
 typedef long long TI;
@@ -60,9 +77,22 @@ typedef long long TI;
 #else
 typedef float T;
 typedef int TI;
+#if FL_HALF == 1
+#define SUF(name) name##_bf16
+#elif FL_HALF == 2
+#define SUF(name) name##_f16
+#else
 #define SUF(name) name##_f32
+#endif
 #define GEMM sgemm
 #define LOG logf
+#endif
+/* the inputs' storage (Q, K, Kᵀ, V, Vᵀ, dO) and the matmuls' operands: the half dtype's
+ * bits, or T itself */
+#if FL_HALF
+typedef unsigned short TIN;
+#else
+typedef T TIN;
 #endif
 
 #if defined(__AVX512F__)
@@ -77,8 +107,8 @@ typedef T VT __attribute__((vector_size(VBYTES)));
 typedef TI VI __attribute__((vector_size(VBYTES)));
 
 typedef void (*gemm_fn)(const char *, const char *, const int *, const int *, const int *,
-                        const T *, const T *, const int *, const T *, const int *, const T *,
-                        T *, const int *);
+                        const T *, const TIN *, const int *, const TIN *, const int *,
+                        const T *, T *, const int *);
 static gemm_fn GEMM;
 
 void SUF(fl_set_gemm)(void *fn) { GEMM = (gemm_fn)fn; }
@@ -101,7 +131,6 @@ static inline VT vmax(VT a, VT b) { return vsel((VI)(a > b), a, b); }
 static inline VT vmax_keep(VT x, VT lo) { return vsel((VI)(lo > x), lo, x); }
 static inline VT vmin_keep(VT x, VT hi) { return vsel((VI)(hi < x), hi, x); }
 #if defined(__AVX512F__)
-#include <immintrin.h>
 #if FL_DOUBLE
 static inline VT vround(VT x) { return (VT)_mm512_roundscale_pd((__m512d)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 static inline VT vscale(VT p, VT r) { return (VT)_mm512_scalef_pd((__m512d)p, (__m512d)r); }
@@ -131,6 +160,66 @@ static inline VT vscale(VT p, VT r) {
 #endif
 static inline VT loadv(const T *p) { VT v; memcpy(&v, p, sizeof v); return v; }
 static inline void storev(T *p, VT v) { memcpy(p, &v, sizeof v); }
+
+/* T values rounded to the input dtype: to_in one, store_in a vector (W of them). Round to
+ * nearest, ties to even; subnormals kept, overflow to ±inf, NaN stays NaN (quiet), as
+ * PyTorch's conversion does. In the float builds a plain store. */
+#if FL_HALF == 1
+typedef unsigned int VU __attribute__((vector_size(VBYTES)));
+typedef unsigned short VH __attribute__((vector_size(VBYTES / 2)));
+static inline TIN to_in(T x) {
+    unsigned int u;
+    memcpy(&u, &x, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (TIN)((u >> 16) | 0x40); /* NaN */
+    return (TIN)((u + 0x7fffu + ((u >> 16) & 1)) >> 16); /* the carry rounds up */
+}
+/* the same rule, lane by lane in integers */
+static inline VH bf16_of(VT v) {
+    VU u = (VU)v;
+    VU r = (u + 0x7fffu + ((u >> 16) & 1)) >> 16;
+    VU nan = (VU)((u & 0x7fffffffu) > 0x7f800000u);
+    r = (r & ~nan) | (((u >> 16) | 0x40) & nan);
+    return __builtin_convertvector(r, VH);
+}
+static inline void store_in(TIN *p, VT v) {
+#if defined(__AVX512BF16__) && VBYTES == 64
+    /* vcvtneps2bf16 rounds to nearest even but reads subnormal inputs as zero: a vector
+     * holding one (|x| < 2^-126, x != 0: rare, P or dS far below its row's scale) takes
+     * the integer rule */
+    __m512i a = _mm512_and_si512((__m512i)v, _mm512_set1_epi32(0x7fffffff));
+    __mmask16 sub = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(a, _mm512_set1_epi32(1)),
+                                            _mm512_set1_epi32(0x7fffff));
+    if (!sub) {
+        __m256bh h = _mm512_cvtneps_pbh((__m512)v);
+        memcpy(p, &h, sizeof h);
+        return;
+    }
+#endif
+    VH h = bf16_of(v);
+    memcpy(p, &h, sizeof h);
+}
+#elif FL_HALF == 2
+static inline TIN to_in(T x) {
+    _Float16 h = (_Float16)x;
+    TIN r;
+    memcpy(&r, &h, sizeof r);
+    return r;
+}
+static inline void store_in(TIN *p, VT v) {
+#if defined(__AVX512F__)
+    __m256i h = _mm512_cvtps_ph((__m512)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    memcpy(p, &h, sizeof h);
+#elif defined(__F16C__) && VBYTES == 32
+    __m128i h = _mm256_cvtps_ph((__m256)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    memcpy(p, &h, sizeof h);
+#else
+    for (int i = 0; i < W; ++i) p[i] = to_in(v[i]);
+#endif
+}
+#else
+static inline TIN to_in(T x) { return x; }
+static inline void store_in(TIN *p, VT v) { storev(p, v); }
+#endif
 
 /* 2^x, vectorised: x = n + f with n = round(x), |f| <= 1/2; 2^f by a polynomial (float32:
  * degree 6, relative error 2e-9 before rounding; float64: Taylor to degree 13, 4e-18) and
@@ -172,8 +261,8 @@ static inline T exp2s(T x) { return vexp2(splat(x))[0]; }
  * lays its operands out so that A needs no packing (its m index is contiguous) and B is
  * read by broadcasts. With AVX-512 the step's own register-blocked kernel runs it (one
  * core: the calls are made from inside the OpenMP loops); otherwise, or when switched off
- * (fl_set_own_gemm), the BLAS gemm. */
-#if defined(__AVX512F__)
+ * (fl_set_own_gemm), the BLAS gemm; half inputs always on the BLAS's mixed gemm. */
+#if defined(__AVX512F__) && !FL_HALF
 #define FL_OWN 1
 /* x broadcast from memory: a load µop alone (no shuffle on the port an FMA needs, as a
  * register broadcast costs on Intel, nor the add of `zero + x`) */
@@ -284,7 +373,7 @@ static int use_own = FL_OWN;
 /* 1: the step's own kernel (where built), 0: the BLAS gemm. Returns the setting in force. */
 int SUF(fl_set_own_gemm)(int on) { return use_own = FL_OWN && on; }
 
-static void mm(int m, int n, int k, T alpha, const T *A, long long lda, const T *B,
+static void mm(int m, int n, int k, T alpha, const TIN *A, long long lda, const TIN *B,
                long long sbk, long long sbn, T beta, T *C, long long ldc) {
 #if FL_OWN
     /* a small product (a decode step's, a partial tile's narrow span) costs a BLAS call
@@ -302,8 +391,8 @@ static void mm(int m, int n, int k, T alpha, const T *A, long long lda, const T 
 }
 
 /* The step's matmul on its own (tests, and the bench's rate): mm on the calling thread. */
-void SUF(fl_matmul)(int m, int n, int k, double alpha, const T *A, long long lda, const T *B,
-                    long long sbk, long long sbn, double beta, T *C, long long ldc) {
+void SUF(fl_matmul)(int m, int n, int k, double alpha, const TIN *A, long long lda,
+                    const TIN *B, long long sbk, long long sbn, double beta, T *C, long long ldc) {
     mm(m, n, k, (T)alpha, A, lda, B, sbk, sbn, (T)beta, C, ldc);
 }
 
@@ -315,27 +404,29 @@ static inline long long padded(long long x) { return (x + W - 1) / W * W + W; }
 long long SUF(fl_padded)(long long x) { return padded(x); }
 
 /* The step's matmul rate: every thread runs `reps` products C += A B of n x n by n x n on
- * buffers of its own (bufs: threads x 3 x n x padded(n), rows padded as the step pads
- * its tiles), as the tile steps run theirs. */
-void SUF(fl_matmul_rate)(T *bufs, int n, int reps) {
+ * buffers of its own (ab: threads x 2 x n x padded(n), c: threads x n x padded(n), rows
+ * padded as the step pads its tiles), as the tile steps run theirs. */
+void SUF(fl_matmul_rate)(const TIN *ab, T *c, int n, int reps) {
     long long ld = padded(n), sz = n * ld; /* the step's padded row strides */
 #pragma omp parallel
     {
-        T *a = bufs + (long long)omp_get_thread_num() * 3 * sz, *b = a + sz, *c = b + sz;
-        for (int r = 0; r < reps; ++r) mm(n, n, n, 1, a, ld, b, 1, ld, 1, c, ld);
+        long long me = omp_get_thread_num();
+        const TIN *a = ab + me * 2 * sz, *b = a + sz;
+        T *cm = c + me * sz;
+        for (int r = 0; r < reps; ++r) mm(n, n, n, 1, a, ld, b, 1, ld, 1, cm, ld);
     }
 }
 
 /* dst (n, cols, ld) = src (n, rows, cols) transposed (row stride ld >= rows), in 64 x 64
  * blocks over the threads: the Kᵀ / Vᵀ a pass reads, laid out once. */
-void SUF(fl_transpose)(const T *src, T *dst, long long n, long long rows, long long cols,
+void SUF(fl_transpose)(const TIN *src, TIN *dst, long long n, long long rows, long long cols,
                       long long ld) {
     long long rb = (rows + 63) / 64;
 #pragma omp parallel for schedule(static)
     for (long long w = 0; w < n * rb; ++w) {
         long long b = w / rb, r0 = (w % rb) * 64, r1 = r0 + 64 < rows ? r0 + 64 : rows;
-        const T *sb = src + b * rows * cols;
-        T *db = dst + b * ld * cols;
+        const TIN *sb = src + b * rows * cols;
+        TIN *db = dst + b * ld * cols;
         for (long long c0 = 0; c0 < cols; c0 += 64) {
             long long c1 = c0 + 64 < cols ? c0 + 64 : cols;
             for (long long c = c0; c < c1; ++c)
@@ -352,9 +443,11 @@ void SUF(fl_transpose)(const T *src, T *dst, long long n, long long rows, long l
  * cols) for head h at vis + (h / group) · vis_sn + (h % group) · vis_sg (strides 0 where the
  * mask broadcasts), or, with vis 0, the pass's intervals (iv_lo, iv_hi). */
 struct fl_args {
-    const T *q, *k, *kt, *v, *vt; /* (H, Lq, d), (Hk, Lk, d), (Hk, d, Lk), (Hk, Lk, d_v), (Hk, d_v, Lk) */
+    const TIN *q, *k, *kt, *v, *vt; /* (H, Lq, d), (Hk, Lk, d), (Hk, d, Lk), (Hk, Lk, d_v),
+                                       (Hk, d_v, Lk), in the input dtype */
     T *o, *lse;               /* forward: O (S, H, Lq, d_v) and λ (S, H, Lq), S = splits */
-    const T *dout, *lam, *dd; /* backward: dO (H, Lq, d_v); λ (+inf on empty rows), D (H, Lq) */
+    const TIN *dout;          /* backward: dO (H, Lq, d_v), in the input dtype */
+    const T *lam, *dd;        /* backward: λ (+inf on empty rows), D (H, Lq) */
     T *dq, *dk, *dvo;         /* backward: dQ (S, H, Lq, d) (split s > 0: a part to add);
                                  dK (Hk, Lk, d), dV (Hk, Lk, d_v) */
     T *work;                  /* per thread, work_stride elements */
@@ -404,9 +497,9 @@ static inline long long row_base(const struct fl_args *a, const struct rows *b) 
  * matmul, or, with `after`, (Q Kᵀ) · factor as the reference rounds it. */
 static void scores(const struct fl_args *a, const struct rows *b, long long k0, int nc, T *s,
                    long long ls, double factor, int after) {
-    const T *qh = a->q + row_base(a, b) * a->d;
+    const TIN *qh = a->q + row_base(a, b) * a->d;
     long long lt = padded(a->lk);
-    const T *kt = a->kt + (b->h0 / a->group) * a->d * lt + k0;
+    const TIN *kt = a->kt + (b->h0 / a->group) * a->d * lt + k0;
     /* S (nr x nc, row-major, row stride ls) = Q_i K_jᵀ, formed as Sᵀ = (Kᵀ_j)ᵀ-columns
      * times Q's rows */
     mm(nc, b->nr, (int)a->d, after ? (T)1 : (T)factor, kt, lt, qh, 1, a->d, 0, s, ls);
@@ -434,36 +527,45 @@ static T row_max(const T *row, int nc) {
     return t;
 }
 
-/* row <- 2^(row - shift) in place; returns the row sum. */
-static T exp_row(T *row, int nc, T shift) {
+/* P = 2^(row - shift) into `out`, in the input dtype (float builds: out = row, in place);
+ * returns the row sum, of P before that rounding. */
+static T exp_row(const T *row, TIN *out, int nc, T shift) {
     VT sh = splat(shift), s0 = splat(0), s1 = s0;
     int j = 0;
     for (; j + 2 * W <= nc; j += 2 * W) {
         VT p0 = vexp2(loadv(row + j) - sh), p1 = vexp2(loadv(row + j + W) - sh);
-        storev(row + j, p0);
-        storev(row + j + W, p1);
+        store_in(out + j, p0);
+        store_in(out + j + W, p1);
         s0 += p0;
         s1 += p1;
     }
     for (; j + W <= nc; j += W) {
         VT p = vexp2(loadv(row + j) - sh);
-        storev(row + j, p);
+        store_in(out + j, p);
         s0 += p;
     }
     s0 += s1;
     T s = 0;
     for (int i = 0; i < W; ++i) s += s0[i];
     for (; j < nc; ++j) {
-        row[j] = exp2s(row[j] - shift);
-        s += row[j];
+        T p = exp2s(row[j] - shift);
+        out[j] = to_in(p);
+        s += p;
     }
     return s;
 }
 
 /* Zero a row's columns outside [c0, c1) of [0, w). */
-static inline void zero_outside(T *row, int c0, int c1, int w) {
-    if (c0 > 0) memset(row, 0, (size_t)c0 * sizeof(T));
-    if (c1 < w) memset(row + c1, 0, (size_t)(w - c1) * sizeof(T));
+static inline void zero_outside(TIN *row, int c0, int c1, int w) {
+    if (c0 > 0) memset(row, 0, (size_t)c0 * sizeof(TIN));
+    if (c1 < w) memset(row + c1, 0, (size_t)(w - c1) * sizeof(TIN));
+}
+
+/* The next n elements of es bytes from a thread's scratch at *p, 64-byte aligned. */
+static inline void *carve(char **p, long long n, size_t es) {
+    char *x = (char *)(((size_t)*p + 63) & ~(size_t)63);
+    *p = x + n * (long long)es;
+    return x;
 }
 
 /* Row r's visibility bytes in a partial tile (t: its fields) whose rows start at q0. */
@@ -535,10 +637,11 @@ static void mask_bytes(const struct fl_args *a, const long long *t, const struct
  * as much memory traffic as the attention itself when a few rows meet many keys): the
  * item lays out its rows' Qᵀ once, S comes as Sᵀ-columns (nr x w, column-major: B = K_j
  * read along its rows) and is transposed in cache. K and V in a half dtype are widened to
- * T tile by tile (each byte of the cache is read once). */
+ * T tile by tile (each byte of the cache is read once). Only the float builds read keys
+ * in place: a decode step with half inputs runs on the float32 build. */
 struct keys {
     int on;     /* K read in place (a->kt NULL) */
-    T *kf, *vf; /* widened K_j, V_j tiles (half inputs) */
+    TIN *kf, *vf; /* widened K_j, V_j tiles (half K/V in the float32 build) */
 };
 
 static inline T hsum(VT v) {
@@ -594,7 +697,7 @@ static void dot_scores(const T *q, int nr, const T *k, int w, int d, T alpha, T 
     }
 }
 
-#if !FL_DOUBLE
+#if !FL_DOUBLE && !FL_HALF
 /* n half values (1: bfloat16, 2: float16) widened to float */
 static void widen(const unsigned short *src, T *dst, long long n, long long half) {
     if (half == 1)
@@ -609,9 +712,9 @@ static void widen(const unsigned short *src, T *dst, long long n, long long half
 
 /* K_j and V_j rows [k, k + w) of K/V head kh as T, for a forward with keys in place. */
 static void tile_kv(const struct fl_args *a, const struct keys *ks, long long kh, long long k,
-                    int w, const T **kp, const T **vp) {
+                    int w, const TIN **kp, const TIN **vp) {
     long long ko = (kh * a->lk + k) * a->d, vo = (kh * a->lk + k) * a->dv;
-#if !FL_DOUBLE
+#if !FL_DOUBLE && !FL_HALF
     if (a->half) {
         widen(a->k16 + ko, ks->kf, (long long)w * a->d, a->half);
         widen(a->v16 + vo, ks->vf, (long long)w * a->dv, a->half);
@@ -626,11 +729,11 @@ static void tile_kv(const struct fl_args *a, const struct keys *ks, long long kh
 }
 
 /* The online update of a block of rows (at most FL_PARTIAL_ROWS rows of a partial tile, or
- * any number of a full one) against tile t: m (base-2 units), ℓ, acc
- * (nr x d_v) of the rows; s: nr · nc + nr scratch. Returns the visible dots of an interval
- * tile. */
+ * any number of a full one) against tile t: m (base-2 units), ℓ, acc (nr x d_v) of the
+ * rows; s: nr · ls + nr scratch (ls = padded(nc)); ps: P in the input dtype (nr · ls; s
+ * itself in the float builds). Returns the visible dots of an interval tile. */
 static long long forward_block(const struct fl_args *a, const long long *t, const struct rows *b,
-                               const struct keys *ks, T *m, T *ell, T *acc, T *s) {
+                               const struct keys *ks, T *m, T *ell, T *acc, T *s, TIN *ps) {
     int nr = b->nr, idv = (int)a->dv, lo = 0, hi = (int)(t[3] - t[2]);
     int ca[FL_PARTIAL_ROWS], cb[FL_PARTIAL_ROWS];
     long long seen = 0, kh = b->h0 / a->group;
@@ -639,14 +742,18 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
         if (lo == hi) return seen; /* nothing visible: m, ℓ and acc stay as they are */
     }
     int w = hi - lo;
-    long long ls = padded(w); /* S's row stride */
-    const T *vh = a->v + (kh * a->lk + t[2] + lo) * a->dv;
+    long long ls = padded(w); /* S's (and P's) row stride */
+    const TIN *vh = a->v + (kh * a->lk + t[2] + lo) * a->dv;
+#if !FL_HALF
     if (ks->on) { /* keys in place: dot products of Q's rows with K_j's */
         const T *kp;
         tile_kv(a, ks, kh, t[2] + lo, w, &kp, &vh);
         dot_scores(a->q + row_base(a, b) * a->d, nr, kp, w, (int)a->d, (T)(a->scale * LOG2E), s,
                    ls);
-    } else {
+    } else
+#endif
+    {
+        (void)ks;
         scores(a, b, t[2] + lo, w, s, ls, a->scale * LOG2E, 0);
     }
     if (t[4]) mask_bytes(a, t, b, s, ls, lo, ca, cb);
@@ -659,8 +766,9 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
         T m_new = m_old > top ? m_old : top, m_sub = m_new == -INFINITY ? 0 : m_new;
         alpha[r] = exp2s(m_old - m_sub); /* exactly 1 when the max did not move */
         moved |= alpha[r] != (T)1;
-        T sum = exp_row(row + c0r, c1r - c0r, m_sub);
-        zero_outside(row, c0r, c1r, w); /* P = 0 where the row cannot see */
+        TIN *prow = ps + (long long)r * ls;
+        T sum = exp_row(row + c0r, prow + c0r, c1r - c0r, m_sub);
+        zero_outside(prow, c0r, c1r, w); /* P = 0 where the row cannot see */
         m[r] = m_new;
         ell[r] = sum + alpha[r] * ell[r];
     }
@@ -670,7 +778,7 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
             for (int c = 0; c < idv; ++c) ar[c] *= alpha[r];
         }
     /* acc (nr x d_v) += P (nr x w) V_j (w x d_v), formed as accᵀ += V_jᵀ Pᵀ */
-    mm(idv, nr, w, 1, vh, idv, s, 1, ls, 1, acc, idv);
+    mm(idv, nr, w, 1, vh, idv, ps, 1, ls, 1, acc, idv);
     return seen;
 }
 
@@ -679,8 +787,9 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
  * (natural units; an empty row, ℓ = 0, gives O = 0 and λ = -inf, as online.finalize does)
  * into split s's O and λ. The state stays in the thread's scratch: no other item touches
  * these rows, so the items need no barrier between tiles. Scratch: m, ℓ (nr each), acc
- * (nr · d_v), S/P and α (nr · padded(bk) + nr); with keys in place and a half K/V also
- * the widened tiles (bk · (d + d_v)). */
+ * (nr · d_v), S/P and α (nr · padded(bk) + nr); then in the half builds P in the input
+ * dtype (nr · padded(bk), 64-byte aligned), in the float builds with keys in place and a
+ * half K/V the widened tiles (bk · (d + d_v)). */
 static void forward_item(const struct fl_args *a, long long h0, long long r0, int nr, long long t0,
                          long long t1, long long split) {
     long long dv = a->dv, d = a->d, bk = 0;
@@ -690,12 +799,19 @@ static void forward_item(const struct fl_args *a, long long h0, long long r0, in
     }
     T *m = a->work + omp_get_thread_num() * a->work_stride, *ell = m + nr, *acc = ell + nr;
     T *s = acc + nr * dv;
+    char *more = (char *)(s + nr * padded(bk) + nr);
+    TIN *ps = FL_HALF ? carve(&more, nr * padded(bk), sizeof(TIN)) : (TIN *)s;
     struct keys ks = {0, NULL, NULL};
     struct rows b = {h0, r0, a->stacked ? a->lq : (1LL << 62), nr};
+#if !FL_HALF
     if (!a->kt) { /* keys in place: room for the widened tiles of a half cache */
         ks.on = 1;
         ks.kf = s + nr * padded(bk) + nr;
         ks.vf = ks.kf + bk * d;
+#else
+    (void)d;
+    if (0) {
+#endif
     }
     for (int r = 0; r < nr; ++r) {
         m[r] = -INFINITY;
@@ -706,12 +822,12 @@ static void forward_item(const struct fl_args *a, long long h0, long long r0, in
         const long long *t = a->tiles + ti * FL_TILE;
         long long seen = 0;
         if (!t[4]) {
-            forward_block(a, t, &b, &ks, m, ell, acc, s);
+            forward_block(a, t, &b, &ks, m, ell, acc, s, ps);
             continue;
         }
         for (int c = 0; c < nr; c += FL_PARTIAL_ROWS) { /* partial: narrow row blocks */
             struct rows sub = {h0, r0 + c, b.lrows, nr - c < FL_PARTIAL_ROWS ? nr - c : FL_PARTIAL_ROWS};
-            seen += forward_block(a, t, &sub, &ks, m + c, ell + c, acc + c * dv, s);
+            seen += forward_block(a, t, &sub, &ks, m + c, ell + c, acc + c * dv, s, ps);
         }
         if (seen) {
 #pragma omp atomic
@@ -790,8 +906,9 @@ void SUF(fl_forward)(const struct fl_args *a) {
 
 /* The gradient of a block of rows (at most FL_PARTIAL_ROWS of a partial tile, or any number
  * of a full one) of head h against tile t: dK_jᵀ, dV_jᵀ (d x bk, d_v x bk, the tile's
- * columns) accumulate in dkt, dvt; dQ in dq (rows of the block, (·, d)). s: 2 · nr · bk
- * scratch. Returns the visible dots of an interval tile. */
+ * columns) accumulate in dkt, dvt; dQ in dq (rows of the block, (·, d)). s: 2 · nr ·
+ * padded(bk) scratch (S, dP), in the half builds followed by P and dS in the input dtype
+ * (nr · padded(bk) each, 64-byte aligned). Returns the visible dots of an interval tile. */
 static long long backward_block(const struct fl_args *a, const long long *t, const struct rows *b,
                                 T *dkt, T *dvt, T *dq, T *s) {
     int nr = b->nr, id = (int)a->d, idv = (int)a->dv, nc = (int)(t[3] - t[2]), lo = 0, hi = nc;
@@ -804,40 +921,44 @@ static long long backward_block(const struct fl_args *a, const long long *t, con
     int w = hi - lo;
     long long ls = padded(w), lt = padded(a->lk), ldt = padded(nc); /* row strides */
     T *dp = s + (long long)nr * ls;
+    char *more = (char *)(dp + (long long)nr * ls);
+    TIN *ps = FL_HALF ? carve(&more, (long long)nr * ls, sizeof(TIN)) : (TIN *)s;   /* P */
+    TIN *dss = FL_HALF ? carve(&more, (long long)nr * ls, sizeof(TIN)) : (TIN *)dp; /* dS */
     /* the scores the PyTorch step (and the reference) form: the scale on the matmul only
      * when it is a power of two, so that a forward run with that step is matched exactly */
     scores(a, b, t[2] + lo, w, s, ls, a->scale, !a->scale_exact);
     if (t[4]) mask_bytes(a, t, b, s, ls, lo, ca, cb);
     long long base = row_base(a, b);
-    const T *doh = a->dout + base * a->dv;
-    const T *vt = a->vt + (b->h0 / a->group) * a->dv * lt + t[2] + lo;
-    const T *qh = a->q + base * a->d;
+    const TIN *doh = a->dout + base * a->dv;
+    const TIN *vt = a->vt + (b->h0 / a->group) * a->dv * lt + t[2] + lo;
+    const TIN *qh = a->q + base * a->d;
     T sc = (T)a->scale;
     /* dP (nr x w) = dO V_jᵀ */
     mm(w, nr, idv, 1, vt, lt, doh, 1, idv, 0, dp, ls);
     const T *lam = a->lam + base, *dd = a->dd + base;
     for (int r = 0; r < nr; ++r) {
-        T *pr = s + (long long)r * ls, *dr = dp + (long long)r * ls;
+        const T *pr = s + (long long)r * ls, *dr = dp + (long long)r * ls;
+        TIN *po = ps + (long long)r * ls, *so = dss + (long long)r * ls; /* P, dS (rounded) */
         VT sh = splat(lam[r]), dv_ = splat(dd[r]), l2e = splat((T)LOG2E);
         int c0 = t[4] ? ca[r] : 0, c1 = t[4] ? cb[r] : w, j = c0;
-        zero_outside(pr, c0, c1, w); /* P = dS = 0 where the row cannot see */
-        zero_outside(dr, c0, c1, w);
-        for (; j + W <= c1; j += W) {
-            VT p = vexp2((loadv(pr + j) - sh) * l2e);
-            storev(pr + j, p);
-            storev(dr + j, p * (loadv(dr + j) - dv_));
+        zero_outside(po, c0, c1, w); /* P = dS = 0 where the row cannot see */
+        zero_outside(so, c0, c1, w);
+        for (; j + W <= c1; j += W) { /* dS from P before its rounding */
+            VT p = vexp2((loadv(pr + j) - sh) * l2e), ds = p * (loadv(dr + j) - dv_);
+            store_in(po + j, p);
+            store_in(so + j, ds);
         }
         for (; j < c1; ++j) {
-            T p = exp2s((pr[j] - lam[r]) * (T)LOG2E);
-            pr[j] = p;
-            dr[j] = p * (dr[j] - dd[r]);
+            T p = exp2s((pr[j] - lam[r]) * (T)LOG2E), ds = p * (dr[j] - dd[r]);
+            po[j] = to_in(p);
+            so[j] = to_in(ds);
         }
     }
-    const T *kh = a->k + ((b->h0 / a->group) * a->lk + t[2] + lo) * a->d;
+    const TIN *kh = a->k + ((b->h0 / a->group) * a->lk + t[2] + lo) * a->d;
     /* dV_jᵀ (d_v x w) += dOᵀ P;  dK_jᵀ (d x w) += scale Qᵀ dS;  dQ (nr x d) += scale dS K_j */
-    mm(w, idv, nr, 1, s, ls, doh, idv, 1, 1, dvt + lo, ldt);
-    mm(w, id, nr, sc, dp, ls, qh, id, 1, 1, dkt + lo, ldt);
-    mm(id, nr, w, sc, kh, id, dp, 1, ls, 1, dq, id);
+    mm(w, idv, nr, 1, ps, ls, doh, idv, 1, 1, dvt + lo, ldt);
+    mm(w, id, nr, sc, dss, ls, qh, id, 1, 1, dkt + lo, ldt);
+    mm(id, nr, w, sc, kh, id, dss, 1, ls, 1, dq, id);
     return seen;
 }
 
@@ -916,6 +1037,7 @@ void SUF(fl_backward)(const struct fl_args *a) {
 }
 
 /* -- the machine's peak ---------------------------------------------------------------- */
+#if !FL_HALF
 
 /* Fused multiply-adds on registers only, every thread, `reps` x 1024 rounds of 12
  * independent vector chains (enough to cover the FMA latency on every port): the rate no
@@ -937,3 +1059,14 @@ double SUF(fl_fma_peak)(long long reps) {
 
 /* FLOPs of one fl_fma_peak rep on one thread */
 double SUF(fl_fma_flops_per_rep)(void) { return 1024.0 * 12 * 2 * W; }
+#else
+/* -- the rounding to the input dtype, on its own (tests) ------------------------------------ */
+
+/* dst = src rounded to the input dtype, n values: vectors through store_in, the tail
+ * through to_in, as the step rounds P and dS. */
+void SUF(fl_round)(const T *src, TIN *dst, long long n) {
+    long long i = 0;
+    for (; i + W <= n; i += W) store_in(dst + i, loadv(src + i));
+    for (; i < n; ++i) dst[i] = to_in(src[i]);
+}
+#endif

@@ -12,6 +12,14 @@ compiler targets AVX-512, else on the BLAS gemm PyTorch uses
 (``FLASHLEDGER_GEMM=blas``, or ``Kernels.use_own_gemm``, chooses the BLAS there
 too).
 
+bfloat16 and float16 inputs take one of two paths, chosen by measurement
+(``_calibrate``): converted to float32 up front (the float32 step), or kept in
+their dtype, every product on MKL's mixed gemm (``gemm_bf16bf16f32_`` /
+``gemm_f16f16f32_`` in PyTorch's library: half operands, float32 sums), P and dS
+rounded to the dtype before the products that read them, everything else
+float32 (``FLASHLEDGER_HALF=half`` or ``float32`` forces one; without MKL's half
+gemm the float32 path runs).
+
 The C source is compiled on first use (a C compiler with OpenMP is needed;
 about a second) against the OpenMP runtime and the BLAS PyTorch has loaded,
 and cached under ``$FLASHLEDGER_CACHE_DIR`` (default
@@ -60,6 +68,9 @@ _POINTERS = (
 )
 _SIZES = "heads group lq lk d dv work_stride hq iv_bstride rows chunk splits stacked half"
 _HALF = {torch.bfloat16: 1, torch.float16: 2}
+_SUFFIX = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16", torch.float16: "f16"}
+_HALF_GEMMS = {"bf16": "gemm_bf16bf16f32_", "f16": "gemm_f16f16f32_"}
+HALF_PATHS = _calibrate.HALF_PATHS
 
 
 class _Args(ctypes.Structure):
@@ -141,16 +152,18 @@ class Kernels:
     """The loaded library."""
 
     def __init__(self, lib: ctypes.CDLL, gemms: dict[str, dict[str, int]], choices: Path) -> None:
-        """``gemms``: each BLAS back end's ``{"f32": sgemm_, "f64": dgemm_}`` addresses;
+        """``gemms``: each BLAS back end's ``{"f32": sgemm_, "f64": dgemm_}`` addresses (and
+        for PyTorch's, ``"bf16"``/``"f16"``: MKL's half gemms, where exported);
         ``choices``: the calibration's cache file."""
         self._lib = lib
         self._gemms = gemms
         self._choices_file = choices
         self.choices: dict[torch.dtype, _calibrate.Choice] | None = None
         ll, vp, i, d = ctypes.c_longlong, ctypes.c_void_p, ctypes.c_int, ctypes.c_double
-        for suffix in ("f32", "f64"):
+        for suffix in _SUFFIX.values():
             getattr(lib, f"fl_set_gemm_{suffix}").argtypes = [vp]
-            getattr(lib, f"fl_set_gemm_{suffix}")(gemms["blas"][suffix])
+            if suffix in gemms["blas"]:
+                getattr(lib, f"fl_set_gemm_{suffix}")(gemms["blas"][suffix])
             for name in ("fl_forward", "fl_backward"):
                 getattr(lib, f"{name}_{suffix}").argtypes = [vp]
                 getattr(lib, f"{name}_{suffix}").restype = None
@@ -166,33 +179,61 @@ class Kernels:
             mm = [i, i, i, d, vp, ll, vp, ll, ll, d, vp, ll]
             getattr(lib, f"fl_matmul_{suffix}").argtypes = mm
             getattr(lib, f"fl_matmul_{suffix}").restype = None
-            getattr(lib, f"fl_matmul_rate_{suffix}").argtypes = [vp, i, i]
+            getattr(lib, f"fl_matmul_rate_{suffix}").argtypes = [vp, vp, i, i]
             getattr(lib, f"fl_matmul_rate_{suffix}").restype = None
-            getattr(lib, f"fl_fma_peak_{suffix}").argtypes = [ll]
-            getattr(lib, f"fl_fma_peak_{suffix}").restype = d
-            getattr(lib, f"fl_fma_flops_per_rep_{suffix}").restype = d
+            if suffix in ("f32", "f64"):
+                getattr(lib, f"fl_fma_peak_{suffix}").argtypes = [ll]
+                getattr(lib, f"fl_fma_peak_{suffix}").restype = d
+                getattr(lib, f"fl_fma_flops_per_rep_{suffix}").restype = d
+            else:
+                getattr(lib, f"fl_round_{suffix}").argtypes = [vp, vp, ll]
+                getattr(lib, f"fl_round_{suffix}").restype = None
         self.vector_bytes = int(lib.fl_vector_bytes_f32())
         self._gemm = {suffix: "blas" for suffix in ("f32", "f64")}
+        # half inputs: converted to float32 until the calibration (or a setting) says else
+        self._gemm.update({suffix: "float32" for suffix in _HALF_GEMMS})
 
-    def gemm_names(self) -> list[str]:
-        """The matmul back ends available here: ``own`` (built for AVX-512), ``blas``
-        (PyTorch's), ``openblas`` (with the ``scipy-openblas32`` package)."""
+    def gemm_names(self, dtype: torch.dtype = torch.float32) -> list[str]:
+        """How the ``dtype`` step's matmuls can run here. float32/float64: ``own`` (built for
+        AVX-512), ``blas`` (PyTorch's), ``openblas`` (with the ``scipy-openblas32``
+        package). bfloat16/float16 (``HALF_PATHS``): ``half`` (in the dtype, on MKL's half
+        gemm, where PyTorch's library exports it) and ``float32`` (converted up front)."""
+        if dtype in _HALF:
+            have = _suffix(dtype) in self._gemms["blas"]
+            return [p for p in HALF_PATHS if p == "float32" or have]
         own = ["own"] if self.vector_bytes == 64 else []
         return own + [name for name in _calibrate.GEMMS if name in self._gemms]
 
     def set_gemm(self, dtype: torch.dtype, name: str) -> None:
         """Run the ``dtype`` step's matmuls on back end ``name`` (see ``gemm_names``)."""
-        if name not in self.gemm_names():
-            raise ValueError(f"no matmul back end {name!r} here; one of {self.gemm_names()}")
+        names = self.gemm_names(dtype)
+        if name not in names:
+            raise ValueError(f"no matmul back end {name!r} for {dtype} here; one of {names}")
         suffix = _suffix(dtype)
-        if name != "own":
-            self.fn("fl_set_gemm", suffix)(self._gemms[name][suffix])
-        self.fn("fl_set_own_gemm", suffix)(int(name == "own"))
+        if dtype not in _HALF:
+            if name != "own":
+                self.fn("fl_set_gemm", suffix)(self._gemms[name][suffix])
+            self.fn("fl_set_own_gemm", suffix)(int(name == "own"))
         self._gemm[suffix] = name
 
     def gemm(self, dtype: torch.dtype) -> str:
         """The back end running the ``dtype`` step's matmuls now."""
         return self._gemm[_suffix(dtype)]
+
+    def half_step(self, dtype: torch.dtype) -> bool:
+        """True when ``dtype`` (bfloat16/float16) inputs run in their dtype (the ``half``
+        path), False when they are converted to float32 (or ``dtype`` is not half)."""
+        return dtype in _HALF and self._gemm[_suffix(dtype)] == "half"
+
+    def round_to(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous float32 ``x`` rounded to ``dtype`` (bfloat16/float16) as the half step
+        rounds P and dS (vectors and the scalar tail)."""
+        if x.dtype != torch.float32 or dtype not in _HALF:
+            raise ValueError(f"rounds float32 to bfloat16 or float16, not {x.dtype} to {dtype}")
+        x = x.contiguous()
+        out = torch.empty(x.shape, dtype=dtype)
+        self.fn("fl_round", _suffix(dtype))(x.data_ptr(), out.data_ptr(), x.numel())
+        return out
 
     def use_own_gemm(self, on: bool) -> bool:
         """Run both dtypes' matmuls on the step's own AVX-512 kernel (``on``, where it was
@@ -203,8 +244,8 @@ class Kernels:
 
     @property
     def own_gemm(self) -> bool:
-        """True when both dtypes run on the own kernel."""
-        return all(name == "own" for name in self._gemm.values())
+        """True when both dtypes (float32, float64) run on the own kernel."""
+        return all(self._gemm[s] == "own" for s in ("f32", "f64"))
 
     def choose(self) -> None:
         """Make (or read back) the calibration's choices and put them in force."""
@@ -215,7 +256,10 @@ class Kernels:
             self.choices = choices
 
     def tiles(self, dtype: torch.dtype) -> tuple[int, int]:
-        """The default ``(block_q, block_k)`` for ``dtype``: the calibration's."""
+        """The default ``(block_q, block_k)`` for ``dtype``: the calibration's (a half dtype
+        converted to float32 takes float32's)."""
+        if dtype in _HALF and not self.half_step(dtype):
+            dtype = torch.float32
         c = (self.choices or {}).get(dtype)
         return (c.block_q, c.block_k) if c is not None else _calibrate.FALLBACK_TILES
 
@@ -233,7 +277,8 @@ class Kernels:
     ) -> None:
         """``c = alpha · a @ b + beta · c`` on the step's matmul (see ``use_own_gemm``), in
         this thread. ``a`` ``(m, k)`` row- or column-major; ``b`` ``(k, n)`` and ``c`` ``(m, n)``
-        with unit column stride (rows may be padded); one float dtype; ``beta`` 0 or 1."""
+        with unit column stride (rows may be padded); one float dtype, or ``a``, ``b``
+        bfloat16/float16 and ``c`` float32 (MKL's half gemm); ``beta`` 0 or 1."""
         (m, k), n = a.shape, b.shape[1]
         if b.shape[0] != k or c.shape != (m, n):
             raise ValueError(
@@ -241,8 +286,14 @@ class Kernels:
             )
         if beta not in (0.0, 1.0):
             raise ValueError(f"beta must be 0 or 1, got {beta}")
-        if not (a.dtype == b.dtype == c.dtype and a.dtype in (torch.float32, torch.float64)):
-            raise ValueError("a, b and c must share one dtype, float32 or float64")
+        half = a.dtype in _HALF and c.dtype == torch.float32
+        if not (a.dtype == b.dtype and (half or a.dtype == c.dtype)) or a.dtype not in _SUFFIX:
+            raise ValueError(
+                "a, b and c must share one dtype, float32 or float64 (or a, b bfloat16 or "
+                f"float16 with c float32), got {a.dtype}, {b.dtype}, {c.dtype}"
+            )
+        if half and _suffix(a.dtype) not in self._gemms["blas"]:
+            raise ValueError(f"PyTorch's library has no {_HALF_GEMMS[_suffix(a.dtype)]} here")
         # strides as the kernel reads them (a dimension of size 1 may report any stride)
         ldb = b.stride(0) if k > 1 else n
         ldc = c.stride(0) if m > 1 else n
@@ -255,27 +306,27 @@ class Kernels:
         else:
             raise ValueError("a must be row- or column-major")
         # row-major c = a b is column-major cᵀ = bᵀ aᵀ: the kernel's A is b, its B is a
-        fn = self.fn("fl_matmul", "f32" if a.dtype == torch.float32 else "f64")
+        fn = self.fn("fl_matmul", _suffix(a.dtype))
         args = (b.data_ptr(), ldb, a.data_ptr(), sbk, sbn, beta, c.data_ptr(), ldc)
         fn(n, m, k, alpha, *args)
 
     def matmul_rate(self, dtype: torch.dtype, *, n: int = 512, seconds: float = 0.5) -> float:
         """GFLOP/s of the step's matmul on all threads: each runs ``n x n x n`` products on
         buffers of its own (a tile step's size), as the tile steps run theirs; the best of
-        five timings of at least ``seconds`` / 5 each."""
+        five timings of at least ``seconds`` / 5 each. A half ``dtype`` measures MKL's half
+        gemm (operands in ``dtype``, float32 results)."""
         threads = self.max_threads()
-        bufs = torch.randn(
-            threads * 3 * n * self.padded(dtype, n),
-            dtype=dtype,
-            generator=torch.Generator().manual_seed(0),
-        )
-        fn = self.fn("fl_matmul_rate", "f32" if dtype == torch.float32 else "f64")
-        fn(bufs.data_ptr(), n, 1)  # warm up (pages, caches)
+        gen = torch.Generator().manual_seed(0)
+        sz = n * self.padded(dtype, n)  # rows padded as the step pads its tiles
+        ab = torch.randn(threads * 2 * sz, generator=gen, dtype=torch.float64).to(dtype)
+        c = torch.zeros(threads * sz, dtype=torch.float32 if dtype in _HALF else dtype)
+        fn = self.fn("fl_matmul_rate", _suffix(dtype))
+        fn(ab.data_ptr(), c.data_ptr(), n, 1)  # warm up (pages, caches)
         flop, reps, best = 2.0 * n**3 * threads, 1, 0.0
         for _ in range(5):
             while True:
                 t0 = time.perf_counter()
-                fn(bufs.data_ptr(), n, reps)
+                fn(ab.data_ptr(), c.data_ptr(), n, reps)
                 dt = time.perf_counter() - t0
                 if dt >= seconds / 5:
                     break
@@ -289,7 +340,7 @@ class Kernels:
         return int(self.fn("fl_padded", _suffix(dtype))(x))
 
     def transposed(self, x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
-        """``x.mT`` of a contiguous float32/float64 ``(n, rows, cols)`` laid out with row
+        """``x.mT`` of a contiguous ``(n, rows, cols)`` (any float dtype the step runs) laid out with row
         stride ``padded(rows)``, on the step's threads, in the flat scratch ``buf`` (at
         least ``n · cols · padded(rows)`` elements). Returns ``(n, cols, rows)`` (a view)."""
         n, rows, cols = x.shape
@@ -329,7 +380,10 @@ class Kernels:
         # its Kᵀ buffer back for the next forward; the backward takes that buffer and lets
         # both go when done, before autograd's own copies of the gradients
         in_place = forward and bool(sizes.get("keys_in_place"))
-        half = _HALF.get(k.dtype, 0) if in_place else 0
+        # a float32 q reading a half K/V cache in place (widened tile by tile); the half step
+        # itself has q, k, v (and dO) all in the half dtype
+        half = _HALF.get(k.dtype, 0) if in_place and q.dtype != k.dtype else 0
+        acc = torch.float32 if q.dtype in _HALF else q.dtype  # sums, state and results
         kt_buf = kt = None
         lt = self.padded(q.dtype, k.shape[1])  # the row stride of Kᵀ and Vᵀ
         if not in_place:
@@ -340,9 +394,11 @@ class Kernels:
             vt = self.transposed(v, torch.empty(v.shape[0] * v.shape[2] * lt, dtype=v.dtype))
         alive = [q, k, v, vt, *tensors.values()] + ([kt] if kt is not None else [])
         assert all(t.is_contiguous() for t in alive if t is not kt and t is not vt)
-        assert all(t.dtype == q.dtype for t in alive if t is not k and t is not v)
+        assert all(t.dtype == q.dtype for t in (kt, tensors.get("dout")) if t is not None)
+        assert forward or vt.dtype == q.dtype
+        assert all(t.dtype == acc for n, t in tensors.items() if n != "dout")
         assert k.dtype == v.dtype == (q.dtype if not half else k.dtype)
-        work = _pool.take("work", self.max_threads() * work_per_thread, q.dtype)
+        work = _pool.take("work", self.max_threads() * work_per_thread, acc)
         iv_lo = iv_hi = None
         if intervals is not None:
             iv_lo, iv_hi = (t.to(torch.int64).contiguous() for t in intervals)  # (B|1, Lq)
@@ -379,8 +435,7 @@ class Kernels:
             **{n: x for n, x in sizes.items() if n != "keys_in_place"},
             **{name: t.data_ptr() for name, t in tensors.items()},
         )
-        suffix = "f32" if q.dtype == torch.float32 else "f64"
-        self.fn(name, suffix)(ctypes.byref(args))
+        self.fn(name, _suffix(q.dtype))(ctypes.byref(args))
         del alive, sched._alive[:]
         _pool.give("work", work)
         if forward and kt_buf is not None:
@@ -408,22 +463,28 @@ class Kernels:
         """The forward pass of ``sched`` (rows: query tiles) in one native call.
 
         ``q`` ``(H, Lq, d)``, ``k`` ``(Hk, Lk, d)``, ``v`` ``(Hk, Lk, d_v)`` contiguous, one
-        float dtype, ``H = Hk·group = B·heads_per_batch``; work items of ``chunk`` rows;
+        float dtype (bfloat16/float16: the half step, see ``half_step``), ``H = Hk·group =
+        B·heads_per_batch``; work items of ``chunk`` rows;
         each row's tiles in ``splits`` parts attended apart; ``stacked``: one query tile
         covering Lq, a group's heads as one block of rows; ``keys_in_place`` (decode): K
         read as it is laid out, no Kᵀ, and ``k``, ``v`` may then be bfloat16 or float16
-        (widened tile by tile; ``q`` in float32). ``intervals``: an interval
+        with ``q`` in float32 (widened tile by tile). ``intervals``: an interval
         mask's ``(lo, hi)``, int64 ``(B|1, Lq)``, row ``i`` seeing local keys ``lo[i] <= j <
         hi[i]`` (read for partial tiles given no bytes). Returns each part's ``o`` ``(S, H,
-        Lq, d_v)`` and ``lse`` ``(S, H, Lq)`` (natural units, -inf where a part saw no key).
+        Lq, d_v)`` and ``lse`` ``(S, H, Lq)`` (natural units, -inf where a part saw no key),
+        float32 for half inputs.
         """
         heads, lq, _ = q.shape
         dv = v.shape[2]
-        o = torch.empty(splits, heads, lq, dv, dtype=q.dtype)  # (S, H, Lq, d_v)
-        lse = torch.empty(splits, heads, lq, dtype=q.dtype)  # (S, H, Lq)
+        acc = torch.float32 if q.dtype in _HALF else q.dtype
+        o = torch.empty(splits, heads, lq, dv, dtype=acc)  # (S, H, Lq, d_v)
+        lse = torch.empty(splits, heads, lq, dtype=acc)  # (S, H, Lq)
         d, bk = q.shape[2], sched.widest()[1]
-        work = chunk * (2 + dv) + chunk * self.padded(q.dtype, bk) + chunk  # m, ℓ, acc; S/P; α
-        if keys_in_place:
+        lb = self.padded(q.dtype, bk)  # S's (and P's) row stride
+        work = chunk * (2 + dv) + chunk * lb + chunk  # m, ℓ, acc; S/P; α
+        if q.dtype in _HALF:
+            work += _units(chunk * lb, q.dtype, acc)  # P in the input dtype
+        elif keys_in_place:
             work += bk * (d + dv)  # widened K/V tiles of a half cache
         sizes = dict(
             chunk=chunk, splits=splits, stacked=int(stacked), keys_in_place=int(keys_in_place)
@@ -464,15 +525,19 @@ class Kernels:
         """The backward pass of ``sched`` (rows: key tiles) in one native call: ``(dq,
         dk, dv)`` ``(H, Lq, d)``, ``(Hk, Lk, d)``, ``(Hk, Lk, d_v)``. ``dout`` ``(H, Lq,
         d_v)``; ``lam`` (the LSE, +inf on empty rows) and ``dd`` (D) ``(H, Lq)``; work
-        items are (K/V head, one of ``splits`` parts of the key tiles)."""
+        items are (K/V head, one of ``splits`` parts of the key tiles). Half inputs (q, k,
+        v, dout in bfloat16/float16: the half step) give float32 gradients."""
         heads, lq, d = q.shape
         hk, lk, dv = v.shape
-        dq = torch.zeros(splits, heads, lq, d, dtype=q.dtype)  # (S, H, Lq, d)
-        dk = torch.empty(hk, lk, d, dtype=q.dtype)  # (Hk, Lk, d)
-        dv_ = torch.empty(hk, lk, dv, dtype=q.dtype)  # (Hk, Lk, d_v)
+        acc = torch.float32 if q.dtype in _HALF else q.dtype
+        dq = torch.zeros(splits, heads, lq, d, dtype=acc)  # (S, H, Lq, d)
+        dk = torch.empty(hk, lk, d, dtype=acc)  # (Hk, Lk, d)
+        dv_ = torch.empty(hk, lk, dv, dtype=acc)  # (Hk, Lk, d_v)
         bq, bk = sched.widest()
         lb = self.padded(q.dtype, max(bk, 1))
-        work = (d + dv) * lb + 2 * bq * lb  # dK_jᵀ, dV_jᵀ; P, dP/dS
+        work = (d + dv) * lb + 2 * bq * lb  # dK_jᵀ, dV_jᵀ; S, dP
+        if q.dtype in _HALF:
+            work += 2 * _units(bq * lb, q.dtype, acc)  # P, dS in the input dtype
         self._run(
             "fl_backward",
             q,
@@ -497,7 +562,7 @@ class Kernels:
     def fma_peak(self, dtype: torch.dtype, *, seconds: float = 0.2) -> float:
         """GFLOP/s of fused multiply-adds on registers only, on every thread: the peak no
         kernel can beat (best of three timings of at least ``seconds`` / 3 each)."""
-        suffix = "f32" if dtype == torch.float32 else "f64"
+        suffix = _suffix(dtype)
         fn, per = self.fn("fl_fma_peak", suffix), self.fn("fl_fma_flops_per_rep", suffix)()
         threads, reps, best = self.max_threads(), 64, 0.0
         fn(reps)
@@ -601,11 +666,12 @@ def native_status() -> str:
         return f"native tile step: off ({why}); the PyTorch step runs instead"
     kern.choose()
     head, path = why.rsplit(", ", 1)
-    names = {"own": "own matmul kernel", "blas": "PyTorch's BLAS", "openblas": "OpenBLAS"}
     parts = []
-    for dt in (torch.float32, torch.float64):
+    for dt in _calibrate.DTYPES:
         bq, bk = kern.tiles(dt)
-        parts.append(f"{str(dt)[6:]}: {names[kern.gemm(dt)]}, tiles {bq}x{bk}")
+        how = _calibrate.gemm_name(kern.gemm(dt))
+        tiles = "" if kern.gemm(dt) == "float32" else f", tiles {bq}x{bk}"
+        parts.append(f"{str(dt)[6:]}: {how}{tiles}")
     return f"native tile step: on ({head}; {'; '.join(parts)}; {path})"
 
 
@@ -654,6 +720,9 @@ def _build_and_load() -> tuple[Kernels | None, str]:
         gemms = {"blas": {"f32": _address(blas.sgemm_), "f64": _address(blas.dgemm_)}}
     except AttributeError:
         return None, "PyTorch's library does not export sgemm_/dgemm_"
+    for suffix, symbol in _HALF_GEMMS.items():  # MKL's half gemms, where exported
+        with contextlib.suppress(AttributeError):
+            gemms["blas"][suffix] = _address(getattr(blas, symbol))
     openblas = _openblas()
     if openblas is not None:
         gemms["openblas"] = openblas
@@ -712,7 +781,12 @@ def _openblas() -> dict[str, int] | None:
 
 
 def _suffix(dtype: torch.dtype) -> str:
-    return "f32" if dtype == torch.float32 else "f64"
+    return _SUFFIX[dtype]
+
+
+def _units(n: int, dtype: torch.dtype, acc: torch.dtype) -> int:
+    """Scratch (in ``acc`` elements) for ``n`` elements of ``dtype`` carved 64-byte aligned."""
+    return -(-n * dtype.itemsize // acc.itemsize) + 64 // acc.itemsize
 
 
 def _digest(path: Path) -> str:
@@ -729,13 +803,15 @@ def _intact(lib: Path) -> bool:
 
 
 def _compile(cc: str, gomp: Path, out: Path) -> None:
-    """Compile float32 and float64 objects, link them against the loaded libgomp, and write
-    the library's SHA-256 beside it (checked before every load: ``_intact``)."""
+    """Compile the float32, float64, bfloat16 and float16 objects (one source: -DFL_DOUBLE,
+    -DFL_HALF), link them against the loaded libgomp, and write the library's SHA-256
+    beside it (checked before every load: ``_intact``)."""
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         objs = []
-        for name, flag in (("f32", "0"), ("f64", "1")):
+        for name, double, half in (("f32", 0, 0), ("f64", 1, 0), ("bf16", 0, 1), ("f16", 0, 2)):
             obj = Path(tmp) / f"{name}.o"
-            cmd = [cc, *_FLAGS, f"-DFL_DOUBLE={flag}", "-c", str(_SOURCE), "-o", str(obj)]
+            defs = [f"-DFL_DOUBLE={double}", f"-DFL_HALF={half}"]
+            cmd = [cc, *_FLAGS, *defs, "-c", str(_SOURCE), "-o", str(obj)]
             _run(cmd)
             objs.append(str(obj))
         tmp_lib = Path(tmp) / out.name

@@ -61,11 +61,12 @@ class Placement:
 class Problem:
     """Everything a loop needs, validated. Shapes in the comments."""
 
-    q: torch.Tensor  # (B, Hkv, G, Lq, d) accumulation dtype
-    k_in: torch.Tensor  # (B, Hkv, 1, Lk, d) in the input dtype (``k``: in the accumulation dtype)
-    v_in: torch.Tensor  # (B, Hkv, 1, Lk, d_v) likewise
+    q_in: torch.Tensor  # (B, Hkv, G, Lq, d) in the input dtype (``q``: in the accumulation dtype)
+    k_in: torch.Tensor  # (B, Hkv, 1, Lk, d) likewise (``k``)
+    v_in: torch.Tensor  # (B, Hkv, 1, Lk, d_v) likewise (``v``)
     ndim: int  # caller's rank: 2, 3 or 4
     out_dtype: torch.dtype
+    acc_dtype: torch.dtype  # the loop's: float32 for half inputs, float64 for float64
     conventions: Conventions
     geo: Geometry
     mask: BoundMask | None
@@ -85,12 +86,22 @@ class Problem:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.q.dtype
+        """The accumulation dtype."""
+        return self.acc_dtype
+
+    @property
+    def q(self) -> torch.Tensor:
+        """Q ``(B, Hkv, G, Lq, d)`` in the accumulation dtype (converted once, when first
+        asked: the native step's half path reads ``q_in`` as it is)."""
+        if "_q" not in self.__dict__:
+            self.__dict__["_q"] = self.q_in.to(self.dtype)
+        return self.__dict__["_q"]  # type: ignore[no-any-return]
 
     @property
     def k(self) -> torch.Tensor:
         """K ``(B, Hkv, 1, Lk, d)`` in the accumulation dtype (converted once, when first
-        asked: a decode step reading a half-precision cache in place never asks)."""
+        asked: a decode step reading a half-precision cache in place, or the half path,
+        never asks)."""
         if "_k" not in self.__dict__:
             self.__dict__["_k"] = self.k_in.to(self.dtype)
         return self.__dict__["_k"]  # type: ignore[no-any-return]
@@ -105,7 +116,7 @@ class Problem:
     @property
     def shape(self) -> tuple[int, int, int, int, int, int, int, int]:
         """``(B, Hq, Hkv, G, Lq, Lk, d, d_v)``."""
-        b, hkv, g, lq, d = self.q.shape
+        b, hkv, g, lq, d = self.q_in.shape
         return b, hkv * g, hkv, g, lq, self.k_in.shape[-2], d, self.v_in.shape[-1]
 
     # -- layout -----------------------------------------------------------------------
@@ -209,7 +220,7 @@ class Problem:
         if sm.softcap is not None:
             bound = sm.softcap
         else:
-            bound = abs(sm.scale) * _max_norm(self.q) * _max_norm(self.k)
+            bound = abs(sm.scale) * _max_norm(self.q_in) * _max_norm(self.k_in)
         if sm.slopes is not None:
             bound += float(sm.slopes.detach().abs().amax()) * (
                 self.geo.lq_total + self.geo.lk_total
@@ -324,9 +335,10 @@ class Problem:
 
 
 def _max_norm(x: torch.Tensor) -> float:
-    """Largest row norm of ``(..., L, d)``, in the tensor's dtype (float64 only if that
-    overflows)."""
-    n = float(torch.linalg.vector_norm(x.detach(), dim=-1).amax())
+    """Largest row norm of ``(..., L, d)``, in the tensor's dtype, at least float32 (float64
+    only if that overflows)."""
+    wide = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else None
+    n = float(torch.linalg.vector_norm(x.detach(), dim=-1, dtype=wide).amax())
     if math.isinf(n) and x.dtype != torch.float64:
         n = float(torch.linalg.vector_norm(x.detach(), dim=-1, dtype=torch.float64).amax())
     return n
@@ -497,16 +509,15 @@ class _Frame:
         """The call's ``Problem``: q, k, v laid out in the internal 5-D layout."""
         b, hkv, g, lq, d = self.dims
         q4, k4, v4 = _add_leading(q, 4), _add_leading(k, 4), _add_leading(v, 4)
-        if q4.dtype != self.acc_dtype:
-            q4 = q4.to(self.acc_dtype)
         return Problem(
             # contiguous once here (a copy only for strided inputs, e.g. heads sliced out of
             # a larger tensor), so that every tile of the loop is a view
-            q=q4.contiguous().view(b, hkv, g, lq, d),
+            q_in=q4.contiguous().view(b, hkv, g, lq, d),
             k_in=k4.contiguous().unsqueeze(2),
             v_in=v4.contiguous().unsqueeze(2),
             ndim=q.ndim,
             out_dtype=q.dtype,
+            acc_dtype=self.acc_dtype,
             conventions=self.conventions,
             geo=self.geo,
             mask=self.mask,

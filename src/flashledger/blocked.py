@@ -602,12 +602,29 @@ def _native_step(pb: Problem, loop_order: str, observed: bool) -> _native.Kernel
     return _native.kernels()
 
 
+def _half_step(pb: Problem, kern: _native.Kernels | None) -> bool:
+    """True when the native step runs bfloat16/float16 inputs in their dtype (products on
+    MKL's half gemm, float32 sums: the path its calibration chose for the dtype), False
+    when they are converted to float32 (or are not half)."""
+    dt = pb.out_dtype
+    return (
+        kern is not None
+        and pb.dtype == torch.float32
+        and pb.k_in.dtype == pb.v_in.dtype == dt
+        and kern.half_step(dt)
+    )
+
+
 def _resolve_tiles(
     pb: Problem, kern: _native.Kernels | None, block_q: int | None, block_k: int | None
 ) -> tuple[int, int]:
     """``block_q``, ``block_k`` as given, or (None) the default: the tiles the native step
-    chose by measurement on this machine for this dtype when it runs, else 512 x 512."""
-    dq, dk = kern.tiles(pb.dtype) if kern is not None else (DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K)
+    chose by measurement on this machine for this dtype (the half path's for half inputs
+    on it) when it runs, else 512 x 512."""
+    if kern is None:
+        dq, dk = DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K
+    else:
+        dq, dk = kern.tiles(pb.out_dtype if _half_step(pb, kern) else pb.dtype)
     return (dq if block_q is None else block_q), (dk if block_k is None else block_k)
 
 
@@ -632,10 +649,11 @@ def _native_vis(
     return vis, tile, (tile.data_ptr(), g * area, area)
 
 
-def _native_rows(pb: Problem, x5: torch.Tensor) -> torch.Tensor:
-    """A ``(B, Hkv, G|1, L, X)`` tensor as contiguous ``(B·Hkv·(G|1), L, X)`` in the loop's
-    dtype (a view when it is one already)."""
-    return _flat(x5 if x5.dtype == pb.dtype else x5.to(pb.dtype))
+def _native_rows(pb: Problem, x5: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A ``(B, Hkv, G|1, L, X)`` tensor as contiguous ``(B·Hkv·(G|1), L, X)`` in ``dtype``
+    (default: the loop's; a view when it is one already)."""
+    dt = dtype or pb.dtype
+    return _flat(x5 if x5.dtype == dt else x5.to(dt))
 
 
 def _flat(x5: torch.Tensor) -> torch.Tensor:
@@ -702,7 +720,7 @@ def _forward_native(
     When the query tiles alone cannot keep the threads busy (decode: a few query rows
     against many keys), a group's query heads run as one block of rows and each row's
     key tiles are split into parts attended apart (flash-decoding), merged with the one
-    merge (``online.merge_partials``).
+    merge (``online.merge_partials``). Half inputs on the half path stay in their dtype.
     """
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
     qtiles, ktiles = _tiles(lq, block_q), _tiles(lk, block_k)
@@ -721,10 +739,13 @@ def _forward_native(
     splits = 1
     if items < 4 * threads:  # too few to balance: split each row's key tiles
         splits = max(1, min(sched.longest_row(), -(-4 * threads // items), 16))
-    q = _native_rows(pb, pb.q)
-    # K, V in the loop's dtype, or as they are when read in place (a half-precision cache)
-    half_in_place = in_place and pb.k_in.dtype in _HALF
-    k, v = (_flat(x) if half_in_place else _native_rows(pb, x) for x in (pb.k_in, pb.v_in))
+    if _half_step(pb, kern) and not in_place:  # q, k, v as they are (K laid out as Kᵀ)
+        q, k, v = (_native_rows(pb, x, pb.out_dtype) for x in (pb.q_in, pb.k_in, pb.v_in))
+    else:
+        q = _native_rows(pb, pb.q)
+        # K, V in the loop's dtype, or as they are when read in place (a half-precision cache)
+        half_in_place = in_place and pb.k_in.dtype in _HALF
+        k, v = (_flat(x) if half_in_place else _native_rows(pb, x) for x in (pb.k_in, pb.v_in))
     o_s, lse_s = kern.forward(
         q,
         k,
@@ -786,12 +807,14 @@ def _backward_native(
     book: _Book,
     block_q: int,
     block_k: int,
+    half: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward loop as one native call: ``(dq, dk, dv)`` 5-D.
 
     Work items are (K/V head, part of the key tiles): each key tile's ``dK_j``, ``dV_j``
     accumulate over its query tiles and the group's query heads in the item's scratch;
-    with several parts, each keeps a ``dQ`` of its own, added up in order.
+    with several parts, each keeps a ``dQ`` of its own, added up in order. ``half``: q, k,
+    v and dO in the inputs' half dtype (the half path), the gradients float32.
     """
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
     dt = pb.dtype
@@ -799,12 +822,13 @@ def _backward_native(
     qtiles, ktiles = _tiles(lq, block_q), _tiles(lk, block_k)
     sched, ran = _native_schedule(pb, book, ktiles, qtiles, kind_of, forward=False)
     splits = max(1, min(len(ktiles), -(-2 * _PLAN_THREADS // (b * hkv)), 8))
-    q, k, v = (_native_rows(pb, x) for x in (pb.q, pb.k, pb.v))
+    xs = (pb.q_in, pb.k_in, pb.v_in, do5) if half else (pb.q, pb.k, pb.v, do5)
+    q, k, v, do = (_native_rows(pb, x, pb.out_dtype if half else dt) for x in xs)
     dq, dk, dv_ = kern.backward(
         q,
         k,
         v,
-        _native_rows(pb, do5),
+        do,
         lse_safe.to(dt).reshape(heads, lq).contiguous(),
         d_eff.to(dt).reshape(heads, lq).contiguous(),
         sched,
@@ -1075,7 +1099,10 @@ def _backward(
     loop_order: str,
     trace: Trace | None,
     observer: Any,
+    do_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, Ledger]:
+    """The backward loop (``do_dtype``: the caller's dO's, which the half path needs in
+    the inputs' dtype)."""
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
     # The backward loop is the same in both orders; it runs on the step its forward ran on
     # (the FA1 order's forward is always the PyTorch step), so that P = exp(S - λ) is
@@ -1109,7 +1136,17 @@ def _backward(
     book.io(write=lq * d)  # dQ initialised
     if kern is not None:
         dq5, dk5, dv5 = _backward_native(
-            pb, kern, do5, lse_safe, d_eff, ledger, kind_of, book, block_q, block_k
+            pb,
+            kern,
+            do5,
+            lse_safe,
+            d_eff,
+            ledger,
+            kind_of,
+            book,
+            block_q,
+            block_k,
+            half=_half_step(pb, kern) and do_dtype == pb.out_dtype,
         )
         book.flush()
         return dq5, dk5, dv5, None, D, ledger
@@ -1318,6 +1355,7 @@ def _backward_problem(
         loop_order=loop_order,
         trace=Trace.of(trace),
         observer=observer,
+        do_dtype=do.dtype,
     )
     pb.check_gradients(dq=dq, dk=dk, dv=dv)
     dbias = None
