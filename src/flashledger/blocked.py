@@ -726,7 +726,7 @@ def _forward_native(
     qtiles, ktiles = _tiles(lq, block_q), _tiles(lk, block_k)
     sched, ran = _native_schedule(pb, book, qtiles, ktiles, kind_of, forward=True)
     # rows per work item: a whole tile, or fewer when the heads alone cannot fill the threads
-    threads, rows = _PLAN_THREADS, min(block_q, lq)
+    threads, rows = kern.max_threads(), min(block_q, lq)
     stacked = len(qtiles) == 1  # decode: the group's rows share their K/V tiles
     # a few rows against many keys: read K in place (a Kᵀ would cost as much traffic as
     # the attention), in its own dtype (a half-precision cache is widened tile by tile)
@@ -767,14 +767,6 @@ def _forward_native(
         book.io(write=(q1 - q0) * (dv + 1))
     book.flush()
     return o_s.view(b, hkv, g, lq, dv), lse_s.view(b, hkv, g, lq), ledger
-
-
-# The native passes cut their work (row chunks, key splits) as if for this many threads,
-# whatever the machine has: the cut decides how partial sums are grouped, and a result
-# must not change with the core count or with torch.set_num_threads (the ring's
-# processes and its in-process twin agree bit for bit). Enough items for 16 cores; on
-# fewer, a few more merges (microseconds).
-_PLAN_THREADS = 16
 
 
 def _book_native(
@@ -821,7 +813,7 @@ def _backward_native(
     heads = b * hq
     qtiles, ktiles = _tiles(lq, block_q), _tiles(lk, block_k)
     sched, ran = _native_schedule(pb, book, ktiles, qtiles, kind_of, forward=False)
-    splits = max(1, min(len(ktiles), -(-2 * _PLAN_THREADS // (b * hkv)), 8))
+    splits = max(1, min(len(ktiles), -(-2 * kern.max_threads() // (b * hkv)), 8))
     xs = (pb.q_in, pb.k_in, pb.v_in, do5) if half else (pb.q, pb.k, pb.v, do5)
     q, k, v, do = (_native_rows(pb, x, pb.out_dtype if half else dt) for x in xs)
     dq, dk, dv_ = kern.backward(
