@@ -38,6 +38,7 @@ from collections.abc import Callable
 import torch
 
 import flashledger as fl
+from flashledger import _calibrate
 
 TARGETS = {
     "MaskMod(causal)": 1.2,
@@ -160,7 +161,7 @@ def main() -> None:
     }
     print(
         f"flashledger Flex benchmark: L={n} H={h} d={d} {args.dtype}, forward + backward, "
-        f"median of {args.rounds}; {platform.processor() or platform.machine()}, "
+        f"median of {args.rounds}; {_calibrate.cpu_model() or platform.machine()}, "
         f"{torch.get_num_threads()} threads, native step: {fl.native_status()}"
     )
     print(f"{'case':<22} {'baseline ms':>12} {'flex ms':>10} {'ratio':>7} {'target':>7}")
