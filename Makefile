@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
 
-.PHONY: run test test-all test-backend test-backends lint format typecheck bench verify clean browser-deps
+.PHONY: native run test test-all test-backend test-backends lint format typecheck bench verify clean browser-deps
 
 # the numerical tests: what a matmul back end or the PyTorch step can change
 NUMERIC_TESTS := tests/test_blocked.py tests/test_native.py tests/test_features.py \
@@ -22,7 +22,12 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
 	@touch $(STAMP)
 
-run: $(STAMP)
+# the native step built and its choices measured once, up front (about ten seconds the
+# first time on a machine, then read back), not inside the first request or test that needs it
+native: $(STAMP)
+	@$(BIN)/python -c "import flashledger; print(flashledger.native_status())"
+
+run: $(STAMP) native
 	$(BIN)/flashledger explore --host $(HOST) --port $(PORT)
 
 browser-deps:
@@ -31,7 +36,7 @@ browser-deps:
 	    (apt-get update -qq && apt-get install -y -qq chromium fonts-wqy-microhei) >/dev/null || \
 	    { echo "could not install chromium: run 'apt-get install chromium' as root"; exit 1; }; }
 
-test: $(STAMP) browser-deps
+test: $(STAMP) browser-deps native
 	$(BIN)/python -m pytest -n 2 -m "not slow"
 
 test-all: $(STAMP) browser-deps

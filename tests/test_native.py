@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -756,3 +757,45 @@ def test_flashledger_half_forces_the_path(native, tmp_path, monkeypatch, small_c
     with _gemms_kept(native), pytest.warns(UserWarning, match="FLASHLEDGER_HALF='amx'"):
         got = _calibrate.choose(native, tmp_path / "d.json")
     assert {got[dt].gemm for dt in (torch.bfloat16, torch.float16)} <= set(_calibrate.HALF_PATHS)
+
+
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    splits=st.integers(2, 16),
+    heads=st.integers(1, 5),
+    lq=st.integers(1, 9),
+    dv=st.sampled_from([1, 7, 64]),
+    empty=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**16),
+)
+def test_the_native_merge_of_key_splits_is_the_one_merge(
+    native, dtype, splits, heads, lq, dv, empty, seed
+):
+    """``merge_splits`` (the decode path's merge of its key splits, in C) gives what
+    ``online.merge_partials`` gives for the same stacked parts: parts that saw no key
+    (LSE -inf) weigh nothing, a row no part saw gives O = 0 and LSE -inf, and the rest
+    agree to a few units in the last place."""
+    from flashledger import online
+
+    g = torch.Generator().manual_seed(seed)
+    o = torch.randn(splits, heads, lq, dv, generator=g, dtype=dtype)
+    lse = torch.randn(splits, heads, lq, generator=g, dtype=dtype) * 30
+    gone = torch.rand(splits, heads, lq, generator=g) < empty
+    gone[:, 0, 0] = True  # a row that no part saw
+    lse[gone] = -math.inf
+    o[gone] = 0.0
+    want_o, want_lse = online.merge_partials(o, lse)
+    got_o, got_lse = native.merge_splits(o.clone(), lse.clone())
+    assert got_o.shape == want_o.shape and got_lse.shape == want_lse.shape
+    assert torch.equal(torch.isneginf(got_lse), torch.isneginf(want_lse))
+    assert bool((got_o[0, 0] == 0).all()) and bool(torch.isneginf(got_lse[0, 0]))
+    eps = torch.finfo(dtype).eps
+    for name, a, b in (("o", got_o, want_o), ("lse", got_lse, want_lse)):
+        fin = torch.isfinite(b)
+        err = (a[fin] - b[fin]).abs()
+        bound = 4 * splits * eps * (b[fin].abs() + o.abs().amax())
+        worst = int(torch.argmax(err - bound)) if err.numel() else 0
+        assert bool((err <= bound).all()), f"{name}: {a[fin][worst]} vs {b[fin][worst]}"

@@ -370,6 +370,7 @@ static void own_mm(int m, int n, int k, T alpha, const T *A, long long lda, cons
 static int use_own = FL_OWN;
 /* m·n·k at or below which a product runs on the own kernel even with a BLAS chosen */
 #define FL_SMALL_MM (1LL << 18)
+#define FL_MAX_SPLITS 64 /* key splits of a forward pass, at most (the caller asks 16) */
 /* 1: the step's own kernel (where built), 0: the BLAS gemm. Returns the setting in force. */
 int SUF(fl_set_own_gemm)(int on) { return use_own = FL_OWN && on; }
 
@@ -900,6 +901,39 @@ void SUF(fl_forward)(const struct fl_args *a) {
         forward_item(a, h0, r0, (int)nr, t0, t1, split);
     }
     free(buf);
+}
+
+/* The key splits' partial results (O (S, n, d_v), λ (S, n), n = H·Lq rows) merged into
+ * split 0's, row by row, by the rule of online.merge_partials (the one merge, here
+ * without a tensor operation per step): m = the largest λ, each part weighted by
+ * w = exp(λ_s - m) (0 for a part that saw no key), O = Σ w O_s / Σ w, λ = m + log Σ w;
+ * a row that no part saw keeps O = 0 and λ = -inf. */
+void SUF(fl_merge_splits)(T *o, T *lse, long long n, long long dv, long long splits) {
+#pragma omp parallel for schedule(static) if (n * splits * dv > (1LL << 16))
+    for (long long i = 0; i < n; ++i) {
+        T m = -INFINITY, w[FL_MAX_SPLITS], ell = 0;
+        for (long long s = 0; s < splits; ++s) {
+            T l = lse[s * n + i];
+            m = l > m ? l : m;
+        }
+        T *oi = o + i * dv;
+        if (m == -INFINITY) {
+            for (long long c = 0; c < dv; ++c) oi[c] = 0;
+            lse[i] = -INFINITY;
+            continue;
+        }
+        for (long long s = 0; s < splits; ++s) {
+            T l = lse[s * n + i];
+            w[s] = l == -INFINITY ? 0 : (T)exp((double)(l - m));
+            ell += w[s];
+        }
+        for (long long c = 0; c < dv; ++c) {
+            T acc = 0;
+            for (long long s = 0; s < splits; ++s) acc += w[s] * o[(s * n + i) * dv + c];
+            oi[c] = acc / ell;
+        }
+        lse[i] = m + LOG(ell);
+    }
 }
 
 /* -- backward ----------------------------------------------------------------------------- */

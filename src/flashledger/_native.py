@@ -21,7 +21,7 @@ float32 (``FLASHLEDGER_HALF=half`` or ``float32`` forces one; without MKL's half
 gemm the float32 path runs).
 
 The C source is compiled on first use (a C compiler with OpenMP is needed;
-about a second) against the OpenMP runtime and the BLAS PyTorch has loaded,
+a few seconds, four objects side by side) against the OpenMP runtime and the BLAS PyTorch has loaded,
 and cached under ``$FLASHLEDGER_CACHE_DIR`` (default
 ``~/.cache/flashledger``) with its SHA-256 beside it (checked before every
 load). Without a compiler, or on a platform where that cannot be arranged, the
@@ -174,6 +174,8 @@ class Kernels:
             getattr(lib, f"fl_padded_{suffix}").restype = ll
             getattr(lib, f"fl_set_own_gemm_{suffix}").argtypes = [i]
             getattr(lib, f"fl_set_threads_{suffix}").argtypes = [i]
+            getattr(lib, f"fl_merge_splits_{suffix}").argtypes = [vp, vp, ll, ll, ll]
+            getattr(lib, f"fl_merge_splits_{suffix}").restype = None
             getattr(lib, f"fl_set_threads_{suffix}").restype = None
             # m n k alpha A lda B sbk sbn beta C ldc
             mm = [i, i, i, d, vp, ll, vp, ll, ll, d, vp, ll]
@@ -506,6 +508,21 @@ class Kernels:
         )
         return o, lse
 
+    def merge_splits(self, o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key splits of ``forward`` merged, by ``online.merge_partials``'s rule, in one
+        native call: ``o`` ``(S, H, Lq, d_v)`` and ``lse`` ``(S, H, Lq)`` (contiguous, as
+        ``forward`` gives them; merged in place) -> ``(H, Lq, d_v)``, ``(H, Lq)``."""
+        splits, heads, lq, dv = o.shape
+        if lse.shape != (splits, heads, lq) or not (o.is_contiguous() and lse.is_contiguous()):
+            raise ValueError(f"o {tuple(o.shape)} and lse {tuple(lse.shape)} are not one pass's")
+        if o.dtype not in (torch.float32, torch.float64) or lse.dtype != o.dtype:
+            raise ValueError(f"o and lse are float32 or float64, got {o.dtype}, {lse.dtype}")
+        if splits > 64:
+            raise ValueError(f"at most 64 parts, got {splits}")
+        fn = self.fn("fl_merge_splits", _suffix(o.dtype))
+        fn(o.data_ptr(), lse.data_ptr(), heads * lq, dv, splits)
+        return o[0], lse[0]
+
     def backward(
         self,
         q: torch.Tensor,
@@ -807,13 +824,13 @@ def _compile(cc: str, gomp: Path, out: Path) -> None:
     -DFL_HALF), link them against the loaded libgomp, and write the library's SHA-256
     beside it (checked before every load: ``_intact``)."""
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        objs = []
+        objs, cmds = [], []
         for name, double, half in (("f32", 0, 0), ("f64", 1, 0), ("bf16", 0, 1), ("f16", 0, 2)):
             obj = Path(tmp) / f"{name}.o"
             defs = [f"-DFL_DOUBLE={double}", f"-DFL_HALF={half}"]
-            cmd = [cc, *_FLAGS, *defs, "-c", str(_SOURCE), "-o", str(obj)]
-            _run(cmd)
+            cmds.append([cc, *_FLAGS, *defs, "-c", str(_SOURCE), "-o", str(obj)])
             objs.append(str(obj))
+        _run_all(cmds)  # the four objects at once (a few seconds each)
         tmp_lib = Path(tmp) / out.name
         rpath = f"-Wl,-rpath,{gomp.parent}"
         _run([cc, "-shared", *objs, str(gomp), rpath, "-o", str(tmp_lib)])
@@ -833,6 +850,18 @@ def _run(cmd: list[str]) -> None:
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         raise _BuildError(f"{Path(cmd[0]).name} failed: {done.stderr.strip()[-300:]}")
+
+
+def _run_all(cmds: list[list[str]]) -> None:
+    """Run the commands side by side; the first failure's message is raised."""
+    procs = [
+        subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for c in cmds
+    ]
+    errors = [p.communicate()[1] for p in procs]  # each waits for its process
+    for c, p, err in zip(cmds, procs, errors):
+        if p.returncode:
+            raise _BuildError(f"{Path(c[0]).name} failed: {err.strip()[-300:]}")
 
 
 def _cpu_flags() -> str:

@@ -719,8 +719,10 @@ def _forward_native(
     native pass runs each (query tile, head, row chunk) through its key tiles in order.
     When the query tiles alone cannot keep the threads busy (decode: a few query rows
     against many keys), a group's query heads run as one block of rows and each row's
-    key tiles are split into parts attended apart (flash-decoding), merged with the one
-    merge (``online.merge_partials``). Half inputs on the half path stay in their dtype.
+    key tiles are split into parts attended apart (flash-decoding), merged by the one
+    merge's rule (``online.merge_partials``) in one native call (``merge_splits``: a
+    dozen small tensor operations cost more than a decode step's arithmetic). Half
+    inputs on the half path stay in their dtype.
     """
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
     qtiles, ktiles = _tiles(lq, block_q), _tiles(lk, block_k)
@@ -757,8 +759,8 @@ def _forward_native(
         keys_in_place=in_place,
         **_native_common(pb, ran),
     )  # (S, B·Hq, Lq, d_v), (S, B·Hq, Lq)
-    if splits > 1:  # -- the one merge, every part at once --
-        o_s, lse_s = online.merge_partials(o_s, lse_s)  # (B·Hq, Lq, d_v), (B·Hq, Lq)
+    if splits > 1:  # -- the one merge's rule, every part at once, in one native call --
+        o_s, lse_s = kern.merge_splits(o_s, lse_s)  # (B·Hq, Lq, d_v), (B·Hq, Lq)
     _book_native(book, ran, sched.seen, d, dv, forward=True)
     read = {t[1] for t in ran}  # query tiles with a tile run
     for q0, q1 in qtiles:

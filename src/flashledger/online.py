@@ -24,9 +24,10 @@ P̃          ``p``       (..., rows, cols)    exp(s - m_new) of this block
 =========  ==========  ===================  ==============================
 
 ``merge`` combines partial states of the same rows over disjoint key sets (two,
-or any number stacked along a first dim, in one pass); it is the only merge in
-flashledger: split-KV, the native step's key splits (flash-decoding) and ring
-attention call it, and a partial result ``(o, lse)`` is the state ``(m=lse, ℓ=1, a=o)``.
+or any number stacked along a first dim, in one pass); it is the only merge rule in
+flashledger: split-KV and ring attention call it, the native step's key splits
+(flash-decoding) run the same rule in C (``Kernels.merge_splits``, tested against
+``merge_partials``), and a partial result ``(o, lse)`` is the state ``(m=lse, ℓ=1, a=o)``.
 
 Run ``python -m flashledger.online`` for the seed's six-score demo.
 """
