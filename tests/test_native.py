@@ -72,6 +72,7 @@ def test_switches_turn_the_native_step_off(native_calls, monkeypatch, gen):
 
 def test_a_failed_build_falls_back_to_the_pytorch_step(monkeypatch, tmp_path, gen, assert_close):
     monkeypatch.setattr(_native, "_loaded", None)  # forget this process's build
+    monkeypatch.delenv("FLASHLEDGER_NATIVE", raising=False)  # make test-backends sets it to 0
     monkeypatch.setenv("FLASHLEDGER_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "/bin/false")  # a "compiler" that always fails
     assert _native.kernels() is None

@@ -1,16 +1,17 @@
 """The native step: one C call runs one whole pass (forward or backward) of the loop.
 
 The blocked loop (schedule, skipping, masks, ledger) stays in Python; with
-tracing off, on CPU, for float32/float64 plain scores without dropout, the
+tracing off, on CPU, for plain scores without dropout (float32, float64, and
+bfloat16/float16 below), the
 schedule it builds (which tiles run, in which order, which are partial, with
 their visibility) goes to ``_native.c``, which runs the pass's arithmetic
 (scores, online update or gradient rebuild, matmuls) in one parallel region:
 work items (query tile, head, rows; or K/V head, key tiles) handed out to threads
 as they free up, each tile in a per-thread buffer. Same math as the PyTorch step,
-its own rounding. The matmuls run on the step's own AVX-512 kernel where the
-compiler targets AVX-512, else on the BLAS gemm PyTorch uses
-(``FLASHLEDGER_GEMM=blas``, or ``Kernels.use_own_gemm``, chooses the BLAS there
-too).
+its own rounding. The matmuls run on the back end the calibration measured
+fastest on this machine (``_calibrate``): the step's own AVX-512 kernel (where
+the compiler targets AVX-512), the BLAS gemm PyTorch uses, or OpenBLAS;
+``FLASHLEDGER_GEMM`` forces one.
 
 bfloat16 and float16 inputs take one of two paths, chosen by measurement
 (``_calibrate``): converted to float32 up front (the float32 step), or kept in
