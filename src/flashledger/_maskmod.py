@@ -102,23 +102,26 @@ class MaskModBound(BoundMask):
     def callers(self) -> tuple[TileCaller, ...]:
         return (self.caller,)
 
-    def block(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+    def _inside(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        """The mask_mod on the tile's positions, ``(Bm, Hm, r|1, c|1)`` as it broadcasts."""
         g = self.geo
         rows = torch.arange(q0, q1, device=g.device) + g.q_offset  # (r,) global
         keys = torch.arange(k0, k1, device=g.device) + g.k_offset  # (c,) global
-        out = self.caller(*index_grid(g.batch, g.heads, rows, keys))  # (Bm, Hm, r|1, c|1)
+        return self.caller(*index_grid(g.batch, g.heads, rows, keys))
+
+    def block(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        out = self._inside(q0, q1, k0, k1)  # (Bm, Hm, r|1, c|1)
         return out.expand(out.shape[0], out.shape[1], q1 - q0, k1 - k0)
 
     def tile_classes(self, block_q: int, block_k: int) -> torch.Tensor:
         return classify_by_rows(self, block_q, block_k)
 
 
-class BlockMaskBound(BoundMask):
+class BlockMaskBound(MaskModBound):
     """A torch ``BlockMask`` against one call's geometry (see the module docstring)."""
 
     def __init__(self, geo: Geometry, bm: BlockMask, caller: TileCaller) -> None:
-        self.geo = geo
-        self.caller = caller
+        super().__init__(geo, caller)
         lq, lk = (int(x) for x in bm.seq_lengths)
         if (lq, lk) != (geo.lq_total, geo.lk_total):
             raise ValueError(
@@ -150,15 +153,9 @@ class BlockMaskBound(BoundMask):
             grid.scatter_(-1, cols, kind)
         self.grid = grid[..., :tk]  # (Bb, Hb, Tq, Tk)
 
-    @property
-    def callers(self) -> tuple[TileCaller, ...]:
-        return (self.caller,)
-
     def block(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
         g = self.geo
-        rows = torch.arange(q0, q1, device=g.device) + g.q_offset  # (r,) global
-        keys = torch.arange(k0, k1, device=g.device) + g.k_offset  # (c,) global
-        inside = self.caller(*index_grid(g.batch, g.heads, rows, keys))  # (Bm, Hm, r|1, c|1)
+        inside = self._inside(q0, q1, k0, k1)  # (Bm, Hm, r|1, c|1)
         # the blocks the tile touches, then spread over its positions (only if they differ)
         gq0, gq1, gk0, gk1 = q0 + g.q_offset, q1 + g.q_offset, k0 + g.k_offset, k1 + g.k_offset
         rb0, rb1 = gq0 // self.block_q, (gq1 - 1) // self.block_q + 1

@@ -809,11 +809,10 @@ static void forward_item(const struct fl_args *a, long long h0, long long r0, in
         ks.on = 1;
         ks.kf = s + nr * padded(bk) + nr;
         ks.vf = ks.kf + bk * d;
-#else
-    (void)d;
-    if (0) {
-#endif
     }
+#else
+    (void)d; /* the half builds never read keys in place */
+#endif
     for (int r = 0; r < nr; ++r) {
         m[r] = -INFINITY;
         ell[r] = 0;

@@ -30,9 +30,9 @@ import torch
 from ._maskmod import MaskMod
 from ._mods import MaskModFn, ScoreModFn, _vmapped
 from ._verify_report import VerifyRow
+from ._verify_systems import block_mask_classes, padded_as_flex
 from .autograd import flash_attention
 from .conventions import FLEX_ATTENTION
-from .masks import EMPTY, FULL, PARTIAL
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -251,25 +251,12 @@ def _tile_row(case: FlexCase) -> VerifyRow:
     assert case.mask_mod is not None
     bq, bk = TILES
     bm = _block_mask(case, (bq, bk))
-    assert bm is not None and bm.full_kv_num_blocks is not None and bm.full_kv_indices is not None
-    kv_num, kv_idx = bm.kv_num_blocks, bm.kv_indices
-    full_num, full_idx = bm.full_kv_num_blocks, bm.full_kv_indices
-    tq, tk = kv_idx.shape[-2], kv_idx.shape[-1]
-    slots = torch.arange(tk)
-    seen = torch.zeros(*kv_idx.shape[:-1], tk + 1, dtype=torch.bool)
-    full = torch.zeros_like(seen)
-    seen.scatter_(-1, torch.where(slots < kv_num[..., None], kv_idx, tk).long(), True)
-    full.scatter_(-1, torch.where(slots < full_num[..., None], full_idx, tk).long(), True)
-    theirs = torch.full((tq, tk), PARTIAL, dtype=torch.int8)
-    theirs[~(seen | full)[..., :tk].any(dim=1).any(dim=0)] = EMPTY
-    theirs[full[..., :tk].all(dim=1).all(dim=0)] = FULL
+    assert bm is not None
+    theirs = block_mask_classes(bm)
     ours = MaskMod(case.mask_mod).tile_classes(
         case.len_q, case.len_k, bq, bk, batch=case.batch, heads=case.heads_q
     )
-    ragged = (torch.arange(tq) * bq + bq > case.len_q)[:, None] | (
-        torch.arange(tk) * bk + bk > case.len_k
-    )[None, :]
-    ours[ragged & (ours == FULL)] = PARTIAL
+    ours = padded_as_flex(ours, case.len_q, case.len_k, bq, bk)
     diff = int((ours != theirs).sum())
     return VerifyRow(
         system="MaskMod tiles",

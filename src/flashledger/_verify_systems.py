@@ -245,6 +245,12 @@ def flex_tile_classes(case: Case, block_q: int, block_k: int) -> Tensor:
     bm = flex_block_mask(case, block_size=(block_q, block_k))
     if bm is None:
         raise ValueError(f"case {case.name} has no mask, so no BlockMask to classify")
+    return block_mask_classes(bm)
+
+
+def block_mask_classes(bm: Any) -> Tensor:
+    """A ``BlockMask``'s tiles reduced over batch and heads: ``(Tq, Tk)`` int8, ``EMPTY``
+    where every (batch, head) skips the tile, ``FULL`` where every one has it full."""
     kv_num, kv_idx = bm.kv_num_blocks, bm.kv_indices  # (B, H, Tq), (B, H, Tq, Tk)
     full_num, full_idx = bm.full_kv_num_blocks, bm.full_kv_indices
     tq, tk = kv_idx.shape[-2], kv_idx.shape[-1]
@@ -280,9 +286,14 @@ def ledger_tile_classes_for_flex(case: Case, block_q: int, block_k: int) -> Tens
         batch=s.batch,
         heads=s.heads_q,
         conventions=case.conventions,
-    ).clone()  # (Tq, Tk)
-    ragged_q = torch.arange(classes.shape[0]) * block_q + block_q > s.len_q  # (Tq,)
-    ragged_k = torch.arange(classes.shape[1]) * block_k + block_k > s.len_k  # (Tk,)
+    )  # (Tq, Tk)
+    return padded_as_flex(classes, s.len_q, s.len_k, block_q, block_k)
+
+
+def padded_as_flex(classes: Tensor, len_q: int, len_k: int, block_q: int, block_k: int) -> Tensor:
+    """Tile classes ``(Tq, Tk)`` as FlexAttention's padded mask has them: a full tile on a
+    ragged edge (past ``Lq`` or ``Lk``) is partial there. Returns a new tensor."""
+    ragged_q = torch.arange(classes.shape[0]) * block_q + block_q > len_q  # (Tq,)
+    ragged_k = torch.arange(classes.shape[1]) * block_k + block_k > len_k  # (Tk,)
     ragged = ragged_q[:, None] | ragged_k[None, :]
-    classes[ragged & (classes == FULL)] = PARTIAL
-    return classes
+    return torch.where(ragged & (classes == FULL), PARTIAL, classes)

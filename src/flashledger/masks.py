@@ -488,11 +488,17 @@ class IntervalBound(BoundMask):
         lo_l, hi_l = self.lo - g.k_offset, self.hi - g.k_offset  # (Bm, Lq) local
         return ((lo_l <= hi_l) & (hi_l >= 0) & (lo_l <= g.lk - 1)).unsqueeze(1)  # (Bm, 1, Lq)
 
-    def tile_classes(self, block_q: int, block_k: int) -> torch.Tensor:
+    def _tiles(self, block_q: int, block_k: int) -> tuple[int, int, bool]:
+        """``(Tq, Tk, few)``: the tile grid, and whether it is classified in plain integers."""
         g = self.geo
         tq, tk = -(-g.lq // block_q), -(-g.lk // block_k)
-        if self._size() <= _FEW_ROWS and tq * tk <= _FEW_TILES:
-            return torch.tensor(self._tile_class_rows(block_q, block_k, tq, tk), dtype=torch.int8)
+        return tq, tk, self._size() <= _FEW_ROWS and tq * tk <= _FEW_TILES
+
+    def tile_classes(self, block_q: int, block_k: int) -> torch.Tensor:
+        g = self.geo
+        tq, tk, few = self._tiles(block_q, block_k)
+        if few:
+            return self._tile_classes_few(block_q, block_k, tq, tk)
         pad = tq * block_q - g.lq
         k0 = torch.arange(tk, device=g.device) * block_k + g.k_offset  # (Tk,) global first key
         k1 = torch.clamp(k0 + block_k, max=g.k_offset + g.lk) - 1  # (Tk,) global last key
@@ -523,9 +529,8 @@ class IntervalBound(BoundMask):
     def tile_class_rows(self, block_q: int, block_k: int) -> list[list[int]]:
         """``tile_classes`` as nested lists; a few rows' are kept per tile size (a mask bound
         once serves every call that reuses its frame: the loops only read them)."""
-        g = self.geo
-        tq, tk = -(-g.lq // block_q), -(-g.lk // block_k)
-        if self._size() <= _FEW_ROWS and tq * tk <= _FEW_TILES:
+        tq, tk, few = self._tiles(block_q, block_k)
+        if few:
             rows = self._class_rows.get((block_q, block_k))
             if rows is None:
                 rows = self._tile_class_rows(block_q, block_k, tq, tk)
@@ -589,8 +594,8 @@ class DenseBound(BoundMask):
         return _classes_from_dense(self.t, block_q, block_k)
 
 
-class AndBound(BoundMask):
-    """Intersection of two bound masks, at least one of them not an interval mask."""
+class _PairBound(BoundMask):
+    """Two bound masks of one geometry, combined (``AndBound``, ``OrBound``)."""
 
     def __init__(self, a: BoundMask, b: BoundMask) -> None:
         self.geo = a.geo
@@ -599,6 +604,10 @@ class AndBound(BoundMask):
     @property
     def callers(self) -> tuple[TileCaller, ...]:
         return self.a.callers + self.b.callers
+
+
+class AndBound(_PairBound):
+    """Intersection of two bound masks, at least one of them not an interval mask."""
 
     def block(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
         return self.a.block(q0, q1, k0, k1) & self.b.block(q0, q1, k0, k1)
@@ -620,16 +629,8 @@ class AndBound(BoundMask):
         return out
 
 
-class OrBound(BoundMask):
+class OrBound(_PairBound):
     """Union of two bound masks."""
-
-    def __init__(self, a: BoundMask, b: BoundMask) -> None:
-        self.geo = a.geo
-        self.a, self.b = a, b
-
-    @property
-    def callers(self) -> tuple[TileCaller, ...]:
-        return self.a.callers + self.b.callers
 
     def block(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
         return self.a.block(q0, q1, k0, k1) | self.b.block(q0, q1, k0, k1)

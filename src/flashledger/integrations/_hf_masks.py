@@ -294,6 +294,24 @@ def plan_mask(
 
     q_off = int(q_offset)  # a static cache passes a 0-d tensor
     lq, lk = q_length, kv_length
+
+    def dense(fn: Any, padding: torch.Tensor | None) -> torch.Tensor:
+        """transformers' own boolean mask of ``fn`` (and ``padding``), ``(B, 1, Lq, Lk)``."""
+        vis = mu.sdpa_mask(
+            batch_size=batch_size,
+            q_length=lq,
+            kv_length=lk,
+            q_offset=q_off,
+            kv_offset=kv_offset,
+            mask_function=fn,
+            attention_mask=padding,
+            allow_is_causal_skip=False,
+            use_vmap=use_vmap,
+            device=device,
+        )
+        assert vis is not None
+        return vis
+
     # -- padding: the 2-D mask's columns of this call's keys --
     pad = None
     if attention_mask is not None:
@@ -303,19 +321,7 @@ def plan_mask(
         if not bool(cols.all()):
             pad = _padding_spans(cols.cpu())
             if pad is None:  # a hole in some row's keys: the dense mask, as SDPA's
-                vis = mu.sdpa_mask(
-                    batch_size=batch_size,
-                    q_length=lq,
-                    kv_length=lk,
-                    q_offset=q_off,
-                    kv_offset=kv_offset,
-                    mask_function=mask_function or mu.causal_mask_function,
-                    attention_mask=attention_mask,
-                    allow_is_causal_skip=False,
-                    use_vmap=use_vmap,
-                    device=device,
-                )
-                assert vis is not None
+                vis = dense(mask_function or mu.causal_mask_function, attention_mask)
                 return PlannedMask(DenseMask(vis), batch_size, lq, lk, lk, "dense", padded=True)
     # -- the pattern's rows --
     causal = mask_function is None or mask_function is mu.causal_mask_function
@@ -331,19 +337,7 @@ def plan_mask(
         lo = torch.zeros(1, lq, dtype=torch.int64)
         hi = torch.full((1, lq), lk - 1, dtype=torch.int64)
     else:
-        vis = mu.sdpa_mask(
-            batch_size=batch_size,
-            q_length=lq,
-            kv_length=lk,
-            q_offset=q_off,
-            kv_offset=kv_offset,
-            mask_function=mask_function,
-            attention_mask=None,
-            allow_is_causal_skip=False,
-            use_vmap=use_vmap,
-            device=device,
-        )  # (B, 1, Lq, Lk), an expanded view when the pattern ignores the batch
-        assert vis is not None
+        vis = dense(mask_function, None)  # (B, 1, Lq, Lk), expanded when batch-free
         flat = vis[:1, 0] if vis.stride(0) == 0 else vis[:, 0]  # (Bm, Lq, Lk)
         iv = _intervals(flat.cpu())
         if iv is None:

@@ -374,12 +374,7 @@ def _forward_steps(records: list[Any], lq: int) -> list[sc.ForwardStep]:
         ell_after = _rows(r.ell)
         out.append(
             sc.ForwardStep(
-                index=r.index,
-                q_tile=r.q_tile,
-                k_tile=r.k_tile,
-                q_range=list(r.q_range),
-                k_range=list(r.k_range),
-                kind=r.kind,  # type: ignore[arg-type]
+                **_tile_fields(r),
                 s=_rows(r.s),
                 p=_rows(r.p),
                 block_max=_rows(r.block_max),
@@ -395,16 +390,23 @@ def _forward_steps(records: list[Any], lq: int) -> list[sc.ForwardStep]:
     return out
 
 
-def _backward_step(r: ForwardTileStep | BackwardTileStep) -> sc.BackwardStep:
-    if not isinstance(r, BackwardTileStep):
-        raise RuntimeError(f"the backward ledger holds a {type(r).__name__}")
-    return sc.BackwardStep(
+def _tile_fields(r: ForwardTileStep | BackwardTileStep) -> dict[str, Any]:
+    """The fields every traced tile step shows (``schemas._TileStep``)."""
+    return dict(
         index=r.index,
         q_tile=r.q_tile,
         k_tile=r.k_tile,
         q_range=list(r.q_range),
         k_range=list(r.k_range),
-        kind=r.kind,  # type: ignore[arg-type]
+        kind=r.kind,
+    )
+
+
+def _backward_step(r: ForwardTileStep | BackwardTileStep) -> sc.BackwardStep:
+    if not isinstance(r, BackwardTileStep):
+        raise RuntimeError(f"the backward ledger holds a {type(r).__name__}")
+    return sc.BackwardStep(
+        **_tile_fields(r),
         p=_rows(r.p),
         ds=_rows(r.ds),
         dq=_rows(r.dq),

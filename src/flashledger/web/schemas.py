@@ -543,13 +543,18 @@ def _check_blocks(block_q: int, block_k: int, lq: int, lk: int) -> None:
     check_range("block_k", block_k, 1, lk, f"Lk is {lk}")
 
 
-class BackwardStep(_Response):
+class _TileStep(_Response):
+    """Where a traced tile step stands: its tiles, their rows, partial or full."""
+
     index: int
     q_tile: int
     k_tile: int
     q_range: list[int] = Field(description="[start, stop) of the query rows")
     k_range: list[int] = Field(description="[start, stop) of the key rows")
     kind: Literal["partial", "full"]
+
+
+class BackwardStep(_TileStep):
     p: Mat = Field(description="rebuilt probabilities exp(S - lse), (rows, cols)")
     ds: Mat = Field(description="dS of the tile, (rows, cols)")
     dq: Mat = Field(description="contribution to dQ rows, (rows, d)")
@@ -569,15 +574,9 @@ class AutogradCheck(_Response):
     ok: bool
 
 
-class ForwardStep(_Response):
+class ForwardStep(_TileStep):
     """One traced forward tile: the rows of the query tile before and after it."""
 
-    index: int
-    q_tile: int
-    k_tile: int
-    q_range: list[int] = Field(description="[start, stop) of the query rows")
-    k_range: list[int] = Field(description="[start, stop) of the key rows")
-    kind: Literal["partial", "full"]
     s: Mat = Field(description="scores of the tile, masked entries -inf, (rows, cols)")
     p: Mat = Field(description="exp(s - m) of the tile against the running max after it")
     block_max: Vec = Field(description="row max of s, (rows,)")
