@@ -31,7 +31,7 @@ import pytest
 import torch
 
 import flashledger as fl
-from flashledger import _native, blocked
+from flashledger import _decode, _native, blocked
 
 ALL_PRESETS = [fl.SEED, fl.FLASH_ATTN_2, fl.FLASH_ATTN_3, fl.FLEX_ATTENTION, fl.SDPA_CPU]
 
@@ -163,16 +163,21 @@ def _plain_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def native_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Counts the passes that run with the native tile step (skips where it is not built)."""
+    """Counts the passes that run with the native tile step (skips where it is not built):
+    the loop's, and the decode lane's (``_decode``)."""
     if _native.kernels() is None:
         pytest.skip(_native.native_status())
     calls = {"forward": 0, "backward": 0}
-    for name, key in (("_forward_native", "forward"), ("_backward_native", "backward")):
-        real = getattr(blocked, name)
+    for module, name, key in (
+        (blocked, "_forward_native", "forward"),
+        (blocked, "_backward_native", "backward"),
+        (_decode, "_run", "forward"),
+    ):
+        real = getattr(module, name)
 
         def counted(*a: Any, _real: Any = real, _key: str = key, **kw: Any) -> Any:
             calls[_key] += 1
             return _real(*a, **kw)
 
-        monkeypatch.setattr(blocked, name, counted)
+        monkeypatch.setattr(module, name, counted)
     return calls

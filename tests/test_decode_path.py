@@ -217,7 +217,7 @@ def test_decode_benchmark_reports_the_fixed_cost_and_the_sweep(tmp_path, capsys)
             assert 0 < r["native_pass_us"] < r["flashledger_us"]
             assert r["around_us"] == pytest.approx(r["flashledger_us"] - r["native_pass_us"])
     if kern is not None:
-        assert "forward" not in vars(kern), "the timer is gone"
+        real = _native.ForwardPass.run
         with bench.native_pass_timer() as spent:
             fl.flash_attention(*_decode_inputs(torch.Generator().manual_seed(0), dtype=f64))
-        assert len(spent) == 1 and "forward" not in vars(kern)
+        assert len(spent) == 1 and _native.ForwardPass.run is real, "the timer is gone"

@@ -935,6 +935,18 @@ void SUF(fl_merge_splits)(T *o, T *lse, long long n, long long dv, long long spl
     }
 }
 
+/* 1 when none of the n values is NaN or infinite, else 0 (x · 0 is 0 exactly for the
+ * finite ones and NaN for the others; the sum stays 0 or turns NaN). */
+int SUF(fl_all_finite)(const T *x, long long n) {
+    VT acc = splat(0);
+    long long i = 0;
+    for (; i + W <= n; i += W) acc += loadv(x + i) * splat(0);
+    T t = 0;
+    for (int j = 0; j < W; ++j) t += acc[j];
+    for (; i < n; ++i) t += x[i] * (T)0;
+    return t == 0;
+}
+
 /* -- backward ----------------------------------------------------------------------------- */
 
 /* The gradient of a block of rows (at most FL_PARTIAL_ROWS of a partial tile, or any number

@@ -55,7 +55,15 @@ import torch
 
 from . import _calibrate
 
-__all__ = ["Kernels", "Schedule", "disabled", "kernels", "native_status", "release_scratch"]
+__all__ = [
+    "ForwardPass",
+    "Kernels",
+    "Schedule",
+    "disabled",
+    "kernels",
+    "native_status",
+    "release_scratch",
+]
 
 _SOURCE = Path(__file__).with_name("_native.c")
 _FLAGS = ["-O3", "-march=native", "-fPIC", "-fopenmp", "-fno-math-errno"]
@@ -159,6 +167,7 @@ class Kernels:
         self._lib = lib
         self._gemms = gemms
         self._choices_file = choices
+        self._padded: dict[tuple[torch.dtype, int], int] = {}
         self.choices: dict[torch.dtype, _calibrate.Choice] | None = None
         ll, vp, i, d = ctypes.c_longlong, ctypes.c_void_p, ctypes.c_int, ctypes.c_double
         for suffix in _SUFFIX.values():
@@ -177,6 +186,8 @@ class Kernels:
             getattr(lib, f"fl_set_threads_{suffix}").argtypes = [i]
             getattr(lib, f"fl_merge_splits_{suffix}").argtypes = [vp, vp, ll, ll, ll]
             getattr(lib, f"fl_merge_splits_{suffix}").restype = None
+            getattr(lib, f"fl_all_finite_{suffix}").argtypes = [vp, ll]
+            getattr(lib, f"fl_all_finite_{suffix}").restype = i
             getattr(lib, f"fl_set_threads_{suffix}").restype = None
             # m n k alpha A lda B sbk sbn beta C ldc
             mm = [i, i, i, d, vp, ll, vp, ll, ll, d, vp, ll]
@@ -218,6 +229,11 @@ class Kernels:
                 self.fn("fl_set_gemm", suffix)(self._gemms[name][suffix])
             self.fn("fl_set_own_gemm", suffix)(int(name == "own"))
         self._gemm[suffix] = name
+
+    def settings(self) -> tuple[str, ...]:
+        """The matmul back end in force for each dtype: with the thread count, what a
+        planned pass depends on besides its shapes (``ForwardPass``)."""
+        return tuple(self._gemm.values())
 
     def gemm(self, dtype: torch.dtype) -> str:
         """The back end running the ``dtype`` step's matmuls now."""
@@ -340,7 +356,10 @@ class Kernels:
     def padded(self, dtype: torch.dtype, x: int) -> int:
         """The row stride the step gives ``x`` elements of ``dtype`` (whole vectors plus
         one: no power-of-two stride, whose rows would share a few cache sets)."""
-        return int(self.fn("fl_padded", _suffix(dtype))(x))
+        key = (dtype, x)
+        if key not in self._padded:
+            self._padded[key] = int(self.fn("fl_padded", _suffix(dtype))(x))
+        return self._padded[key]
 
     def transposed(self, x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
         """``x.mT`` of a contiguous ``(n, rows, cols)`` (any float dtype the step runs) laid out with row
@@ -360,9 +379,8 @@ class Kernels:
             self._lib.fl_set_threads_f32(n)
         return n
 
-    def _run(
+    def _run_backward(
         self,
-        name: str,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -376,75 +394,32 @@ class Kernels:
         sizes: dict[str, int],
         **tensors: torch.Tensor,
     ) -> list[int]:
-        """Lay out the pass's operands, run it in one native call; returns ``seen``."""
-        forward = name == "fl_forward"
-        # both passes read Kᵀ (for S = Q Kᵀ), the backward Vᵀ too (for dP = dO Vᵀ); a forward
-        # with keys in place (decode) reads K as it is, in its own dtype. The forward gives
-        # its Kᵀ buffer back for the next forward; the backward takes that buffer and lets
-        # both go when done, before autograd's own copies of the gradients
-        in_place = forward and bool(sizes.get("keys_in_place"))
-        # a float32 q reading a half K/V cache in place (widened tile by tile); the half step
-        # itself has q, k, v (and dO) all in the half dtype
-        half = _HALF.get(k.dtype, 0) if in_place and q.dtype != k.dtype else 0
-        acc = torch.float32 if q.dtype in _HALF else q.dtype  # sums, state and results
-        kt_buf = kt = None
+        """Lay out the backward's operands, run it in one native call; returns ``seen``."""
+        # the backward reads Kᵀ (for S = Q Kᵀ) and Vᵀ (for dP = dO Vᵀ); it takes the Kᵀ
+        # buffer the forward gave back and lets both go when done, before autograd's own
+        # copies of the gradients
         lt = self.padded(q.dtype, k.shape[1])  # the row stride of Kᵀ and Vᵀ
-        if not in_place:
-            kt_buf = _pool.take("kv_t", k.shape[0] * k.shape[2] * lt, q.dtype)
-            kt = self.transposed(k, kt_buf)  # Kᵀ (Hk, d, Lk), rows lt apart
-        vt = v
-        if not forward:
-            vt = self.transposed(v, torch.empty(v.shape[0] * v.shape[2] * lt, dtype=v.dtype))
-        alive = [q, k, v, vt, *tensors.values()] + ([kt] if kt is not None else [])
-        assert all(t.is_contiguous() for t in alive if t is not kt and t is not vt)
-        assert all(t.dtype == q.dtype for t in (kt, tensors.get("dout")) if t is not None)
-        assert forward or vt.dtype == q.dtype
+        kt_buf = _pool.take("kv_t", k.shape[0] * k.shape[2] * lt, q.dtype)
+        kt = self.transposed(k, kt_buf)  # Kᵀ (Hk, d, Lk), rows lt apart
+        vt = self.transposed(v, torch.empty(v.shape[0] * v.shape[2] * lt, dtype=v.dtype))
+        acc = torch.float32 if q.dtype in _HALF else q.dtype  # sums and results
+        assert all(t.is_contiguous() for t in (q, k, v, *tensors.values()))
+        assert kt.dtype == vt.dtype == tensors["dout"].dtype == q.dtype == k.dtype == v.dtype
         assert all(t.dtype == acc for n, t in tensors.items() if n != "dout")
-        assert k.dtype == v.dtype == (q.dtype if not half else k.dtype)
         work = _pool.take("work", self.max_threads() * work_per_thread, acc)
-        iv_lo = iv_hi = None
-        if intervals is not None:
-            iv_lo, iv_hi = (t.to(torch.int64).contiguous() for t in intervals)  # (B|1, Lq)
-        tiles, row_start, bounds, seen = sched._arrays()
-        alive.append(work)
-        args = _Args(
-            q=q.data_ptr(),
-            k=k.data_ptr(),
-            kt=None if kt is None else kt.data_ptr(),
-            v=v.data_ptr(),
-            vt=vt.data_ptr(),
-            k16=k.data_ptr() if half else None,
-            v16=v.data_ptr() if half else None,
-            half=half,
-            work=work.data_ptr(),
-            iv_lo=None if iv_lo is None else iv_lo.data_ptr(),
-            iv_hi=None if iv_hi is None else iv_hi.data_ptr(),
-            tiles=tiles.buffer_info()[0],
-            row_start=row_start.buffer_info()[0],
-            bounds=bounds.buffer_info()[0],
-            seen=seen.buffer_info()[0],
-            heads=q.shape[0],
-            group=group,
-            lq=q.shape[1],
-            lk=k.shape[1],
-            d=q.shape[2],
-            dv=v.shape[2],
-            work_stride=work_per_thread,
-            hq=heads_per_batch,
-            iv_bstride=0 if iv_lo is None or iv_lo.shape[0] == 1 else iv_lo.shape[1],
-            rows=sched.rows,
-            scale=scale,
-            scale_exact=int(math.frexp(scale)[0] == 0.5),
-            **{n: x for n, x in sizes.items() if n != "keys_in_place"},
-            **{name: t.data_ptr() for name, t in tensors.items()},
+        args, buffers = _static_args(
+            q, k, v, sched, group, scale, heads_per_batch, intervals, work_per_thread, sizes
         )
-        self.fn(name, _suffix(q.dtype))(ctypes.byref(args))
-        del alive, sched._alive[:]
+        args.q, args.k, args.kt, args.v, args.vt, args.work = (
+            t.data_ptr() for t in (q, k, kt, v, vt, work)
+        )
+        for n, t in tensors.items():
+            setattr(args, n, t.data_ptr())
+        self.fn("fl_backward", _suffix(q.dtype))(ctypes.byref(args))
+        del sched._alive[:]
         _pool.give("work", work)
-        if forward and kt_buf is not None:
-            _pool.give("kv_t", kt_buf)
-        sched.seen = seen.tolist()
-        del tiles, row_start, bounds  # alive until the call returned
+        sched.seen = buffers[3].tolist()
+        del buffers  # alive until the call returned
         return sched.seen
 
     def forward(
@@ -462,6 +437,7 @@ class Kernels:
         splits: int = 1,
         stacked: bool = False,
         keys_in_place: bool = False,
+        merge: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward pass of ``sched`` (rows: query tiles) in one native call.
 
@@ -475,25 +451,12 @@ class Kernels:
         mask's ``(lo, hi)``, int64 ``(B|1, Lq)``, row ``i`` seeing local keys ``lo[i] <= j <
         hi[i]`` (read for partial tiles given no bytes). Returns each part's ``o`` ``(S, H,
         Lq, d_v)`` and ``lse`` ``(S, H, Lq)`` (natural units, -inf where a part saw no key),
-        float32 for half inputs.
+        float32 for half inputs; with ``merge``, the parts merged (``merge_splits``):
+        ``o`` ``(H, Lq, d_v)``, ``lse`` ``(H, Lq)``. ``ForwardPass`` holds the same call for
+        repeating it.
         """
-        heads, lq, _ = q.shape
-        dv = v.shape[2]
-        acc = torch.float32 if q.dtype in _HALF else q.dtype
-        o = torch.empty(splits, heads, lq, dv, dtype=acc)  # (S, H, Lq, d_v)
-        lse = torch.empty(splits, heads, lq, dtype=acc)  # (S, H, Lq)
-        d, bk = q.shape[2], sched.widest()[1]
-        lb = self.padded(q.dtype, bk)  # S's (and P's) row stride
-        work = chunk * (2 + dv) + chunk * lb + chunk  # m, ℓ, acc; S/P; α
-        if q.dtype in _HALF:
-            work += _units(chunk * lb, q.dtype, acc)  # P in the input dtype
-        elif keys_in_place:
-            work += bk * (d + dv)  # widened K/V tiles of a half cache
-        sizes = dict(
-            chunk=chunk, splits=splits, stacked=int(stacked), keys_in_place=int(keys_in_place)
-        )
-        self._run(
-            "fl_forward",
+        fp = ForwardPass(
+            self,
             q,
             k,
             v,
@@ -502,12 +465,21 @@ class Kernels:
             scale=scale,
             heads_per_batch=heads_per_batch,
             intervals=intervals,
-            work_per_thread=work,
-            sizes=sizes,
-            o=o,
-            lse=lse,
+            chunk=chunk,
+            splits=splits,
+            stacked=stacked,
+            keys_in_place=keys_in_place,
         )
+        o, lse = fp.run(q, k, v, merge=merge)
+        del sched._alive[:]  # the partial tiles' bytes, read by the call
         return o, lse
+
+    def all_finite(self, x: torch.Tensor) -> bool:
+        """True when no value of the contiguous float32/float64 ``x`` is NaN or infinite
+        (one pass in this thread, no tensor operation)."""
+        if x.dtype not in (torch.float32, torch.float64) or not x.is_contiguous():
+            raise ValueError(f"x must be a contiguous float32 or float64 tensor, got {x.dtype}")
+        return bool(self.fn("fl_all_finite", _suffix(x.dtype))(x.data_ptr(), x.numel()))
 
     def merge_splits(self, o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The key splits of ``forward`` merged, by ``online.merge_partials``'s rule, in one
@@ -556,8 +528,7 @@ class Kernels:
         work = (d + dv) * lb + 2 * bq * lb  # dK_jᵀ, dV_jᵀ; S, dP
         if q.dtype in _HALF:
             work += 2 * _units(bq * lb, q.dtype, acc)  # P, dS in the input dtype
-        self._run(
-            "fl_backward",
+        self._run_backward(
             q,
             k,
             v,
@@ -594,6 +565,152 @@ class Kernels:
                 reps *= 2
             best = max(best, per * reps * threads / dt / 1e9)
         return best
+
+
+def _static_args(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sched: Schedule,
+    group: int,
+    scale: float,
+    heads_per_batch: int,
+    intervals: tuple[torch.Tensor, torch.Tensor] | None,
+    work_per_thread: int,
+    sizes: dict[str, int],
+    half: int = 0,
+) -> tuple[_Args, list[Any]]:
+    """A pass's ``_Args`` with every size set and the addresses of its schedule and interval
+    mask (the operands' are the caller's to set), and the buffers those point into, alive
+    as long as the arguments are used: ``[tiles, row_start, bounds, seen, iv_lo, iv_hi]``."""
+    iv_lo = iv_hi = None
+    if intervals is not None:
+        iv_lo, iv_hi = (t.to(torch.int64).contiguous() for t in intervals)  # (B|1, Lq)
+    arrays = sched._arrays()
+    tiles, row_start, bounds, seen = (a.buffer_info()[0] for a in arrays)
+    args = _Args(
+        iv_lo=None if iv_lo is None else iv_lo.data_ptr(),
+        iv_hi=None if iv_hi is None else iv_hi.data_ptr(),
+        tiles=tiles,
+        row_start=row_start,
+        bounds=bounds,
+        seen=seen,
+        heads=q.shape[0],
+        group=group,
+        lq=q.shape[1],
+        lk=k.shape[1],
+        d=q.shape[2],
+        dv=v.shape[2],
+        work_stride=work_per_thread,
+        hq=heads_per_batch,
+        iv_bstride=0 if iv_lo is None or iv_lo.shape[0] == 1 else iv_lo.shape[1],
+        rows=sched.rows,
+        scale=scale,
+        scale_exact=int(math.frexp(scale)[0] == 0.5),
+        half=half,
+        **sizes,
+    )
+    return args, [*arrays, iv_lo, iv_hi]
+
+
+class ForwardPass:
+    """One forward pass of ``Kernels.forward`` with everything but the operands fixed:
+    sizes, schedule, work split and scratch size, set once from the shapes and dtypes of
+    ``q``, ``k``, ``v`` (their values are not read). ``run(q, k, v)`` runs it on tensors
+    of those sizes and dtypes (contiguous, laid out as the planned ones), as often as asked: a decode step repeats its
+    shapes on every layer and token (``_decode``), and ``Kernels.forward`` builds one per
+    call. Arguments as ``Kernels.forward``'s; the schedule's partial tiles' bytes must stay
+    alive while the pass is run."""
+
+    def __init__(
+        self,
+        kern: Kernels,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sched: Schedule,
+        *,
+        group: int,
+        scale: float,
+        heads_per_batch: int,
+        intervals: tuple[torch.Tensor, torch.Tensor] | None,
+        chunk: int,
+        splits: int,
+        stacked: bool,
+        keys_in_place: bool,
+    ) -> None:
+        self.kern, self.splits, self.in_place = kern, splits, keys_in_place
+        # a float32 q reading a half K/V cache in place (widened tile by tile); the half step
+        # itself has q, k, v all in the half dtype
+        half = _HALF.get(k.dtype, 0) if keys_in_place and q.dtype != k.dtype else 0
+        assert k.dtype == v.dtype == (q.dtype if not half else k.dtype)
+        self.dtypes = (q.dtype, k.dtype, v.dtype)
+        self.sizes = (q.numel(), k.numel(), v.numel())
+        self.acc = torch.float32 if q.dtype in _HALF else q.dtype  # sums, state, results
+        heads, lq, d = q.shape
+        dv = v.shape[2]
+        self.o_shape, self.lse_shape = (splits, heads, lq, dv), (splits, heads, lq)
+        bk = sched.widest()[1]
+        lb = kern.padded(q.dtype, bk)  # S's (and P's) row stride
+        work = chunk * (2 + dv) + chunk * lb + chunk  # m, ℓ, acc; S/P; α
+        if q.dtype in _HALF:
+            work += _units(chunk * lb, q.dtype, self.acc)  # P in the input dtype
+        elif keys_in_place:
+            work += bk * (d + dv)  # widened K/V tiles of a half cache
+        self.work = work
+        # both passes read Kᵀ (for S = Q Kᵀ); a forward with keys in place (decode) reads K
+        # as it is, in its own dtype; the Kᵀ buffer goes back to the pool for the next pass
+        self.lt = kern.padded(q.dtype, k.shape[1])  # the row stride of Kᵀ
+        sizes = dict(chunk=chunk, splits=splits, stacked=int(stacked))
+        self._args, self._buffers = _static_args(
+            q, k, v, sched, group, scale, heads_per_batch, intervals, work, sizes, half
+        )
+        self._n_tiles = len(self._buffers[3])
+        self._sched = sched  # its partial tiles' bytes
+        self._fn = kern.fn("fl_forward", _suffix(q.dtype))
+        self._merge = kern.fn("fl_merge_splits", _suffix(self.acc)) if splits > 1 else None
+
+    def run(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, merge: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each part's ``(o (S, H, Lq, d_v), lse (S, H, Lq))``, as ``Kernels.forward``; with
+        ``merge``, the parts merged as ``Kernels.merge_splits`` merges them: ``(o (H, Lq,
+        d_v), lse (H, Lq))``."""
+        if (q.dtype, k.dtype, v.dtype) != self.dtypes or (
+            q.numel(),
+            k.numel(),
+            v.numel(),
+        ) != self.sizes:
+            raise ValueError(
+                f"this pass was planned for q, k, v of {self.sizes} elements of {self.dtypes}, "
+                f"got {(q.numel(), k.numel(), v.numel())} of {(q.dtype, k.dtype, v.dtype)}"
+            )
+        if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+            raise ValueError("q, k and v must be contiguous")
+        o = torch.empty(self.o_shape, dtype=self.acc)  # (S, H, Lq, d_v)
+        lse = torch.empty(self.lse_shape, dtype=self.acc)  # (S, H, Lq)
+        args = _Args.from_buffer_copy(self._args)
+        seen = array.array("q", bytes(8 * self._n_tiles))
+        args.seen = seen.buffer_info()[0]
+        kt_buf = None
+        if self.in_place:
+            args.k16, args.v16 = (k.data_ptr(), v.data_ptr()) if args.half else (None, None)
+        else:
+            kt_buf = _pool.take("kv_t", k.shape[0] * k.shape[2] * self.lt, q.dtype)
+            args.kt = self.kern.transposed(k, kt_buf).data_ptr()  # Kᵀ (Hk, d, Lk)
+        work = _pool.take("work", self.kern.max_threads() * self.work, self.acc)
+        args.q, args.k, args.v, args.vt = q.data_ptr(), k.data_ptr(), v.data_ptr(), v.data_ptr()
+        args.work, args.o, args.lse = work.data_ptr(), o.data_ptr(), lse.data_ptr()
+        self._fn(ctypes.byref(args))
+        _pool.give("work", work)
+        if kt_buf is not None:
+            _pool.give("kv_t", kt_buf)
+        self._sched.seen = seen.tolist()
+        if not merge or self._merge is None:
+            return (o[0], lse[0]) if merge else (o, lse)
+        splits, heads, lq, dv = self.o_shape
+        self._merge(o.data_ptr(), lse.data_ptr(), heads * lq, dv, splits)
+        return o[0], lse[0]
 
 
 SCRATCH_KEEP_BYTES = 64 << 20  # the largest scratch buffer kept between passes

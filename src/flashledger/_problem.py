@@ -11,7 +11,7 @@ import math
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -570,29 +570,32 @@ def _frame_key(
     return key
 
 
-class _FrameCache:
+F = TypeVar("F")
+
+
+class _FrameCache(Generic[F]):
     """The most recent frames (``size`` of them), by key; safe to share between threads."""
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self._frames: OrderedDict[tuple[Any, ...], _Frame] = OrderedDict()
+        self._frames: OrderedDict[tuple[Any, ...], F] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, key: tuple[Any, ...]) -> _Frame | None:
+    def get(self, key: tuple[Any, ...]) -> F | None:
         with self._lock:
             frame = self._frames.get(key)
             if frame is not None:
                 self._frames.move_to_end(key)
             return frame
 
-    def put(self, key: tuple[Any, ...], frame: _Frame) -> None:
+    def put(self, key: tuple[Any, ...], frame: F) -> None:
         with self._lock:
             self._frames[key] = frame
             while len(self._frames) > self.size:
                 self._frames.popitem(last=False)
 
 
-_FRAMES = _FrameCache(64)
+_FRAMES: _FrameCache[_Frame] = _FrameCache(64)
 
 
 def _frame_of(

@@ -39,6 +39,7 @@ from typing import Any, Unpack
 
 import torch
 
+from . import _decode
 from ._backward_graph import graph_backward
 from ._mods import find_captured
 from ._options import AttentionOptions, check_options
@@ -71,13 +72,18 @@ class _FlashAttention(torch.autograd.Function):
         """``(o, lse)``; through autograd only when a gradient can flow (grad mode on and an
         input requires one, or a functorch transform is active): otherwise the forward alone,
         as autograd would run it, without a graph node (its bookkeeping is a large part of a
-        decode step)."""
+        decode step), and with no ledger sink on the decode lane where it applies
+        (``_decode``: a few query rows, planned once per shape)."""
         inputs = (q, k, v, bias, *captured)
         if (
             torch.is_grad_enabled()
             and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
         ) or torch._C._are_functorch_transforms_active():
             return super().apply(q, k, v, bias, opts, sink, *captured)  # type: ignore[no-any-return]
+        if sink is None and bias is None and not captured:
+            lane = _decode.forward(q, k, v, opts)
+            if lane is not None:
+                return lane
         _, res = _forward(q, k, v, bias, opts, sink, captured)
         return res.o, res.lse
 
@@ -148,6 +154,7 @@ def _forward(
 ) -> tuple[Problem, ForwardResult]:
     """The op's forward pass: its problem and result; the ledger goes to ``sink``."""
     problem, loop = _split(opts)
+    _check_options(**loop)  # the op may be called directly (the transformers integration)
     pb = build_problem(q, k, v, bias=bias, **problem)
     if pb.smod.user is not None:
         pb.smod.user.use_captured(tuple(captured))  # found once, by flash_attention

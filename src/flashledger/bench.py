@@ -807,28 +807,27 @@ FIXED_COST_LK = 64  # keys of the fixed-cost measurement: the arithmetic is a fe
 
 @contextlib.contextmanager
 def native_pass_timer() -> Iterator[list[float]]:
-    """Seconds of every native forward pass (``Kernels.forward``: its operands laid out and
-    the C call) run while the block is open, in this process; nothing when the native
-    step is off."""
+    """Seconds of every native forward pass (``_native.ForwardPass.run``: the C call, its
+    scratch and results, and the merge of key splits) run while the block is open, in
+    this process; nothing when the native step is off."""
     spent: list[float] = []
-    kern = _native.kernels()
-    if kern is None:
+    if _native.kernels() is None:
         yield spent
         return
-    real = kern.forward
+    real = _native.ForwardPass.run
 
-    def timed(*args: Any, **kwargs: Any) -> Any:
+    def timed(self: _native.ForwardPass, *args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
         try:
-            return real(*args, **kwargs)
+            return real(self, *args, **kwargs)
         finally:
             spent.append(time.perf_counter() - t0)
 
-    kern.forward = timed  # type: ignore[method-assign]  # this instance, until the block ends
+    _native.ForwardPass.run = timed  # type: ignore[method-assign]  # until the block ends
     try:
         yield spent
     finally:
-        delattr(kern, "forward")
+        _native.ForwardPass.run = real  # type: ignore[method-assign]
 
 
 def decode_fixed_cost(

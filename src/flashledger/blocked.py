@@ -703,6 +703,59 @@ def _native_schedule(
     return sched, ran
 
 
+@dataclass(frozen=True)
+class _Launch:
+    """How a forward pass runs on the native step: work items of ``chunk`` rows, each
+    row's key tiles in ``splits`` parts, ``stacked`` (one query tile: a group's query
+    heads as one block of rows), K read ``in_place`` (no Kᵀ; a half cache widened tile
+    by tile)."""
+
+    chunk: int
+    splits: int
+    stacked: bool
+    in_place: bool
+
+
+def _forward_launch(
+    pb: Problem, kern: _native.Kernels, sched: _native.Schedule, n_qtiles: int, block_q: int
+) -> _Launch:
+    """The work split of a forward over ``sched`` (``n_qtiles`` query tiles) on this
+    thread's thread count: rows per work item a whole tile, or fewer when the heads alone
+    cannot fill the threads; when the items are still too few to balance (decode: a few
+    query rows against many keys), each row's key tiles split into parts (flash-decoding)."""
+    b, hq, hkv, g, lq = pb.shape[:5]
+    threads, rows = kern.max_threads(), min(block_q, lq)
+    stacked = n_qtiles == 1  # decode: the group's rows share their K/V tiles
+    # a few rows against many keys: read K in place (a Kᵀ would cost as much traffic as
+    # the attention), in its own dtype (a half-precision cache is widened tile by tile)
+    in_place = stacked and g * lq <= 64
+    units = b * hkv if stacked else b * hq
+    chunk = g * lq if stacked else rows
+    while units * -(-(g * lq if stacked else rows) // chunk) < threads and chunk > 32:
+        chunk = -(-chunk // 2)
+    items = units * -(-(g * lq if stacked else rows) // chunk) * n_qtiles
+    splits = 1
+    if items < 4 * threads:  # too few to balance: split each row's key tiles
+        splits = max(1, min(sched.longest_row(), -(-4 * threads // items), 16))
+    return _Launch(chunk, splits, stacked, in_place)
+
+
+def _forward_operands(
+    pb: Problem, kern: _native.Kernels, in_place: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q ``(B·Hq, Lq, d)``, k ``(B·Hkv, Lk, d)``, v ``(B·Hkv, Lk, d_v)`` as the native
+    forward reads them: in the inputs' half dtype on the half path (K then laid out as
+    Kᵀ), else q in the loop's dtype and K/V too, or as they are when read in place (a
+    half-precision cache)."""
+    if _half_step(pb, kern) and not in_place:
+        qh, kh, vh = (_native_rows(pb, x, pb.out_dtype) for x in (pb.q_in, pb.k_in, pb.v_in))
+        return qh, kh, vh
+    q = _native_rows(pb, pb.q)
+    half_in_place = in_place and pb.k_in.dtype in _HALF
+    k, v = (_flat(x) if half_in_place else _native_rows(pb, x) for x in (pb.k_in, pb.v_in))
+    return q, k, v
+
+
 def _forward_native(
     pb: Problem,
     kern: _native.Kernels,
@@ -727,40 +780,20 @@ def _forward_native(
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
     qtiles, ktiles = _tiles(lq, block_q), _tiles(lk, block_k)
     sched, ran = _native_schedule(pb, book, qtiles, ktiles, kind_of, forward=True)
-    # rows per work item: a whole tile, or fewer when the heads alone cannot fill the threads
-    threads, rows = kern.max_threads(), min(block_q, lq)
-    stacked = len(qtiles) == 1  # decode: the group's rows share their K/V tiles
-    # a few rows against many keys: read K in place (a Kᵀ would cost as much traffic as
-    # the attention), in its own dtype (a half-precision cache is widened tile by tile)
-    in_place = stacked and g * lq <= 64
-    units = b * hkv if stacked else b * hq
-    chunk = g * lq if stacked else rows
-    while units * -(-(g * lq if stacked else rows) // chunk) < threads and chunk > 32:
-        chunk = -(-chunk // 2)
-    items = units * -(-(g * lq if stacked else rows) // chunk) * len(qtiles)
-    splits = 1
-    if items < 4 * threads:  # too few to balance: split each row's key tiles
-        splits = max(1, min(sched.longest_row(), -(-4 * threads // items), 16))
-    if _half_step(pb, kern) and not in_place:  # q, k, v as they are (K laid out as Kᵀ)
-        q, k, v = (_native_rows(pb, x, pb.out_dtype) for x in (pb.q_in, pb.k_in, pb.v_in))
-    else:
-        q = _native_rows(pb, pb.q)
-        # K, V in the loop's dtype, or as they are when read in place (a half-precision cache)
-        half_in_place = in_place and pb.k_in.dtype in _HALF
-        k, v = (_flat(x) if half_in_place else _native_rows(pb, x) for x in (pb.k_in, pb.v_in))
-    o_s, lse_s = kern.forward(
+    launch = _forward_launch(pb, kern, sched, len(qtiles), block_q)
+    q, k, v = _forward_operands(pb, kern, launch.in_place)
+    o, lse = kern.forward(
         q,
         k,
         v,
         sched,
-        chunk=chunk,
-        splits=splits,
-        stacked=stacked,
-        keys_in_place=in_place,
+        chunk=launch.chunk,
+        splits=launch.splits,
+        stacked=launch.stacked,
+        keys_in_place=launch.in_place,
+        merge=True,  # the one merge's rule, every part at once, in the same native pass
         **_native_common(pb, ran),
-    )  # (S, B·Hq, Lq, d_v), (S, B·Hq, Lq)
-    if splits > 1:  # -- the one merge's rule, every part at once, in one native call --
-        o_s, lse_s = kern.merge_splits(o_s, lse_s)  # (B·Hq, Lq, d_v), (B·Hq, Lq)
+    )  # (B·Hq, Lq, d_v), (B·Hq, Lq)
     _book_native(book, ran, sched.seen, d, dv, forward=True)
     read = {t[1] for t in ran}  # query tiles with a tile run
     for q0, q1 in qtiles:
@@ -768,7 +801,7 @@ def _forward_native(
             book.io(read=(q1 - q0) * d)
         book.io(write=(q1 - q0) * (dv + 1))
     book.flush()
-    return o_s.view(b, hkv, g, lq, dv), lse_s.view(b, hkv, g, lq), ledger
+    return o.view(b, hkv, g, lq, dv), lse.view(b, hkv, g, lq), ledger
 
 
 def _book_native(

@@ -1,0 +1,188 @@
+"""The decode lane: an unobserved forward of a few query rows against many keys, planned
+once per shape and run as one native call.
+
+A decode step repeats its shapes on every layer and every token, and its arithmetic is
+small (a few query rows per head against the cache). The general path decides the same
+things on every call: validation, the problem's layout, the tile sizes, the schedule,
+the work split, a ledger, the checks of the result; together several times the native
+pass of a short cache. Where nobody can observe the call (``_FlashAttention.apply``
+with no gradient to flow, no ledger sink, no trace), the lane keeps what the general
+path decides for a call's shapes, dtypes, devices, options, thread count and matmul
+back end, decided by the general path's own functions (``build_problem``,
+``_resolve_tiles``, ``_native_schedule``, ``_forward_launch``, ``_forward_operands``),
+as a ``_native.ForwardPass``, and runs that pass on each call's tensors. Its results
+are the general path's bit for bit (``tests/test_decode_lane.py``).
+
+It takes only the calls the general path runs as one native pass of full tiles with
+the keys read in place: no mask, bias, score_mod, softcap, ALiBi, dropout or varlen,
+one query tile, at most 64 query rows per K/V head, on CPU with the native step on.
+A result that is not finite goes back to the general path, which names the input or
+the row at fault.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import _native
+from ._problem import _frame_key, _FrameCache, build_problem
+from .blocked import (
+    _HALF,
+    _Book,
+    _check_options,
+    _forward_launch,
+    _forward_operands,
+    _native_common,
+    _native_schedule,
+    _native_step,
+    _new_ledger,
+    _resolve_tiles,
+    _tiles,
+)
+from .masks import FULL
+
+__all__ = ["forward"]
+
+# options the lane reads (any value) and those it takes only at their defaults
+_READ = frozenset(("scale", "conventions", "seed", "block_q", "block_k", "loop_order"))
+_KEYED = ("scale", "seed", "dropout_p", "block_q", "block_k", "loop_order")
+_UNSET = frozenset(
+    (
+        "mask",
+        "bias",
+        "softcap",
+        "alibi_slopes",
+        "cu_seqlens_q",
+        "cu_seqlens_k",
+        "seqused_q",
+        "seqused_k",
+        "dropout_mask",
+        "score_mod",
+        "placement",
+        "acc_dtype",
+    )
+)
+
+
+@dataclass(frozen=True, eq=False)
+class _Plan:
+    """One call shape's pass and its layouts."""
+
+    run: _native.ForwardPass
+    acc: torch.dtype  # the loop's dtype: q's, and K/V's unless a half cache is read in place
+    kv_as_is: bool  # K/V read in their own (half) dtype
+    dv: int
+    out_dtype: torch.dtype
+
+
+_NOT_TAKEN = object()  # a call shape the lane leaves to the general path
+_PLANS: _FrameCache[_Plan | object] = _FrameCache(64)
+
+
+def forward(
+    q: Any, k: Any, v: Any, opts: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(o, lse)`` in the caller's layout (as ``_FlashAttention.apply`` returns them) when
+    the lane takes the call, else None (the general path runs it). ``opts`` as the op's."""
+    if not (type(q) is type(k) is type(v) is torch.Tensor) or q.device.type != "cpu":
+        return None
+    for name, value in opts.items():
+        if name in _READ:
+            continue
+        if name == "dropout_p" and value == 0:
+            continue
+        if name not in _UNSET or value is not None:
+            return None
+    if opts.get("loop_order", "fa2") != "fa2":
+        return None
+    kern = _native.kernels()
+    if kern is None:
+        return None
+    frame = _frame_key(  # every option read, with its type (True is not taken for 1)
+        q,
+        k,
+        v,
+        None,
+        opts.get("conventions"),
+        None,
+        None,
+        *(opts.get(name) for name in _KEYED),
+    )
+    if frame is None:
+        return None
+    key = (frame, torch.get_num_threads(), kern.settings())
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(q, k, v, opts, kern)
+        _PLANS.put(key, plan)
+    if plan is _NOT_TAKEN:
+        return None
+    assert isinstance(plan, _Plan)
+    return _run(plan, q, k, v)
+
+
+def _plan(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: dict[str, Any], kern: _native.Kernels
+) -> _Plan | object:
+    """What the general path decides for this call's shapes, as a plan; ``_NOT_TAKEN``
+    when it would not run them as one full-tile, keys-in-place native pass."""
+    problem = {n: x for n, x in opts.items() if n not in ("block_q", "block_k", "loop_order")}
+    try:
+        _check_options(opts.get("block_q"), opts.get("block_k"), opts.get("loop_order", "fa2"))
+        pb = build_problem(q, k, v, **problem)
+    except (TypeError, ValueError):
+        return _NOT_TAKEN  # the general path raises, naming what was wrong
+    if pb.mask is not None or _native_step(pb, "fa2", False) is not kern:
+        return _NOT_TAKEN
+    block_q, block_k = _resolve_tiles(pb, kern, opts.get("block_q"), opts.get("block_k"))
+    b, hq, hkv, g, lq, lk, d, dv = pb.shape
+    qtiles, ktiles = _tiles(lq, block_q), _tiles(lk, block_k)
+    if len(qtiles) != 1 or lk == 0:
+        return _NOT_TAKEN
+    book = _Book(pb, _new_ledger(pb, "forward", block_q, block_k, "fa2").counters)
+    sched, ran = _native_schedule(pb, book, qtiles, ktiles, lambda i, j: FULL, forward=True)
+    launch = _forward_launch(pb, kern, sched, len(qtiles), block_q)
+    if not launch.in_place:
+        return _NOT_TAKEN
+    qn, kn, vn = _forward_operands(pb, kern, True)
+    run = _native.ForwardPass(
+        kern,
+        qn,
+        kn,
+        vn,
+        sched,
+        chunk=launch.chunk,
+        splits=launch.splits,
+        stacked=launch.stacked,
+        keys_in_place=True,
+        **_native_common(pb, ran),
+    )
+    return _Plan(
+        run=run,
+        acc=pb.dtype,
+        kv_as_is=kn.dtype in _HALF,
+        dv=dv,
+        out_dtype=pb.out_dtype,
+    )
+
+
+def _run(
+    plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The planned pass on this call's tensors, laid out as ``_forward_operands`` lays
+    them; None when the result is not finite."""
+    qn = q.contiguous().to(plan.acc)  # (B·Hq, Lq, d) as laid out
+    kn, vn = k.contiguous(), v.contiguous()
+    if not plan.kv_as_is:
+        kn, vn = kn.to(plan.acc), vn.to(plan.acc)
+    o, lse = plan.run.run(qn, kn, vn, merge=True)  # (B·Hq, Lq, d_v), (B·Hq, Lq)
+    # every row sees a key, so a finite LSE and O are due: anything else (an overflow, a
+    # NaN input) is the general path's to explain
+    kern = plan.run.kern
+    if not (kern.all_finite(lse) and kern.all_finite(o)):
+        return None
+    o = o.view(*q.shape[:-1], plan.dv)
+    return (o if o.dtype == plan.out_dtype else o.to(plan.out_dtype)), lse.view(q.shape[:-1])

@@ -1,0 +1,271 @@
+"""The decode lane (``_decode``): an unobserved call of a few query rows, planned once per
+shape, gives the general path's results bit for bit, takes only the calls it may, and
+hands back every result it cannot vouch for.
+
+The general path runs the same call when a ledger sink is attached (a sink observes
+the call, so the lane leaves it alone): the two are compared with ``torch.equal``, the
+same native pass on the same operands, on any CPU and matmul back end.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import flashledger as fl
+from flashledger import _decode, _native
+from flashledger.autograd import _FlashAttention
+from flashledger.conventions import SEED
+
+f32, f64, bf16, f16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
+
+
+@pytest.fixture(scope="module")
+def native() -> _native.Kernels:
+    kern = _native.kernels()
+    if kern is None:
+        pytest.skip(_native.native_status())
+    return kern
+
+
+@pytest.fixture
+def lane_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry per call the lane ran (its pass), whatever came of it."""
+    runs: list[int] = []
+    real = _decode._run
+
+    def counted(*a: Any, **kw: Any) -> Any:
+        runs.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(_decode, "_run", counted)
+    return runs
+
+
+def _opts(**kw: Any) -> dict[str, Any]:
+    """The op's options as ``flash_attention`` passes them."""
+    base: dict[str, Any] = dict(conventions=SEED, block_q=None, block_k=None, loop_order="fa2")
+    return {**base, **kw}
+
+
+def _both(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: dict[str, Any]
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """``(lane's (o, lse), the general path's)`` of one call, under no_grad."""
+    with torch.no_grad():
+        lane = _FlashAttention.apply(q, k, v, None, opts)
+        general = _FlashAttention.apply(q, k, v, None, opts, lambda ledger: None)
+    return lane, general
+
+
+def _inputs(
+    gen: torch.Generator, b: int, hq: int, hkv: int, lq: int, lk: int, d: int, dv: int, dt: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q = torch.randn(b, hq, lq, d, generator=gen, dtype=f64).to(dt)
+    k = torch.randn(b, hkv, lk, d, generator=gen, dtype=f64).to(dt)
+    v = torch.randn(b, hkv, lk, dv, generator=gen, dtype=f64).to(dt)
+    return q, k, v
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    b=st.sampled_from([1, 2]),
+    heads=st.sampled_from([(1, 1), (4, 2), (8, 2), (6, 6)]),
+    lq=st.sampled_from([1, 2, 3, 8]),
+    lk=st.sampled_from([1, 7, 97, 113, 600, 2100]),
+    dims=st.sampled_from([(8, 8), (64, 64), (12, 20)]),
+    dt=st.sampled_from([f32, f64, bf16, f16]),
+    block_k=st.sampled_from([None, 32, 128]),
+    layout=st.sampled_from(["4d", "3d", "transposed"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_the_lane_gives_the_general_paths_bits(
+    native, lane_runs, b, heads, lq, lk, dims, dt, block_k, layout, seed
+):
+    """Any shape it takes (GQA, ragged last key tile, one key, 3-D inputs, a transposed
+    q as transformers passes it, every dtype with a half cache read in place): o and lse
+    equal the general path's exactly, in its dtypes and shapes."""
+    gen = torch.Generator().manual_seed(seed)
+    hq, hkv = heads
+    d, dv = dims
+    q, k, v = _inputs(gen, b, hq, hkv, lq, lk, d, dv, dt)
+    if layout == "3d":
+        b, hkv = 1, hq
+        q, k, v = q[0], _inputs(gen, 1, hq, hq, lq, lk, d, dv, dt)[1][0], None
+        v = torch.randn(hq, lk, dv, generator=gen, dtype=f64).to(dt)
+    elif layout == "transposed":  # (B, Lq, H, d) projections seen as (B, H, Lq, d)
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    before = len(lane_runs)
+    (o, lse), (o_ref, lse_ref) = _both(q, k, v, _opts(block_k=block_k))
+    taken = hq // hkv * lq <= 64
+    assert len(lane_runs) - before == int(taken)
+    assert o.dtype == o_ref.dtype == dt and o.shape == o_ref.shape == (*q.shape[:-1], dv)
+    assert lse.dtype == lse_ref.dtype and lse.shape == lse_ref.shape == q.shape[:-1]
+    assert torch.equal(o, o_ref), float((o.double() - o_ref.double()).abs().max())
+    assert torch.equal(lse, lse_ref), float((lse.double() - lse_ref.double()).abs().max())
+
+
+def test_repeated_calls_reuse_one_plan_and_read_their_own_tensors(native, lane_runs, gen):
+    """A second call of the same shapes runs the kept plan on its own values."""
+    q, k, v = _inputs(gen, 2, 8, 2, 1, 300, 16, 16, f32)
+    opts = _opts(scale=0.3)
+    (o1, _), _ = _both(q, k, v, opts)
+    plans = len(_decode._PLANS._frames)
+    (o2, lse2), (o2_ref, lse2_ref) = _both(q * 2, k.flip(2), v, opts)
+    assert len(_decode._PLANS._frames) == plans, "the second call planned nothing"
+    assert len(lane_runs) == 2
+    assert not torch.equal(o1, o2)
+    assert torch.equal(o2, o2_ref) and torch.equal(lse2, lse2_ref)
+
+
+def test_the_plan_follows_the_thread_count_and_the_matmul_back_end(native, lane_runs, gen):
+    """The work split depends on the threads a pass runs on, the tiles on the back end in
+    force: a plan is kept for each, and each gives its general path's bits."""
+    q, k, v = _inputs(gen, 1, 8, 2, 1, 1500, 32, 32, f32)
+    threads = torch.get_num_threads()
+    try:
+        for n in sorted({1, threads}):
+            torch.set_num_threads(n)
+            (o, lse), (o_ref, lse_ref) = _both(q, k, v, _opts())
+            assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref), n
+    finally:
+        torch.set_num_threads(threads)
+    was = native.gemm(f32)
+    try:
+        for name in native.gemm_names(f32):
+            native.set_gemm(f32, name)
+            (o, lse), (o_ref, lse_ref) = _both(q, k, v, _opts())
+            assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref), name
+    finally:
+        native.set_gemm(f32, was)
+    assert len(lane_runs) >= 2
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["mask", "softcap", "dropout", "alibi", "grad", "sink", "many rows", "fa1", "native off"],
+)
+def test_the_lane_leaves_every_other_call_to_the_general_path(native, lane_runs, gen, case):
+    """Masks, score changes, dropout, gradients, an observer (a ledger sink), a query tile
+    too large to stack, the FA1 order or the native step switched off: the general path
+    runs the call (and its result stands)."""
+    q, k, v = _inputs(gen, 1, 4, 2, 1 if case != "many rows" else 40, 200, 8, 8, f64)
+    opts = _opts()
+    sink = None
+    if case == "mask":
+        opts["mask"] = fl.Causal("bottom_right")
+    elif case == "softcap":
+        opts["softcap"] = 5.0
+    elif case == "dropout":
+        opts.update(dropout_p=0.1, seed=3)
+    elif case == "alibi":
+        opts["alibi_slopes"] = fl.alibi_slopes(4, dtype=f64)
+    elif case == "grad":
+        q.requires_grad_(True)
+    elif case == "sink":
+        sink = lambda ledger: None  # noqa: E731
+    elif case == "fa1":
+        opts["loop_order"] = "fa1"
+    if case == "native off":
+        with _native.disabled():
+            o, _ = _FlashAttention.apply(q, k, v, None, opts, sink)
+    else:
+        o, _ = _FlashAttention.apply(q, k, v, None, opts, sink)
+    assert not lane_runs, case
+    assert bool(torch.isfinite(o).all())
+
+
+def test_a_result_that_is_not_finite_is_explained_by_the_general_path(native, lane_runs, gen):
+    """Scores that overflow float32, or a NaN in the cache: the lane runs, finds the
+    result not finite and hands the call back; the error names the row or the input,
+    as without the lane."""
+    q, k, v = _inputs(gen, 1, 4, 2, 1, 50, 8, 8, f32)
+    with pytest.raises(ValueError, match=r"o\[0, \d, 0, :\]") as lane_err:
+        fl.flash_attention(q * 1e20, k * 1e20, v)
+    assert lane_runs
+    with pytest.raises(ValueError) as general_err:
+        _FlashAttention.apply(q * 1e20, k * 1e20, v, None, _opts(), lambda ledger: None)
+    assert str(lane_err.value) == str(general_err.value)
+    v_nan = v.clone()
+    v_nan[0, 1, 7, 3] = float("nan")
+    with pytest.raises(ValueError, match="v") as nan_err:
+        fl.flash_attention(q, k, v_nan)
+    assert "NaN" in str(nan_err.value) or "nan" in str(nan_err.value)
+
+
+def test_bad_inputs_raise_on_every_call_with_a_plan_kept(native, gen):
+    """A plan kept for good shapes never stands in for bad ones: the general path's error,
+    every time."""
+    q, k, v = _inputs(gen, 1, 4, 2, 1, 50, 8, 8, f32)
+    fl.flash_attention(q, k, v)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="k and v must agree"):
+            fl.flash_attention(q, k, v[..., :-1, :])
+        with pytest.raises(TypeError, match="share one dtype"):
+            fl.flash_attention(q, k.double(), v)
+
+
+def test_a_forward_pass_runs_only_the_operands_it_was_planned_for(native, gen):
+    """``ForwardPass.run`` refuses tensors of other sizes or dtypes, or not contiguous,
+    rather than read past them."""
+    q, k, v = (x[0] for x in _inputs(gen, 1, 4, 4, 1, 64, 8, 8, f32))
+    sched = _native.Schedule()
+    sched.add(0, 1, 0, 64, None)
+    sched.end_row(0, 1)
+    fp = _native.ForwardPass(
+        native, q, k, v, sched, group=1, scale=0.5, heads_per_batch=4, intervals=None,
+        chunk=1, splits=1, stacked=True, keys_in_place=True,
+    )  # fmt: skip
+    o, lse = fp.run(q, k, v, merge=True)
+    assert o.shape == (4, 1, 8) and lse.shape == (4, 1)
+    with pytest.raises(ValueError, match="planned for"):
+        fp.run(q, k[:, :32].contiguous(), v)
+    with pytest.raises(ValueError, match="planned for"):
+        fp.run(q.double(), k.double(), v.double())
+    with pytest.raises(ValueError, match="contiguous"):
+        fp.run(q, k.transpose(1, 2).contiguous().transpose(1, 2), v)
+
+
+def test_all_finite_reads_every_value(native):
+    """``Kernels.all_finite``: NaN and both infinities found anywhere, vector body or tail."""
+    for dt in (f32, f64):
+        for n in (1, 15, 16, 17, 1000):
+            x = torch.zeros(n, dtype=dt)
+            assert native.all_finite(x)
+            for bad in (float("nan"), float("inf"), -float("inf")):
+                for at in {0, n // 2, n - 1}:
+                    y = x.clone()
+                    y[at] = bad
+                    assert not native.all_finite(y), (dt, n, bad, at)
+    with pytest.raises(ValueError, match="contiguous float32 or float64"):
+        native.all_finite(torch.zeros(4, dtype=bf16))
+
+
+@pytest.mark.parametrize(
+    ("opts", "error"),
+    [
+        (dict(scale=True), "scale must be a finite number"),
+        (dict(dropout_p=False), "dropout_p must be a number"),
+        (dict(seed=-1), "seed must be an integer"),
+        (dict(seed=True), "seed must be an integer"),
+        (dict(block_k=0), "block_k"),
+    ],
+)
+def test_a_kept_plan_never_stands_in_for_a_bad_option(native, gen, opts, error):
+    """The lane keys its plans by every option it reads, with its type: a plan kept for
+    ``scale=1``, ``seed=0``, ``dropout_p=0.0`` does not let ``True``, ``-1`` or ``False``
+    through, nor a block size the loop refuses (given to the op directly, as the
+    transformers integration does)."""
+    q, k, v = _inputs(gen, 1, 4, 2, 1, 50, 8, 8, f32)
+    good = _opts(scale=1, seed=0, dropout_p=0.0, block_k=32)
+    with torch.no_grad():
+        _FlashAttention.apply(q, k, v, None, good)
+        for _ in range(2):
+            with pytest.raises(ValueError, match=error):
+                _FlashAttention.apply(q, k, v, None, {**good, **opts})
