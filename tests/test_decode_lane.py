@@ -83,14 +83,18 @@ def _inputs(
     dt=st.sampled_from([f32, f64, bf16, f16]),
     block_k=st.sampled_from([None, 32, 128]),
     layout=st.sampled_from(["4d", "3d", "transposed"]),
+    mask=st.sampled_from(
+        [None, "causal", fl.Causal("top_left"), fl.SlidingWindow(16, 0, "bottom_right")]
+    ),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_the_lane_gives_the_general_paths_bits(
-    native, lane_runs, b, heads, lq, lk, dims, dt, block_k, layout, seed
+    native, lane_runs, b, heads, lq, lk, dims, dt, block_k, layout, mask, seed
 ):
     """Any shape it takes (GQA, ragged last key tile, one key, 3-D inputs, a transposed
-    q as transformers passes it, every dtype with a half cache read in place): o and lse
-    equal the general path's exactly, in its dtypes and shapes."""
+    q as transformers passes it, every dtype with a half cache read in place, causal and
+    window masks with partial tiles and rows that see no key): o and lse equal the
+    general path's exactly, in its dtypes and shapes."""
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = heads
     d, dv = dims
@@ -102,13 +106,25 @@ def test_the_lane_gives_the_general_paths_bits(
     elif layout == "transposed":  # (B, Lq, H, d) projections seen as (B, H, Lq, d)
         q = q.transpose(1, 2).contiguous().transpose(1, 2)
     before = len(lane_runs)
-    (o, lse), (o_ref, lse_ref) = _both(q, k, v, _opts(block_k=block_k))
+    mask = fl.Causal("bottom_right") if mask == "causal" else mask
+    (o, lse), (o_ref, lse_ref) = _both(q, k, v, _opts(block_k=block_k, mask=mask))
     taken = hq // hkv * lq <= 64
     assert len(lane_runs) - before == int(taken)
     assert o.dtype == o_ref.dtype == dt and o.shape == o_ref.shape == (*q.shape[:-1], dv)
     assert lse.dtype == lse_ref.dtype and lse.shape == lse_ref.shape == q.shape[:-1]
     assert torch.equal(o, o_ref), float((o.double() - o_ref.double()).abs().max())
     assert torch.equal(lse, lse_ref), float((lse.double() - lse_ref.double()).abs().max())
+
+
+def test_a_decode_step_of_a_causal_cache_takes_the_lane(native, lane_runs, gen):
+    """One row and a few rows against the cache with ``Causal("bottom_right")``, the mask
+    a model's decode step gives: planned once, run on the lane, the general path's bits."""
+    for lq in (1, 4):
+        q, k, v = _inputs(gen, 1, 32, 8, lq, 1000, 64, 64, f32)
+        for _ in range(2):
+            (o, lse), (o_ref, lse_ref) = _both(q, k, v, _opts(mask=fl.Causal("bottom_right")))
+            assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref)
+    assert len(lane_runs) == 4
 
 
 def test_repeated_calls_reuse_one_plan_and_read_their_own_tensors(native, lane_runs, gen):
@@ -152,14 +168,14 @@ def test_the_plan_follows_the_thread_count_and_the_matmul_back_end(native, lane_
     ["mask", "softcap", "dropout", "alibi", "grad", "sink", "many rows", "fa1", "native off"],
 )
 def test_the_lane_leaves_every_other_call_to_the_general_path(native, lane_runs, gen, case):
-    """Masks, score changes, dropout, gradients, an observer (a ledger sink), a query tile
-    too large to stack, the FA1 order or the native step switched off: the general path
-    runs the call (and its result stands)."""
+    """Masks that hold tensors, score changes, dropout, gradients, an observer (a ledger
+    sink), a query tile too large to stack, the FA1 order or the native step switched
+    off: the general path runs the call (and its result stands)."""
     q, k, v = _inputs(gen, 1, 4, 2, 1 if case != "many rows" else 40, 200, 8, 8, f64)
     opts = _opts()
     sink = None
     if case == "mask":
-        opts["mask"] = fl.Causal("bottom_right")
+        opts["mask"] = fl.KeyPadding([150])
     elif case == "softcap":
         opts["softcap"] = 5.0
     elif case == "dropout":

@@ -13,9 +13,11 @@ back end, decided by the general path's own functions (``build_problem``,
 as a ``_native.ForwardPass``, and runs that pass on each call's tensors. Its results
 are the general path's bit for bit (``tests/test_decode_lane.py``).
 
-It takes only the calls the general path runs as one native pass of full tiles with
-the keys read in place: no mask, bias, score_mod, softcap, ALiBi, dropout or varlen,
-one query tile, at most 64 query rows per K/V head, on CPU with the native step on.
+It takes only the calls the general path runs as one native pass with the keys read
+in place: no mask but ``Causal`` or ``SlidingWindow`` (values: their partial tiles'
+rows come from the geometry alone, as intervals), no bias, score_mod, softcap, ALiBi,
+dropout or varlen, one query tile, at most 64 query rows per K/V head, on CPU with the
+native step on.
 A result that is not finite goes back to the general path, which names the input or
 the row at fault.
 """
@@ -33,6 +35,7 @@ from .blocked import (
     _HALF,
     _Book,
     _check_options,
+    _classes,
     _forward_launch,
     _forward_operands,
     _native_common,
@@ -42,16 +45,15 @@ from .blocked import (
     _resolve_tiles,
     _tiles,
 )
-from .masks import FULL
+from .masks import FULL, Causal, IntervalBound, SlidingWindow
 
 __all__ = ["forward"]
 
 # options the lane reads (any value) and those it takes only at their defaults
-_READ = frozenset(("scale", "conventions", "seed", "block_q", "block_k", "loop_order"))
+_READ = frozenset(("mask", "scale", "conventions", "seed", "block_q", "block_k", "loop_order"))
 _KEYED = ("scale", "seed", "dropout_p", "block_q", "block_k", "loop_order")
 _UNSET = frozenset(
     (
-        "mask",
         "bias",
         "softcap",
         "alibi_slopes",
@@ -89,6 +91,9 @@ def forward(
     the lane takes the call, else None (the general path runs it). ``opts`` as the op's."""
     if not (type(q) is type(k) is type(v) is torch.Tensor) or q.device.type != "cpu":
         return None
+    mask = opts.get("mask")
+    if mask is not None and type(mask) not in (Causal, SlidingWindow):
+        return None
     for name, value in opts.items():
         if name in _READ:
             continue
@@ -105,7 +110,7 @@ def forward(
         q,
         k,
         v,
-        None,
+        mask,
         opts.get("conventions"),
         None,
         None,
@@ -128,14 +133,16 @@ def _plan(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: dict[str, Any], kern: _native.Kernels
 ) -> _Plan | object:
     """What the general path decides for this call's shapes, as a plan; ``_NOT_TAKEN``
-    when it would not run them as one full-tile, keys-in-place native pass."""
+    when it would not run them as one keys-in-place native pass."""
     problem = {n: x for n, x in opts.items() if n not in ("block_q", "block_k", "loop_order")}
     try:
         _check_options(opts.get("block_q"), opts.get("block_k"), opts.get("loop_order", "fa2"))
         pb = build_problem(q, k, v, **problem)
     except (TypeError, ValueError):
         return _NOT_TAKEN  # the general path raises, naming what was wrong
-    if pb.mask is not None or _native_step(pb, "fa2", False) is not kern:
+    if _native_step(pb, "fa2", False) is not kern:
+        return _NOT_TAKEN
+    if pb.mask is not None and not isinstance(pb.mask, IntervalBound):
         return _NOT_TAKEN
     block_q, block_k = _resolve_tiles(pb, kern, opts.get("block_q"), opts.get("block_k"))
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
@@ -143,7 +150,9 @@ def _plan(
     if len(qtiles) != 1 or lk == 0:
         return _NOT_TAKEN
     book = _Book(pb, _new_ledger(pb, "forward", block_q, block_k, "fa2").counters)
-    sched, ran = _native_schedule(pb, book, qtiles, ktiles, lambda i, j: FULL, forward=True)
+    classes = _classes(pb, block_q, block_k)  # None without a mask
+    kind_of = (lambda i, j: FULL) if classes is None else (lambda i, j: classes[i][j])
+    sched, ran = _native_schedule(pb, book, qtiles, ktiles, kind_of, forward=True)
     launch = _forward_launch(pb, kern, sched, len(qtiles), block_q)
     if not launch.in_place:
         return _NOT_TAKEN
@@ -179,8 +188,8 @@ def _run(
     if not plan.kv_as_is:
         kn, vn = kn.to(plan.acc), vn.to(plan.acc)
     o, lse = plan.run.run(qn, kn, vn, merge=True)  # (B·Hq, Lq, d_v), (B·Hq, Lq)
-    # every row sees a key, so a finite LSE and O are due: anything else (an overflow, a
-    # NaN input) is the general path's to explain
+    # a finite LSE and O are due where every row sees a key; anything else (a row that sees
+    # none, an overflow, a NaN input) is the general path's to report or explain
     kern = plan.run.kern
     if not (kern.all_finite(lse) and kern.all_finite(o)):
         return None
