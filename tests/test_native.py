@@ -560,7 +560,7 @@ def test_decode_rows_run_stacked_and_split(native, monkeypatch, gen, outputs_clo
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_decode_reads_a_half_precision_cache_in_place(native, monkeypatch, gen, dtype):
     """A bfloat16/float16 KV cache is read in place (no float32 copy of K or V: the step
-    widens it tile by tile): O within one rounding to the dtype of the PyTorch step's
+    widens it in registers as it reads it): O within one rounding to the dtype of the PyTorch step's
     (which widens the whole of K and V first), the LSE (float32) within float32 error."""
     from flashledger import blocked
 

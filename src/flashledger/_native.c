@@ -120,10 +120,9 @@ int SUF(fl_vector_bytes)(void) { return VBYTES; }
 
 static const double LOG2E = 1.4426950408889634, LN2 = 0.6931471805599453;
 
-static inline VT splat(T x) {
-    VT v;
-    for (int i = 0; i < W; ++i) v[i] = x;
-    return v;
+static inline VT splat(T x) { /* one broadcast (a loop over the lanes can compile to W) */
+    VT v = {x};
+    return __builtin_shuffle(v, (VI){0});
 }
 static inline VT vsel(VI m, VT a, VT b) { return (VT)(((VI)a & m) | ((VI)b & ~m)); }
 static inline VT vmax(VT a, VT b) { return vsel((VI)(a > b), a, b); }
@@ -638,17 +637,23 @@ static void mask_bytes(const struct fl_args *a, const long long *t, const struct
  * as much memory traffic as the attention itself when a few rows meet many keys): the
  * item lays out its rows' Qᵀ once, S comes as Sᵀ-columns (nr x w, column-major: B = K_j
  * read along its rows) and is transposed in cache. K and V in a half dtype are widened to
- * T tile by tile (each byte of the cache is read once). Only the float builds read keys
- * in place: a decode step with half inputs runs on the float32 build. */
+ * T in registers as the dot products and the P V sums read them (each byte of the cache
+ * is read once, nothing written back). Only the float builds read keys in place: a
+ * decode step with half inputs runs on the float32 build. */
 struct keys {
-    int on;     /* K read in place (a->kt NULL) */
-    TIN *kf, *vf; /* widened K_j, V_j tiles (half K/V in the float32 build) */
+    int on; /* K read in place (a->kt NULL) */
 };
 
-static inline T hsum(VT v) {
+static inline T hsum(VT v) { /* the lanes' sum: a tree of shuffles where AVX-512 has one */
+#if defined(__AVX512F__) && VBYTES == 64 && FL_DOUBLE
+    return _mm512_reduce_add_pd((__m512d)v);
+#elif defined(__AVX512F__) && VBYTES == 64
+    return _mm512_reduce_add_ps((__m512)v);
+#else
     T x = 0;
     for (int i = 0; i < W; ++i) x += v[i];
     return x;
+#endif
 }
 
 /* One block of S = alpha · Q K_jᵀ with K read along its rows: RN rows x JN keys, each a
@@ -699,35 +704,159 @@ static void dot_scores(const T *q, int nr, const T *k, int w, int d, T alpha, T 
 }
 
 #if !FL_DOUBLE && !FL_HALF
-/* n half values (1: bfloat16, 2: float16) widened to float */
-static void widen(const unsigned short *src, T *dst, long long n, long long half) {
-    if (half == 1)
-        for (long long i = 0; i < n; ++i) {
-            unsigned int u = (unsigned int)src[i] << 16;
-            memcpy(dst + i, &u, sizeof u);
-        }
-    else
-        for (long long i = 0; i < n; ++i) dst[i] = (T)((const _Float16 *)(const void *)src)[i];
+/* A half cache read in place (the float32 build): W bfloat16 or float16 values widened
+ * to a float vector in registers (exact), or one of them. */
+typedef unsigned short VHU __attribute__((vector_size(VBYTES / 2)));
+typedef unsigned int VU32 __attribute__((vector_size(VBYTES)));
+typedef _Float16 VF16 __attribute__((vector_size(VBYTES / 2)));
+static inline VT load_bf16(const unsigned short *p) {
+    VHU h;
+    memcpy(&h, p, sizeof h);
+    VU32 u = __builtin_convertvector(h, VU32) << 16;
+    VT f;
+    memcpy(&f, &u, sizeof f);
+    return f;
 }
+static inline T one_bf16(unsigned short x) {
+    unsigned int u = (unsigned int)x << 16;
+    T f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+static inline VT load_f16(const unsigned short *p) {
+#if defined(__AVX512F__) && VBYTES == 64
+    __m256i h;
+    memcpy(&h, p, sizeof h);
+    return (VT)_mm512_cvtph_ps(h);
+#elif defined(__F16C__) && VBYTES == 32
+    __m128i h;
+    memcpy(&h, p, sizeof h);
+    return (VT)_mm256_cvtph_ps(h);
+#else /* (GCC 12 converts a _Float16 vector one lane at a time) */
+    VF16 h;
+    memcpy(&h, p, sizeof h);
+    return __builtin_convertvector(h, VT);
 #endif
+}
+static inline T one_f16(unsigned short x) {
+    _Float16 h;
+    memcpy(&h, &x, sizeof h);
+    return (T)h;
+}
 
-/* K_j and V_j rows [k, k + w) of K/V head kh as T, for a forward with keys in place. */
-static void tile_kv(const struct fl_args *a, const struct keys *ks, long long kh, long long k,
-                    int w, const TIN **kp, const TIN **vp) {
-    long long ko = (kh * a->lk + k) * a->d, vo = (kh * a->lk + k) * a->dv;
-#if !FL_DOUBLE && !FL_HALF
-    if (a->half) {
-        widen(a->k16 + ko, ks->kf, (long long)w * a->d, a->half);
-        widen(a->v16 + vo, ks->vf, (long long)w * a->dv, a->half);
-        *kp = ks->kf;
-        *vp = ks->vf;
-        return;
+/* The dot-product blocks of S with K in a half dtype, widened as it is read: the same
+ * sums, in the same order, as on K widened first. */
+#define FL_DOT_HALF(NAME, LOADK, ONEK, RN, JN)                                              \
+    static void NAME##_##RN##_##JN(const T *q, const unsigned short *k, int d, T alpha, T *s, \
+                                   long long ls) {                                          \
+        VT acc[RN][JN], zero = {0};                                                         \
+        for (int r = 0; r < RN; ++r)                                                        \
+            for (int j = 0; j < JN; ++j) acc[r][j] = zero;                                  \
+        int c = 0;                                                                          \
+        for (; c + W <= d; c += W) {                                                        \
+            VT qv[RN], kv[JN];                                                              \
+            for (int r = 0; r < RN; ++r) qv[r] = loadv(q + (long long)r * d + c);           \
+            for (int j = 0; j < JN; ++j) kv[j] = LOADK(k + (long long)j * d + c);           \
+            for (int r = 0; r < RN; ++r)                                                    \
+                for (int j = 0; j < JN; ++j) acc[r][j] += qv[r] * kv[j];                    \
+        }                                                                                   \
+        for (int r = 0; r < RN; ++r)                                                        \
+            for (int j = 0; j < JN; ++j) {                                                  \
+                T x = hsum(acc[r][j]);                                                      \
+                for (int e = c; e < d; ++e)                                                 \
+                    x += q[(long long)r * d + e] * ONEK(k[(long long)j * d + e]);           \
+                s[(long long)r * ls + j] = alpha * x;                                       \
+            }                                                                               \
     }
+FL_DOT_HALF(dot_bf16, load_bf16, one_bf16, 4, 4)
+FL_DOT_HALF(dot_bf16, load_bf16, one_bf16, 1, 4)
+FL_DOT_HALF(dot_bf16, load_bf16, one_bf16, 4, 1)
+FL_DOT_HALF(dot_bf16, load_bf16, one_bf16, 1, 1)
+FL_DOT_HALF(dot_f16, load_f16, one_f16, 4, 4)
+FL_DOT_HALF(dot_f16, load_f16, one_f16, 1, 4)
+FL_DOT_HALF(dot_f16, load_f16, one_f16, 4, 1)
+FL_DOT_HALF(dot_f16, load_f16, one_f16, 1, 1)
+
+#define FL_DOT_HALF_ROWS(NAME)                                                               \
+    static void NAME##_scores(const T *q, int nr, const unsigned short *k, int w, int d,   \
+                              T alpha, T *s, long long ls) {                                \
+        int r = 0;                                                                          \
+        for (; r + 4 <= nr; r += 4) {                                                       \
+            int j = 0;                                                                      \
+            for (; j + 4 <= w; j += 4)                                                      \
+                NAME##_4_4(q + (long long)r * d, k + (long long)j * d, d, alpha, s + r * ls + j, ls); \
+            for (; j < w; ++j)                                                              \
+                NAME##_4_1(q + (long long)r * d, k + (long long)j * d, d, alpha, s + r * ls + j, ls); \
+        }                                                                                   \
+        for (; r < nr; ++r) {                                                               \
+            int j = 0;                                                                      \
+            for (; j + 4 <= w; j += 4)                                                      \
+                NAME##_1_4(q + (long long)r * d, k + (long long)j * d, d, alpha, s + r * ls + j, ls); \
+            for (; j < w; ++j)                                                              \
+                NAME##_1_1(q + (long long)r * d, k + (long long)j * d, d, alpha, s + r * ls + j, ls); \
+        }                                                                                   \
+    }
+FL_DOT_HALF_ROWS(dot_bf16)
+FL_DOT_HALF_ROWS(dot_f16)
+
+/* acc (nr x dv, row stride dv) += P (nr x w, row stride ls) V (w x dv, half, row stride
+ * dv), V widened as it is read: blocks of RN rows x CN vectors of columns in registers,
+ * each entry summed over the keys in order. */
+#define FL_PV_HALF(NAME, LOADV, ONEV, RN, CN)                                               \
+    static void NAME##_##RN##_##CN(const T *p, long long ls, const unsigned short *v, int w, \
+                                   int dv, T *acc, int c) {                                 \
+        VT a[RN][CN];                                                                       \
+        for (int r = 0; r < RN; ++r)                                                        \
+            for (int i = 0; i < CN; ++i) a[r][i] = loadv(acc + (long long)r * dv + c + i * W); \
+        for (int j = 0; j < w; ++j) {                                                       \
+            VT vv[CN];                                                                      \
+            for (int i = 0; i < CN; ++i) vv[i] = LOADV(v + (long long)j * dv + c + i * W);  \
+            for (int r = 0; r < RN; ++r) {                                                  \
+                VT pr = splat(p[(long long)r * ls + j]);                                    \
+                for (int i = 0; i < CN; ++i) a[r][i] += pr * vv[i];                         \
+            }                                                                               \
+        }                                                                                   \
+        for (int r = 0; r < RN; ++r)                                                        \
+            for (int i = 0; i < CN; ++i) storev(acc + (long long)r * dv + c + i * W, a[r][i]); \
+    }
+FL_PV_HALF(pv_bf16, load_bf16, one_bf16, 4, 4)
+FL_PV_HALF(pv_bf16, load_bf16, one_bf16, 1, 4)
+FL_PV_HALF(pv_bf16, load_bf16, one_bf16, 4, 1)
+FL_PV_HALF(pv_bf16, load_bf16, one_bf16, 1, 1)
+FL_PV_HALF(pv_f16, load_f16, one_f16, 4, 4)
+FL_PV_HALF(pv_f16, load_f16, one_f16, 1, 4)
+FL_PV_HALF(pv_f16, load_f16, one_f16, 4, 1)
+FL_PV_HALF(pv_f16, load_f16, one_f16, 1, 1)
+
+#define FL_PV_HALF_ROWS(NAME, ONEV)                                                          \
+    static void NAME##_rows(const T *p, long long ls, int nr, const unsigned short *v, int w, \
+                            int dv, T *acc) {                                               \
+        int r = 0, cv = dv / W * W; /* the columns in whole vectors */                      \
+        for (; r + 4 <= nr; r += 4) {                                                       \
+            const T *pr = p + (long long)r * ls;                                            \
+            T *ar = acc + (long long)r * dv;                                                \
+            int c = 0;                                                                      \
+            for (; c + 4 * W <= dv; c += 4 * W) NAME##_4_4(pr, ls, v, w, dv, ar, c);          \
+            for (; c + W <= dv; c += W) NAME##_4_1(pr, ls, v, w, dv, ar, c);                  \
+        }                                                                                   \
+        for (; r < nr; ++r) {                                                               \
+            const T *pr = p + (long long)r * ls;                                            \
+            T *ar = acc + (long long)r * dv;                                                \
+            int c = 0;                                                                      \
+            for (; c + 4 * W <= dv; c += 4 * W) NAME##_1_4(pr, ls, v, w, dv, ar, c);          \
+            for (; c + W <= dv; c += W) NAME##_1_1(pr, ls, v, w, dv, ar, c);                  \
+        }                                                                                   \
+        for (r = 0; r < nr; ++r) /* the columns past the last whole vector */               \
+            for (int c = cv; c < dv; ++c) {                                                 \
+                T x = acc[(long long)r * dv + c];                                           \
+                for (int j = 0; j < w; ++j)                                                 \
+                    x += p[(long long)r * ls + j] * ONEV(v[(long long)j * dv + c]);         \
+                acc[(long long)r * dv + c] = x;                                             \
+            }                                                                               \
+    }
+FL_PV_HALF_ROWS(pv_bf16, one_bf16)
+FL_PV_HALF_ROWS(pv_f16, one_f16)
 #endif
-    (void)ks, (void)w;
-    *kp = a->k + ko;
-    *vp = a->v + vo;
-}
 
 /* The online update of a block of rows (at most FL_PARTIAL_ROWS rows of a partial tile, or
  * any number of a full one) against tile t: m (base-2 units), ℓ, acc (nr x d_v) of the
@@ -746,12 +875,19 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
     long long ls = padded(w); /* S's (and P's) row stride */
     const TIN *vh = a->v + (kh * a->lk + t[2] + lo) * a->dv;
 #if !FL_HALF
-    if (ks->on) { /* keys in place: dot products of Q's rows with K_j's */
-        const T *kp;
-        tile_kv(a, ks, kh, t[2] + lo, w, &kp, &vh);
-        dot_scores(a->q + row_base(a, b) * a->d, nr, kp, w, (int)a->d, (T)(a->scale * LOG2E), s,
-                   ls);
-    } else
+    long long ko = (kh * a->lk + t[2] + lo) * a->d; /* K_j's first row, keys in place */
+    const T *qr = a->q + row_base(a, b) * a->d;
+    T alpha2 = (T)(a->scale * LOG2E);
+#if !FL_DOUBLE
+    if (ks->on && a->half == 1) /* a bfloat16 cache, widened as it is read */
+        dot_bf16_scores(qr, nr, a->k16 + ko, w, (int)a->d, alpha2, s, ls);
+    else if (ks->on && a->half == 2) /* float16 */
+        dot_f16_scores(qr, nr, a->k16 + ko, w, (int)a->d, alpha2, s, ls);
+    else
+#endif
+    if (ks->on) /* keys in place: dot products of Q's rows with K_j's */
+        dot_scores(qr, nr, a->k + ko, w, (int)a->d, alpha2, s, ls);
+    else
 #endif
     {
         (void)ks;
@@ -779,7 +915,15 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
             for (int c = 0; c < idv; ++c) ar[c] *= alpha[r];
         }
     /* acc (nr x d_v) += P (nr x w) V_j (w x d_v), formed as accᵀ += V_jᵀ Pᵀ */
-    mm(idv, nr, w, 1, vh, idv, ps, 1, ls, 1, acc, idv);
+#if !FL_DOUBLE && !FL_HALF
+    const unsigned short *v16 = a->v16 + (kh * a->lk + t[2] + lo) * a->dv;
+    if (ks->on && a->half == 1)
+        pv_bf16_rows(ps, ls, nr, v16, w, idv, acc);
+    else if (ks->on && a->half == 2)
+        pv_f16_rows(ps, ls, nr, v16, w, idv, acc);
+    else
+#endif
+        mm(idv, nr, w, 1, vh, idv, ps, 1, ls, 1, acc, idv);
     return seen;
 }
 
@@ -789,11 +933,10 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
  * into split s's O and λ. The state stays in the thread's scratch: no other item touches
  * these rows, so the items need no barrier between tiles. Scratch: m, ℓ (nr each), acc
  * (nr · d_v), S/P and α (nr · padded(bk) + nr); then in the half builds P in the input
- * dtype (nr · padded(bk), 64-byte aligned), in the float builds with keys in place and a
- * half K/V the widened tiles (bk · (d + d_v)). */
+ * dtype (nr · padded(bk), 64-byte aligned). */
 static void forward_item(const struct fl_args *a, long long h0, long long r0, int nr, long long t0,
                          long long t1, long long split) {
-    long long dv = a->dv, d = a->d, bk = 0;
+    long long dv = a->dv, bk = 0;
     for (long long ti = t0; ti < t1; ++ti) {
         long long w = a->tiles[ti * FL_TILE + 3] - a->tiles[ti * FL_TILE + 2];
         bk = w > bk ? w : bk;
@@ -802,17 +945,9 @@ static void forward_item(const struct fl_args *a, long long h0, long long r0, in
     T *s = acc + nr * dv;
     char *more = (char *)(s + nr * padded(bk) + nr);
     TIN *ps = FL_HALF ? carve(&more, nr * padded(bk), sizeof(TIN)) : (TIN *)s;
-    struct keys ks = {0, NULL, NULL};
+    struct keys ks = {!a->kt}; /* keys in place (the half builds never read them so) */
     struct rows b = {h0, r0, a->stacked ? a->lq : (1LL << 62), nr};
-#if !FL_HALF
-    if (!a->kt) { /* keys in place: room for the widened tiles of a half cache */
-        ks.on = 1;
-        ks.kf = s + nr * padded(bk) + nr;
-        ks.vf = ks.kf + bk * d;
-    }
-#else
-    (void)d; /* the half builds never read keys in place */
-#endif
+
     for (int r = 0; r < nr; ++r) {
         m[r] = -INFINITY;
         ell[r] = 0;

@@ -447,7 +447,7 @@ class Kernels:
         each row's tiles in ``splits`` parts attended apart; ``stacked``: one query tile
         covering Lq, a group's heads as one block of rows; ``keys_in_place`` (decode): K
         read as it is laid out, no Kᵀ, and ``k``, ``v`` may then be bfloat16 or float16
-        with ``q`` in float32 (widened tile by tile). ``intervals``: an interval
+        with ``q`` in float32 (widened in registers as they are read). ``intervals``: an interval
         mask's ``(lo, hi)``, int64 ``(B|1, Lq)``, row ``i`` seeing local keys ``lo[i] <= j <
         hi[i]`` (read for partial tiles given no bytes). Returns each part's ``o`` ``(S, H,
         Lq, d_v)`` and ``lse`` ``(S, H, Lq)`` (natural units, -inf where a part saw no key),
@@ -640,7 +640,7 @@ class ForwardPass:
         keys_in_place: bool,
     ) -> None:
         self.kern, self.splits, self.in_place = kern, splits, keys_in_place
-        # a float32 q reading a half K/V cache in place (widened tile by tile); the half step
+        # a float32 q reading a half K/V cache in place (widened as it is read); the half step
         # itself has q, k, v all in the half dtype
         half = _HALF.get(k.dtype, 0) if keys_in_place and q.dtype != k.dtype else 0
         assert k.dtype == v.dtype == (q.dtype if not half else k.dtype)
@@ -655,8 +655,6 @@ class ForwardPass:
         work = chunk * (2 + dv) + chunk * lb + chunk  # m, ℓ, acc; S/P; α
         if q.dtype in _HALF:
             work += _units(chunk * lb, q.dtype, self.acc)  # P in the input dtype
-        elif keys_in_place:
-            work += bk * (d + dv)  # widened K/V tiles of a half cache
         self.work = work
         # both passes read Kᵀ (for S = Q Kᵀ); a forward with keys in place (decode) reads K
         # as it is, in its own dtype; the Kᵀ buffer goes back to the pool for the next pass

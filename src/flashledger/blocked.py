@@ -707,8 +707,8 @@ def _native_schedule(
 class _Launch:
     """How a forward pass runs on the native step: work items of ``chunk`` rows, each
     row's key tiles in ``splits`` parts, ``stacked`` (one query tile: a group's query
-    heads as one block of rows), K read ``in_place`` (no Kᵀ; a half cache widened tile
-    by tile)."""
+    heads as one block of rows), K read ``in_place`` (no Kᵀ; a half cache widened as it
+    is read)."""
 
     chunk: int
     splits: int
@@ -727,7 +727,7 @@ def _forward_launch(
     threads, rows = kern.max_threads(), min(block_q, lq)
     stacked = n_qtiles == 1  # decode: the group's rows share their K/V tiles
     # a few rows against many keys: read K in place (a Kᵀ would cost as much traffic as
-    # the attention), in its own dtype (a half-precision cache is widened tile by tile)
+    # the attention), in its own dtype (a half-precision cache is widened as it is read)
     in_place = stacked and g * lq <= 64
     units = b * hkv if stacked else b * hq
     chunk = g * lq if stacked else rows
