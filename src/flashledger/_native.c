@@ -703,6 +703,64 @@ static void dot_scores(const T *q, int nr, const T *k, int w, int d, T alpha, T 
     }
 }
 
+/* acc (nr x dv, row stride dv) += P (nr x w, row stride ls) V (w x dv, row stride dv),
+ * V's elements of type VE read by LOADV (a half cache widened as it is read): blocks of
+ * RN rows x CN vectors of columns in registers, each entry summed over the keys in order;
+ * NAME##_rows runs every row and column. */
+#define FL_PV(NAME, VE, LOADV, RN, CN)                                                      \
+    static void NAME##_##RN##_##CN(const T *p, long long ls, const VE *v, int w,            \
+                                   int dv, T *acc, int c) {                                 \
+        VT a[RN][CN];                                                                       \
+        for (int r = 0; r < RN; ++r)                                                        \
+            for (int i = 0; i < CN; ++i) a[r][i] = loadv(acc + (long long)r * dv + c + i * W); \
+        for (int j = 0; j < w; ++j) {                                                       \
+            VT vv[CN];                                                                      \
+            for (int i = 0; i < CN; ++i) vv[i] = LOADV(v + (long long)j * dv + c + i * W);  \
+            for (int r = 0; r < RN; ++r) {                                                  \
+                VT pr = splat(p[(long long)r * ls + j]);                                    \
+                for (int i = 0; i < CN; ++i) a[r][i] += pr * vv[i];                         \
+            }                                                                               \
+        }                                                                                   \
+        for (int r = 0; r < RN; ++r)                                                        \
+            for (int i = 0; i < CN; ++i) storev(acc + (long long)r * dv + c + i * W, a[r][i]); \
+    }
+#define FL_PV_ROWS(NAME, VE, ONEV)                                                           \
+    static void NAME##_rows(const T *p, long long ls, int nr, const VE *v, int w,           \
+                            int dv, T *acc) {                                               \
+        int r = 0, cv = dv / W * W; /* the columns in whole vectors */                      \
+        for (; r + 4 <= nr; r += 4) {                                                       \
+            const T *pr = p + (long long)r * ls;                                            \
+            T *ar = acc + (long long)r * dv;                                                \
+            int c = 0;                                                                      \
+            for (; c + 4 * W <= dv; c += 4 * W) NAME##_4_4(pr, ls, v, w, dv, ar, c);          \
+            for (; c + W <= dv; c += W) NAME##_4_1(pr, ls, v, w, dv, ar, c);                  \
+        }                                                                                   \
+        for (; r < nr; ++r) {                                                               \
+            const T *pr = p + (long long)r * ls;                                            \
+            T *ar = acc + (long long)r * dv;                                                \
+            int c = 0;                                                                      \
+            for (; c + 4 * W <= dv; c += 4 * W) NAME##_1_4(pr, ls, v, w, dv, ar, c);          \
+            for (; c + W <= dv; c += W) NAME##_1_1(pr, ls, v, w, dv, ar, c);                  \
+        }                                                                                   \
+        for (r = 0; r < nr; ++r) /* the columns past the last whole vector */               \
+            for (int c = cv; c < dv; ++c) {                                                 \
+                T x = acc[(long long)r * dv + c];                                           \
+                for (int j = 0; j < w; ++j)                                                 \
+                    x += p[(long long)r * ls + j] * ONEV(v[(long long)j * dv + c]);         \
+                acc[(long long)r * dv + c] = x;                                             \
+            }                                                                               \
+    }
+#if !FL_HALF
+/* P V with V as it lies (keys in place, decode: a few rows, where a BLAS call costs more
+ * than its arithmetic) */
+static inline T one_t(T x) { return x; }
+FL_PV(pv_t, T, loadv, 4, 4)
+FL_PV(pv_t, T, loadv, 1, 4)
+FL_PV(pv_t, T, loadv, 4, 1)
+FL_PV(pv_t, T, loadv, 1, 1)
+FL_PV_ROWS(pv_t, T, one_t)
+#endif
+
 #if !FL_DOUBLE && !FL_HALF
 /* A half cache read in place (the float32 build): W bfloat16 or float16 values widened
  * to a float vector in registers (exact), or one of them. */
@@ -799,63 +857,17 @@ FL_DOT_HALF(dot_f16, load_f16, one_f16, 1, 1)
 FL_DOT_HALF_ROWS(dot_bf16)
 FL_DOT_HALF_ROWS(dot_f16)
 
-/* acc (nr x dv, row stride dv) += P (nr x w, row stride ls) V (w x dv, half, row stride
- * dv), V widened as it is read: blocks of RN rows x CN vectors of columns in registers,
- * each entry summed over the keys in order. */
-#define FL_PV_HALF(NAME, LOADV, ONEV, RN, CN)                                               \
-    static void NAME##_##RN##_##CN(const T *p, long long ls, const unsigned short *v, int w, \
-                                   int dv, T *acc, int c) {                                 \
-        VT a[RN][CN];                                                                       \
-        for (int r = 0; r < RN; ++r)                                                        \
-            for (int i = 0; i < CN; ++i) a[r][i] = loadv(acc + (long long)r * dv + c + i * W); \
-        for (int j = 0; j < w; ++j) {                                                       \
-            VT vv[CN];                                                                      \
-            for (int i = 0; i < CN; ++i) vv[i] = LOADV(v + (long long)j * dv + c + i * W);  \
-            for (int r = 0; r < RN; ++r) {                                                  \
-                VT pr = splat(p[(long long)r * ls + j]);                                    \
-                for (int i = 0; i < CN; ++i) a[r][i] += pr * vv[i];                         \
-            }                                                                               \
-        }                                                                                   \
-        for (int r = 0; r < RN; ++r)                                                        \
-            for (int i = 0; i < CN; ++i) storev(acc + (long long)r * dv + c + i * W, a[r][i]); \
-    }
-FL_PV_HALF(pv_bf16, load_bf16, one_bf16, 4, 4)
-FL_PV_HALF(pv_bf16, load_bf16, one_bf16, 1, 4)
-FL_PV_HALF(pv_bf16, load_bf16, one_bf16, 4, 1)
-FL_PV_HALF(pv_bf16, load_bf16, one_bf16, 1, 1)
-FL_PV_HALF(pv_f16, load_f16, one_f16, 4, 4)
-FL_PV_HALF(pv_f16, load_f16, one_f16, 1, 4)
-FL_PV_HALF(pv_f16, load_f16, one_f16, 4, 1)
-FL_PV_HALF(pv_f16, load_f16, one_f16, 1, 1)
+FL_PV(pv_bf16, unsigned short, load_bf16, 4, 4)
+FL_PV(pv_bf16, unsigned short, load_bf16, 1, 4)
+FL_PV(pv_bf16, unsigned short, load_bf16, 4, 1)
+FL_PV(pv_bf16, unsigned short, load_bf16, 1, 1)
+FL_PV(pv_f16, unsigned short, load_f16, 4, 4)
+FL_PV(pv_f16, unsigned short, load_f16, 1, 4)
+FL_PV(pv_f16, unsigned short, load_f16, 4, 1)
+FL_PV(pv_f16, unsigned short, load_f16, 1, 1)
 
-#define FL_PV_HALF_ROWS(NAME, ONEV)                                                          \
-    static void NAME##_rows(const T *p, long long ls, int nr, const unsigned short *v, int w, \
-                            int dv, T *acc) {                                               \
-        int r = 0, cv = dv / W * W; /* the columns in whole vectors */                      \
-        for (; r + 4 <= nr; r += 4) {                                                       \
-            const T *pr = p + (long long)r * ls;                                            \
-            T *ar = acc + (long long)r * dv;                                                \
-            int c = 0;                                                                      \
-            for (; c + 4 * W <= dv; c += 4 * W) NAME##_4_4(pr, ls, v, w, dv, ar, c);          \
-            for (; c + W <= dv; c += W) NAME##_4_1(pr, ls, v, w, dv, ar, c);                  \
-        }                                                                                   \
-        for (; r < nr; ++r) {                                                               \
-            const T *pr = p + (long long)r * ls;                                            \
-            T *ar = acc + (long long)r * dv;                                                \
-            int c = 0;                                                                      \
-            for (; c + 4 * W <= dv; c += 4 * W) NAME##_1_4(pr, ls, v, w, dv, ar, c);          \
-            for (; c + W <= dv; c += W) NAME##_1_1(pr, ls, v, w, dv, ar, c);                  \
-        }                                                                                   \
-        for (r = 0; r < nr; ++r) /* the columns past the last whole vector */               \
-            for (int c = cv; c < dv; ++c) {                                                 \
-                T x = acc[(long long)r * dv + c];                                           \
-                for (int j = 0; j < w; ++j)                                                 \
-                    x += p[(long long)r * ls + j] * ONEV(v[(long long)j * dv + c]);         \
-                acc[(long long)r * dv + c] = x;                                             \
-            }                                                                               \
-    }
-FL_PV_HALF_ROWS(pv_bf16, one_bf16)
-FL_PV_HALF_ROWS(pv_f16, one_f16)
+FL_PV_ROWS(pv_bf16, unsigned short, one_bf16)
+FL_PV_ROWS(pv_f16, unsigned short, one_f16)
 #endif
 
 /* The online update of a block of rows (at most FL_PARTIAL_ROWS rows of a partial tile, or
@@ -921,6 +933,11 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
         pv_bf16_rows(ps, ls, nr, v16, w, idv, acc);
     else if (ks->on && a->half == 2)
         pv_f16_rows(ps, ls, nr, v16, w, idv, acc);
+    else
+#endif
+#if !FL_HALF
+    if (ks->on)
+        pv_t_rows(ps, ls, nr, vh, w, idv, acc);
     else
 #endif
         mm(idv, nr, w, 1, vh, idv, ps, 1, ls, 1, acc, idv);
