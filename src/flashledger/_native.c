@@ -768,12 +768,22 @@ typedef unsigned short VHU __attribute__((vector_size(VBYTES / 2)));
 typedef unsigned int VU32 __attribute__((vector_size(VBYTES)));
 typedef _Float16 VF16 __attribute__((vector_size(VBYTES / 2)));
 static inline VT load_bf16(const unsigned short *p) {
+#if defined(__AVX512F__) && VBYTES == 64
+    __m256i h;
+    memcpy(&h, p, sizeof h);
+    return (VT)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+#elif defined(__AVX2__) && VBYTES == 32
+    __m128i h;
+    memcpy(&h, p, sizeof h);
+    return (VT)_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
+#else /* (GCC 12 splits this widening into halves) */
     VHU h;
     memcpy(&h, p, sizeof h);
     VU32 u = __builtin_convertvector(h, VU32) << 16;
     VT f;
     memcpy(&f, &u, sizeof f);
     return f;
+#endif
 }
 static inline T one_bf16(unsigned short x) {
     unsigned int u = (unsigned int)x << 16;
