@@ -599,6 +599,40 @@ def test_block_mask_blocks_rule_over_its_mask_mod(assert_close):
         assert_close(o, want.o, rtol=FWD, name=f"block-sparse O, tiles {tiles}")
 
 
+def test_block_mask_kinds_per_head_rule_inside_tiles_of_several_blocks(assert_close):
+    """A BlockMask whose blocks differ by head (partial, full and empty blocks), with a
+    mask_mod that disagrees with its full blocks (it sees only even keys), under tiles
+    that each span several blocks: full blocks are attended whole, empty ones not at all,
+    partial ones where the mask_mod says so, head by head."""
+    q, k, v, _ = _inputs(1, 2, 2, 96, 96)
+    blk = 32
+    # head 0: block row i lists partial block i and full block (i + 1) % 3;
+    # head 1: partial block 0 and full block 2 in every row
+    num = torch.ones(1, 2, 3, dtype=torch.int32)  # one listed block per block row
+    idx = torch.zeros(1, 2, 3, 3, dtype=torch.int32)  # (width 3: as many as block columns)
+    idx[0, 0, :, 0] = torch.tensor([0, 1, 2])
+    fidx = torch.zeros(1, 2, 3, 3, dtype=torch.int32)
+    fidx[0, 0, :, 0], fidx[0, 1, :, 0] = torch.tensor([1, 2, 0]), 2
+    fnum = num.clone()
+
+    def even_keys(b: Tensor, h: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
+        return ki % 2 == 0
+
+    bm = flex_mod.BlockMask.from_kv_blocks(num, idx, fnum, fidx, BLOCK_SIZE=blk, mask_mod=even_keys)
+    visible = torch.zeros(2, 96, 96, dtype=torch.bool)
+    keys = torch.arange(96)
+    for h in range(2):
+        for i in range(3):
+            rows = slice(i * blk, (i + 1) * blk)
+            p, f = int(idx[0, h, i, 0]), int(fidx[0, h, i, 0])
+            visible[h, rows, p * blk : (p + 1) * blk] = (keys[p * blk : (p + 1) * blk] % 2) == 0
+            visible[h, rows, f * blk : (f + 1) * blk] = True
+    want = fl.reference_forward(q, k, v, mask=visible[None])
+    for tiles in ((64, 64), (48, 80), (96, 96)):
+        o = fl.flex_attention(q, k, v, block_mask=bm, block_q=tiles[0], block_k=tiles[1])
+        assert_close(o, want.o, rtol=FWD, name=f"per-head blocks, tiles {tiles}")
+
+
 def test_block_mask_errors():
     q, k, v, _ = _inputs(2, 2, 2, 64, 64)
     bm = flex_mod.create_block_mask(causal, 2, None, 64, 64, device="cpu")

@@ -156,22 +156,33 @@ class BlockMaskBound(MaskModBound):
     def block(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
         g = self.geo
         inside = self._inside(q0, q1, k0, k1)  # (Bm, Hm, r|1, c|1)
-        # the blocks the tile touches, then spread over its positions (only if they differ)
+        # the blocks the tile touches; a full block's positions are visible and an empty
+        # one's are not, whatever the mask_mod says (set block by block: a tile touches a few)
         gq0, gq1, gk0, gk1 = q0 + g.q_offset, q1 + g.q_offset, k0 + g.k_offset, k1 + g.k_offset
         rb0, rb1 = gq0 // self.block_q, (gq1 - 1) // self.block_q + 1
         cb0, cb1 = gk0 // self.block_k, (gk1 - 1) // self.block_k + 1
         kinds = self.grid[:, :, rb0:rb1, cb0:cb1]  # (Bb, Hb, nq, nk)
         if bool((kinds == PARTIAL).all()):
             return inside.expand(*inside.shape[:2], q1 - q0, k1 - k0)
-
-        def spread(lo: int, hi: int, block: int) -> torch.Tensor:
-            edges = torch.arange(lo // block, (hi - 1) // block + 2, device=g.device) * block
-            edges = edges.clamp(min=lo, max=hi)
-            return edges[1:] - edges[:-1]  # positions of the tile in each block
-
-        kind = kinds.repeat_interleave(spread(gq0, gq1, self.block_q), dim=2)
-        kind = kind.repeat_interleave(spread(gk0, gk1, self.block_k), dim=3)  # (Bb, Hb, r, c)
-        return (kind == FULL) | ((kind == PARTIAL) & inside)
+        b = max(inside.shape[0], kinds.shape[0])
+        h = max(inside.shape[1], kinds.shape[1])
+        out = inside.expand(b, h, q1 - q0, k1 - k0).clone()  # (B', H', r, c)
+        for i in range(rb1 - rb0):
+            r0 = max(gq0, (rb0 + i) * self.block_q) - gq0
+            r1 = min(gq1, (rb0 + i + 1) * self.block_q) - gq0
+            for j in range(cb1 - cb0):
+                kind = kinds[:, :, i, j]  # (Bb, Hb)
+                c0 = max(gk0, (cb0 + j) * self.block_k) - gk0
+                c1 = min(gk1, (cb0 + j + 1) * self.block_k) - gk0
+                if kind.numel() == 1:  # one kind for every batch entry and head
+                    one = int(kind)
+                    if one != PARTIAL:
+                        out[:, :, r0:r1, c0:c1] = one == FULL
+                    continue
+                part = out[:, :, r0:r1, c0:c1]
+                full, empty = (kind == FULL)[..., None, None], (kind == EMPTY)[..., None, None]
+                out[:, :, r0:r1, c0:c1] = (part | full) & ~empty
+        return out
 
     def tile_classes(self, block_q: int, block_k: int) -> torch.Tensor:
         g = self.geo
