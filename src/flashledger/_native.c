@@ -644,16 +644,13 @@ struct keys {
     int on; /* K read in place (a->kt NULL) */
 };
 
-static inline T hsum(VT v) { /* the lanes' sum: a tree of shuffles where AVX-512 has one */
-#if defined(__AVX512F__) && VBYTES == 64 && FL_DOUBLE
-    return _mm512_reduce_add_pd((__m512d)v);
-#elif defined(__AVX512F__) && VBYTES == 64
-    return _mm512_reduce_add_ps((__m512)v);
-#else
+/* The lanes' sum, in lane order (a shuffle tree, tried, moved a float64 decode
+ * forward's scores a few units in the last place further from the backward's matmul
+ * scores, and P = exp(S - λ) on a row that sees one key further from 1). */
+static inline T hsum(VT v) {
     T x = 0;
     for (int i = 0; i < W; ++i) x += v[i];
     return x;
-#endif
 }
 
 /* One block of S = alpha · Q K_jᵀ with K read along its rows: RN rows x JN keys, each a
