@@ -161,6 +161,15 @@ def _plain_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
+@pytest.fixture(scope="module")
+def native() -> _native.Kernels:
+    """The native tile step (skips where it is not built)."""
+    kern = _native.kernels()
+    if kern is None:
+        pytest.skip(_native.native_status())
+    return kern
+
+
 @pytest.fixture
 def native_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Counts the passes that run with the native tile step (skips where it is not built):

@@ -24,14 +24,6 @@ from flashledger.conventions import SEED
 f32, f64, bf16, f16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
 
 
-@pytest.fixture(scope="module")
-def native() -> _native.Kernels:
-    kern = _native.kernels()
-    if kern is None:
-        pytest.skip(_native.native_status())
-    return kern
-
-
 @pytest.fixture
 def lane_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """One entry per call the lane ran (its pass), whatever came of it."""

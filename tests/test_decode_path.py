@@ -23,14 +23,6 @@ from flashledger.ledger import Ledger
 f64 = torch.float64
 
 
-@pytest.fixture(scope="module")
-def native() -> _native.Kernels:
-    kern = _native.kernels()
-    if kern is None:
-        pytest.skip(_native.native_status())
-    return kern
-
-
 def _decode_inputs(
     gen: torch.Generator, b: int = 2, lq: int = 1, lk: int = 70, dtype: torch.dtype = f64
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -29,14 +29,6 @@ TOL = 1e-12
 f64 = torch.float64
 
 
-@pytest.fixture(scope="module")
-def native() -> _native.Kernels:
-    kern = _native.kernels()
-    if kern is None:
-        pytest.skip(_native.native_status())
-    return kern
-
-
 def _both(q, k, v, do, **opts):
     fwd = fl.blocked_forward(q, k, v, **opts)
     bwd = fl.blocked_backward(q, k, v, fwd.o, fwd.lse, do, **opts)

@@ -655,9 +655,12 @@ static inline T hsum(VT v) {
 
 /* One block of S = alpha · Q K_jᵀ with K read along its rows: RN rows x JN keys, each a
  * dot product over d in vectors (the rows and keys of the block in registers), reduced
- * across the vector at the end. */
-#define FL_DOT_BLOCK(RN, JN)                                                                \
-    static void dot_##RN##_##JN(const T *q, const T *k, int d, T alpha, T *s, long long ls) { \
+ * across the vector at the end; K's elements of type KE read by LOADK (a vector) and
+ * ONEK (one: the tail), so that a half cache is widened as it is read, with the same
+ * sums in the same order as on K widened first. NAME##_scores runs every row and key. */
+#define FL_DOT(NAME, KE, LOADK, ONEK, RN, JN)                                               \
+    static void NAME##_##RN##_##JN(const T *q, const KE *k, int d, T alpha, T *s,          \
+                                   long long ls) {                                          \
         VT acc[RN][JN], zero = {0};                                                         \
         for (int r = 0; r < RN; ++r)                                                        \
             for (int j = 0; j < JN; ++j) acc[r][j] = zero;                                  \
@@ -665,40 +668,42 @@ static inline T hsum(VT v) {
         for (; c + W <= d; c += W) {                                                        \
             VT qv[RN], kv[JN];                                                              \
             for (int r = 0; r < RN; ++r) qv[r] = loadv(q + (long long)r * d + c);           \
-            for (int j = 0; j < JN; ++j) kv[j] = loadv(k + (long long)j * d + c);           \
+            for (int j = 0; j < JN; ++j) kv[j] = LOADK(k + (long long)j * d + c);           \
             for (int r = 0; r < RN; ++r)                                                    \
                 for (int j = 0; j < JN; ++j) acc[r][j] += qv[r] * kv[j];                    \
         }                                                                                   \
         for (int r = 0; r < RN; ++r)                                                        \
             for (int j = 0; j < JN; ++j) {                                                  \
                 T x = hsum(acc[r][j]);                                                      \
-                for (int e = c; e < d; ++e) x += q[(long long)r * d + e] * k[(long long)j * d + e]; \
+                for (int e = c; e < d; ++e)                                                 \
+                    x += q[(long long)r * d + e] * ONEK(k[(long long)j * d + e]);           \
                 s[(long long)r * ls + j] = alpha * x;                                       \
             }                                                                               \
     }
-FL_DOT_BLOCK(4, 4)
-FL_DOT_BLOCK(1, 4)
-FL_DOT_BLOCK(4, 1)
-FL_DOT_BLOCK(1, 1)
+#define FL_DOT_ROWS(NAME, KE, LOADK, ONEK)                                                   \
+    FL_DOT(NAME, KE, LOADK, ONEK, 4, 4)                                                     \
+    FL_DOT(NAME, KE, LOADK, ONEK, 1, 4)                                                     \
+    FL_DOT(NAME, KE, LOADK, ONEK, 4, 1)                                                     \
+    FL_DOT(NAME, KE, LOADK, ONEK, 1, 1)                                                     \
+    static void NAME##_scores(const T *q, int nr, const KE *k, int w, int d, T alpha, T *s, \
+                              long long ls) {                                               \
+        int r = 0;                                                                          \
+        for (; r + 4 <= nr; r += 4) {                                                       \
+            int j = 0;                                                                      \
+            for (; j + 4 <= w; j += 4)                                                      \
+                NAME##_4_4(q + (long long)r * d, k + (long long)j * d, d, alpha, s + r * ls + j, ls); \
+            for (; j < w; ++j)                                                              \
+                NAME##_4_1(q + (long long)r * d, k + (long long)j * d, d, alpha, s + r * ls + j, ls); \
+        }                                                                                   \
+        for (; r < nr; ++r) {                                                               \
+            int j = 0;                                                                      \
+            for (; j + 4 <= w; j += 4)                                                      \
+                NAME##_1_4(q + (long long)r * d, k + (long long)j * d, d, alpha, s + r * ls + j, ls); \
+            for (; j < w; ++j)                                                              \
+                NAME##_1_1(q + (long long)r * d, k + (long long)j * d, d, alpha, s + r * ls + j, ls); \
+        }                                                                                   \
+    }
 
-/* S (nr x w, row stride ls) = alpha · Q K_jᵀ for a few rows (decode), from Q's rows
- * (stride d) and K_j's rows as they lie: dot products, 4 rows x 4 keys at a time. For
- * a handful of rows this reads each key once and keeps every vector lane busy, where a
- * matmul laid out for many rows would run its vectors a few lanes wide. */
-static void dot_scores(const T *q, int nr, const T *k, int w, int d, T alpha, T *s,
-                       long long ls) {
-    int r = 0;
-    for (; r + 4 <= nr; r += 4) {
-        int j = 0;
-        for (; j + 4 <= w; j += 4) dot_4_4(q + (long long)r * d, k + (long long)j * d, d, alpha, s + r * ls + j, ls);
-        for (; j < w; ++j) dot_4_1(q + (long long)r * d, k + (long long)j * d, d, alpha, s + r * ls + j, ls);
-    }
-    for (; r < nr; ++r) {
-        int j = 0;
-        for (; j + 4 <= w; j += 4) dot_1_4(q + (long long)r * d, k + (long long)j * d, d, alpha, s + r * ls + j, ls);
-        for (; j < w; ++j) dot_1_1(q + (long long)r * d, k + (long long)j * d, d, alpha, s + r * ls + j, ls);
-    }
-}
 
 /* acc (nr x dv, row stride dv) += P (nr x w, row stride ls) V (w x dv, row stride dv),
  * V's elements of type VE read by LOADV (a half cache widened as it is read): blocks of
@@ -748,9 +753,11 @@ static void dot_scores(const T *q, int nr, const T *k, int w, int d, T alpha, T 
             }                                                                               \
     }
 #if !FL_HALF
-/* P V with V as it lies (keys in place, decode: a few rows, where a BLAS call costs more
- * than its arithmetic) */
+/* S and P V with K and V as they lie (keys in place, decode: a few rows, where a matmul
+ * laid out for many rows would run its vectors a few lanes wide, and a BLAS call per tile
+ * costs more than its arithmetic): each key is read once, every vector lane busy */
 static inline T one_t(T x) { return x; }
+FL_DOT_ROWS(dot_t, T, loadv, one_t)
 FL_PV(pv_t, T, loadv, 4, 4)
 FL_PV(pv_t, T, loadv, 1, 4)
 FL_PV(pv_t, T, loadv, 4, 1)
@@ -809,60 +816,8 @@ static inline T one_f16(unsigned short x) {
     return (T)h;
 }
 
-/* The dot-product blocks of S with K in a half dtype, widened as it is read: the same
- * sums, in the same order, as on K widened first. */
-#define FL_DOT_HALF(NAME, LOADK, ONEK, RN, JN)                                              \
-    static void NAME##_##RN##_##JN(const T *q, const unsigned short *k, int d, T alpha, T *s, \
-                                   long long ls) {                                          \
-        VT acc[RN][JN], zero = {0};                                                         \
-        for (int r = 0; r < RN; ++r)                                                        \
-            for (int j = 0; j < JN; ++j) acc[r][j] = zero;                                  \
-        int c = 0;                                                                          \
-        for (; c + W <= d; c += W) {                                                        \
-            VT qv[RN], kv[JN];                                                              \
-            for (int r = 0; r < RN; ++r) qv[r] = loadv(q + (long long)r * d + c);           \
-            for (int j = 0; j < JN; ++j) kv[j] = LOADK(k + (long long)j * d + c);           \
-            for (int r = 0; r < RN; ++r)                                                    \
-                for (int j = 0; j < JN; ++j) acc[r][j] += qv[r] * kv[j];                    \
-        }                                                                                   \
-        for (int r = 0; r < RN; ++r)                                                        \
-            for (int j = 0; j < JN; ++j) {                                                  \
-                T x = hsum(acc[r][j]);                                                      \
-                for (int e = c; e < d; ++e)                                                 \
-                    x += q[(long long)r * d + e] * ONEK(k[(long long)j * d + e]);           \
-                s[(long long)r * ls + j] = alpha * x;                                       \
-            }                                                                               \
-    }
-FL_DOT_HALF(dot_bf16, load_bf16, one_bf16, 4, 4)
-FL_DOT_HALF(dot_bf16, load_bf16, one_bf16, 1, 4)
-FL_DOT_HALF(dot_bf16, load_bf16, one_bf16, 4, 1)
-FL_DOT_HALF(dot_bf16, load_bf16, one_bf16, 1, 1)
-FL_DOT_HALF(dot_f16, load_f16, one_f16, 4, 4)
-FL_DOT_HALF(dot_f16, load_f16, one_f16, 1, 4)
-FL_DOT_HALF(dot_f16, load_f16, one_f16, 4, 1)
-FL_DOT_HALF(dot_f16, load_f16, one_f16, 1, 1)
-
-#define FL_DOT_HALF_ROWS(NAME)                                                               \
-    static void NAME##_scores(const T *q, int nr, const unsigned short *k, int w, int d,   \
-                              T alpha, T *s, long long ls) {                                \
-        int r = 0;                                                                          \
-        for (; r + 4 <= nr; r += 4) {                                                       \
-            int j = 0;                                                                      \
-            for (; j + 4 <= w; j += 4)                                                      \
-                NAME##_4_4(q + (long long)r * d, k + (long long)j * d, d, alpha, s + r * ls + j, ls); \
-            for (; j < w; ++j)                                                              \
-                NAME##_4_1(q + (long long)r * d, k + (long long)j * d, d, alpha, s + r * ls + j, ls); \
-        }                                                                                   \
-        for (; r < nr; ++r) {                                                               \
-            int j = 0;                                                                      \
-            for (; j + 4 <= w; j += 4)                                                      \
-                NAME##_1_4(q + (long long)r * d, k + (long long)j * d, d, alpha, s + r * ls + j, ls); \
-            for (; j < w; ++j)                                                              \
-                NAME##_1_1(q + (long long)r * d, k + (long long)j * d, d, alpha, s + r * ls + j, ls); \
-        }                                                                                   \
-    }
-FL_DOT_HALF_ROWS(dot_bf16)
-FL_DOT_HALF_ROWS(dot_f16)
+FL_DOT_ROWS(dot_bf16, unsigned short, load_bf16, one_bf16)
+FL_DOT_ROWS(dot_f16, unsigned short, load_f16, one_f16)
 
 FL_PV(pv_bf16, unsigned short, load_bf16, 4, 4)
 FL_PV(pv_bf16, unsigned short, load_bf16, 1, 4)
@@ -905,7 +860,7 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
     else
 #endif
     if (ks->on) /* keys in place: dot products of Q's rows with K_j's */
-        dot_scores(qr, nr, a->k + ko, w, (int)a->d, alpha2, s, ls);
+        dot_t_scores(qr, nr, a->k + ko, w, (int)a->d, alpha2, s, ls);
     else
 #endif
     {
