@@ -699,6 +699,61 @@ static inline T hsum(VT v) {
     return x;
 }
 
+/* The lane sums of 16 vectors at once, each in lane order (x = ((v[0] + v[1]) + v[2]) + …,
+ * as hsum), bit for bit hsum's: the vectors are transposed in registers in groups of
+ * LANES (log2(LANES) rounds of two-source shuffles that swap off-diagonal blocks), then
+ * added lane-wise in order, a few dozen instructions where 16 hsum calls take hundreds.
+ * out[i] = hsum(v[i]). */
+#if FL_DOUBLE
+#define LANES (VBYTES / 8)
+#else
+#define LANES (VBYTES / 4)
+#endif
+#define FL_LO(b, i) (((i) & (b)) == 0 ? (i) : (i) - (b) + LANES)
+#define FL_HI(b, i) (((i) & (b)) == 0 ? (i) + (b) : (i) + LANES)
+#if LANES == 16
+#define FL_MASK(F, b)                                                                        \
+    (VI){F(b, 0), F(b, 1), F(b, 2),  F(b, 3),  F(b, 4),  F(b, 5),  F(b, 6),  F(b, 7),       \
+         F(b, 8), F(b, 9), F(b, 10), F(b, 11), F(b, 12), F(b, 13), F(b, 14), F(b, 15)}
+#elif LANES == 8
+#define FL_MASK(F, b) (VI){F(b, 0), F(b, 1), F(b, 2), F(b, 3), F(b, 4), F(b, 5), F(b, 6), F(b, 7)}
+#elif LANES == 4
+#define FL_MASK(F, b) (VI){F(b, 0), F(b, 1), F(b, 2), F(b, 3)}
+#else
+#define FL_MASK(F, b) (VI){F(b, 0), F(b, 1)}
+#endif
+static inline void swap_blocks(VT *v, int b) {
+    VI lo, hi;
+    switch (b) {
+#if LANES >= 16
+    case 8: lo = FL_MASK(FL_LO, 8), hi = FL_MASK(FL_HI, 8); break;
+#endif
+#if LANES >= 8
+    case 4: lo = FL_MASK(FL_LO, 4), hi = FL_MASK(FL_HI, 4); break;
+#endif
+#if LANES >= 4
+    case 2: lo = FL_MASK(FL_LO, 2), hi = FL_MASK(FL_HI, 2); break;
+#endif
+    default: lo = FL_MASK(FL_LO, 1), hi = FL_MASK(FL_HI, 1); break;
+    }
+    for (int r = 0; r < LANES; ++r)
+        if (!(r & b)) {
+            VT a = v[r], c = v[r + b];
+            v[r] = __builtin_shuffle(a, c, lo);
+            v[r + b] = __builtin_shuffle(a, c, hi);
+        }
+}
+static inline void hsum16(const VT *v, T *out) {
+    for (int g = 0; g < 16; g += LANES) {
+        VT t[LANES];
+        for (int i = 0; i < LANES && g + i < 16; ++i) t[i] = v[g + i];
+        for (int b = LANES / 2; b >= 1; b /= 2) swap_blocks(t, b); /* t[i][j] = v[g + j][i] */
+        VT sum = splat(0) + t[0]; /* 0 + v[0], as hsum starts (a -0 becomes +0) */
+        for (int i = 1; i < LANES; ++i) sum += t[i];
+        for (int j = 0; j < LANES && g + j < 16; ++j) out[g + j] = sum[j];
+    }
+}
+
 /* One block of S = alpha · Q K_jᵀ with K read along its rows: RN rows x JN keys, each a
  * dot product over d in vectors (the rows and keys of the block in registers), reduced
  * across the vector at the end; K's elements of type KE read by LOADK (a vector) and
@@ -718,9 +773,14 @@ static inline T hsum(VT v) {
             for (int r = 0; r < RN; ++r)                                                    \
                 for (int j = 0; j < JN; ++j) acc[r][j] += qv[r] * kv[j];                    \
         }                                                                                   \
+        T sums[RN * JN];                                                                    \
+        if (RN * JN == 16 && LANES <= 16)                                                   \
+            hsum16(&acc[0][0], sums);                                                       \
+        else                                                                                \
+            for (int i = 0; i < RN * JN; ++i) sums[i] = hsum(acc[i / JN][i % JN]);          \
         for (int r = 0; r < RN; ++r)                                                        \
             for (int j = 0; j < JN; ++j) {                                                  \
-                T x = hsum(acc[r][j]);                                                      \
+                T x = sums[r * JN + j];                                                     \
                 for (int e = c; e < d; ++e)                                                 \
                     x += q[(long long)r * d + e] * ONEK(k[(long long)j * d + e]);           \
                 s[(long long)r * ls + j] = alpha * x;                                       \
