@@ -76,7 +76,6 @@ class _Plan:
     run: _native.ForwardPass
     acc: torch.dtype  # the loop's dtype: q's, and K/V's unless a half cache is read in place
     kv_as_is: bool  # K/V read in their own (half) dtype
-    dv: int
     out_dtype: torch.dtype
 
 
@@ -173,7 +172,6 @@ def _plan(
         run=run,
         acc=pb.dtype,
         kv_as_is=kn.dtype in _HALF,
-        dv=dv,
         out_dtype=pb.out_dtype,
     )
 
@@ -183,15 +181,16 @@ def _run(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The planned pass on this call's tensors, laid out as ``_forward_operands`` lays
     them; None when the result is not finite."""
-    qn = q.contiguous().to(plan.acc)  # (B·Hq, Lq, d) as laid out
-    kn, vn = k.contiguous(), v.contiguous()
-    if not plan.kv_as_is:
+    qn = q if q.is_contiguous() else q.contiguous()  # (B·Hq, Lq, d) as laid out
+    qn = qn if qn.dtype == plan.acc else qn.to(plan.acc)
+    kn = k if k.is_contiguous() else k.contiguous()
+    vn = v if v.is_contiguous() else v.contiguous()
+    if not plan.kv_as_is and kn.dtype != plan.acc:
         kn, vn = kn.to(plan.acc), vn.to(plan.acc)
-    o, lse = plan.run.run(qn, kn, vn, merge=True)  # (B·Hq, Lq, d_v), (B·Hq, Lq)
+    rows = q.shape[:-1]  # the caller's (..., Lq)
+    o, lse = plan.run.run(qn, kn, vn, merge=True, rows=rows)  # (..., Lq, d_v), (..., Lq)
     # a finite LSE and O are due where every row sees a key; anything else (a row that sees
     # none, an overflow, a NaN input) is the general path's to report or explain
-    kern = plan.run.kern
-    if not (kern.all_finite(lse) and kern.all_finite(o)):
+    if not plan.run.finite(lse, o):
         return None
-    o = o.view(*q.shape[:-1], plan.dv)
-    return (o if o.dtype == plan.out_dtype else o.to(plan.out_dtype)), lse.view(q.shape[:-1])
+    return (o if o.dtype == plan.out_dtype else o.to(plan.out_dtype)), lse

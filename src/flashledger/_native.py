@@ -667,13 +667,21 @@ class ForwardPass:
         self._sched = sched  # its partial tiles' bytes
         self._fn = kern.fn("fl_forward", _suffix(q.dtype))
         self._merge = kern.fn("fl_merge_splits", _suffix(self.acc)) if splits > 1 else None
+        self._finite = kern.fn("fl_all_finite", _suffix(self.acc))
 
     def run(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, merge: bool = False
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        merge: bool = False,
+        rows: tuple[int, ...] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each part's ``(o (S, H, Lq, d_v), lse (S, H, Lq))``, as ``Kernels.forward``; with
         ``merge``, the parts merged as ``Kernels.merge_splits`` merges them: ``(o (H, Lq,
-        d_v), lse (H, Lq))``."""
+        d_v), lse (H, Lq))``, or with ``rows`` (a shape of ``H·Lq`` rows, e.g. the caller's
+        ``(B, Hq, Lq)``) ``o`` ``(*rows, d_v)`` and ``lse`` ``rows``, the same memory."""
         if (q.dtype, k.dtype, v.dtype) != self.dtypes or (
             q.numel(),
             k.numel(),
@@ -685,8 +693,12 @@ class ForwardPass:
             )
         if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
             raise ValueError("q, k and v must be contiguous")
-        o = torch.empty(self.o_shape, dtype=self.acc)  # (S, H, Lq, d_v)
-        lse = torch.empty(self.lse_shape, dtype=self.acc)  # (S, H, Lq)
+        splits, heads, lq, dv = self.o_shape
+        if rows is not None and math.prod(rows) != heads * lq:
+            raise ValueError(f"rows {rows} do not hold the pass's {heads * lq} rows")
+        at = (splits, *rows) if merge and rows is not None else self.lse_shape
+        o = torch.empty((*at, dv), dtype=self.acc)  # (S, H, Lq, d_v)
+        lse = torch.empty(at, dtype=self.acc)  # (S, H, Lq)
         args = _Args.from_buffer_copy(self._args)
         seen = array.array("q", bytes(8 * self._n_tiles))
         args.seen = seen.buffer_info()[0]
@@ -703,12 +715,18 @@ class ForwardPass:
         _pool.give("work", work)
         if kt_buf is not None:
             _pool.give("kv_t", kt_buf)
-        self._sched.seen = seen.tolist()
-        if not merge or self._merge is None:
-            return (o[0], lse[0]) if merge else (o, lse)
-        splits, heads, lq, dv = self.o_shape
-        self._merge(o.data_ptr(), lse.data_ptr(), heads * lq, dv, splits)
+        if self._n_tiles:
+            self._sched.seen = seen.tolist()
+        if not merge:
+            return o, lse
+        if self._merge is not None:
+            self._merge(o.data_ptr(), lse.data_ptr(), heads * lq, dv, splits)
         return o[0], lse[0]
+
+    def finite(self, *xs: torch.Tensor) -> bool:
+        """True when no value of the results ``xs`` (as ``run`` gave them) is NaN or
+        infinite (``Kernels.all_finite``, without its checks)."""
+        return all(self._finite(x.data_ptr(), x.numel()) for x in xs)
 
 
 SCRATCH_KEEP_BYTES = 64 << 20  # the largest scratch buffer kept between passes
