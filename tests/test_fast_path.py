@@ -423,3 +423,18 @@ def test_bench_memory_subprocess_reports_a_peak():
     assert mem["method"] == "flashledger"
     # at least the outputs O, dQ, dK, dV must have been resident
     assert mem["peak_extra_bytes"] >= 4 * 2 * 1024 * 16 * 8, mem
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16", "float16"])
+def test_the_benchmark_runs_the_tiles_a_call_takes_by_default(native, dtype):
+    """``flashledger bench`` times the tiles flashledger takes when none are given: for
+    bfloat16/float16 those of the path the calibration chose (in the dtype, or float32's),
+    not the accumulation dtype's."""
+    from flashledger import _problem, blocked
+
+    dt = getattr(torch, dtype)
+    x = torch.zeros(1, 2, 8, 4, dtype=dt)
+    pb = _problem.build_problem(x, x, x)
+    want = blocked._resolve_tiles(pb, native, None, None)
+    assert bench.resolved_tiles(dtype, None, None) == want
+    assert bench.resolved_tiles(dtype, 64, None) == (64, want[1])

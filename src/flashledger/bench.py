@@ -121,11 +121,12 @@ class Config:
 
 
 def resolved_tiles(dtype: str, block_q: int | None, block_k: int | None) -> tuple[int, int]:
-    """``block_q``, ``block_k`` as given, or the native step's calibrated tiles for the
-    loop's accumulation dtype (512 x 512 where the native step is off)."""
+    """``block_q``, ``block_k`` as given, or the tiles flashledger takes by default for
+    ``dtype``: the native step's calibrated ones (for bfloat16/float16 those of the path
+    its calibration chose: in the dtype, or float32's), 512 x 512 where it is off."""
     kern = _native.kernels()
-    acc = torch.float64 if dtype == "float64" else torch.float32
-    bq, bk = kern.tiles(acc) if kern is not None else (DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K)
+    dt = getattr(torch, dtype)
+    bq, bk = kern.tiles(dt) if kern is not None else (DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K)
     return (bq if block_q is None else block_q), (bk if block_k is None else block_k)
 
 
