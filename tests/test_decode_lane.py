@@ -277,3 +277,16 @@ def test_a_kept_plan_never_stands_in_for_a_bad_option(native, gen, opts, error):
         for _ in range(2):
             with pytest.raises(ValueError, match=error):
                 _FlashAttention.apply(q, k, v, None, {**good, **opts})
+
+
+def test_a_cache_slice_that_is_not_contiguous_gives_the_same_bits(native, lane_runs, gen):
+    """K/V as a view of a larger cache (the first Lk slots of a static cache, strided
+    along the keys): laid out once, the general path's bits."""
+    q, k, v = _inputs(gen, 2, 8, 2, 1, 300, 32, 32, f32)
+    k_view, v_view = k[:, :, :200], v[:, :, :200]
+    assert not k_view.is_contiguous()
+    (o, lse), (o_ref, lse_ref) = _both(q, k_view, v_view, _opts(mask=fl.Causal("bottom_right")))
+    assert len(lane_runs) == 1
+    assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref)
+    (o2, _), _ = _both(q, k_view.contiguous(), v_view.contiguous(), _opts())
+    assert torch.equal(o, o2)
