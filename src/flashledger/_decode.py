@@ -33,6 +33,7 @@ from . import _native
 from ._problem import _frame_key, _FrameCache, build_problem
 from .blocked import (
     _HALF,
+    _bf16_rows,
     _Book,
     _check_options,
     _classes,
@@ -76,6 +77,7 @@ class _Plan:
     run: _native.ForwardPass
     acc: torch.dtype  # the loop's dtype: q's, and K/V's unless a half cache is read in place
     kv_as_is: bool  # K/V read in their own (half) dtype
+    bf16_rows: bool  # q's bfloat16 rows go beside their float32 copy (``_bf16_rows``)
     out_dtype: torch.dtype
 
 
@@ -172,6 +174,7 @@ def _plan(
         run=run,
         acc=pb.dtype,
         kv_as_is=kn.dtype in _HALF,
+        bf16_rows=_bf16_rows(pb, True) is not None,
         out_dtype=pb.out_dtype,
     )
 
@@ -188,7 +191,10 @@ def _run(
     if not plan.kv_as_is and kn.dtype != plan.acc:
         kn, vn = kn.to(plan.acc), vn.to(plan.acc)
     rows = q.shape[:-1]  # the caller's (..., Lq)
-    o, lse = plan.run.run(qn, kn, vn, merge=True, rows=rows)  # (..., Lq, d_v), (..., Lq)
+    q16 = None
+    if plan.bf16_rows:  # as _bf16_rows gives them to the general path
+        q16 = q if q.is_contiguous() else q.contiguous()
+    o, lse = plan.run.run(qn, kn, vn, merge=True, rows=rows, q16=q16)  # (..., Lq, d_v), (..., Lq)
     # a finite LSE and O are due where every row sees a key; anything else (a row that sees
     # none, an overflow, a NaN input) is the general path's to report or explain
     if not plan.run.finite(lse, o):

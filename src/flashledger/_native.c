@@ -481,6 +481,8 @@ struct fl_args {
                                        [iv_lo, iv_hi)[b · iv_bstride + i] (local), or NULL */
     const unsigned short *k16, *v16; /* forward with keys in place (kt NULL): K, V in a half
                                         dtype (half = 1: bfloat16, 2: float16), or NULL */
+    const unsigned short *q16; /* with a bfloat16 K: Q's rows in bfloat16 when they are
+                                  exactly q's values (the call's q was bfloat16), or NULL */
     const long long *tiles;     /* the schedule's tiles, FL_TILE fields each */
     const long long *row_start; /* row r's tiles are [row_start[r], row_start[r + 1]) */
     const long long *bounds;    /* row r covers [bounds[2r], bounds[2r + 1]): its queries
@@ -786,12 +788,8 @@ static inline void hsum16(const VT *v, T *out) {
                 s[(long long)r * ls + j] = alpha * x;                                       \
             }                                                                               \
     }
-#define FL_DOT_ROWS(NAME, KE, LOADK, ONEK)                                                   \
-    FL_DOT(NAME, KE, LOADK, ONEK, 4, 4)                                                     \
-    FL_DOT(NAME, KE, LOADK, ONEK, 1, 4)                                                     \
-    FL_DOT(NAME, KE, LOADK, ONEK, 4, 1)                                                     \
-    FL_DOT(NAME, KE, LOADK, ONEK, 1, 1)                                                     \
-    static void NAME##_scores(const T *q, int nr, const KE *k, int w, int d, T alpha, T *s, \
+#define FL_DOT_DRIVER(NAME, QE, KE)                                                          \
+    static void NAME##_scores(const QE *q, int nr, const KE *k, int w, int d, T alpha, T *s, \
                               long long ls) {                                               \
         int r = 0;                                                                          \
         for (; r + 4 <= nr; r += 4) {                                                       \
@@ -809,6 +807,12 @@ static inline void hsum16(const VT *v, T *out) {
                 NAME##_1_1(q + (long long)r * d, k + (long long)j * d, d, alpha, s + r * ls + j, ls); \
         }                                                                                   \
     }
+#define FL_DOT_ROWS(NAME, KE, LOADK, ONEK)                                                   \
+    FL_DOT(NAME, KE, LOADK, ONEK, 4, 4)                                                     \
+    FL_DOT(NAME, KE, LOADK, ONEK, 1, 4)                                                     \
+    FL_DOT(NAME, KE, LOADK, ONEK, 4, 1)                                                     \
+    FL_DOT(NAME, KE, LOADK, ONEK, 1, 1)                                                     \
+    FL_DOT_DRIVER(NAME, T, KE)
 
 
 /* acc (nr x dv, row stride dv) += P (nr x w, row stride ls) V (w x dv, row stride dv),
@@ -923,6 +927,43 @@ static inline T one_f16(unsigned short x) {
 }
 
 FL_DOT_ROWS(dot_bf16, unsigned short, load_bf16, one_bf16)
+#if defined(__AVX512BF16__) && VBYTES == 64
+#define FL_BF16_PAIRS 1
+/* S with a bfloat16 cache and the call's bfloat16 q rows (a->q16: exactly the float32
+ * q's values): AVX512-BF16's pair dot products, 32 elements of d per instruction and no
+ * widening (each lane adds its two exact products to its sum, rounding after each, as
+ * the instruction defines; its inputs' and sums' subnormals read and written as zero,
+ * below any score that moves a softmax); d a multiple of 32. */
+#define FL_DOT_PAIRS(RN, JN)                                                                 \
+    static void dotp_##RN##_##JN(const unsigned short *q, const unsigned short *k, int d,  \
+                                 T alpha, T *s, long long ls) {                             \
+        VT acc[RN][JN], zero = {0};                                                         \
+        for (int r = 0; r < RN; ++r)                                                        \
+            for (int j = 0; j < JN; ++j) acc[r][j] = zero;                                  \
+        for (int c = 0; c < d; c += 2 * W) {                                                \
+            __m512bh qv[RN], kv[JN];                                                        \
+            for (int r = 0; r < RN; ++r) memcpy(&qv[r], q + (long long)r * d + c, 64);      \
+            for (int j = 0; j < JN; ++j) memcpy(&kv[j], k + (long long)j * d + c, 64);      \
+            for (int r = 0; r < RN; ++r)                                                    \
+                for (int j = 0; j < JN; ++j)                                                \
+                    acc[r][j] = (VT)_mm512_dpbf16_ps((__m512)acc[r][j], qv[r], kv[j]);      \
+        }                                                                                   \
+        T sums[RN * JN];                                                                    \
+        if (RN * JN == 16)                                                                  \
+            hsum16(&acc[0][0], sums);                                                       \
+        else                                                                                \
+            for (int i = 0; i < RN * JN; ++i) sums[i] = hsum(acc[i / JN][i % JN]);          \
+        for (int r = 0; r < RN; ++r)                                                        \
+            for (int j = 0; j < JN; ++j) s[(long long)r * ls + j] = alpha * sums[r * JN + j]; \
+    }
+FL_DOT_PAIRS(4, 4)
+FL_DOT_PAIRS(1, 4)
+FL_DOT_PAIRS(4, 1)
+FL_DOT_PAIRS(1, 1)
+FL_DOT_DRIVER(dotp, unsigned short, unsigned short)
+#else
+#define FL_BF16_PAIRS 0
+#endif
 FL_DOT_ROWS(dot_f16, unsigned short, load_f16, one_f16)
 
 FL_PV(pv_bf16, unsigned short, load_bf16, 4, 4)
@@ -959,6 +1000,12 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
     const T *qr = a->q + row_base(a, b) * a->d;
     T alpha2 = (T)(a->scale * LOG2E);
 #if !FL_DOUBLE
+#if FL_BF16_PAIRS
+    if (ks->on && a->half == 1 && a->q16 && a->d % (2 * W) == 0) /* bfloat16 q and cache */
+        dotp_scores(a->q16 + row_base(a, b) * a->d, nr, a->k16 + ko, w, (int)a->d, alpha2, s,
+                    ls);
+    else
+#endif
     if (ks->on && a->half == 1) /* a bfloat16 cache, widened as it is read */
         dot_bf16_scores(qr, nr, a->k16 + ko, w, (int)a->d, alpha2, s, ls);
     else if (ks->on && a->half == 2) /* float16 */

@@ -72,9 +72,7 @@ _loaded: tuple[Kernels | None, str] | None = None
 _off = threading.local()
 
 
-_POINTERS = (
-    "q k kt v vt o lse dout lam dd dq dk dvo work iv_lo iv_hi k16 v16 tiles row_start bounds seen"
-)
+_POINTERS = "q k kt v vt o lse dout lam dd dq dk dvo work iv_lo iv_hi k16 v16 q16 tiles row_start bounds seen"
 _SIZES = "heads group lq lk d dv work_stride hq iv_bstride rows chunk splits stacked half"
 _HALF = {torch.bfloat16: 1, torch.float16: 2}
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -438,6 +436,7 @@ class Kernels:
         stacked: bool = False,
         keys_in_place: bool = False,
         merge: bool = False,
+        q16: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward pass of ``sched`` (rows: query tiles) in one native call.
 
@@ -452,8 +451,8 @@ class Kernels:
         hi[i]`` (read for partial tiles given no bytes). Returns each part's ``o`` ``(S, H,
         Lq, d_v)`` and ``lse`` ``(S, H, Lq)`` (natural units, -inf where a part saw no key),
         float32 for half inputs; with ``merge``, the parts merged (``merge_splits``):
-        ``o`` ``(H, Lq, d_v)``, ``lse`` ``(H, Lq)``. ``ForwardPass`` holds the same call for
-        repeating it.
+        ``o`` ``(H, Lq, d_v)``, ``lse`` ``(H, Lq)``; ``q16`` as ``ForwardPass.run``'s.
+        ``ForwardPass`` holds the same call for repeating it.
         """
         fp = ForwardPass(
             self,
@@ -470,7 +469,7 @@ class Kernels:
             stacked=stacked,
             keys_in_place=keys_in_place,
         )
-        o, lse = fp.run(q, k, v, merge=merge)
+        o, lse = fp.run(q, k, v, merge=merge, q16=q16)
         del sched._alive[:]  # the partial tiles' bytes, read by the call
         return o, lse
 
@@ -677,11 +676,15 @@ class ForwardPass:
         *,
         merge: bool = False,
         rows: tuple[int, ...] | None = None,
+        q16: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each part's ``(o (S, H, Lq, d_v), lse (S, H, Lq))``, as ``Kernels.forward``; with
         ``merge``, the parts merged as ``Kernels.merge_splits`` merges them: ``(o (H, Lq,
         d_v), lse (H, Lq))``, or with ``rows`` (a shape of ``H·Lq`` rows, e.g. the caller's
-        ``(B, Hq, Lq)``) ``o`` ``(*rows, d_v)`` and ``lse`` ``rows``, the same memory."""
+        ``(B, Hq, Lq)``) ``o`` ``(*rows, d_v)`` and ``lse`` ``rows``, the same memory.
+        ``q16``: with a bfloat16 cache read in place, q's rows in bfloat16, contiguous,
+        exactly ``q``'s values (the call's q was bfloat16): the dot products then run on
+        AVX512-BF16's pair instruction where the step was built for it."""
         if (q.dtype, k.dtype, v.dtype) != self.dtypes or (
             q.numel(),
             k.numel(),
@@ -705,6 +708,12 @@ class ForwardPass:
         kt_buf = None
         if self.in_place:
             args.k16, args.v16 = (k.data_ptr(), v.data_ptr()) if args.half else (None, None)
+            if q16 is not None and args.half == 1:
+                if q16.dtype != torch.bfloat16 or q16.numel() != q.numel():
+                    raise ValueError("q16 must hold q's values in bfloat16")
+                if not q16.is_contiguous():
+                    raise ValueError("q16 must be contiguous")
+                args.q16 = q16.data_ptr()
         else:
             kt_buf = _pool.take("kv_t", k.shape[0] * k.shape[2] * self.lt, q.dtype)
             args.kt = self.kern.transposed(k, kt_buf).data_ptr()  # Kᵀ (Hk, d, Lk)

@@ -740,6 +740,15 @@ def _forward_launch(
     return _Launch(chunk, splits, stacked, in_place)
 
 
+def _bf16_rows(pb: Problem, in_place: bool) -> torch.Tensor | None:
+    """q's rows ``(B·Hq, Lq, d)`` as the caller gave them, for a bfloat16 q reading a
+    bfloat16 cache in place (exactly the float32 q's values: the step's dot products then
+    take them as they are); None otherwise."""
+    if in_place and pb.q_in.dtype == pb.k_in.dtype == torch.bfloat16:
+        return _flat(pb.q_in)
+    return None
+
+
 def _forward_operands(
     pb: Problem, kern: _native.Kernels, in_place: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -792,6 +801,7 @@ def _forward_native(
         stacked=launch.stacked,
         keys_in_place=launch.in_place,
         merge=True,  # the one merge's rule, every part at once, in the same native pass
+        q16=_bf16_rows(pb, launch.in_place),
         **_native_common(pb, ran),
     )  # (B·Hq, Lq, d_v), (B·Hq, Lq)
     _book_native(book, ran, sched.seen, d, dv, forward=True)
