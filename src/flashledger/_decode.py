@@ -9,7 +9,7 @@ pass of a short cache. Where nobody can observe the call (``_FlashAttention.appl
 with no gradient to flow, no ledger sink, no trace), the lane keeps what the general
 path decides for a call's shapes, dtypes, devices, options, thread count and matmul
 back end, decided by the general path's own functions (``build_problem``,
-``_resolve_tiles``, ``_native_schedule``, ``_forward_launch``, ``_forward_operands``),
+``_resolve_tiles``, ``_native_forward_plan``, ``_forward_operands``),
 as a ``_native.ForwardPass``, and runs that pass on each call's tensors. Its results
 are the general path's bit for bit (``tests/test_decode_lane.py``).
 
@@ -37,16 +37,14 @@ from .blocked import (
     _Book,
     _check_options,
     _classes,
-    _forward_launch,
     _forward_operands,
-    _native_common,
-    _native_schedule,
+    _kind_of,
+    _native_forward_plan,
     _native_step,
     _new_ledger,
     _resolve_tiles,
-    _tiles,
 )
-from .masks import FULL, Causal, IntervalBound, SlidingWindow
+from .masks import Causal, IntervalBound, SlidingWindow
 
 __all__ = ["forward"]
 
@@ -146,30 +144,15 @@ def _plan(
     if pb.mask is not None and not isinstance(pb.mask, IntervalBound):
         return _NOT_TAKEN
     block_q, block_k = _resolve_tiles(pb, kern, opts.get("block_q"), opts.get("block_k"))
-    b, hq, hkv, g, lq, lk, d, dv = pb.shape
-    qtiles, ktiles = _tiles(lq, block_q), _tiles(lk, block_k)
-    if len(qtiles) != 1 or lk == 0:
+    if pb.shape[5] == 0:
         return _NOT_TAKEN
     book = _Book(pb, _new_ledger(pb, "forward", block_q, block_k, "fa2").counters)
-    classes = _classes(pb, block_q, block_k)  # None without a mask
-    kind_of = (lambda i, j: FULL) if classes is None else (lambda i, j: classes[i][j])
-    sched, ran = _native_schedule(pb, book, qtiles, ktiles, kind_of, forward=True)
-    launch = _forward_launch(pb, kern, sched, len(qtiles), block_q)
-    if not launch.in_place:
+    kind_of = _kind_of(_classes(pb, block_q, block_k))
+    _, sched, _, args = _native_forward_plan(pb, kern, book, kind_of, block_q, block_k)
+    if not args["keys_in_place"]:  # (one query tile, a few rows per K/V head)
         return _NOT_TAKEN
     qn, kn, vn = _forward_operands(pb, kern, True)
-    run = _native.ForwardPass(
-        kern,
-        qn,
-        kn,
-        vn,
-        sched,
-        chunk=launch.chunk,
-        splits=launch.splits,
-        stacked=launch.stacked,
-        keys_in_place=True,
-        **_native_common(pb, ran),
-    )
+    run = _native.ForwardPass(kern, qn, kn, vn, sched, **args)
     return _Plan(
         run=run,
         acc=pb.dtype,

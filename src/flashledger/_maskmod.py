@@ -35,7 +35,7 @@ from .masks import EMPTY, FULL, PARTIAL, BoundMask, Geometry, Mask, classify_by_
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
-__all__ = ["BlockMaskBound", "MaskMod", "MaskModBound", "is_block_mask"]
+__all__ = ["BlockMaskBound", "MaskMod", "MaskModBound", "block_grid", "is_block_mask"]
 
 
 def is_block_mask(x: Any) -> bool:
@@ -48,6 +48,29 @@ def is_block_mask(x: Any) -> bool:
 def _fn_name(fn: Any) -> str:
     inner = getattr(fn, "fn", fn)  # torch wraps some mask_mods (_MaskModWrapper)
     return str(getattr(inner, "__name__", type(inner).__name__))
+
+
+def block_grid(bm: BlockMask, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A ``BlockMask``'s blocks, ``(Bb, Hb, Tq, Tk)`` int8 (the blocks covering its
+    ``seq_lengths``): ``PARTIAL`` where ``kv_indices`` lists a block, ``FULL`` where
+    ``full_kv_indices`` does, ``EMPTY`` elsewhere."""
+    lq, lk = (int(x) for x in bm.seq_lengths)
+    block_q, block_k = (int(x) for x in bm.BLOCK_SIZE)
+    tq, tk = -(-lq // block_q), -(-lk // block_k)
+    kv_num, kv_idx = bm.kv_num_blocks, bm.kv_indices  # (Bb, Hb, Tq), (Bb, Hb, Tq, W)
+    width = max(tk, kv_idx.shape[-1])
+    grid = torch.zeros(*kv_num.shape[:2], tq, width + 1, dtype=torch.int8, device=device)
+    pairs = [(kv_num, kv_idx, PARTIAL)]
+    if bm.full_kv_num_blocks is not None and bm.full_kv_indices is not None:
+        pairs.append((bm.full_kv_num_blocks, bm.full_kv_indices, FULL))
+    for num, idx, kind in pairs:
+        idx = idx[..., :tq, :].to(device=device, dtype=torch.int64)  # (Bb, Hb, Tq, W)
+        num = num[..., :tq].to(device=device, dtype=torch.int64)  # (Bb, Hb, Tq)
+        slots = torch.arange(idx.shape[-1], device=device)  # (W,)
+        listed = (slots < num[..., None]) & (idx >= 0) & (idx < tk)
+        cols = torch.where(listed, idx, width)  # unlisted slots land in a spare column
+        grid.scatter_(-1, cols, kind)
+    return grid[..., :tk]
 
 
 class MaskMod(Mask):
@@ -130,28 +153,13 @@ class BlockMaskBound(MaskModBound):
                 "lengths"
             )
         self.block_q, self.block_k = (int(x) for x in bm.BLOCK_SIZE)
-        kv_num, kv_idx = bm.kv_num_blocks, bm.kv_indices  # (Bb, Hb, Tq), (Bb, Hb, Tq, W)
-        bb, hb = kv_num.shape[0], kv_num.shape[1]
+        bb, hb = bm.kv_num_blocks.shape[:2]
         if bb not in (1, geo.batch) or hb not in (1, geo.heads):
             raise ValueError(
                 f"the BlockMask has batch x heads {bb} x {hb}; the inputs need 1 or "
                 f"{geo.batch} batch entries and 1 or {geo.heads} heads"
             )
-        tq, tk = -(-lq // self.block_q), -(-lk // self.block_k)
-        # -- the block grid: EMPTY, PARTIAL (kv_indices) or FULL (full_kv_indices) --
-        width = max(tk, kv_idx.shape[-1])
-        grid = torch.zeros(bb, hb, tq, width + 1, dtype=torch.int8, device=geo.device)
-        pairs = [(kv_num, kv_idx, PARTIAL)]
-        if bm.full_kv_num_blocks is not None and bm.full_kv_indices is not None:
-            pairs.append((bm.full_kv_num_blocks, bm.full_kv_indices, FULL))
-        for num, idx, kind in pairs:
-            idx = idx[..., :tq, :].to(device=geo.device, dtype=torch.int64)  # (Bb, Hb, Tq, W)
-            num = num[..., :tq].to(device=geo.device, dtype=torch.int64)  # (Bb, Hb, Tq)
-            slots = torch.arange(idx.shape[-1], device=geo.device)  # (W,)
-            listed = (slots < num[..., None]) & (idx >= 0) & (idx < tk)
-            cols = torch.where(listed, idx, width)  # unlisted slots land in a spare column
-            grid.scatter_(-1, cols, kind)
-        self.grid = grid[..., :tk]  # (Bb, Hb, Tq, Tk)
+        self.grid = block_grid(bm, geo.device)  # (Bb, Hb, Tq, Tk)
 
     def block(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
         g = self.geo

@@ -555,41 +555,38 @@ static T row_max(const T *row, int nc) {
     return t;
 }
 
+/* P = 2^x stored in the input dtype (store_in). For bfloat16 where vcvtneps2bf16 is
+ * built in: 2^x for x >= -125 is 0 or normal, which the instruction rounds as the integer
+ * rule does, so one compare of the exponents stands in for store_in's test of every P. */
+static inline void store_p(TIN *p, VT x, VT v) {
+#if FL_HALF == 1 && defined(__AVX512BF16__) && VBYTES == 64
+    if (!_mm512_cmp_ps_mask((__m512)x, _mm512_set1_ps(-125.0f), _CMP_LT_OQ)) {
+        __m256bh h = _mm512_cvtneps_pbh((__m512)v);
+        memcpy(p, &h, sizeof h);
+        return;
+    }
+#else
+    (void)x;
+#endif
+    store_in(p, v);
+}
+
 /* P = 2^(row - shift) into `out`, in the input dtype (float builds: out = row, in place);
  * returns the row sum, of P before that rounding. */
 static T exp_row(const T *row, TIN *out, int nc, T shift) {
     VT sh = splat(shift), s0 = splat(0), s1 = s0;
     int j = 0;
-#if FL_HALF == 1 && defined(__AVX512BF16__) && VBYTES == 64
-    /* 2^x for x >= -125 is 0 or normal, and vcvtneps2bf16 rounds it as the integer rule
-     * does: one compare of the exponents instead of a test of every P (store_in) */
     for (; j + 2 * W <= nc; j += 2 * W) {
         VT x0 = loadv(row + j) - sh, x1 = loadv(row + j + W) - sh;
         VT p0 = vexp2(x0), p1 = vexp2(x1);
-        __m512 low = _mm512_set1_ps(-125.0f);
-        if (_mm512_cmp_ps_mask((__m512)x0, low, _CMP_LT_OQ) |
-            _mm512_cmp_ps_mask((__m512)x1, low, _CMP_LT_OQ)) {
-            store_in(out + j, p0);
-            store_in(out + j + W, p1);
-        } else {
-            __m256bh h0 = _mm512_cvtneps_pbh((__m512)p0), h1 = _mm512_cvtneps_pbh((__m512)p1);
-            memcpy(out + j, &h0, sizeof h0);
-            memcpy(out + j + W, &h1, sizeof h1);
-        }
-        s0 += p0;
-        s1 += p1;
-    }
-#endif
-    for (; j + 2 * W <= nc; j += 2 * W) {
-        VT p0 = vexp2(loadv(row + j) - sh), p1 = vexp2(loadv(row + j + W) - sh);
-        store_in(out + j, p0);
-        store_in(out + j + W, p1);
+        store_p(out + j, x0, p0);
+        store_p(out + j + W, x1, p1);
         s0 += p0;
         s1 += p1;
     }
     for (; j + W <= nc; j += W) {
-        VT p = vexp2(loadv(row + j) - sh);
-        store_in(out + j, p);
+        VT x = loadv(row + j) - sh, p = vexp2(x);
+        store_p(out + j, x, p);
         s0 += p;
     }
     s0 += s1;

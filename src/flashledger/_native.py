@@ -616,10 +616,10 @@ class ForwardPass:
     """One forward pass of ``Kernels.forward`` with everything but the operands fixed:
     sizes, schedule, work split and scratch size, set once from the shapes and dtypes of
     ``q``, ``k``, ``v`` (their values are not read). ``run(q, k, v)`` runs it on tensors
-    of those sizes and dtypes (contiguous, laid out as the planned ones), as often as asked: a decode step repeats its
-    shapes on every layer and token (``_decode``), and ``Kernels.forward`` builds one per
-    call. Arguments as ``Kernels.forward``'s; the schedule's partial tiles' bytes must stay
-    alive while the pass is run."""
+    of those sizes and dtypes (contiguous, laid out as the planned ones), as often as
+    asked: a decode step repeats its shapes on every layer and token (``_decode``), and
+    ``Kernels.forward`` builds one per call. Arguments as ``Kernels.forward``'s; the
+    schedule's partial tiles' bytes must stay alive while the pass is run."""
 
     def __init__(
         self,
@@ -638,7 +638,7 @@ class ForwardPass:
         stacked: bool,
         keys_in_place: bool,
     ) -> None:
-        self.kern, self.splits, self.in_place = kern, splits, keys_in_place
+        self.kern, self.in_place = kern, keys_in_place
         # a float32 q reading a half K/V cache in place (widened as it is read); the half step
         # itself has q, k, v all in the half dtype
         half = _HALF.get(k.dtype, 0) if keys_in_place and q.dtype != k.dtype else 0
@@ -665,7 +665,6 @@ class ForwardPass:
         self._n_tiles = len(self._buffers[3])
         self._sched = sched  # its partial tiles' bytes
         self._fn = kern.fn("fl_forward", _suffix(q.dtype))
-        self._merge = kern.fn("fl_merge_splits", _suffix(self.acc)) if splits > 1 else None
         self._finite = kern.fn("fl_all_finite", _suffix(self.acc))
 
     def run(
@@ -728,8 +727,8 @@ class ForwardPass:
             self._sched.seen = seen.tolist()
         if not merge:
             return o, lse
-        if self._merge is not None:
-            self._merge(o.data_ptr(), lse.data_ptr(), heads * lq, dv, splits)
+        if splits > 1:  # in place, into part 0 (the one merge's rule: merge_splits)
+            self.kern.merge_splits(o.view(splits, heads, lq, dv), lse.view(splits, heads, lq))
         return o[0], lse[0]
 
     def finite(self, *xs: torch.Tensor) -> bool:

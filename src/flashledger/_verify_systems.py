@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from ._maskmod import block_grid
 from ._verify_cases import Case
 from .masks import (
     EMPTY,
@@ -251,19 +252,10 @@ def flex_tile_classes(case: Case, block_q: int, block_k: int) -> Tensor:
 def block_mask_classes(bm: Any) -> Tensor:
     """A ``BlockMask``'s tiles reduced over batch and heads: ``(Tq, Tk)`` int8, ``EMPTY``
     where every (batch, head) skips the tile, ``FULL`` where every one has it full."""
-    kv_num, kv_idx = bm.kv_num_blocks, bm.kv_indices  # (B, H, Tq), (B, H, Tq, Tk)
-    full_num, full_idx = bm.full_kv_num_blocks, bm.full_kv_indices
-    tq, tk = kv_idx.shape[-2], kv_idx.shape[-1]
-    slots = torch.arange(tk).view(1, 1, 1, tk)
-    partial = torch.zeros(*kv_idx.shape[:2], tq, tk + 1, dtype=torch.bool)  # (B, H, Tq, Tk + 1)
-    full = torch.zeros_like(partial)
-    partial.scatter_(-1, torch.where(slots < kv_num[..., None], kv_idx, tk).long(), True)
-    if full_num is not None and full_idx is not None:
-        full.scatter_(-1, torch.where(slots < full_num[..., None], full_idx, tk).long(), True)
-    partial, full = partial[..., :tk], full[..., :tk]
-    out = torch.full((tq, tk), PARTIAL, dtype=torch.int8)
-    out[~(partial | full).any(dim=1).any(dim=0)] = EMPTY
-    out[full.all(dim=1).all(dim=0)] = FULL
+    grid = block_grid(bm)  # (B, H, Tq, Tk)
+    out = torch.full(grid.shape[2:], PARTIAL, dtype=torch.int8)
+    out[(grid == EMPTY).all(dim=1).all(dim=0)] = EMPTY
+    out[(grid == FULL).all(dim=1).all(dim=0)] = FULL
     return out
 
 

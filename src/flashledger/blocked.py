@@ -703,43 +703,6 @@ def _native_schedule(
     return sched, ran
 
 
-@dataclass(frozen=True)
-class _Launch:
-    """How a forward pass runs on the native step: work items of ``chunk`` rows, each
-    row's key tiles in ``splits`` parts, ``stacked`` (one query tile: a group's query
-    heads as one block of rows), K read ``in_place`` (no Kᵀ; a half cache widened as it
-    is read)."""
-
-    chunk: int
-    splits: int
-    stacked: bool
-    in_place: bool
-
-
-def _forward_launch(
-    pb: Problem, kern: _native.Kernels, sched: _native.Schedule, n_qtiles: int, block_q: int
-) -> _Launch:
-    """The work split of a forward over ``sched`` (``n_qtiles`` query tiles) on this
-    thread's thread count: rows per work item a whole tile, or fewer when the heads alone
-    cannot fill the threads; when the items are still too few to balance (decode: a few
-    query rows against many keys), each row's key tiles split into parts (flash-decoding)."""
-    b, hq, hkv, g, lq = pb.shape[:5]
-    threads, rows = kern.max_threads(), min(block_q, lq)
-    stacked = n_qtiles == 1  # decode: the group's rows share their K/V tiles
-    # a few rows against many keys: read K in place (a Kᵀ would cost as much traffic as
-    # the attention), in its own dtype (a half-precision cache is widened as it is read)
-    in_place = stacked and g * lq <= 64
-    units = b * hkv if stacked else b * hq
-    chunk = g * lq if stacked else rows
-    while units * -(-(g * lq if stacked else rows) // chunk) < threads and chunk > 32:
-        chunk = -(-chunk // 2)
-    items = units * -(-(g * lq if stacked else rows) // chunk) * n_qtiles
-    splits = 1
-    if items < 4 * threads:  # too few to balance: split each row's key tiles
-        splits = max(1, min(sched.longest_row(), -(-4 * threads // items), 16))
-    return _Launch(chunk, splits, stacked, in_place)
-
-
 def _bf16_rows(pb: Problem, in_place: bool) -> torch.Tensor | None:
     """q's rows ``(B·Hq, Lq, d)`` as the caller gave them, for a bfloat16 q reading a
     bfloat16 cache in place (exactly the float32 q's values: the step's dot products then
@@ -765,6 +728,58 @@ def _forward_operands(
     return q, k, v
 
 
+def _native_forward_plan(
+    pb: Problem,
+    kern: _native.Kernels,
+    book: _Book,
+    kind_of: Any,
+    block_q: int,
+    block_k: int,
+) -> tuple[
+    list[tuple[int, int]],
+    _native.Schedule,
+    list[tuple[int, int, int, int, int, torch.Tensor | None]],
+    dict[str, Any],
+]:
+    """What a native forward runs, from the shapes and the mask alone: the query tiles,
+    the schedule, the tiles it runs (for the booking) and the pass's arguments besides
+    its operands (``Kernels.forward``'s, ``ForwardPass``'s: the interval mask and the
+    work split on this thread's thread count). Rows per work item are a whole tile, or
+    fewer when the heads alone cannot fill the threads; one query tile (decode) stacks a
+    group's query heads as one block of rows, and with a few rows against many keys K is
+    read in place (a Kᵀ would cost as much traffic as the attention; a half cache is
+    widened as it is read); when the items are still too few to balance, each row's key
+    tiles are split into parts (flash-decoding). ``_forward_native`` runs it; the decode
+    lane (``_decode``) keeps it for its plans."""
+    b, hq, hkv, g, lq, lk = pb.shape[:6]
+    qtiles, ktiles = _tiles(lq, block_q), _tiles(lk, block_k)
+    sched, ran = _native_schedule(pb, book, qtiles, ktiles, kind_of, forward=True)
+    threads, rows = kern.max_threads(), min(block_q, lq)
+    stacked = len(qtiles) == 1  # decode: the group's rows share their K/V tiles
+    units = b * hkv if stacked else b * hq
+    chunk = g * lq if stacked else rows
+    while units * -(-(g * lq if stacked else rows) // chunk) < threads and chunk > 32:
+        chunk = -(-chunk // 2)
+    items = units * -(-(g * lq if stacked else rows) // chunk) * len(qtiles)
+    splits = 1
+    if items < 4 * threads:  # too few to balance: split each row's key tiles
+        splits = max(1, min(sched.longest_row(), -(-4 * threads // items), 16))
+    args = dict(
+        chunk=chunk,
+        splits=splits,
+        stacked=stacked,
+        keys_in_place=stacked and g * lq <= 64,
+        **_native_common(pb, ran),
+    )
+    return qtiles, sched, ran, args
+
+
+def _kind_of(classes: list[list[int]] | None) -> Any:
+    """``kind_of(i, j)``: tile (i, j)'s class from the mask's classes (every tile full
+    without a mask)."""
+    return (lambda i, j: FULL) if classes is None else (lambda i, j: classes[i][j])
+
+
 def _forward_native(
     pb: Problem,
     kern: _native.Kernels,
@@ -787,22 +802,17 @@ def _forward_native(
     inputs on the half path stay in their dtype.
     """
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
-    qtiles, ktiles = _tiles(lq, block_q), _tiles(lk, block_k)
-    sched, ran = _native_schedule(pb, book, qtiles, ktiles, kind_of, forward=True)
-    launch = _forward_launch(pb, kern, sched, len(qtiles), block_q)
-    q, k, v = _forward_operands(pb, kern, launch.in_place)
+    qtiles, sched, ran, args = _native_forward_plan(pb, kern, book, kind_of, block_q, block_k)
+    in_place = args["keys_in_place"]
+    q, k, v = _forward_operands(pb, kern, in_place)
     o, lse = kern.forward(
         q,
         k,
         v,
         sched,
-        chunk=launch.chunk,
-        splits=launch.splits,
-        stacked=launch.stacked,
-        keys_in_place=launch.in_place,
         merge=True,  # the one merge's rule, every part at once, in the same native pass
-        q16=_bf16_rows(pb, launch.in_place),
-        **_native_common(pb, ran),
+        q16=_bf16_rows(pb, in_place),
+        **args,
     )  # (B·Hq, Lq, d_v), (B·Hq, Lq)
     _book_native(book, ran, sched.seen, d, dv, forward=True)
     read = {t[1] for t in ran}  # query tiles with a tile run
@@ -904,7 +914,7 @@ def _forward(
     qtiles, ktiles = _tiles(lq, block_q), _tiles(lk, block_k)
     if trace is not None:
         _check_trace_budget(pb, trace, classes, qtiles, ktiles, f"forward {loop_order}")
-    kind_of = (lambda i, j: FULL) if classes is None else (lambda i, j: classes[i][j])
+    kind_of = _kind_of(classes)
     dt, dev = pb.dtype, pb.geo.device
     if kern is not None:
         return _forward_native(pb, kern, ledger, kind_of, book, block_q, block_k)
@@ -1154,7 +1164,7 @@ def _backward(
     qtiles, ktiles = _tiles(lq, block_q), _tiles(lk, block_k)
     if trace is not None:
         _check_trace_budget(pb, trace, classes, qtiles, ktiles, "backward")
-    kind_of = (lambda i, j: FULL) if classes is None else (lambda i, j: classes[i][j])
+    kind_of = _kind_of(classes)
     dt, dev = pb.dtype, pb.geo.device
     n = b * hkv
     # The scores are recomputed by the forward's own call (``_tile_scores``), so the
