@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from naive import flex_visible, naive_flex, tile_classes_from_dense
 
 import flashledger as fl
-from flashledger import masks
+from flashledger import _maskmod, masks
 from flashledger._mods import find_captured
 
 F64 = torch.float64
@@ -698,6 +698,22 @@ def test_bad_mods_are_named():
 # ----------------------------------------------------------------------------------------
 # the ledger and its closed form
 # ----------------------------------------------------------------------------------------
+def test_classifying_without_span_bounds_evaluates_every_position_once(monkeypatch):
+    """With the span bounds off, classifying evaluates the mask_mod at every position once
+    per (b, h), and the classes and outputs are the same."""
+    q, k, v, _ = _inputs(2, 4, 2, 97, 113)
+    mm = document([40, 30, 43])
+    opts = dict(mask=fl.MaskMod(mm), block_q=16, block_k=32)
+    with torch.no_grad():
+        on = fl.blocked_forward(q, k, v, **opts)
+        monkeypatch.setattr(_maskmod, "SPAN_BOUNDS", False)
+        off = fl.blocked_forward(q, k, v, **opts)
+    assert off.ledger.counters.mask_mod_classify_evals == 97 * 113 * 2 * 4
+    assert on.ledger.counters.mask_mod_classify_evals < 97 * 113 * 2 * 4 / 2
+    assert torch.equal(on.o, off.o) and torch.equal(on.lse, off.lse)
+    assert on.ledger.tile_kinds == off.ledger.tile_kinds
+
+
 KEYS = (
     "mask_mod_classify_evals",
     "mask_mod_tiles",
@@ -752,7 +768,14 @@ def test_counters_equal_the_closed_form(which, keep, monkeypatch):
         assert (sw.mask_mod_tiles_kept == 0) == (keep == "none kept" or which == "BlockMask")
         assert (c.mask_mod_classify_evals == 0) == (which == "BlockMask")
     if which == "MaskMod":
-        assert c.mask_mod_classify_evals == 97 * 113 * 2 * 4, "each position once, per (b, h)"
+        # the span bounds decide every tile but the partial ones (a document mask's bounds
+        # are tight): those are evaluated, each position once, per (b, h)
+        exact = tile_classes_from_dense(flex_visible(mm, 2, 4, 97, 113), 16, 32)
+        rows = torch.tensor([min(16, 97 - 16 * i) for i in range(exact.shape[0])])
+        cols = torch.tensor([min(32, 113 - 32 * j) for j in range(exact.shape[1])])
+        area = int((rows[:, None] * cols[None, :] * (exact == masks.PARTIAL)).sum())
+        assert 0 < area < 97 * 113
+        assert c.mask_mod_classify_evals == area * 2 * 4
     text = str(fwd.ledger)
     assert f"score_mod: {c.score_mod_evals} positions in {c.score_mod_tiles} tile calls" in text
     assert fwd.ledger.to_dict()["counters"]["score_mod_tiles"] == c.score_mod_tiles

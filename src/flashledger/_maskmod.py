@@ -4,10 +4,15 @@
 
 - which keys a row sees: ``mask_mod(b, h, q_idx, kv_idx)`` evaluated on the
   tile, vectorised over broadcast index tensors (``_mods.TileCaller``), and
-- each tile's class: ``classify_by_rows`` evaluates it one row of tiles at a
-  time (memory linear in the length) and reduces each tile to empty, partial
-  or full, as ``create_block_mask`` does (without its padding: a ragged last
-  tile whose real positions are all visible is full).
+- each tile's class: the mask_mod run once on spans of indices (``_spans``:
+  per tile, the least and greatest row and key) decides the tiles it cannot
+  hold anywhere in (empty) or cannot fail anywhere in (full); the others,
+  and every tile of a mask_mod the spans cannot follow, are evaluated
+  position by position (``classify_by_rows``: one row of tiles at a time,
+  memory linear in the length) and reduced to empty, partial or full, as
+  ``create_block_mask`` does (without its padding: a ragged last tile whose
+  real positions are all visible is full). The classes are the same either
+  way; the bounds only spare the evaluations.
 
 ``MaskMod(block_mask)`` takes a ``torch.nn.attention.flex_attention.BlockMask``
 instead: tile classes come from its block structure, without evaluating
@@ -30,12 +35,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._mods import MaskModFn, TileCaller, index_grid
+from ._spans import span_classes
 from .masks import EMPTY, FULL, PARTIAL, BoundMask, Geometry, Mask, classify_by_rows
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
 __all__ = ["BlockMaskBound", "MaskMod", "MaskModBound", "block_grid", "is_block_mask"]
+
+SPAN_BOUNDS = True
+"""Whether a mask_mod's tile classes start from its span bounds (``_spans``); False
+evaluates every position (the same classes, at the cost of evaluating them all)."""
 
 
 def is_block_mask(x: Any) -> bool:
@@ -136,8 +146,41 @@ class MaskModBound(BoundMask):
         out = self._inside(q0, q1, k0, k1)  # (Bm, Hm, r|1, c|1)
         return out.expand(out.shape[0], out.shape[1], q1 - q0, k1 - k0)
 
+    def bounded_classes(self, block_q: int, block_k: int) -> torch.Tensor:
+        """The classes the mask_mod's span bounds decide (``_spans``): ``EMPTY`` where it
+        cannot hold anywhere in the tile, ``FULL`` where it cannot fail, ``PARTIAL`` where
+        the bounds do not tell (all of them when the mask_mod leaves the spans' reach)."""
+        g = self.geo
+        tq, tk = -(-g.lq // block_q), -(-g.lk // block_k)
+        out = torch.full((tq, tk), PARTIAL, dtype=torch.int8)
+        if not SPAN_BOUNDS:
+            return out
+
+        def firsts_lasts(n: int, block: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+            first = torch.arange(0, n, block, device=g.device)  # (T,) local
+            return first + offset, torch.clamp(first + block, max=n) - 1 + offset  # global
+
+        bounds = span_classes(
+            self.caller.fn,
+            batch=g.batch,
+            heads=g.heads,
+            rows=firsts_lasts(g.lq, block_q, g.q_offset),
+            keys=firsts_lasts(g.lk, block_k, g.k_offset),
+        )
+        if bounds is not None:
+            may_true, may_false = (x.cpu() for x in bounds)
+            out[~may_false] = FULL
+            out[~may_true] = EMPTY
+        return out
+
     def tile_classes(self, block_q: int, block_k: int) -> torch.Tensor:
-        return classify_by_rows(self, block_q, block_k)
+        """Exact classes: the span bounds decide what they can, the rest is evaluated."""
+        out = self.bounded_classes(block_q, block_k)
+        need = out == PARTIAL
+        if bool(need.any()):
+            exact = classify_by_rows(self, block_q, block_k, need=need)
+            out[need] = exact[need]
+        return out
 
 
 class BlockMaskBound(MaskModBound):
@@ -191,6 +234,9 @@ class BlockMaskBound(MaskModBound):
                 full, empty = (kind == FULL)[..., None, None], (kind == EMPTY)[..., None, None]
                 out[:, :, r0:r1, c0:c1] = (part | full) & ~empty
         return out
+
+    def bounded_classes(self, block_q: int, block_k: int) -> torch.Tensor:
+        return self.tile_classes(block_q, block_k)  # the blocks: nothing evaluated
 
     def tile_classes(self, block_q: int, block_k: int) -> torch.Tensor:
         g = self.geo

@@ -487,7 +487,7 @@ struct fl_args {
     const long long *row_start; /* row r's tiles are [row_start[r], row_start[r + 1]) */
     const long long *bounds;    /* row r covers [bounds[2r], bounds[2r + 1]): its queries
                                    (forward) or keys (backward), tiles or none */
-    long long *seen;            /* per tile: visible dots of an interval tile, all heads */
+    long long *seen;            /* per tile: visible dots of a partial tile, all heads */
     long long heads, group, lq, lk, d, dv, work_stride;
     long long hq, iv_bstride; /* query heads per batch; the intervals' batch stride (0: shared) */
     long long rows;           /* rows of the schedule */
@@ -620,23 +620,54 @@ static inline const unsigned char *vis_row(const struct fl_args *a, const long l
     return vis + (h / a->group) * t[6] + (h % a->group) * t[7] + (q - t[0]) * (t[3] - t[2]);
 }
 
+/* The first nonzero byte of v[x, n), or n; eight bytes at a time where they are zero. */
+static inline long long first_set(const unsigned char *v, long long x, long long n) {
+    unsigned long long w8;
+    for (; x + 8 <= n; x += 8) {
+        memcpy(&w8, v + x, 8);
+        if (w8) break;
+    }
+    while (x < n && !v[x]) ++x;
+    return x;
+}
+
+/* One past the last nonzero byte of v[x, y), or x; eight bytes at a time likewise. */
+static inline long long last_set(const unsigned char *v, long long x, long long y) {
+    unsigned long long w8;
+    for (; y - 8 >= x; y -= 8) {
+        memcpy(&w8, v + y - 8, 8);
+        if (w8) break;
+    }
+    while (y > x && !v[y - 1]) --y;
+    return y;
+}
+
 /* Which columns of the tile t (keys [k0, k0 + nc)) a block of rows computes: each row's
  * visible columns [ca[r], cb[r]) (a full tile: all), and the block's span [*lo, *hi) that
  * holds them (lo = hi: nothing visible). Columns outside a row's range add exact zeros
- * to every sum, so a step leaves them out of its matmuls and zeroes them in P. Returns
- * the visible dots of an interval tile (0 otherwise). */
+ * to every sum, so a step leaves them out of its matmuls and zeroes them in P. With a
+ * byte mask, gap[r] says whether the row hides a column inside its range (when it does
+ * not, as on every row of a causal, windowed or packed-document tile, ``mask_bytes`` has
+ * nothing to do there). Returns the visible dots of the rows (0 for a full tile). */
 static long long row_ranges(const struct fl_args *a, const long long *t, const struct rows *b,
-                            int *ca, int *cb, int *lo, int *hi) {
+                            int *ca, int *cb, unsigned char *gap, int *lo, int *hi) {
     long long k0 = t[2], seen = 0;
     int nc = (int)(t[3] - k0), mn = nc, mx = 0;
     for (int r = 0; r < b->nr; ++r) {
         long long x = 0, y = nc;
+        gap[r] = 0;
         if (t[4]) {
             long long h = row_head(b, r), q = row_pos(b, r);
-            if (t[5]) { /* bytes: the first and last visible column */
+            if (t[5]) { /* bytes: the first and last visible column, and a hidden one between */
                 const unsigned char *vr = vis_row(a, t, h, q);
-                while (x < nc && !vr[x]) ++x;
-                while (y > x && !vr[y - 1]) --y;
+                x = first_set(vr, 0, nc);
+                y = last_set(vr, x, nc);
+                gap[r] = y > x && memchr(vr + x, 0, (size_t)(y - x)) != NULL;
+                if (gap[r]) {
+                    for (long long c = x; c < y; ++c) seen += vr[c] != 0;
+                } else {
+                    seen += y - x;
+                }
             } else { /* intervals */
                 long long off = (h / a->hq) * a->iv_bstride + q;
                 x = a->iv_lo[off] - k0;
@@ -663,11 +694,14 @@ static long long row_ranges(const struct fl_args *a, const long long *t, const s
     return seen;
 }
 
-/* S[r][c] = -inf where a byte mask hides (row r, column lo + c); within [ca, cb). */
+/* S[r][c] = -inf where a byte mask hides (row r, column lo + c); within [ca, cb), on the
+ * rows with a hidden column there (gap). */
 static void mask_bytes(const struct fl_args *a, const long long *t, const struct rows *b, T *s,
-                       long long ls, int lo, const int *ca, const int *cb) {
+                       long long ls, int lo, const int *ca, const int *cb,
+                       const unsigned char *gap) {
     if (!t[4] || !t[5]) return;
     for (int r = 0; r < b->nr; ++r) {
+        if (!gap[r]) continue;
         const unsigned char *vr = vis_row(a, t, row_head(b, r), row_pos(b, r)) + lo;
         T *row = s + (long long)r * ls;
         for (int c = ca[r]; c < cb[r]; ++c)
@@ -979,14 +1013,15 @@ FL_PV_ROWS(pv_f16, unsigned short, one_f16)
 /* The online update of a block of rows (at most FL_PARTIAL_ROWS rows of a partial tile, or
  * any number of a full one) against tile t: m (base-2 units), ℓ, acc (nr x d_v) of the
  * rows; s: nr · ls + nr scratch (ls = padded(nc)); ps: P in the input dtype (nr · ls; s
- * itself in the float builds). Returns the visible dots of an interval tile. */
+ * itself in the float builds). Returns the visible dots of a partial tile. */
 static long long forward_block(const struct fl_args *a, const long long *t, const struct rows *b,
                                const struct keys *ks, T *m, T *ell, T *acc, T *s, TIN *ps) {
     int nr = b->nr, idv = (int)a->dv, lo = 0, hi = (int)(t[3] - t[2]);
     int ca[FL_PARTIAL_ROWS], cb[FL_PARTIAL_ROWS];
+    unsigned char gap[FL_PARTIAL_ROWS];
     long long seen = 0, kh = b->h0 / a->group;
     if (t[4]) {
-        seen = row_ranges(a, t, b, ca, cb, &lo, &hi);
+        seen = row_ranges(a, t, b, ca, cb, gap, &lo, &hi);
         if (lo == hi) return seen; /* nothing visible: m, ℓ and acc stay as they are */
     }
     int w = hi - lo;
@@ -1017,7 +1052,7 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
         (void)ks;
         scores(a, b, t[2] + lo, w, s, ls, a->scale * LOG2E, 0);
     }
-    if (t[4]) mask_bytes(a, t, b, s, ls, lo, ca, cb);
+    if (t[4]) mask_bytes(a, t, b, s, ls, lo, ca, cb, gap);
     T *alpha = s + (long long)nr * ls; /* α per row */
     int moved = 0;                     /* did any row's max move? */
     for (int r = 0; r < nr; ++r) {
@@ -1217,14 +1252,15 @@ int SUF(fl_all_finite)(const T *x, long long n) {
  * of a full one) of head h against tile t: dK_jᵀ, dV_jᵀ (d x bk, d_v x bk, the tile's
  * columns) accumulate in dkt, dvt; dQ in dq (rows of the block, (·, d)). s: 2 · nr ·
  * padded(bk) scratch (S, dP), in the half builds followed by P and dS in the input dtype
- * (nr · padded(bk) each, 64-byte aligned). Returns the visible dots of an interval tile. */
+ * (nr · padded(bk) each, 64-byte aligned). Returns the visible dots of a partial tile. */
 static long long backward_block(const struct fl_args *a, const long long *t, const struct rows *b,
                                 T *dkt, T *dvt, T *dq, T *s) {
     int nr = b->nr, id = (int)a->d, idv = (int)a->dv, nc = (int)(t[3] - t[2]), lo = 0, hi = nc;
     int ca[FL_PARTIAL_ROWS], cb[FL_PARTIAL_ROWS];
+    unsigned char gap[FL_PARTIAL_ROWS];
     long long seen = 0;
     if (t[4]) {
-        seen = row_ranges(a, t, b, ca, cb, &lo, &hi);
+        seen = row_ranges(a, t, b, ca, cb, gap, &lo, &hi);
         if (lo == hi) return seen; /* every P is 0: no contribution */
     }
     int w = hi - lo;
@@ -1236,7 +1272,7 @@ static long long backward_block(const struct fl_args *a, const long long *t, con
     /* the scores the PyTorch step (and the reference) form: the scale on the matmul only
      * when it is a power of two, so that a forward run with that step is matched exactly */
     scores(a, b, t[2] + lo, w, s, ls, a->scale, !a->scale_exact);
-    if (t[4]) mask_bytes(a, t, b, s, ls, lo, ca, cb);
+    if (t[4]) mask_bytes(a, t, b, s, ls, lo, ca, cb, gap);
     long long base = row_base(a, b);
     const TIN *doh = a->dout + base * a->dv;
     const TIN *vt = a->vt + (b->h0 / a->group) * a->dv * lt + t[2] + lo;

@@ -99,8 +99,8 @@ class Schedule:
     K/V head, stride per group member)`` of its uint8 bytes, or address 0 for the pass's
     intervals; ``alive``: the tensor holding the bytes, kept until the pass is over), then
     ``end_row(lo, hi)`` with the row's query (forward) or key (backward) range, tiles or
-    none. After the pass ``seen[t]`` holds tile ``t``'s visible dots when its visibility
-    came from the intervals (counted by the step, all heads).
+    none. After the pass ``seen[t]`` holds partial tile ``t``'s visible dots (counted by
+    the step as it reads the intervals or bytes, all heads).
     """
 
     def __init__(self) -> None:

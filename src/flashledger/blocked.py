@@ -630,23 +630,24 @@ def _resolve_tiles(
 
 def _native_vis(
     pb: Problem, intervals: bool, kind: int, q0: int, q1: int, k0: int, k1: int
-) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple[int, int, int] | None]:
-    """A tile's visibility for the native step: ``(vis, tile, (address, stride per K/V
-    head, stride per group member))``, ``tile`` the uint8 bytes the step reads (strides 0
-    where the mask broadcasts); all None for a full tile. A pass given an interval mask
-    needs no bytes: the step reads its intervals (address 0) and counts the visible dots."""
+) -> tuple[torch.Tensor | None, tuple[int, int, int] | None]:
+    """A tile's visibility for the native step: ``(tile, (address, stride per K/V head,
+    stride per group member))``, ``tile`` the uint8 bytes the step reads (strides 0 where
+    the mask broadcasts); both None for a full tile. A pass given an interval mask needs
+    no bytes: the step reads its intervals (address 0). Either way the step counts the
+    visible dots."""
     if kind != PARTIAL:
-        return None, None, None
+        return None, None
     if intervals:
-        return None, None, (0, 0, 0)
+        return None, (0, 0, 0)
     vis = pb.mask_tile(q0, q1, k0, k1)  # (Bm, Hkv|1, G|1, bq, bk)
     area = (q1 - q0) * (k1 - k0)
     if vis.shape[:3] == (1, 1, 1):
         tile = vis.reshape(q1 - q0, k1 - k0).contiguous().view(torch.uint8)  # (bq, bk)
-        return vis, tile, (tile.data_ptr(), 0, 0)
+        return tile, (tile.data_ptr(), 0, 0)
     b, _, hkv, g = pb.shape[:4]
     tile = vis.expand(b, hkv, g, q1 - q0, k1 - k0).contiguous().view(torch.uint8)
-    return vis, tile, (tile.data_ptr(), g * area, area)
+    return tile, (tile.data_ptr(), g * area, area)
 
 
 def _native_rows(pb: Problem, x5: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -662,9 +663,7 @@ def _flat(x5: torch.Tensor) -> torch.Tensor:
     return x.view(-1, *x.shape[-2:])
 
 
-def _native_common(
-    pb: Problem, ran: list[tuple[int, int, int, int, int, torch.Tensor | None]]
-) -> dict[str, Any]:
+def _native_common(pb: Problem, ran: list[tuple[int, int, int, int, int]]) -> dict[str, Any]:
     """The native pass arguments every pass shares: group size, scale, query heads per
     batch and, when a partial tile of the pass ``ran`` reads it, an interval mask (local
     half-open ``[lo, hi)`` per row; a pass of full tiles, as a decode step's, needs none)."""
@@ -682,13 +681,13 @@ def _native_schedule(
     kind_of: Any,
     *,
     forward: bool,
-) -> tuple[_native.Schedule, list[tuple[int, int, int, int, int, torch.Tensor | None]]]:
+) -> tuple[_native.Schedule, list[tuple[int, int, int, int, int]]]:
     """The pass's schedule for the native step, built by the loop's own schedule
     (``_running``: empty tiles booked as skipped, left out): rows are the outer tiles
     (forward: query tiles; backward: key tiles), each with the inner tiles that run, in
-    order. Also returns each run tile's ``(kind, q0, q1, k0, k1, vis)`` for the booking."""
+    order. Also returns each run tile's ``(kind, q0, q1, k0, k1)`` for the booking."""
     sched = _native.Schedule()
-    ran: list[tuple[int, int, int, int, int, torch.Tensor | None]] = []
+    ran: list[tuple[int, int, int, int, int]] = []
     intervals = isinstance(pb.mask, IntervalBound)
     for n, (a0, a1) in enumerate(outer):
         tiles = (
@@ -696,9 +695,9 @@ def _native_schedule(
         )
         for _, b0, b1, kind in tiles:
             q0, q1, k0, k1 = (a0, a1, b0, b1) if forward else (b0, b1, a0, a1)
-            vis, tile, where = _native_vis(pb, intervals, kind, q0, q1, k0, k1)
+            tile, where = _native_vis(pb, intervals, kind, q0, q1, k0, k1)
             sched.add(q0, q1, k0, k1, where, alive=tile)
-            ran.append((kind, q0, q1, k0, k1, vis))
+            ran.append((kind, q0, q1, k0, k1))
         sched.end_row(a0, a1)
     return sched, ran
 
@@ -738,7 +737,7 @@ def _native_forward_plan(
 ) -> tuple[
     list[tuple[int, int]],
     _native.Schedule,
-    list[tuple[int, int, int, int, int, torch.Tensor | None]],
+    list[tuple[int, int, int, int, int]],
     dict[str, Any],
 ]:
     """What a native forward runs, from the shapes and the mask alone: the query tiles,
@@ -826,17 +825,17 @@ def _forward_native(
 
 def _book_native(
     book: _Book,
-    ran: list[tuple[int, int, int, int, int, torch.Tensor | None]],
+    ran: list[tuple[int, int, int, int, int]],
     seen: list[int],
     d: int,
     dv: int,
     *,
     forward: bool,
 ) -> None:
-    """Book the tiles a native pass ran (the visible dots of an interval tile as the
-    step counted them) and their slow-memory reads, as the PyTorch loop books them."""
-    for t, (kind, q0, q1, k0, k1, vis) in enumerate(ran):
-        book.run(kind, q1 - q0, k1 - k0, vis, None, forward=forward, visible=seen[t])
+    """Book the tiles a native pass ran (a partial tile's visible dots as the step counted
+    them) and their slow-memory reads, as the PyTorch loop books them."""
+    for t, (kind, q0, q1, k0, k1) in enumerate(ran):
+        book.run(kind, q1 - q0, k1 - k0, None, None, forward=forward, visible=seen[t])
         if forward:
             book.io(read=(k1 - k0) * (d + dv))
         else:

@@ -375,6 +375,15 @@ class BoundMask(ABC):
         """``(Tq, Tk)`` int8 tensor of ``EMPTY``/``PARTIAL``/``FULL``."""
         ...
 
+    def bounded_classes(self, block_q: int, block_k: int) -> torch.Tensor:
+        """Tile classes as far as they are known without evaluating a mask_mod, ``(Tq, Tk)``
+        int8: ``EMPTY``/``FULL`` where decided, ``PARTIAL`` where not (it may still be
+        empty or full). A mask without a mask_mod: its ``tile_classes``."""
+        if not self.callers:
+            return self.tile_classes(block_q, block_k)
+        g = self.geo
+        return torch.full((-(-g.lq // block_q), -(-g.lk // block_k)), PARTIAL, dtype=torch.int8)
+
     def tile_class_rows(self, block_q: int, block_k: int) -> list[list[int]]:
         """``classes`` as nested lists ``(Tq, Tk)``, what the loops read (not to be modified:
         a mask may keep them)."""
@@ -605,6 +614,19 @@ class _PairBound(BoundMask):
     def callers(self) -> tuple[TileCaller, ...]:
         return self.a.callers + self.b.callers
 
+    absorbing = EMPTY  # the class one side decides alone (AndBound: empty; OrBound: full)
+
+    def bounded_classes(self, block_q: int, block_k: int) -> torch.Tensor:
+        if not self.callers:
+            return self.tile_classes(block_q, block_k)
+        ca = self.a.bounded_classes(block_q, block_k)
+        cb = self.b.bounded_classes(block_q, block_k)
+        other = FULL if self.absorbing == EMPTY else EMPTY
+        out = torch.full_like(ca, PARTIAL)
+        out[(ca == other) & (cb == other)] = other  # both sides decide it alike
+        out[(ca == self.absorbing) | (cb == self.absorbing)] = self.absorbing  # one is enough
+        return out
+
 
 class AndBound(_PairBound):
     """Intersection of two bound masks, at least one of them not an interval mask."""
@@ -614,7 +636,7 @@ class AndBound(_PairBound):
 
     def tile_classes(self, block_q: int, block_k: int) -> torch.Tensor:
         if self.callers:  # a mask_mod inside: evaluated where the other side leaves it open
-            return _classify_composite(self, (self.a, self.b), EMPTY, block_q, block_k)
+            return _classify_composite(self, block_q, block_k)
         ca = self.a.tile_classes(block_q, block_k)
         cb = self.b.tile_classes(block_q, block_k)
         out = torch.minimum(ca, cb)  # EMPTY wins; FULL only if both FULL
@@ -632,12 +654,14 @@ class AndBound(_PairBound):
 class OrBound(_PairBound):
     """Union of two bound masks."""
 
+    absorbing = FULL
+
     def block(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
         return self.a.block(q0, q1, k0, k1) | self.b.block(q0, q1, k0, k1)
 
     def tile_classes(self, block_q: int, block_k: int) -> torch.Tensor:
         if self.callers:
-            return _classify_composite(self, (self.a, self.b), FULL, block_q, block_k)
+            return _classify_composite(self, block_q, block_k)
         ca = self.a.tile_classes(block_q, block_k)
         cb = self.b.tile_classes(block_q, block_k)
         out = torch.maximum(ca, cb)  # FULL wins; EMPTY only if both EMPTY
@@ -660,8 +684,8 @@ def classify_by_rows(
 
     Each call of ``bound.block`` covers one query tile's rows and at most
     ``CLASSIFY_CHUNK`` positions, so memory stays linear in the length.
-    ``need`` ``(Tq, Tk)`` bool: only the tiles of each row from its first to
-    its last needed one are evaluated; the others are reported ``EMPTY``. The
+    ``need`` ``(Tq, Tk)`` bool: only the needed tiles are evaluated (each run of
+    adjacent ones at once); the others are reported ``EMPTY``. The
     partial tiles' visibility is kept (``BoundMask.keep``) for the loop.
     Like ``_classes_from_dense``, a ragged last tile is full when all its real
     positions are visible.
@@ -672,54 +696,65 @@ def classify_by_rows(
     per_call = max(1, CLASSIFY_CHUNK // (block_q * block_k))  # key tiles per evaluation
     rows_needed = None if need is None else need.cpu()
     for i in range(tq):
-        if rows_needed is None:
-            j0, j1 = 0, tk
-        else:
-            cols = torch.nonzero(rows_needed[i]).view(-1)
-            if cols.numel() == 0:
-                continue
-            j0, j1 = int(cols[0]), int(cols[-1]) + 1
         q0, q1 = i * block_q, min((i + 1) * block_q, g.lq)
-        for ja in range(j0, j1, per_call):
-            jb = min(ja + per_call, j1)
-            k0, k1 = ja * block_k, min(jb * block_k, g.lk)
-            vis = bound.block(q0, q1, k0, k1).contiguous()  # (Bm, Hm, r, c)
-            u8 = vis.view(torch.uint8)
-            some = u8.amax(dim=2)  # (Bm, Hm, c): a row sees the key
-            every = u8.amin(dim=2)  # (Bm, Hm, c): every row sees the key
-            pad = (jb - ja) * block_k - (k1 - k0)
-            if pad:
-                some = torch.nn.functional.pad(some, (0, pad), value=0)
-                every = torch.nn.functional.pad(every, (0, pad), value=1)
-            some_t = some.reshape(-1, jb - ja, block_k).amax(dim=2).amax(dim=0)  # (n,)
-            every_t = every.reshape(-1, jb - ja, block_k).amin(dim=2).amin(dim=0)  # (n,)
-            row = torch.where(some_t > 0, PARTIAL, EMPTY).to(torch.int8)
-            row[every_t > 0] = FULL
-            out[i, ja:jb] = row.cpu()
-            for j in torch.nonzero(row == PARTIAL).view(-1).tolist():  # kept for the loop
-                c0 = j * block_k
-                c1 = min(c0 + block_k, k1 - k0)
-                bound.keep(q0, q1, k0 + c0, k0 + c1, vis[..., c0:c1])
+        for j0, j1 in [(0, tk)] if rows_needed is None else _runs(rows_needed[i]):
+            _classify_run(bound, out, i, q0, q1, j0, j1, per_call, block_k)
     return out
 
 
-def _classify_composite(
+def _runs(row: torch.Tensor) -> list[tuple[int, int]]:
+    """``[j0, j1)`` of each run of True in a bool row."""
+    pad = torch.zeros(1, dtype=torch.int8)
+    x = torch.cat([pad, row.to(torch.int8), pad])
+    edges = torch.nonzero(torch.diff(x)).view(-1).tolist()
+    return list(zip(edges[0::2], edges[1::2], strict=True))
+
+
+def _classify_run(
     bound: BoundMask,
-    parts: tuple[BoundMask, BoundMask],
-    absorbing: int,
-    block_q: int,
+    out: torch.Tensor,
+    i: int,
+    q0: int,
+    q1: int,
+    j0: int,
+    j1: int,
+    per_call: int,
     block_k: int,
-) -> torch.Tensor:
-    """Tile classes of ``a & b`` (``absorbing`` EMPTY) or ``a | b`` (FULL) with a mask_mod
-    inside: a side without one is classified in closed form; the tiles it decides alone
-    (empty for ``&``, full for ``|``) are never evaluated, the rest exactly."""
+) -> None:
+    """``classify_by_rows`` for key tiles ``[j0, j1)`` of query tile ``i`` (rows ``[q0, q1)``)."""
     g = bound.geo
-    need = torch.ones(-(-g.lq // block_q), -(-g.lk // block_k), dtype=torch.bool)
-    for part in parts:
-        if not part.callers:
-            need &= part.tile_classes(block_q, block_k) != absorbing
+    for ja in range(j0, j1, per_call):
+        jb = min(ja + per_call, j1)
+        k0, k1 = ja * block_k, min(jb * block_k, g.lk)
+        vis = bound.block(q0, q1, k0, k1).contiguous()  # (Bm, Hm, r, c)
+        u8 = vis.view(torch.uint8)
+        some = u8.amax(dim=2)  # (Bm, Hm, c): a row sees the key
+        every = u8.amin(dim=2)  # (Bm, Hm, c): every row sees the key
+        pad = (jb - ja) * block_k - (k1 - k0)
+        if pad:
+            some = torch.nn.functional.pad(some, (0, pad), value=0)
+            every = torch.nn.functional.pad(every, (0, pad), value=1)
+        some_t = some.reshape(-1, jb - ja, block_k).amax(dim=2).amax(dim=0)  # (n,)
+        every_t = every.reshape(-1, jb - ja, block_k).amin(dim=2).amin(dim=0)  # (n,)
+        row = torch.where(some_t > 0, PARTIAL, EMPTY).to(torch.int8)
+        row[every_t > 0] = FULL
+        out[i, ja:jb] = row.cpu()
+        for j in torch.nonzero(row == PARTIAL).view(-1).tolist():  # kept for the loop
+            c0 = j * block_k
+            c1 = min(c0 + block_k, k1 - k0)
+            bound.keep(q0, q1, k0 + c0, k0 + c1, vis[..., c0:c1])
+
+
+def _classify_composite(bound: BoundMask, block_q: int, block_k: int) -> torch.Tensor:
+    """Tile classes of ``a & b`` (``absorbing`` EMPTY) or ``a | b`` (FULL) with a mask_mod
+    inside: each side's classes as far as they are known without evaluating a mask_mod
+    (``bounded_classes``: closed form, a BlockMask's blocks, a mask_mod's span bounds);
+    the tiles one side decides alone (empty for ``&``, full for ``|``) or both decide
+    alike are never evaluated, the rest exactly."""
+    known = bound.bounded_classes(block_q, block_k)
+    need = known == PARTIAL
     out = classify_by_rows(bound, block_q, block_k, need=need)
-    out[~need] = absorbing
+    out[~need] = known[~need]
     return out
 
 

@@ -1,0 +1,404 @@
+"""Span bounds of a mask_mod (``flashledger._spans``): a tile they call empty or full is
+empty or full at every position, and a mask_mod they cannot bound is evaluated in full.
+
+The property draws random mask_mods from a grammar of what the spans know (integer
+arithmetic, division and remainder by constants, conversions, comparisons, logic,
+``where``, a captured tensor indexed by a clamped expression) and holds the bounds to
+the mask_mod evaluated at every position, on geometries with offsets and ragged tiles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from naive import flex_visible, tile_classes_from_dense
+from torch.nn.attention.flex_attention import and_masks, noop_mask, or_masks
+
+import flashledger as fl
+from flashledger import _maskmod
+from flashledger._spans import span_classes
+from flashledger.masks import EMPTY, FULL, PARTIAL, Geometry
+
+Tensor = torch.Tensor
+Expr = Callable[[Any, Any, Any, Any], Any]
+
+
+def _tiles(n: int, block: int, offset: int) -> tuple[Tensor, Tensor]:
+    first = torch.arange(0, n, block)
+    return first + offset, torch.clamp(first + block, max=n) - 1 + offset
+
+
+def _exact(fn: Expr, batch: int, heads: int, rows: Tensor, keys: Tensor) -> Tensor:
+    """The mask on every position ``(B, H, r, c)`` (global rows and keys), broadcast."""
+    b = torch.arange(batch).view(-1, 1, 1, 1)
+    h = torch.arange(heads).view(1, -1, 1, 1)
+    out = fn(b, h, rows.view(1, 1, -1, 1), keys.view(1, 1, 1, -1))
+    return torch.as_tensor(out).expand(batch, heads, rows.numel(), keys.numel())
+
+
+def _check_sound(
+    fn: Expr, batch: int, heads: int, lq: int, lk: int, bq: int, bk: int, qo: int, ko: int
+) -> tuple[Tensor, Tensor] | None:
+    """Assert that ``fn``'s span bounds hold at every position; return them."""
+    got = span_classes(
+        fn, batch=batch, heads=heads, rows=_tiles(lq, bq, qo), keys=_tiles(lk, bk, ko)
+    )
+    if got is None:
+        return None
+    may_true, may_false = got
+    vis = _exact(fn, batch, heads, torch.arange(lq) + qo, torch.arange(lk) + ko)
+    exact = tile_classes_from_dense(vis, bq, bk)
+    wrong = (~may_true & (exact != EMPTY)) | (~may_false & (exact != FULL))
+    assert not bool(wrong.any()), (
+        f"span bounds call tile {torch.nonzero(wrong)[0].tolist()} "
+        f"{'empty' if not bool(may_true[tuple(torch.nonzero(wrong)[0])]) else 'full'}; "
+        f"it is {['empty', 'partial', 'full'][int(exact[tuple(torch.nonzero(wrong)[0])])]}"
+    )
+    return may_true, may_false
+
+
+# -- a grammar of mask_mods ------------------------------------------------------------------
+VALS = torch.tensor([3, 0, 7, 7, 2, 9, 1, 1, 4, 6, 5, 8, 0, 2, 3, 9, 7])  # captured, 17 long
+FLAGS = torch.tensor([True, False, True, True, False, False, True, False, True, True, False])
+
+
+@st.composite
+def int_expr(draw: Any, depth: int = 0) -> tuple[str, Expr]:
+    leaves: list[tuple[str, Expr]] = [
+        ("q", lambda b, h, q, k: q),
+        ("k", lambda b, h, q, k: k),
+        ("b", lambda b, h, q, k: b),
+        ("h", lambda b, h, q, k: h),
+    ]
+    if depth >= 3 or draw(st.integers(0, 2)) == 0:
+        if draw(st.booleans()):
+            c = draw(st.integers(-40, 40))
+            return (f"{c}", lambda b, h, q, k, c=c: q * 0 + c)
+        return draw(st.sampled_from(leaves))
+    op = draw(
+        st.sampled_from(
+            [
+                "add",
+                "sub",
+                "mul",
+                "neg",
+                "abs",
+                "floordiv",
+                "mod",
+                "min",
+                "max",
+                "clamp",
+                "where",
+                "gather",
+                "rsub",
+                "div_floor",
+            ]
+        )
+    )
+    xs, x = draw(int_expr(depth + 1))
+    c = draw(st.integers(1, 9))
+    if op in ("add", "sub", "mul", "min", "max"):
+        ys, y = draw(int_expr(depth + 1))
+        f: Expr = {
+            "add": lambda b, h, q, k: x(b, h, q, k) + y(b, h, q, k),
+            "sub": lambda b, h, q, k: x(b, h, q, k) - y(b, h, q, k),
+            "mul": lambda b, h, q, k: x(b, h, q, k) * y(b, h, q, k),
+            "min": lambda b, h, q, k: torch.minimum(x(b, h, q, k), y(b, h, q, k)),
+            "max": lambda b, h, q, k: torch.maximum(x(b, h, q, k), y(b, h, q, k)),
+        }[op]
+        return (f"{op}({xs}, {ys})", f)
+    if op == "where":
+        cs, cond = draw(bool_expr(depth + 1))
+        ys, y = draw(int_expr(depth + 1))
+        return (
+            f"where({cs}, {xs}, {ys})",
+            lambda b, h, q, k: torch.where(cond(b, h, q, k), x(b, h, q, k), y(b, h, q, k)),
+        )
+    if op == "gather":
+        return (
+            f"VALS[clamp({xs})]",
+            lambda b, h, q, k: VALS[torch.clamp(x(b, h, q, k), 0, VALS.numel() - 1)],
+        )
+    unary: dict[str, Expr] = {
+        "neg": lambda b, h, q, k: -x(b, h, q, k),
+        "abs": lambda b, h, q, k: torch.abs(x(b, h, q, k)),
+        "floordiv": lambda b, h, q, k: x(b, h, q, k) // c,
+        "div_floor": lambda b, h, q, k: torch.div(x(b, h, q, k), -c, rounding_mode="floor"),
+        "mod": lambda b, h, q, k: x(b, h, q, k) % c,
+        "clamp": lambda b, h, q, k: torch.clamp(x(b, h, q, k), -c, 3 * c),
+        "rsub": lambda b, h, q, k: c - x(b, h, q, k),
+    }
+    return (f"{op}({xs}, {c})", unary[op])
+
+
+@st.composite
+def bool_expr(draw: Any, depth: int = 0) -> tuple[str, Expr]:
+    op = draw(
+        st.sampled_from(
+            ["cmp", "cmp", "cmp", "and", "or", "xor", "not", "flags", "float_cmp", "where"]
+            if depth < 3
+            else ["cmp", "float_cmp"]
+        )
+    )
+    if op in ("cmp", "float_cmp"):
+        (xs, x), (ys, y) = draw(int_expr(depth + 1)), draw(int_expr(depth + 1))
+        rel = draw(st.sampled_from(["<", "<=", ">", ">=", "==", "!="]))
+        cmp: Callable[[Any, Any], Any] = {
+            "<": lambda a, c: a < c,
+            "<=": lambda a, c: a <= c,
+            ">": lambda a, c: a > c,
+            ">=": lambda a, c: a >= c,
+            "==": lambda a, c: a == c,
+            "!=": lambda a, c: a != c,
+        }[rel]
+        if op == "float_cmp":  # through float32 and a true division
+            s = draw(st.sampled_from([0.5, 3.0, -2.5]))
+            return (
+                f"{xs}.float() / {s} {rel} {ys}",
+                lambda b, h, q, k: cmp(x(b, h, q, k).float() / s, y(b, h, q, k)),
+            )
+        return (f"{xs} {rel} {ys}", lambda b, h, q, k: cmp(x(b, h, q, k), y(b, h, q, k)))
+    if op == "flags":
+        xs, x = draw(int_expr(depth + 1))
+        return (
+            f"FLAGS[clamp({xs})]",
+            lambda b, h, q, k: FLAGS[torch.clamp(x(b, h, q, k), 0, FLAGS.numel() - 1)],
+        )
+    if op == "not":
+        xs, x = draw(bool_expr(depth + 1))
+        return (f"~{xs}", lambda b, h, q, k: ~x(b, h, q, k))
+    (xs, x), (ys, y) = draw(bool_expr(depth + 1)), draw(bool_expr(depth + 1))
+    if op == "where":
+        cs, cond = draw(bool_expr(depth + 1))
+        return (
+            f"where({cs}, {xs}, {ys})",
+            lambda b, h, q, k: torch.where(cond(b, h, q, k), x(b, h, q, k), y(b, h, q, k)),
+        )
+    f: Expr = {
+        "and": lambda b, h, q, k: x(b, h, q, k) & y(b, h, q, k),
+        "or": lambda b, h, q, k: x(b, h, q, k) | y(b, h, q, k),
+        "xor": lambda b, h, q, k: x(b, h, q, k) ^ y(b, h, q, k),
+    }[op]
+    return (f"{op}({xs}, {ys})", f)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    expr=bool_expr(),
+    batch=st.integers(1, 2),
+    heads=st.integers(1, 3),
+    lq=st.sampled_from([1, 7, 33, 97]),
+    lk=st.sampled_from([1, 13, 64, 113]),
+    bq=st.sampled_from([1, 4, 16, 32]),
+    bk=st.sampled_from([1, 8, 16, 64]),
+    qo=st.integers(0, 20),
+    ko=st.integers(0, 20),
+)
+def test_span_bounds_hold_at_every_position(expr, batch, heads, lq, lk, bq, bk, qo, ko):
+    name, fn = expr
+    try:
+        _check_sound(fn, batch, heads, lq, lk, bq, bk, qo, ko)
+    except AssertionError as exc:
+        raise AssertionError(f"{name}: {exc}") from exc
+
+
+# -- the masks people write ----------------------------------------------------------------
+def _doc_ids(lengths: list[int]) -> Tensor:
+    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+
+
+DOC = _doc_ids([40, 30, 43, 1, 19])
+PREFIX = torch.tensor([17, 60])  # per batch entry
+WINDOW = torch.tensor([8, 24, 40])  # per head
+
+
+def causal(b, h, q, k):
+    return q >= k
+
+
+def window(b, h, q, k):
+    return (q - k).abs() <= 20
+
+
+def prefix_lm(b, h, q, k):
+    return (k < PREFIX[b]) | (q >= k)
+
+
+def document(b, h, q, k):
+    return (DOC[q] == DOC[k]) & (q >= k)
+
+
+def chunked(b, h, q, k):
+    return q // 32 == k // 32
+
+
+def per_head_window(b, h, q, k):
+    return (q >= k) & (q - k < WINDOW[h])
+
+
+def neighbourhood(b, h, q, k):
+    qx, qy, kx, ky = q % 11, q // 11, k % 11, k // 11
+    return ((qx - kx).abs() <= 2) & ((qy - ky).abs() <= 2)
+
+
+def dilated(b, h, q, k):
+    return (q >= k) & ((q - k) % 3 == 0)
+
+
+def where_mask(b, h, q, k):
+    return torch.where(q < 50, q >= k, (q - k).abs() < 10)
+
+
+def float_alibi_cut(b, h, q, k):
+    return (q - k).float() * (h + 1).float() / 8.0 < 12.5
+
+
+ZOO = [
+    causal,
+    window,
+    prefix_lm,
+    document,
+    chunked,
+    per_head_window,
+    neighbourhood,
+    dilated,
+    where_mask,
+    float_alibi_cut,
+    and_masks(causal, window),
+    or_masks(prefix_lm, chunked),
+    noop_mask,
+]
+TIGHT = {"causal", "window", "prefix_lm", "document", "chunked", "noop_mask", "and_mask"}
+
+
+@pytest.mark.parametrize("fn", ZOO, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("tiles", [(16, 32), (32, 16), (7, 9)])
+def test_mask_zoo_classes_are_exact_and_mostly_decided(fn, tiles):
+    """attention-gym-style mask_mods: the classes equal a dense evaluation's, the bounds
+    decide every tile they can, and for the masks whose bounds are tight, exactly the
+    partial tiles are left to evaluate."""
+    bq, bk = tiles
+    lq, lk = 97, 113
+    bounds = _check_sound(fn, 2, 3, lq, lk, bq, bk, 0, 0)
+    assert bounds is not None, f"{fn.__name__}: the spans should bound it"
+    exact = tile_classes_from_dense(flex_visible(fn, 2, 3, lq, lk), bq, bk)
+    got = fl.MaskMod(fn).tile_classes(lq, lk, bq, bk, batch=2, heads=3)
+    assert torch.equal(got, exact)
+    undecided = bounds[0] & bounds[1]
+    if fn.__name__ in TIGHT:
+        assert torch.equal(undecided, exact == PARTIAL), fn.__name__
+
+
+def test_offsets_and_ragged_tiles_use_global_positions():
+    """A causal mask on rows 30..96 against keys 5..112 (as a split or ring call sees it)."""
+    bounds = _check_sound(causal, 1, 1, 67, 108, 16, 32, 30, 5)
+    assert bounds is not None
+    may_true, may_false = bounds
+    assert bool((~may_false).any()) and bool((~may_true).any())
+
+
+# -- what the spans leave alone --------------------------------------------------------------
+def python_branch(b, h, q, k):
+    if q >= 0:  # Python control flow on an index (no mask_mod of a tile can do this)
+        return q >= k
+    return q < k
+
+
+def reduction(b, h, q, k):
+    return (q >= k) & (q - k < 30) if bool((q >= 0).all()) else q < k
+
+
+def bit_and(b, h, q, k):
+    return (q & 1) == (k & 1)
+
+
+def shape_read(b, h, q, k):
+    return (q >= k) & (q.shape[-2] > 0)
+
+
+def out_of_range(b, h, q, k):
+    return DOC[q + 50] == DOC[k]  # the last rows index past DOC
+
+
+def two_varying(b, h, q, k):
+    dense = torch.rand(120, 120) > 0.5
+    return dense[q, k]
+
+
+def scalar_only(b, h, q, k):
+    return torch.where(q >= k, True, False) if q.ndim == 0 else q.item() >= k.item()
+
+
+def test_python_control_flow_on_a_span_leaves_the_spans():
+    assert (
+        span_classes(python_branch, batch=1, heads=1, rows=_tiles(9, 4, 0), keys=_tiles(9, 4, 0))
+        is None
+    )
+
+
+@pytest.mark.parametrize(
+    "fn", [reduction, bit_and, shape_read, two_varying], ids=lambda f: f.__name__
+)
+def test_a_mask_mod_the_spans_cannot_bound_is_evaluated_in_full(fn):
+    torch.manual_seed(0)
+    assert _check_sound(fn, 1, 2, 97, 113, 16, 32, 0, 0) is None
+    bound_classes = fl.MaskMod(fn).bind(_geometry(97, 113)).bounded_classes(16, 32)
+    assert bool((bound_classes == PARTIAL).all())
+    if fn is not two_varying:  # random: evaluated twice it differs
+        vis = _exact(fn, 1, 2, torch.arange(97), torch.arange(113))
+        exact = tile_classes_from_dense(vis, 16, 32)
+        got = fl.MaskMod(fn).tile_classes(97, 113, 16, 32, heads=2)
+        assert torch.equal(got, exact)
+
+
+def test_an_index_past_a_captured_tensor_is_the_mask_mods_own_error():
+    """The spans never decide a tile whose index may fall outside a captured tensor: the
+    mask_mod is evaluated, and its IndexError is what the call reports."""
+    lq = DOC.numel()
+    assert (
+        span_classes(out_of_range, batch=1, heads=1, rows=_tiles(lq, 16, 0), keys=_tiles(lq, 16, 0))
+        is None
+    )
+    q = k = v = torch.randn(1, 1, lq, 8)
+    with pytest.raises(
+        ValueError, match=r"out_of_range.*raised IndexError: index 133 is out of bounds"
+    ):
+        fl.flash_attention(q, k, v, mask=fl.MaskMod(out_of_range))
+
+
+def test_scalar_mask_mods_still_run_under_vmap():
+    """A mask_mod written for scalars leaves the spans at once and runs under vmap."""
+    q = k = v = torch.randn(1, 2, 40, 8, dtype=torch.float64)
+    got = fl.flash_attention(q, k, v, mask=fl.MaskMod(scalar_only), block_q=16, block_k=16)
+    want = fl.flash_attention(q, k, v, mask=fl.Causal(), block_q=16, block_k=16)
+    assert torch.equal(got, want)
+
+
+def test_composites_decide_tiles_from_both_sides(monkeypatch):
+    """``MaskMod(f) & Causal()`` and ``MaskMod(f) | MaskMod(g)``: every tile both sides
+    decide is left unevaluated, and the classes equal the ones with the bounds off."""
+    q = k = v = torch.randn(1, 2, 97, 8, dtype=torch.float64)
+    cases = {
+        "and": fl.MaskMod(window) & fl.Causal(),
+        "or": fl.MaskMod(chunked) | fl.MaskMod(causal),
+        "nested": (fl.MaskMod(document) & fl.SlidingWindow(24, 0)) | fl.MaskMod(chunked),
+    }
+    for name, mask in cases.items():
+        with torch.no_grad():
+            on = fl.blocked_forward(q, k, v, mask=mask, block_q=16, block_k=16)
+            monkeypatch.setattr(_maskmod, "SPAN_BOUNDS", False)
+            off = fl.blocked_forward(q, k, v, mask=mask, block_q=16, block_k=16)
+            monkeypatch.setattr(_maskmod, "SPAN_BOUNDS", True)
+        c_on, c_off = on.ledger.counters, off.ledger.counters
+        assert on.ledger.tile_kinds == off.ledger.tile_kinds, name
+        assert torch.equal(on.o, off.o), name
+        assert c_on.mask_mod_classify_evals < c_off.mask_mod_classify_evals, name
+
+
+def _geometry(lq: int, lk: int) -> Geometry:
+    return Geometry.build(lq=lq, lk=lk, batch=1, heads=2)
