@@ -97,6 +97,8 @@ def int_expr(draw: Any, depth: int = 0) -> tuple[str, Expr]:
                 "gather",
                 "rsub",
                 "div_floor",
+                "int32",
+                "to_long",
             ]
         )
     )
@@ -132,6 +134,8 @@ def int_expr(draw: Any, depth: int = 0) -> tuple[str, Expr]:
         "mod": lambda b, h, q, k: x(b, h, q, k) % c,
         "clamp": lambda b, h, q, k: torch.clamp(x(b, h, q, k), -c, 3 * c),
         "rsub": lambda b, h, q, k: c - x(b, h, q, k),
+        "int32": lambda b, h, q, k: x(b, h, q, k).int(),
+        "to_long": lambda b, h, q, k: x(b, h, q, k).to(torch.int64),
     }
     return (f"{op}({xs}, {c})", unary[op])
 
@@ -325,6 +329,14 @@ def out_of_range(b, h, q, k):
     return DOC[q + 50] == DOC[k]  # the last rows index past DOC
 
 
+def wraps_around(b, h, q, k):
+    return (q * 2**40) * 2**30 > k  # int64 wraps: not monotone
+
+
+def narrows(b, h, q, k):
+    return (q * 2**40).int() > k  # int32 wraps
+
+
 def two_varying(b, h, q, k):
     dense = torch.rand(120, 120) > 0.5
     return dense[q, k]
@@ -342,7 +354,9 @@ def test_python_control_flow_on_a_span_leaves_the_spans():
 
 
 @pytest.mark.parametrize(
-    "fn", [reduction, bit_and, shape_read, two_varying], ids=lambda f: f.__name__
+    "fn",
+    [reduction, bit_and, shape_read, two_varying, wraps_around, narrows],
+    ids=lambda f: f.__name__,
 )
 def test_a_mask_mod_the_spans_cannot_bound_is_evaluated_in_full(fn):
     torch.manual_seed(0)

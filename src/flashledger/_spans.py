@@ -82,19 +82,33 @@ def _no_nan(*xs: Any) -> None:
             raise _Unknown("a bound is NaN")
 
 
+_INT_SAFE = 1 << 62  # integer bounds stay below this: no sum or product of two wraps around
+
+
+def _checked(lo: torch.Tensor, hi: torch.Tensor) -> Span:
+    """A span, after checking that integer bounds are far from wrapping around (a wrapped
+    value is not monotone) and that floating-point ones are not NaN."""
+    for x in (lo, hi):
+        if x.is_floating_point():
+            _no_nan(x)
+        elif x.dtype != torch.bool and bool((x.abs() >= _INT_SAFE).any()):
+            raise _Unknown("integer bounds near overflow")
+    return Span(lo, hi)
+
+
 # -- arithmetic ------------------------------------------------------------------------
 def _add(a: Any, b: Any, alpha: Any = None) -> Span:
     if alpha is not None:
         raise _Unknown("add with alpha")
     (al, ah), (bl, bh) = _lohi(a), _lohi(b)
-    return Span(al + bl, ah + bh)
+    return _checked(al + bl, ah + bh)
 
 
 def _sub(a: Any, b: Any, alpha: Any = None) -> Span:
     if alpha is not None:
         raise _Unknown("sub with alpha")
     (al, ah), (bl, bh) = _lohi(a), _lohi(b)
-    return Span(al - bh, ah - bl)
+    return _checked(al - bh, ah - bl)
 
 
 def _rsub(a: Any, b: Any, alpha: Any = None) -> Span:
@@ -103,11 +117,17 @@ def _rsub(a: Any, b: Any, alpha: Any = None) -> Span:
 
 def _mul(a: Any, b: Any) -> Span:
     (al, ah), (bl, bh) = _lohi(a), _lohi(b)
+    for x in (al, ah, bl, bh):  # a product of two values below 2**31 stays below 2**62
+        if isinstance(x, torch.Tensor) and not x.is_floating_point():
+            if bool((x.abs() >= 1 << 31).any()):
+                raise _Unknown("an integer product that may wrap around")
+        elif isinstance(x, int) and abs(x) >= 1 << 31:
+            raise _Unknown("an integer product that may wrap around")
     corners = [x * y for x in (al, ah) for y in (bl, bh)]
     _no_nan(*corners)
     lo = torch.minimum(torch.minimum(corners[0], corners[1]), torch.minimum(corners[2], corners[3]))
     hi = torch.maximum(torch.maximum(corners[0], corners[1]), torch.maximum(corners[2], corners[3]))
-    return Span(lo, hi)
+    return _checked(lo, hi)
 
 
 def _neg(a: Any) -> Span:
@@ -258,8 +278,14 @@ def _convert(a: Any, dtype: torch.dtype) -> Span | Tri:
     if not isinstance(a, Span):
         raise _Unknown("conversion of a constant")
     if dtype == torch.bool:
+        _no_nan(a.lo, a.hi)
         zero_lo, zero_hi = a.lo == 0, a.hi == 0
         return Tri(~(zero_lo & zero_hi), (a.lo <= 0) & (a.hi >= 0))
+    if not dtype.is_floating_point:  # the values must fit, or the conversion wraps
+        info = torch.iinfo(dtype)
+        for x in (a.lo, a.hi):
+            if not bool(torch.isfinite(x).all()) or bool(((x < info.min) | (x > info.max)).any()):
+                raise _Unknown(f"a conversion to {dtype} that may not fit")
     return Span(a.lo.to(dtype), a.hi.to(dtype))
 
 
