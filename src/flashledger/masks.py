@@ -331,7 +331,8 @@ class BoundMask(ABC):
         if used[0] + vis.numel() > KEEP_BYTES:
             used[0] = -1
             return
-        kept[(q0, q1, k0, k1)] = vis.clone() if vis._base is not None else vis.contiguous()
+        whole = vis._base is None or vis._base.numel() == vis.numel()  # holds nothing more
+        kept[(q0, q1, k0, k1)] = vis.contiguous() if whole else vis.clone()
         used[0] += vis.numel()
 
     def is_kept(self, q0: int, q1: int, k0: int, k1: int) -> bool:
