@@ -142,7 +142,8 @@ STORAGE_KEYS = {
     "saved_elements", "gradient_elements", "d_elements", "temp_block_capacity",
     "qk_dots_forward", "qk_dots_backward", "qk_dots_computed", "tiles_total", "tiles_run",
     "tiles_skipped", "tiles_full", "tiles_partial", "exps_forward", "exps_backward",
-    "flops_forward", "flops_backward", "mask_mod_classify_evals", "mask_mod_tiles_kept",
+    "flops_forward", "flops_backward", "mask_mod_classify_evals", "mask_mod_tiles_bounded",
+    "mask_mod_tiles_kept",
     "mask_mod_tiles", "mask_mod_evals", "score_mod_tiles", "score_mod_evals", "bytes",
 }  # fmt: skip
 STORAGE_CONFIG_KEYS = {

@@ -716,6 +716,7 @@ def test_classifying_without_span_bounds_evaluates_every_position_once(monkeypat
 
 KEYS = (
     "mask_mod_classify_evals",
+    "mask_mod_tiles_bounded",
     "mask_mod_tiles",
     "mask_mod_evals",
     "score_mod_tiles",
@@ -776,6 +777,9 @@ def test_counters_equal_the_closed_form(which, keep, monkeypatch):
         area = int((rows[:, None] * cols[None, :] * (exact == masks.PARTIAL)).sum())
         assert 0 < area < 97 * 113
         assert c.mask_mod_classify_evals == area * 2 * 4
+        assert c.mask_mod_tiles_bounded == int((exact != masks.PARTIAL).sum()) > 0
+    if which in ("BlockMask", "score_mod only"):
+        assert c.mask_mod_tiles_bounded == 0, "nothing classified by evaluation"
     text = str(fwd.ledger)
     assert f"score_mod: {c.score_mod_evals} positions in {c.score_mod_tiles} tile calls" in text
     assert fwd.ledger.to_dict()["counters"]["score_mod_tiles"] == c.score_mod_tiles

@@ -416,3 +416,26 @@ def test_composites_decide_tiles_from_both_sides(monkeypatch):
 
 def _geometry(lq: int, lk: int) -> Geometry:
     return Geometry.build(lq=lq, lk=lk, batch=1, heads=2)
+
+
+def test_the_ledger_books_the_tiles_the_bounds_decided(monkeypatch):
+    """A causal MaskMod: every empty and full tile is decided by the bounds, the ledger
+    says so (and the closed form predicts it); with the bounds off, none is."""
+    q = k = v = torch.randn(1, 2, 97, 8, dtype=torch.float64)
+    with torch.no_grad():
+        res = fl.blocked_forward(q, k, v, mask=fl.MaskMod(causal), block_q=16, block_k=16)
+    exact = tile_classes_from_dense(flex_visible(causal, 1, 2, 97, 97), 16, 16)
+    decided = int((exact != PARTIAL).sum())
+    c = res.ledger.counters
+    assert c.mask_mod_tiles_bounded == decided > 0
+    assert f"({decided} tiles decided by bounds)" in str(res.ledger)
+    sw = fl.storage_and_work(
+        lq=97, lk=97, d=8, heads=2, block_q=16, block_k=16, mask=fl.MaskMod(causal)
+    )
+    assert sw.mask_mod_tiles_bounded == decided
+    assert sw.to_dict()["mask_mod_tiles_bounded"] == decided
+    monkeypatch.setattr(_maskmod, "SPAN_BOUNDS", False)
+    with torch.no_grad():
+        off = fl.blocked_forward(q, k, v, mask=fl.MaskMod(causal), block_q=16, block_k=16)
+    assert off.ledger.counters.mask_mod_tiles_bounded == 0
+    assert "decided by bounds" not in str(off.ledger)

@@ -177,6 +177,7 @@ class MaskModBound(BoundMask):
         """Exact classes: the span bounds decide what they can, the rest is evaluated."""
         out = self.bounded_classes(block_q, block_k)
         need = out == PARTIAL
+        self._count_bounded(int((~need).sum()))
         if bool(need.any()):
             exact = classify_by_rows(self, block_q, block_k, need=need)
             out[need] = exact[need]

@@ -165,6 +165,7 @@ class _Tiling:
     visible: int  # visible (query, key) pairs, total over batch and query heads
     mask_mods: int = 0  # user mask_mods the mask evaluates (each per tile call)
     classify_positions: int = 0  # positions per (batch, head) evaluated to classify, all mask_mods
+    bounded: int = 0  # tiles classification decided without evaluating a mask_mod
     kept: int = 0  # partial tiles whose visibility the classification kept for the loop
     area_unkept: int = 0  # Σ r_i c_j over the partial tiles not kept
 
@@ -237,6 +238,7 @@ def _tiling(
     bound = m.bind(geo)
     kinds = bound.classes(block_q, block_k).to(torch.int64)  # (Tr, Tc)
     classify_positions = sum(caller.positions for caller in bound.callers)
+    bounded = bound.tiles_bounded
     ran = kinds != EMPTY  # (Tr, Tc)
     r = _sizes(shape.lq, block_q)  # (Tr,)
     c = _sizes(shape.lk, block_k)  # (Tc,)
@@ -265,6 +267,7 @@ def _tiling(
         visible=_visible(bound, shape),
         mask_mods=len(callers),
         classify_positions=classify_positions,
+        bounded=bounded,
         kept=int(kept.sum()),
         area_unkept=int((r[:, None] * c[None, :] * unkept).sum()),
     )  # fmt: skip
@@ -394,6 +397,9 @@ class StorageWork(_Report):
     """Positions (over batch and query heads) a ``MaskMod``'s mask_mod is evaluated at to
     classify the tiles, in a pass that classifies (``Lq·Lk`` per mask_mod, or the tiles a
     closed-form side of ``&``/``|`` leaves open; none for a BlockMask's blocks)."""
+    mask_mod_tiles_bounded: int = 0
+    """Tiles the classification decides without evaluating the mask_mod: empty or full by its
+    span bounds, or by the closed-form side of ``&``/``|``."""
     mask_mod_tiles_kept: int = 0
     """Partial tiles whose visibility the classification keeps for the loop (up to
     ``masks.KEEP_BYTES``)."""
@@ -437,6 +443,7 @@ class StorageWork(_Report):
             "flops_forward": self.flops_forward,
             "flops_backward": self.flops_backward,
             "mask_mod_classify_evals": self.mask_mod_classify_evals,
+            "mask_mod_tiles_bounded": self.mask_mod_tiles_bounded,
             "mask_mod_tiles_kept": self.mask_mod_tiles_kept,
             "mask_mod_tiles": self.mask_mod_tiles,
             "mask_mod_evals": self.mask_mod_evals,
@@ -509,6 +516,8 @@ class StorageWork(_Report):
             rows += [
                 work("classification", "mask_mod positions", self.mask_mod_classify_evals,
                      "to classify the tiles"),
+                work("classification", "tiles decided by bounds", self.mask_mod_tiles_bounded,
+                     "empty or full, nothing evaluated"),
                 work("classification", "partial tiles kept", self.mask_mod_tiles_kept,
                      "visibility kept for the loop"),
                 work("each pass", "mask_mod tile calls", self.mask_mod_tiles,
@@ -603,6 +612,7 @@ def storage_and_work(
         flops_forward=2 * (shape.d + shape.d_v) * computed,
         flops_backward=2 * (3 * shape.d + 2 * shape.d_v) * computed,
         mask_mod_classify_evals=t.classify_positions * bh,
+        mask_mod_tiles_bounded=t.bounded,
         mask_mod_tiles_kept=t.kept,
         mask_mod_tiles=(t.partial - t.kept) * t.mask_mods,
         mask_mod_evals=t.area_unkept * t.mask_mods * bh,

@@ -568,20 +568,22 @@ def _classes(
     pb: Problem, block_q: int, block_k: int, ledger: Ledger | None = None
 ) -> list[list[int]] | None:
     """The mask's tile classes (None without a mask); with ``ledger``, set in it, and the
-    positions a mask_mod was evaluated at to find them booked (none when the bound mask
-    knew them already)."""
+    positions a mask_mod was evaluated at to find them and the tiles decided without
+    evaluating it booked (none when the bound mask knew them already)."""
     if pb.mask is None:
         if ledger is not None:
             ledger.set_tile_classes(None)
         return None
     callers = pb.mask.callers
     before = sum(m.positions for m in callers)
+    bounded = pb.mask.tiles_bounded
     classes = pb.mask.tile_class_rows(block_q, block_k)
     if ledger is not None:
         b, hq = pb.shape[:2]
         ledger.counters.mask_mod_classify_evals += (sum(m.positions for m in callers) - before) * (
             b * hq
         )
+        ledger.counters.mask_mod_tiles_bounded += pb.mask.tiles_bounded - bounded
         ledger.set_tile_classes(classes)
     return classes
 

@@ -100,6 +100,9 @@ class Counters:
     """Positions (over batch and query heads) a mask_mod was evaluated at to classify the tiles
     before the loop; 0 when the classes were known (a BlockMask's blocks, or the forward's
     classes reused by the backward of ``flash_attention``)."""
+    mask_mod_tiles_bounded: int = 0
+    """Tiles that classification decided without evaluating the mask_mod: empty or full by
+    its span bounds (``_spans``), or by the closed-form side of ``&``/``|``."""
     score_mod_tiles: int = 0
     """Tile calls of a user score_mod: one per tile run (the backward's keeps its graph for the
     vector-Jacobian product on the tile)."""
@@ -270,6 +273,8 @@ class Ledger:
                 f"; mask_mod: {c.mask_mod_evals} positions in {c.mask_mod_tiles} tile calls, "
                 f"{c.mask_mod_classify_evals} to classify"
             )
+            if c.mask_mod_tiles_bounded:
+                head += f" ({c.mask_mod_tiles_bounded} tiles decided by bounds)"
         if c.score_mod_tiles:
             head += f"; score_mod: {c.score_mod_evals} positions in {c.score_mod_tiles} tile calls"
         if self.record_every > 1 and self.records:

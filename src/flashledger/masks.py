@@ -376,6 +376,16 @@ class BoundMask(ABC):
         """``(Tq, Tk)`` int8 tensor of ``EMPTY``/``PARTIAL``/``FULL``."""
         ...
 
+    @property
+    def tiles_bounded(self) -> int:
+        """Tiles the classifications of this bound mask decided without evaluating a
+        mask_mod although one was inside (by its span bounds, or by the closed-form side of
+        ``&``/``|``), summed over the classifications run (a remembered one adds nothing)."""
+        return int(self.__dict__.get("_tiles_bounded", 0))
+
+    def _count_bounded(self, n: int) -> None:
+        self.__dict__["_tiles_bounded"] = self.tiles_bounded + n
+
     def bounded_classes(self, block_q: int, block_k: int) -> torch.Tensor:
         """Tile classes as far as they are known without evaluating a mask_mod, ``(Tq, Tk)``
         int8: ``EMPTY``/``FULL`` where decided, ``PARTIAL`` where not (it may still be
@@ -754,6 +764,7 @@ def _classify_composite(bound: BoundMask, block_q: int, block_k: int) -> torch.T
     alike are never evaluated, the rest exactly."""
     known = bound.bounded_classes(block_q, block_k)
     need = known == PARTIAL
+    bound._count_bounded(int((~need).sum()))
     out = classify_by_rows(bound, block_q, block_k, need=need)
     out[~need] = known[~need]
     return out
