@@ -6,7 +6,9 @@ installed) and which tiles the loop uses by default depend on the CPU: MKL
 runs float32 GEMM through its AVX2 code on AMD EPYC and its AVX-512 code on
 Intel Xeon, so what wins on one loses on the other. So, per dtype, a short
 calibration (about a second) runs real forward + backward passes with each
-candidate, in interleaved rounds, and keeps the fastest (median). It runs
+candidate, in interleaved rounds, and keeps the fastest (by each candidate's
+fastest round: on a shared machine other work only ever adds time, and a median
+lets a burst of it that falls on one candidate's rounds decide). It runs
 once, when the step is first used on a machine, under a file lock (concurrent
 processes wait for one measurement), and is cached beside the compiled
 library, keyed by CPU model, ISA flags, thread count and PyTorch version (the
@@ -30,7 +32,6 @@ import fcntl
 import json
 import os
 import platform
-import statistics
 import threading
 import time
 import warnings
@@ -231,8 +232,8 @@ def _fastest(
     kern: Kernels, dtype: torch.dtype, cands: list[tuple[str, int, int]]
 ) -> tuple[tuple[str, int, int], dict[str, float]]:
     """The fastest ``(back end, block_q, block_k)`` of ``cands`` for ``dtype`` inputs:
-    forward + backward passes of every candidate, interleaved rounds, medians; and each
-    candidate's rate (GFLOP/s), keyed ``"own 512x512"``."""
+    forward + backward passes of every candidate, interleaved rounds, each candidate's
+    fastest round; and each candidate's rate (GFLOP/s) at it, keyed ``"own 512x512"``."""
     from .blocked import blocked_backward, blocked_forward  # the loop the step serves
 
     heads = 4 * kern.max_threads()
@@ -256,9 +257,9 @@ def _fastest(
     for _ in range(_ROUNDS):
         for c in cands:
             times[c].append(run(*c))
-    med = {c: statistics.median(t) for c, t in times.items()}
-    rates = {f"{g} {bq}x{bk}": round(flop / t / 1e9, 1) for (g, bq, bk), t in med.items()}
-    return min(med, key=lambda c: med[c]), rates
+    best = {c: min(t) for c, t in times.items()}
+    rates = {f"{g} {bq}x{bk}": round(flop / t / 1e9, 1) for (g, bq, bk), t in best.items()}
+    return min(best, key=lambda c: best[c]), rates
 
 
 def _measure(kern: Kernels, dtype: torch.dtype, names: list[str]) -> Choice:
@@ -277,7 +278,7 @@ def _measure(kern: Kernels, dtype: torch.dtype, names: list[str]) -> Choice:
 
 def _measure_half(kern: Kernels, dtype: torch.dtype, paths: list[str], base: Choice) -> Choice:
     """bfloat16/float16: the ``half`` path (at the first tile candidate) against the
-    ``float32`` path (at float32's choice ``base``), interleaved rounds, medians; then the
+    ``float32`` path (at float32's choice ``base``), interleaved rounds, fastest rounds; then the
     tiles of the ``half`` path when it wins. Nothing to measure when only ``float32`` is
     possible (no half gemm here)."""
     if paths == ["float32"]:
