@@ -439,3 +439,17 @@ def test_the_ledger_books_the_tiles_the_bounds_decided(monkeypatch):
         off = fl.blocked_forward(q, k, v, mask=fl.MaskMod(causal), block_q=16, block_k=16)
     assert off.ledger.counters.mask_mod_tiles_bounded == 0
     assert "decided by bounds" not in str(off.ledger)
+
+
+def test_a_result_that_is_not_a_tensor_is_still_refused():
+    """A mask_mod returning a Python bool is not decided by the bounds: the tile call
+    refuses it, as it did before the bounds."""
+    assert (
+        span_classes(
+            lambda b, h, q, k: True, batch=1, heads=1, rows=_tiles(9, 4, 0), keys=_tiles(9, 4, 0)
+        )
+        is None
+    )
+    q = k = v = torch.randn(1, 1, 9, 4)
+    with pytest.raises(ValueError, match="returned bool, not a tensor"):
+        fl.flash_attention(q, k, v, mask=fl.MaskMod(lambda b, h, qi, ki: True))

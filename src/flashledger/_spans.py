@@ -651,7 +651,10 @@ def span_classes(
     q = Span(rows[0].view(1, 1, tq, 1), rows[1].view(1, 1, tq, 1))
     k = Span(keys[0].view(1, 1, 1, tk), keys[1].view(1, 1, 1, tk))
     try:
-        out = _tri(mask_mod(b, h, q, k))
+        got = mask_mod(b, h, q, k)
+        if not isinstance(got, Tri | torch.Tensor):  # not a mask_mod's result: the tile
+            return None  # call names what is wrong with it
+        out = _tri(got)
         grid = (1, 1, tq, tk)
         if torch.broadcast_shapes(out.t.shape, out.f.shape, grid) != grid:
             return None
