@@ -86,32 +86,32 @@ def _score_mod_alone(
     shape: tuple[int, int, int],
     dtype: torch.dtype,
 ) -> Callable[[], None]:
-    """The score_mod's own work in a causal forward + backward, as the step does it: on
-    each causal tile of the PyTorch step's default size, once without gradients (forward)
-    and once with its vector-Jacobian product for the scores and ``captured`` (backward)."""
+    """The score_mod's own work in a causal forward + backward, through the step's own
+    calls (``_mods.UserScore``): on each causal tile of the PyTorch step's default size,
+    once without gradients (``apply``, the forward) and once with its vector-Jacobian
+    product for the scores and ``captured`` (``forward`` + ``vjp``, the backward)."""
+    from flashledger._mods import UserScore
     from flashledger.blocked import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q
 
     h, n, _ = shape
     gen = torch.Generator().manual_seed(1)
-    b, hh = torch.zeros(1, 1, 1, 1, dtype=torch.int64), torch.arange(h).view(1, h, 1, 1)
+    user = UserScore.bind(score_mod, batch=1, heads=h, dtype=dtype, device=torch.device("cpu"))
+    user.use_captured((captured,))
     tiles = []
     for q0 in range(0, n, DEFAULT_BLOCK_Q):
         q1 = min(q0 + DEFAULT_BLOCK_Q, n)
         for k0 in range(0, q1, DEFAULT_BLOCK_K):  # causal: key tiles up to the diagonal
             k1 = min(k0 + DEFAULT_BLOCK_K, n)
             s = torch.randn(1, h, q1 - q0, k1 - k0, generator=gen, dtype=dtype)
-            qi = torch.arange(q0, q1).view(1, 1, -1, 1)
-            ki = torch.arange(k0, k1).view(1, 1, 1, -1)
-            tiles.append((s, qi, ki))
+            tiles.append((s, torch.arange(q0, q1), torch.arange(k0, k1)))
 
     def run() -> None:
-        with torch.no_grad():
-            for s, qi, ki in tiles:
-                score_mod(s, b, hh, qi, ki)
-        for s, qi, ki in tiles:
-            leaf = s.detach().requires_grad_(True)
-            out = score_mod(leaf, b, hh, qi, ki)
-            torch.autograd.grad(out, (leaf, captured), torch.ones_like(out), retain_graph=True)
+        for s, rows, keys in tiles:
+            user.apply(s, rows, keys)
+        user.reset_grads()
+        for s, rows, keys in tiles:
+            _, ctx = user.forward(s, rows, keys)
+            user.vjp(ctx, torch.ones_like(s))
 
     return run
 

@@ -8,7 +8,7 @@
   per tile, the least and greatest row and key) decides the tiles it cannot
   hold anywhere in (empty) or cannot fail anywhere in (full); the others,
   and every tile of a mask_mod the spans cannot follow, are evaluated
-  position by position (``classify_by_rows``: one row of tiles at a time,
+  position by position (``masks.classify_by_rows``: one row of tiles at a time,
   memory linear in the length) and reduced to empty, partial or full, as
   ``create_block_mask`` does (without its padding: a ragged last tile whose
   real positions are all visible is full). The classes are the same either
@@ -36,7 +36,7 @@ import torch
 
 from ._mods import MaskModFn, TileCaller, index_grid
 from ._spans import span_classes
-from .masks import EMPTY, FULL, PARTIAL, BoundMask, Geometry, Mask, classify_by_rows
+from .masks import EMPTY, FULL, PARTIAL, BoundMask, Geometry, Mask, classify_bounded
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -175,13 +175,7 @@ class MaskModBound(BoundMask):
 
     def tile_classes(self, block_q: int, block_k: int) -> torch.Tensor:
         """Exact classes: the span bounds decide what they can, the rest is evaluated."""
-        out = self.bounded_classes(block_q, block_k)
-        need = out == PARTIAL
-        self._count_bounded(int((~need).sum()))
-        if bool(need.any()):
-            exact = classify_by_rows(self, block_q, block_k, need=need)
-            out[need] = exact[need]
-        return out
+        return classify_bounded(self, block_q, block_k)
 
 
 class BlockMaskBound(MaskModBound):

@@ -127,18 +127,17 @@ static inline VT splat(T x) { /* one broadcast (a loop over the lanes can compil
 static inline VT vsel(VI m, VT a, VT b) { return (VT)(((VI)a & m) | ((VI)b & ~m)); }
 /* (a > b ? a : b) and (a < b ? a : b): x86's max and min, one instruction each (written as
  * a select, they compile to a compare and two logic operations); a NaN in b is kept */
+#define FL_MAXMIN(MAX, MIN, V)                                                               \
+    static inline VT vgt(VT a, VT b) { return (VT)MAX((V)a, (V)b); }                          \
+    static inline VT vlt(VT a, VT b) { return (VT)MIN((V)a, (V)b); }
 #if defined(__AVX512F__) && VBYTES == 64 && FL_DOUBLE
-static inline VT vgt(VT a, VT b) { return (VT)_mm512_max_pd((__m512d)a, (__m512d)b); }
-static inline VT vlt(VT a, VT b) { return (VT)_mm512_min_pd((__m512d)a, (__m512d)b); }
+FL_MAXMIN(_mm512_max_pd, _mm512_min_pd, __m512d)
 #elif defined(__AVX512F__) && VBYTES == 64
-static inline VT vgt(VT a, VT b) { return (VT)_mm512_max_ps((__m512)a, (__m512)b); }
-static inline VT vlt(VT a, VT b) { return (VT)_mm512_min_ps((__m512)a, (__m512)b); }
+FL_MAXMIN(_mm512_max_ps, _mm512_min_ps, __m512)
 #elif defined(__AVX__) && VBYTES == 32 && FL_DOUBLE
-static inline VT vgt(VT a, VT b) { return (VT)_mm256_max_pd((__m256d)a, (__m256d)b); }
-static inline VT vlt(VT a, VT b) { return (VT)_mm256_min_pd((__m256d)a, (__m256d)b); }
+FL_MAXMIN(_mm256_max_pd, _mm256_min_pd, __m256d)
 #elif defined(__AVX__) && VBYTES == 32
-static inline VT vgt(VT a, VT b) { return (VT)_mm256_max_ps((__m256)a, (__m256)b); }
-static inline VT vlt(VT a, VT b) { return (VT)_mm256_min_ps((__m256)a, (__m256)b); }
+FL_MAXMIN(_mm256_max_ps, _mm256_min_ps, __m256)
 #else
 static inline VT vgt(VT a, VT b) { return vsel((VI)(a > b), a, b); }
 static inline VT vlt(VT a, VT b) { return vsel((VI)(a < b), a, b); }

@@ -82,17 +82,28 @@ def _no_nan(*xs: Any) -> None:
             raise _Unknown("a bound is NaN")
 
 
-_INT_SAFE = 1 << 62  # integer bounds stay below this: no sum or product of two wraps around
+_INT_SAFE = 1 << 62  # integer bounds stay below this: no sum of two wraps around
+_INT_FACTOR = 1 << 31  # nor a product of two below this
+
+
+def _ints_below(limit: int, *xs: Any) -> None:
+    """Raise ``_Unknown`` unless every integer bound among ``xs`` (Python or tensor) lies
+    below ``limit`` in magnitude: past it an operation may wrap around, which is not
+    monotone."""
+    for x in xs:
+        if isinstance(x, torch.Tensor):
+            big = not x.is_floating_point() and x.dtype != torch.bool
+            if big and bool((x.abs() >= limit).any()):
+                raise _Unknown("integer bounds that may wrap around")
+        elif isinstance(x, int) and abs(x) >= limit:
+            raise _Unknown("integer bounds that may wrap around")
 
 
 def _checked(lo: torch.Tensor, hi: torch.Tensor) -> Span:
-    """A span, after checking that integer bounds are far from wrapping around (a wrapped
-    value is not monotone) and that floating-point ones are not NaN."""
-    for x in (lo, hi):
-        if x.is_floating_point():
-            _no_nan(x)
-        elif x.dtype != torch.bool and bool((x.abs() >= _INT_SAFE).any()):
-            raise _Unknown("integer bounds near overflow")
+    """A span, after checking that integer bounds are far from wrapping around and that
+    floating-point ones are not NaN."""
+    _no_nan(lo, hi)
+    _ints_below(_INT_SAFE, lo, hi)
     return Span(lo, hi)
 
 
@@ -117,14 +128,8 @@ def _rsub(a: Any, b: Any, alpha: Any = None) -> Span:
 
 def _mul(a: Any, b: Any) -> Span:
     (al, ah), (bl, bh) = _lohi(a), _lohi(b)
-    for x in (al, ah, bl, bh):  # a product of two values below 2**31 stays below 2**62
-        if isinstance(x, torch.Tensor) and not x.is_floating_point():
-            if bool((x.abs() >= 1 << 31).any()):
-                raise _Unknown("an integer product that may wrap around")
-        elif isinstance(x, int) and abs(x) >= 1 << 31:
-            raise _Unknown("an integer product that may wrap around")
+    _ints_below(_INT_FACTOR, al, ah, bl, bh)
     corners = [x * y for x in (al, ah) for y in (bl, bh)]
-    _no_nan(*corners)
     lo = torch.minimum(torch.minimum(corners[0], corners[1]), torch.minimum(corners[2], corners[3]))
     hi = torch.maximum(torch.maximum(corners[0], corners[1]), torch.maximum(corners[2], corners[3]))
     return _checked(lo, hi)
@@ -206,10 +211,8 @@ def _cmp(name: str) -> Callable[[Any, Any], Tri]:
         if isinstance(a, Tri) or isinstance(b, Tri):
             if name not in ("eq", "ne"):
                 raise _Unknown("ordering of truth values")
-            x, y = _tri(a), _tri(b)
-            same_t = (x.t & y.t) | (x.f & y.f)
-            same_f = (x.t & y.f) | (x.f & y.t)
-            return Tri(same_t, same_f) if name == "eq" else Tri(same_f, same_t)
+            differ = _xor(a, b)
+            return differ if name == "ne" else _not(differ)
         (al, ah), (bl, bh) = _lohi(a), _lohi(b)
         _no_nan(al, ah, bl, bh)
         if name == "lt":

@@ -81,6 +81,7 @@ __all__ = [
     "Padding",
     "SlidingWindow",
     "as_mask",
+    "classify_bounded",
     "classify_by_rows",
 ]
 
@@ -647,7 +648,7 @@ class AndBound(_PairBound):
 
     def tile_classes(self, block_q: int, block_k: int) -> torch.Tensor:
         if self.callers:  # a mask_mod inside: evaluated where the other side leaves it open
-            return _classify_composite(self, block_q, block_k)
+            return classify_bounded(self, block_q, block_k)
         ca = self.a.tile_classes(block_q, block_k)
         cb = self.b.tile_classes(block_q, block_k)
         out = torch.minimum(ca, cb)  # EMPTY wins; FULL only if both FULL
@@ -672,7 +673,7 @@ class OrBound(_PairBound):
 
     def tile_classes(self, block_q: int, block_k: int) -> torch.Tensor:
         if self.callers:
-            return _classify_composite(self, block_q, block_k)
+            return classify_bounded(self, block_q, block_k)
         ca = self.a.tile_classes(block_q, block_k)
         cb = self.b.tile_classes(block_q, block_k)
         out = torch.maximum(ca, cb)  # FULL wins; EMPTY only if both EMPTY
@@ -756,12 +757,11 @@ def _classify_run(
             bound.keep(q0, q1, k0 + c0, k0 + c1, vis[..., c0:c1])
 
 
-def _classify_composite(bound: BoundMask, block_q: int, block_k: int) -> torch.Tensor:
-    """Tile classes of ``a & b`` (``absorbing`` EMPTY) or ``a | b`` (FULL) with a mask_mod
-    inside: each side's classes as far as they are known without evaluating a mask_mod
-    (``bounded_classes``: closed form, a BlockMask's blocks, a mask_mod's span bounds);
-    the tiles one side decides alone (empty for ``&``, full for ``|``) or both decide
-    alike are never evaluated, the rest exactly."""
+def classify_bounded(bound: BoundMask, block_q: int, block_k: int) -> torch.Tensor:
+    """Exact tile classes of a mask with a mask_mod inside: what ``bounded_classes`` decides
+    without evaluating it (a mask_mod's span bounds; for ``a & b`` / ``a | b`` each side's,
+    a closed-form side's or a BlockMask's classes, the tiles one side decides alone or
+    both alike), booked as ``tiles_bounded``; the rest evaluated (``classify_by_rows``)."""
     known = bound.bounded_classes(block_q, block_k)
     need = known == PARTIAL
     bound._count_bounded(int((~need).sum()))
