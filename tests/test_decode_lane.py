@@ -189,11 +189,12 @@ def test_the_lane_leaves_every_other_call_to_the_general_path(native, lane_runs,
     assert bool(torch.isfinite(o).all())
 
 
-def test_a_result_that_is_not_finite_is_explained_by_the_general_path(native, lane_runs, gen):
+@pytest.mark.parametrize("dt", [f32, bf16])
+def test_a_result_that_is_not_finite_is_explained_by_the_general_path(native, lane_runs, gen, dt):
     """Scores that overflow float32, or a NaN in the cache: the lane runs, finds the
-    result not finite and hands the call back; the error names the row or the input,
-    as without the lane."""
-    q, k, v = _inputs(gen, 1, 4, 2, 1, 50, 8, 8, f32)
+    result not finite (in bfloat16, as the pass writes it) and hands the call back; the
+    error names the row or the input, as without the lane."""
+    q, k, v = _inputs(gen, 1, 4, 2, 1, 50, 8, 8, dt)
     with pytest.raises(ValueError, match=r"o\[0, \d, 0, :\]") as lane_err:
         fl.flash_attention(q * 1e20, k * 1e20, v)
     assert lane_runs
@@ -238,6 +239,51 @@ def test_a_forward_pass_runs_only_the_operands_it_was_planned_for(native, gen):
         fp.run(q.double(), k.double(), v.double())
     with pytest.raises(ValueError, match="contiguous"):
         fp.run(q, k.transpose(1, 2).contiguous().transpose(1, 2), v)
+
+
+@pytest.mark.parametrize("dt", [bf16, f16])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_a_pass_reading_q_from_its_half_rows_gives_the_bits_of_q_widened_first(
+    native, gen, dt, splits
+):
+    """``ForwardPass.run_rows`` with q left out (its rows in the cache's half dtype, widened
+    by the pass; d = 12: no pair instruction) and O rounded by the pass equals ``run`` on
+    q widened by PyTorch, O rounded by PyTorch's conversion, with one part and with key
+    splits merged; a row overflowing float32 gives None; and the pass refuses a q16 of
+    another dtype or size, and a float pass without q."""
+    hq, lk, d = 4, 70, 12
+    q16 = torch.randn(hq, 1, d, generator=gen, dtype=f64).to(dt)
+    k, v = (torch.randn(2, lk, d, generator=gen, dtype=f64).to(dt) for _ in range(2))
+    q = q16.float()
+    sched = _native.Schedule()
+    for s in range(splits):
+        sched.add(0, 1, s * lk // splits, (s + 1) * lk // splits, None)
+    sched.end_row(0, 1)
+    fp = _native.ForwardPass(
+        native, q, k, v, sched, group=2, scale=0.3, heads_per_batch=hq, intervals=None,
+        chunk=2, splits=splits, stacked=True, keys_in_place=True, keep_scratch=True,
+    )  # fmt: skip
+    o_ref, lse_ref = fp.run(q, k, v, merge=True, rows=(1, hq, 1))
+    for _ in range(2):  # the second run on the pass's own scratch
+        got = fp.run_rows(None, k, v, (1, hq, 1), q16=q16)
+        assert got is not None
+        o, lse = got
+        assert o.dtype == dt and o.shape == (1, hq, 1, d) and lse.dtype == f32
+        assert torch.equal(o, o_ref.to(dt)) and torch.equal(lse, lse_ref)
+    big = (q16.float() * 1e30).to(dt) if dt == bf16 else q16
+    k_big = (k.float() * 1e30).to(dt) if dt == bf16 else k.clone().fill_(float("inf"))
+    assert fp.run_rows(None, k_big, v, (1, hq, 1), q16=big) is None
+    with pytest.raises(ValueError, match="q16 must hold"):
+        fp.run_rows(None, k, v, (1, hq, 1), q16=q16.float())
+    with pytest.raises(ValueError, match="q16 must hold"):
+        fp.run_rows(None, k, v, (1, hq, 1), q16=q16[:2])
+    q32, k32, v32 = q, k.float(), v.float()
+    fp32 = _native.ForwardPass(
+        native, q32, k32, v32, sched, group=2, scale=0.3, heads_per_batch=hq, intervals=None,
+        chunk=2, splits=splits, stacked=True, keys_in_place=True,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="half cache"):
+        fp32.run_rows(None, k32, v32, (1, hq, 1), q16=q16)
 
 
 def test_all_finite_reads_every_value(native):

@@ -13,6 +13,13 @@ back end, decided by the general path's own functions (``build_problem``,
 as a ``_native.ForwardPass``, and runs that pass on each call's tensors. Its results
 are the general path's bit for bit (``tests/test_decode_lane.py``).
 
+Around the pass a call runs no tensor operation but its two results' allocations
+(``ForwardPass.run_rows``): after a pass has streamed a long cache through the CPU's
+caches, each small operation costs several times its warm time, and a decode step's
+own arithmetic is a few hundred microseconds. With q, K and V in one half dtype the
+pass widens q's rows and rounds O itself; with one part it checks the values as it
+writes them.
+
 It takes only the calls the general path runs as one native pass with the keys read
 in place: no mask but ``Causal`` or ``SlidingWindow`` (values: their partial tiles'
 rows come from the geometry alone, as intervals), no bias, score_mod, softcap, ALiBi,
@@ -76,6 +83,7 @@ class _Plan:
     acc: torch.dtype  # the loop's dtype: q's, and K/V's unless a half cache is read in place
     kv_as_is: bool  # K/V read in their own (half) dtype
     bf16_rows: bool  # q's bfloat16 rows go beside their float32 copy (``_bf16_rows``)
+    half_rows: bool  # q, K, V and O all in one half dtype: q's rows and O as they are
     out_dtype: torch.dtype
 
 
@@ -152,12 +160,13 @@ def _plan(
     if not args["keys_in_place"]:  # (one query tile, a few rows per K/V head)
         return _NOT_TAKEN
     qn, kn, vn = _forward_operands(pb, kern, True)
-    run = _native.ForwardPass(kern, qn, kn, vn, sched, **args)
+    run = _native.ForwardPass(kern, qn, kn, vn, sched, **args, keep_scratch=True)
     return _Plan(
         run=run,
         acc=pb.dtype,
         kv_as_is=kn.dtype in _HALF,
         bf16_rows=_bf16_rows(pb, True) is not None,
+        half_rows=run.half != 0 and q.dtype == kn.dtype == pb.out_dtype,
         out_dtype=pb.out_dtype,
     )
 
@@ -167,19 +176,23 @@ def _run(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The planned pass on this call's tensors, laid out as ``_forward_operands`` lays
     them; None when the result is not finite."""
-    qn = q if q.is_contiguous() else q.contiguous()  # (B·Hq, Lq, d) as laid out
-    qn = qn if qn.dtype == plan.acc else qn.to(plan.acc)
     kn = k if k.is_contiguous() else k.contiguous()
     vn = v if v.is_contiguous() else v.contiguous()
+    rows = q.shape[:-1]  # the caller's (..., Lq)
+    if plan.half_rows:  # q's rows and O in the cache's dtype: no conversion around the pass
+        qh = q if q.is_contiguous() else q.contiguous()
+        return plan.run.run_rows(None, kn, vn, rows, q16=qh)
+    qn = q if q.is_contiguous() else q.contiguous()  # (B·Hq, Lq, d) as laid out
+    qn = qn if qn.dtype == plan.acc else qn.to(plan.acc)
     if not plan.kv_as_is and kn.dtype != plan.acc:
         kn, vn = kn.to(plan.acc), vn.to(plan.acc)
-    rows = q.shape[:-1]  # the caller's (..., Lq)
-    q16 = None
+    q16: torch.Tensor | None = None
     if plan.bf16_rows:  # as _bf16_rows gives them to the general path
         q16 = q if q.is_contiguous() else q.contiguous()
-    o, lse = plan.run.run(qn, kn, vn, merge=True, rows=rows, q16=q16)  # (..., Lq, d_v), (..., Lq)
     # a finite LSE and O are due where every row sees a key; anything else (a row that sees
     # none, an overflow, a NaN input) is the general path's to report or explain
-    if not plan.run.finite(lse, o):
+    got = plan.run.run_rows(qn, kn, vn, rows, q16=q16)  # (..., Lq, d_v), (..., Lq)
+    if got is None:
         return None
+    o, lse = got
     return (o if o.dtype == plan.out_dtype else o.to(plan.out_dtype)), lse

@@ -480,13 +480,18 @@ struct fl_args {
                                        [iv_lo, iv_hi)[b · iv_bstride + i] (local), or NULL */
     const unsigned short *k16, *v16; /* forward with keys in place (kt NULL): K, V in a half
                                         dtype (half = 1: bfloat16, 2: float16), or NULL */
-    const unsigned short *q16; /* with a bfloat16 K: Q's rows in bfloat16 when they are
-                                  exactly q's values (the call's q was bfloat16), or NULL */
+    const unsigned short *q16; /* with a half K (keys in place): Q's rows in K's half dtype
+                                  when they are exactly q's values (the call's q was that
+                                  dtype), or NULL; q itself may then be NULL (the rows are
+                                  widened as a work item starts) */
     const long long *tiles;     /* the schedule's tiles, FL_TILE fields each */
     const long long *row_start; /* row r's tiles are [row_start[r], row_start[r + 1]) */
     const long long *bounds;    /* row r covers [bounds[2r], bounds[2r + 1]): its queries
                                    (forward) or keys (backward), tiles or none */
     long long *seen;            /* per tile: visible dots of a partial tile, all heads */
+    unsigned short *o16;        /* forward, one part (S = 1), keys in place: O written in the
+                                   half dtype `half` instead of into o, or NULL */
+    long long *bad;             /* forward: set to 1 when a row's λ or O is not finite, or NULL */
     long long heads, group, lq, lk, d, dv, work_stride;
     long long hq, iv_bstride; /* query heads per batch; the intervals' batch stride (0: shared) */
     long long rows;           /* rows of the schedule */
@@ -512,6 +517,7 @@ struct fl_args {
 struct rows {
     long long h0, r0, lrows;
     int nr;
+    const T *q; /* forward: the block's Q rows (nr x d) when not read from a->q, or NULL */
 };
 static inline long long row_head(const struct rows *b, int r) { return b->h0 + (b->r0 + r) / b->lrows; }
 static inline long long row_pos(const struct rows *b, int r) { return (b->r0 + r) % b->lrows; }
@@ -955,6 +961,20 @@ static inline T one_f16(unsigned short x) {
     memcpy(&h, &x, sizeof h);
     return (T)h;
 }
+/* and back: x rounded to nearest, ties to even, as PyTorch's conversion rounds (subnormals
+ * kept, overflow to ±inf, NaN a quiet NaN) */
+static inline unsigned short bf16_one(T x) {
+    unsigned int u;
+    memcpy(&u, &x, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40);
+    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+static inline unsigned short f16_one(T x) {
+    _Float16 h = (_Float16)x;
+    unsigned short r;
+    memcpy(&r, &h, sizeof r);
+    return r;
+}
 
 FL_DOT_ROWS(dot_bf16, unsigned short, load_bf16, one_bf16)
 #if defined(__AVX512BF16__) && VBYTES == 64
@@ -1028,7 +1048,7 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
     const TIN *vh = a->v + (kh * a->lk + t[2] + lo) * a->dv;
 #if !FL_HALF
     long long ko = (kh * a->lk + t[2] + lo) * a->d; /* K_j's first row, keys in place */
-    const T *qr = a->q + row_base(a, b) * a->d;
+    const T *qr = b->q ? b->q : a->q + row_base(a, b) * a->d;
     T alpha2 = (T)(a->scale * LOG2E);
 #if !FL_DOUBLE
 #if FL_BF16_PAIRS
@@ -1109,7 +1129,16 @@ static void forward_item(const struct fl_args *a, long long h0, long long r0, in
     char *more = (char *)(s + nr * padded(bk) + nr);
     TIN *ps = FL_HALF ? carve(&more, nr * padded(bk), sizeof(TIN)) : (TIN *)s;
     struct keys ks = {!a->kt}; /* keys in place (the half builds never read them so) */
-    struct rows b = {h0, r0, a->stacked ? a->lq : (1LL << 62), nr};
+    struct rows b = {h0, r0, a->stacked ? a->lq : (1LL << 62), nr, NULL};
+#if !FL_DOUBLE && !FL_HALF
+    if (!a->q) { /* Q's rows only in q16, K's half dtype: widened here (exact) */
+        T *qw = carve(&more, nr * a->d, sizeof(T));
+        const unsigned short *src = a->q16 + row_base(a, &b) * a->d;
+        for (long long i = 0; i < nr * a->d; ++i)
+            qw[i] = a->half == 1 ? one_bf16(src[i]) : one_f16(src[i]);
+        b.q = qw;
+    }
+#endif
 
     for (int r = 0; r < nr; ++r) {
         m[r] = -INFINITY;
@@ -1124,7 +1153,8 @@ static void forward_item(const struct fl_args *a, long long h0, long long r0, in
             continue;
         }
         for (int c = 0; c < nr; c += FL_PARTIAL_ROWS) { /* partial: narrow row blocks */
-            struct rows sub = {h0, r0 + c, b.lrows, nr - c < FL_PARTIAL_ROWS ? nr - c : FL_PARTIAL_ROWS};
+            struct rows sub = {h0, r0 + c, b.lrows, nr - c < FL_PARTIAL_ROWS ? nr - c : FL_PARTIAL_ROWS,
+                               b.q ? b.q + c * a->d : NULL};
             seen += forward_block(a, t, &sub, &ks, m + c, ell + c, acc + c * dv, s, ps);
         }
         if (seen) {
@@ -1133,12 +1163,33 @@ static void forward_item(const struct fl_args *a, long long h0, long long r0, in
         }
     }
     long long base = split * a->heads * a->lq + row_base(a, &b);
-    T *o = a->o + base * dv, *lse = a->lse + base;
+    T *lse = a->lse + base;
+    int finite = 1;
     for (int r = 0; r < nr; ++r) {
-        T l = ell[r], *orow = o + r * dv, *arow = acc + r * dv;
+        T l = ell[r], *arow = acc + r * dv;
         int empty = l == 0;
         lse[r] = empty ? -INFINITY : m[r] * (T)LN2 + LOG(l);
-        for (long long c = 0; c < dv; ++c) orow[c] = empty ? 0 : arow[c] / l;
+        finite &= isfinite(lse[r]);
+#if !FL_DOUBLE && !FL_HALF
+        if (a->o16) { /* rounded as PyTorch's conversion rounds */
+            unsigned short *orow = a->o16 + (base + r) * dv;
+            for (long long c = 0; c < dv; ++c) {
+                T x = empty ? 0 : arow[c] / l;
+                finite &= isfinite(x);
+                orow[c] = a->half == 1 ? bf16_one(x) : f16_one(x);
+            }
+            continue;
+        }
+#endif
+        T *orow = a->o + (base + r) * dv;
+        for (long long c = 0; c < dv; ++c) {
+            orow[c] = empty ? 0 : arow[c] / l;
+            finite &= isfinite(orow[c]);
+        }
+    }
+    if (!finite && a->bad) {
+#pragma omp atomic write
+        *a->bad = 1;
     }
 }
 

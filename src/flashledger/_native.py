@@ -72,7 +72,10 @@ _loaded: tuple[Kernels | None, str] | None = None
 _off = threading.local()
 
 
-_POINTERS = "q k kt v vt o lse dout lam dd dq dk dvo work iv_lo iv_hi k16 v16 q16 tiles row_start bounds seen"
+_POINTERS = (
+    "q k kt v vt o lse dout lam dd dq dk dvo work iv_lo iv_hi k16 v16 q16 tiles row_start bounds "
+    "seen o16 bad"
+)
 _SIZES = "heads group lq lk d dv work_stride hq iv_bstride rows chunk splits stacked half"
 _HALF = {torch.bfloat16: 1, torch.float16: 2}
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -619,7 +622,9 @@ class ForwardPass:
     of those sizes and dtypes (contiguous, laid out as the planned ones), as often as
     asked: a decode step repeats its shapes on every layer and token (``_decode``), and
     ``Kernels.forward`` builds one per call. Arguments as ``Kernels.forward``'s; the
-    schedule's partial tiles' bytes must stay alive while the pass is run."""
+    schedule's partial tiles' bytes must stay alive while the pass is run.
+    ``keep_scratch``: keep a scratch buffer of at most ``SPARE_BYTES`` for the next run
+    (else it goes back to the shared pool)."""
 
     def __init__(
         self,
@@ -637,8 +642,9 @@ class ForwardPass:
         splits: int,
         stacked: bool,
         keys_in_place: bool,
+        keep_scratch: bool = False,
     ) -> None:
-        self.kern, self.in_place = kern, keys_in_place
+        self.kern, self.in_place, self.keep_scratch = kern, keys_in_place, keep_scratch
         # a float32 q reading a half K/V cache in place (widened as it is read); the half step
         # itself has q, k, v all in the half dtype
         half = _HALF.get(k.dtype, 0) if keys_in_place and q.dtype != k.dtype else 0
@@ -654,7 +660,10 @@ class ForwardPass:
         work = chunk * (2 + dv) + chunk * lb + chunk  # m, ℓ, acc; S/P; α
         if q.dtype in _HALF:
             work += _units(chunk * lb, q.dtype, self.acc)  # P in the input dtype
+        if half:  # q's rows widened from the cache's dtype (``run_rows``), 64-byte aligned
+            work += chunk * d + 64 // self.acc.itemsize
         self.work = work
+        self.half = half
         # both passes read Kᵀ (for S = Q Kᵀ); a forward with keys in place (decode) reads K
         # as it is, in its own dtype; the Kᵀ buffer goes back to the pool for the next pass
         self.lt = kern.padded(q.dtype, k.shape[1])  # the row stride of Kᵀ
@@ -666,6 +675,9 @@ class ForwardPass:
         self._sched = sched  # its partial tiles' bytes
         self._fn = kern.fn("fl_forward", _suffix(q.dtype))
         self._finite = kern.fn("fl_all_finite", _suffix(self.acc))
+        # a pass run again and again (``_decode``'s plans) keeps one small scratch buffer of
+        # its own: taken and put back by one list operation each (atomic under the GIL)
+        self._spare: list[torch.Tensor] = []
 
     def run(
         self,
@@ -684,52 +696,138 @@ class ForwardPass:
         ``q16``: with a bfloat16 cache read in place, q's rows in bfloat16, contiguous,
         exactly ``q``'s values (the call's q was bfloat16): the dot products then run on
         AVX512-BF16's pair instruction where the step was built for it."""
-        if (q.dtype, k.dtype, v.dtype) != self.dtypes or (
-            q.numel(),
+        self._check(q, k, v, rows)
+        if q16 is not None and self.half == 1:
+            self._check_q16(q16, torch.bfloat16)
+        splits, heads, lq, dv = self.o_shape
+        at = (splits, *rows) if merge and rows is not None else self.lse_shape
+        o = torch.empty((*at, dv), dtype=self.acc)  # (S, H, Lq, d_v)
+        lse = torch.empty(at, dtype=self.acc)  # (S, H, Lq)
+        self._launch(q, k, v, o, lse, q16=q16 if self.half == 1 else None)
+        if not merge:
+            return o, lse
+        if splits > 1:  # in place, into part 0 (the one merge's rule: merge_splits)
+            self.kern.merge_splits(o.view(splits, heads, lq, dv), lse.view(splits, heads, lq))
+        return o[0], lse[0]
+
+    def run_rows(
+        self,
+        q: torch.Tensor | None,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rows: tuple[int, ...],
+        *,
+        q16: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The merged pass in the caller's layout, checked: ``o`` ``(*rows, d_v)`` and
+        ``lse`` ``rows`` as ``run(..., merge=True, rows=rows)`` gives them, or None when a
+        value of either is not finite. ``q`` None: a call whose q, K and V all come in the
+        half dtype of a cache read in place, q's rows in ``q16`` only; the pass widens them
+        itself and ``o`` comes in that dtype (rounded as PyTorch's conversion rounds).
+        With one part the pass checks the values as it writes them (and rounds them): a
+        decode step's call costs no tensor operation besides its two results
+        (``_decode``)."""
+        splits, heads, lq, dv = self.o_shape
+        if q is None:
+            if not self.half:
+                raise ValueError("q may be left out only of a pass reading a half cache in place")
+            if q16 is None:
+                raise ValueError("q16 must hold q's rows when q is left out")
+        self._check(q, k, v, rows)
+        half_dtype = (torch.bfloat16, torch.float16)[self.half - 1] if self.half else None
+        if q16 is not None:
+            if half_dtype is None:
+                raise ValueError("q16 is read by a pass reading a half cache in place only")
+            self._check_q16(q16, half_dtype)
+        if splits > 1:  # the parts merged, then checked (a part may see no key)
+            o = torch.empty((splits, *rows, dv), dtype=self.acc)
+            lse = torch.empty((splits, *rows), dtype=self.acc)
+            self._launch(q, k, v, o, lse, q16=q16)
+            self.kern.merge_splits(o.view(splits, heads, lq, dv), lse.view(splits, heads, lq))
+            o, lse = o[0], lse[0]
+            if not self.finite(lse, o):
+                return None
+            return (o, lse) if q is not None else (o.to(half_dtype), lse)
+        o_out = torch.empty((*rows, dv), dtype=self.acc if q is not None else half_dtype)
+        lse = torch.empty(rows, dtype=self.acc)
+        bad = ctypes.c_longlong(0)
+        if q is None:
+            self._launch(None, k, v, None, lse, q16=q16, o16=o_out, bad=bad)
+        else:
+            self._launch(q, k, v, o_out, lse, q16=q16, bad=bad)
+        return None if bad.value else (o_out, lse)
+
+    def _check(
+        self, q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, rows: tuple[int, ...] | None
+    ) -> None:
+        q_dtype, q_numel = (self.dtypes[0], self.sizes[0]) if q is None else (q.dtype, q.numel())
+        if (q_dtype, k.dtype, v.dtype) != self.dtypes or (
+            q_numel,
             k.numel(),
             v.numel(),
         ) != self.sizes:
             raise ValueError(
                 f"this pass was planned for q, k, v of {self.sizes} elements of {self.dtypes}, "
-                f"got {(q.numel(), k.numel(), v.numel())} of {(q.dtype, k.dtype, v.dtype)}"
+                f"got {(q_numel, k.numel(), v.numel())} of {(q_dtype, k.dtype, v.dtype)}"
             )
-        if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+        if not ((q is None or q.is_contiguous()) and k.is_contiguous() and v.is_contiguous()):
             raise ValueError("q, k and v must be contiguous")
-        splits, heads, lq, dv = self.o_shape
+        heads, lq = self.o_shape[1:3]
         if rows is not None and math.prod(rows) != heads * lq:
             raise ValueError(f"rows {rows} do not hold the pass's {heads * lq} rows")
-        at = (splits, *rows) if merge and rows is not None else self.lse_shape
-        o = torch.empty((*at, dv), dtype=self.acc)  # (S, H, Lq, d_v)
-        lse = torch.empty(at, dtype=self.acc)  # (S, H, Lq)
+
+    def _check_q16(self, q16: torch.Tensor, dtype: torch.dtype) -> None:
+        if q16.dtype != dtype or q16.numel() != self.sizes[0]:
+            raise ValueError(f"q16 must hold q's {self.sizes[0]} values in {dtype}")
+        if not q16.is_contiguous():
+            raise ValueError("q16 must be contiguous")
+
+    def _launch(
+        self,
+        q: torch.Tensor | None,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        o: torch.Tensor | None,
+        lse: torch.Tensor,
+        *,
+        q16: torch.Tensor | None = None,
+        o16: torch.Tensor | None = None,
+        bad: ctypes.c_longlong | None = None,
+    ) -> None:
+        """The C call on checked operands and results (``q`` None: its rows from ``q16``)."""
         args = _Args.from_buffer_copy(self._args)
         seen = array.array("q", bytes(8 * self._n_tiles))
         args.seen = seen.buffer_info()[0]
         kt_buf = None
         if self.in_place:
             args.k16, args.v16 = (k.data_ptr(), v.data_ptr()) if args.half else (None, None)
-            if q16 is not None and args.half == 1:
-                if q16.dtype != torch.bfloat16 or q16.numel() != q.numel():
-                    raise ValueError("q16 must hold q's values in bfloat16")
-                if not q16.is_contiguous():
-                    raise ValueError("q16 must be contiguous")
-                args.q16 = q16.data_ptr()
+            args.q16 = None if q16 is None else q16.data_ptr()
         else:
-            kt_buf = _pool.take("kv_t", k.shape[0] * k.shape[2] * self.lt, q.dtype)
+            kt_buf = _pool.take("kv_t", k.shape[0] * k.shape[2] * self.lt, k.dtype)
             args.kt = self.kern.transposed(k, kt_buf).data_ptr()  # Kᵀ (Hk, d, Lk)
-        work = _pool.take("work", self.kern.max_threads() * self.work, self.acc)
-        args.q, args.k, args.v, args.vt = q.data_ptr(), k.data_ptr(), v.data_ptr(), v.data_ptr()
-        args.work, args.o, args.lse = work.data_ptr(), o.data_ptr(), lse.data_ptr()
+        need = self.kern.max_threads() * self.work
+        try:
+            work = self._spare.pop()
+        except IndexError:
+            work = None
+        if work is None or work.numel() < need:
+            work = _pool.take("work", need, self.acc)
+        args.q = None if q is None else q.data_ptr()
+        args.k, args.v, args.vt = k.data_ptr(), v.data_ptr(), v.data_ptr()
+        args.work, args.lse = work.data_ptr(), lse.data_ptr()
+        args.o = None if o is None else o.data_ptr()
+        args.o16 = None if o16 is None else o16.data_ptr()
+        args.bad = None if bad is None else ctypes.addressof(bad)
         self._fn(ctypes.byref(args))
-        _pool.give("work", work)
+        if self.keep_scratch and work.numel() * work.element_size() <= SPARE_BYTES:
+            if not self._spare:
+                self._spare.append(work)
+        else:
+            _pool.give("work", work)
         if kt_buf is not None:
             _pool.give("kv_t", kt_buf)
         if self._n_tiles:
             self._sched.seen = seen.tolist()
-        if not merge:
-            return o, lse
-        if splits > 1:  # in place, into part 0 (the one merge's rule: merge_splits)
-            self.kern.merge_splits(o.view(splits, heads, lq, dv), lse.view(splits, heads, lq))
-        return o[0], lse[0]
 
     def finite(self, *xs: torch.Tensor) -> bool:
         """True when no value of the results ``xs`` (as ``run`` gave them) is NaN or
@@ -738,6 +836,7 @@ class ForwardPass:
 
 
 SCRATCH_KEEP_BYTES = 64 << 20  # the largest scratch buffer kept between passes
+SPARE_BYTES = 1 << 20  # the largest one a repeated pass keeps for itself (``keep_scratch``)
 
 
 class _ScratchPool:

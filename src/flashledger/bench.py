@@ -808,27 +808,34 @@ FIXED_COST_LK = 64  # keys of the fixed-cost measurement: the arithmetic is a fe
 
 @contextlib.contextmanager
 def native_pass_timer() -> Iterator[list[float]]:
-    """Seconds of every native forward pass (``_native.ForwardPass.run``: the C call, its
-    scratch and results, and the merge of key splits) run while the block is open, in
-    this process; nothing when the native step is off."""
+    """Seconds of every native forward pass (``_native.ForwardPass.run`` or ``run_rows``:
+    the C call, its scratch and results, the merge of key splits, and ``run_rows``'
+    checks) run while the block is open, in this process; nothing when the native step
+    is off."""
     spent: list[float] = []
     if _native.kernels() is None:
         yield spent
         return
-    real = _native.ForwardPass.run
+    names = ("run", "run_rows")
+    real = {name: getattr(_native.ForwardPass, name) for name in names}
 
-    def timed(self: _native.ForwardPass, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return real(self, *args, **kwargs)
-        finally:
-            spent.append(time.perf_counter() - t0)
+    def timer(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(self: _native.ForwardPass, *args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                spent.append(time.perf_counter() - t0)
 
-    _native.ForwardPass.run = timed  # type: ignore[method-assign]  # until the block ends
+        return timed
+
+    for name in names:  # until the block ends
+        setattr(_native.ForwardPass, name, timer(real[name]))
     try:
         yield spent
     finally:
-        _native.ForwardPass.run = real  # type: ignore[method-assign]
+        for name in names:
+            setattr(_native.ForwardPass, name, real[name])
 
 
 def decode_fixed_cost(
