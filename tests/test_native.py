@@ -749,10 +749,76 @@ def test_flashledger_half_forces_the_path(native, tmp_path, monkeypatch, small_c
         got = _calibrate.choose(native, tmp_path / "c.json")
     for dt in (torch.bfloat16, torch.float16):
         assert got[dt].gemm == "float32" and got[dt].how == "FLASHLEDGER_HALF=float32"
-    monkeypatch.setenv("FLASHLEDGER_HALF", "amx")
-    with _gemms_kept(native), pytest.warns(UserWarning, match="FLASHLEDGER_HALF='amx'"):
+    monkeypatch.setenv("FLASHLEDGER_HALF", "tiles")
+    with _gemms_kept(native), pytest.warns(UserWarning, match="FLASHLEDGER_HALF='tiles'"):
         got = _calibrate.choose(native, tmp_path / "d.json")
     assert {got[dt].gemm for dt in (torch.bfloat16, torch.float16)} <= set(_calibrate.HALF_PATHS)
+
+
+def test_flashledger_half_amx_is_bfloat16s_path(native, tmp_path, monkeypatch, small_calibration):
+    """FLASHLEDGER_HALF=amx: bfloat16 on AMX's tiles and float16 in its dtype on the half
+    gemm where the CPU has AMX; elsewhere a warning, and the paths are measured."""
+    monkeypatch.setenv("FLASHLEDGER_HALF", "amx")
+    if "amx" not in native.gemm_names(torch.bfloat16):
+        with _gemms_kept(native), pytest.warns(UserWarning, match="FLASHLEDGER_HALF='amx'"):
+            got = _calibrate.choose(native, tmp_path / "c.json")
+        assert got[torch.bfloat16].gemm in _calibrate.HALF_PATHS
+        return
+    with _gemms_kept(native):
+        got = _calibrate.choose(native, tmp_path / "c.json")
+    assert got[torch.bfloat16].gemm == "amx" and got[torch.float16].gemm == "half"
+    assert got[torch.bfloat16].how == "FLASHLEDGER_HALF=amx"
+    assert "AMX tiles" in got[torch.bfloat16].describe()
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (1, 2, 2, 97, 1, 64, 64),
+        (2, 4, 2, 47, 31, 32, 16),
+        (1, 3, 1, 97, 113, 64, 48),
+        (1, 2, 2, 300, 257, 128, 128),
+        (1, 1, 1, 80, 1000, 64, 64),
+    ],
+    ids=["one-key", "gqa-ragged-32", "ragged-dv48", "d128", "long-keys"],
+)
+@pytest.mark.parametrize("mask", ["none", "causal_bottom_right", "padding", "empty_rows"])
+def test_the_amx_forward_keeps_the_rule(native, native_calls, gen, shape, mask):
+    """bfloat16 on AMX's tiles (where the CPU has them): shapes that break its 16-row and
+    32-key blocks (a ragged last row block, keys that start mid-block in partial tiles,
+    one key, GQA) and tiles of 32 x 48 keys, under verify's rule against the float64
+    oracle, and no NaN on fully masked rows; the pass really ran on the tiles (its K and V
+    laid out in AMX's pair layout)."""
+    if "amx" not in native.gemm_names(torch.bfloat16):
+        pytest.skip("no AMX here")
+    from flashledger._verify_cases import Shape
+    from flashledger.verify import assert_attention_close, make_case
+
+    b, hq, hkv, lq, lk, d, dv = shape
+    case = make_case(Shape(b, hq, hkv, lq, lk, d, dv), mask, torch.bfloat16, seed=lq * lk)
+    packed = []
+    real = native.fn("fl_pack_amx", "bf16")
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: Any) -> Any:
+        return fl.flash_attention(
+            q, k, v, mask=c.mask, scale=c.scale, conventions=c.conventions,
+            block_q=32, block_k=48, return_lse=True,
+        )  # fmt: skip
+
+    kept = native.gemm(torch.bfloat16)
+    native.set_gemm(torch.bfloat16, "amx")
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.callback(setattr, native, "fn", native.fn)
+            native.fn = lambda name, suffix: (  # type: ignore[method-assign]
+                (lambda *a: packed.append(a) or real(*a))
+                if name == "fl_pack_amx"
+                else _native.Kernels.fn(native, name, suffix)
+            )
+            assert_attention_close(fn, cases=[case])
+    finally:
+        native.set_gemm(torch.bfloat16, kept)
+    assert packed, "the forward did not run on AMX's tiles"
 
 
 @settings(

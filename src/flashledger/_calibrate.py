@@ -18,11 +18,13 @@ library's own key); afterwards the same machine always runs the same choice.
 bfloat16 and float16 inputs have two paths (``HALF_PATHS``): ``half`` keeps
 them in their dtype and runs the products on MKL's half gemm (AMX or AVX512-BF16
 where the CPU has them), ``float32`` converts them up front and runs the float32
-step with float32's choice. Which one is faster depends on the CPU and its MKL
+step with float32's choice; bfloat16 has a third where the CPU has AMX, ``amx``:
+``half`` with the forward's products on the step's own AMX tile code (K and V laid
+out once per pass, no gemm call per tile). Which one is faster depends on the CPU and its MKL
 (a CPU without bfloat16 arithmetic emulates it), so it is measured the same
 way, per half dtype, against float32's choice; where PyTorch's library has no
 half gemm the float32 path runs unmeasured. ``FLASHLEDGER_HALF`` (``half``,
-``float32``) forces the path.
+``float32``, and ``amx``, which float16 takes as ``half``) forces the path.
 """
 
 from __future__ import annotations
@@ -59,8 +61,9 @@ __all__ = [
 
 GEMMS = ("own", "blas", "openblas")
 """The matmul back ends: the step's own kernel, PyTorch's BLAS, OpenBLAS."""
-HALF_PATHS = ("half", "float32")
-"""How bfloat16/float16 inputs run: in their dtype on MKL's half gemm, or as float32."""
+HALF_PATHS = ("half", "amx", "float32")
+"""How bfloat16/float16 inputs run: in their dtype on MKL's half gemm, bfloat16 also with
+the forward's products on AMX's tiles, or as float32."""
 TILE_CANDIDATES = ((512, 512), (256, 256), (256, 512))
 """Default tiles measured, the first also the one each back end is measured at."""
 FALLBACK_TILES = (512, 512)
@@ -93,6 +96,7 @@ def gemm_name(gemm: str) -> str:
         "blas": "PyTorch's BLAS",
         "openblas": "OpenBLAS",
         "half": "in its dtype on MKL's half gemm",
+        "amx": "in its dtype, forward on AMX tiles, backward on MKL's half gemm",
         "float32": "converted to float32",
     }[gemm]
 
@@ -168,6 +172,8 @@ def choose(kern: Kernels, cache: Path) -> dict[torch.dtype, Choice]:
     warned = set()
     for dt in DTYPES:  # a setting that names no candidate here is measured instead
         variable, f = _variable(dt), os.environ.get(_variable(dt))
+        if f == "amx" and dt == torch.float16 and "half" in names[_name(dt)]:
+            f = "half"  # AMX's path is bfloat16's; float16 keeps its dtype on the half gemm
         if f is not None and f not in names[_name(dt)]:
             if variable not in warned:
                 warnings.warn(
@@ -285,11 +291,12 @@ def _measure_half(kern: Kernels, dtype: torch.dtype, paths: list[str], base: Cho
         kern.set_gemm(dtype, "float32")
         return replace(base, gemm="float32", how="calibrated", rates={})
     cands = [
-        (p, *(TILE_CANDIDATES[0] if p == "half" else (base.block_q, base.block_k))) for p in paths
+        (p, *(TILE_CANDIDATES[0] if p != "float32" else (base.block_q, base.block_k)))
+        for p in paths
     ]
     (path, bq, bk), rates = _fastest(kern, dtype, cands)
-    if path == "half":
-        (path, bq, bk), more = _fastest(kern, dtype, [("half", q, k) for q, k in TILE_CANDIDATES])
+    if path != "float32":
+        (path, bq, bk), more = _fastest(kern, dtype, [(path, q, k) for q, k in TILE_CANDIDATES])
         rates.update(more)
     kern.set_gemm(dtype, path)
     return Choice(gemm=path, block_q=bq, block_k=bk, how="calibrated", rates=rates)

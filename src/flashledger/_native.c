@@ -492,6 +492,7 @@ struct fl_args {
     unsigned short *o16;        /* forward, one part (S = 1), keys in place: O written in the
                                    half dtype `half` instead of into o, or NULL */
     long long *bad;             /* forward: set to 1 when a row's λ or O is not finite, or NULL */
+    const TIN *kp, *vp;         /* forward with `amx`: K and V in AMX's pair layout (fl_pack_amx) */
     long long heads, group, lq, lk, d, dv, work_stride;
     long long hq, iv_bstride; /* query heads per batch; the intervals' batch stride (0: shared) */
     long long rows;           /* rows of the schedule */
@@ -499,6 +500,7 @@ struct fl_args {
     long long splits;         /* forward and backward: parts of each row's tiles (S) */
     long long stacked;        /* forward: a group's query heads as one block of rows */
     long long half;           /* 0, or the half dtype of k16, v16 (1: bfloat16, 2: float16) */
+    long long amx;            /* forward, bfloat16 step: S and P V on AMX's tiles (kp, vp) */
     double scale;
     long long scale_exact; /* scale is a power of two: exact as the matmul's alpha */
 };
@@ -576,13 +578,14 @@ static inline void store_p(TIN *p, VT x, VT v) {
     store_in(p, v);
 }
 
-/* P = 2^(row - shift) into `out`, in the input dtype (float builds: out = row, in place);
- * returns the row sum, of P before that rounding. */
-static T exp_row(const T *row, TIN *out, int nc, T shift) {
-    VT sh = splat(shift), s0 = splat(0), s1 = s0;
+/* P = 2^(f · row - shift) into `out`, in the input dtype (float builds: out = row, in
+ * place); returns the row sum, of P before that rounding. f · row - shift is one fused
+ * multiply-add (exactly row - shift for f = 1). */
+static T exp_row(const T *row, TIN *out, int nc, T shift, T f) {
+    VT sh = splat(shift), fv = splat(f), s0 = splat(0), s1 = s0;
     int j = 0;
     for (; j + 2 * W <= nc; j += 2 * W) {
-        VT x0 = loadv(row + j) - sh, x1 = loadv(row + j + W) - sh;
+        VT x0 = loadv(row + j) * fv - sh, x1 = loadv(row + j + W) * fv - sh;
         VT p0 = vexp2(x0), p1 = vexp2(x1);
         store_p(out + j, x0, p0);
         store_p(out + j + W, x1, p1);
@@ -590,7 +593,7 @@ static T exp_row(const T *row, TIN *out, int nc, T shift) {
         s1 += p1;
     }
     for (; j + W <= nc; j += W) {
-        VT x = loadv(row + j) - sh, p = vexp2(x);
+        VT x = loadv(row + j) * fv - sh, p = vexp2(x);
         store_p(out + j, x, p);
         s0 += p;
     }
@@ -598,7 +601,7 @@ static T exp_row(const T *row, TIN *out, int nc, T shift) {
     T s = 0;
     for (int i = 0; i < W; ++i) s += s0[i];
     for (; j < nc; ++j) {
-        T p = exp2s(row[j] - shift);
+        T p = exp2s(row[j] * f - shift);
         out[j] = to_in(p);
         s += p;
     }
@@ -725,7 +728,8 @@ static void mask_bytes(const struct fl_args *a, const long long *t, const struct
  * is read once, nothing written back). Only the float builds read keys in place: a
  * decode step with half inputs runs on the float32 build. */
 struct keys {
-    int on; /* K read in place (a->kt NULL) */
+    int on;      /* K read in place (a->kt NULL) */
+    TIN *stage;  /* AMX: a 16 x d stage for a ragged row block's Q rows */
 };
 
 /* The lanes' sum, in lane order (a shuffle tree, tried, moved a float64 decode
@@ -1029,6 +1033,156 @@ FL_PV_ROWS(pv_bf16, unsigned short, one_bf16)
 FL_PV_ROWS(pv_f16, unsigned short, one_f16)
 #endif
 
+#if FL_HALF == 1 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define FL_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+/* AMX (Intel's tile matrix unit, bfloat16): the bfloat16 step's forward products on it.
+ * Eight tile registers of 16 rows x 64 bytes; _tile_dpbf16ps(C, A, B) adds to C (16 x 16
+ * float) A (16 x 32 bfloat16) times B (32 x 16, stored as 16 rows of 16 pairs: B's rows
+ * 2i and 2i + 1 interleaved), each lane's pair of exact products summed into it in float.
+ * K and V are laid out in that pair layout once per pass (fl_pack_amx); Q's rows and P's
+ * are A operands as they lie. Linux hands a process the tile registers on request. */
+int SUF(fl_amx_on)(void) {
+    static int state = -1;
+    if (state < 0) /* ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA */
+        state = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return state;
+}
+struct amx_config {
+    unsigned char palette, start;
+    unsigned char reserved[14];
+    unsigned short colsb[16];
+    unsigned char rows[16];
+};
+static void amx_begin(void) {
+    struct amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 8; ++i) {
+        c.rows[i] = 16;
+        c.colsb[i] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+static inline long long amx_keys(long long lk) { return (lk + 31) / 32 * 32; }
+
+/* K (Hk, Lk, d) and V (Hk, Lk, d_v) in the pair layout, keys padded with zeros to a
+ * multiple of 32 (L32): kp (Hk, L32 / 16, d / 2, 16, 2), kp[h][j][i][n][e] = K[h][16j +
+ * n][2i + e] (a 16-key block's B operands, one per 32 columns of d, 1 KiB each); vp (Hk,
+ * L32 / 2, d_v, 2), vp[h][p][c][e] = V[h][2p + e][c] (a 32-key chunk's B operands, 16
+ * columns each, row stride 4 d_v bytes). d a multiple of 32, d_v of 16. */
+void SUF(fl_pack_amx)(const TIN *k, const TIN *v, TIN *kp, TIN *vp, long long hk, long long lk,
+                      long long d, long long dv) {
+    long long l32 = amx_keys(lk), nb = l32 / 16;
+#pragma omp parallel for schedule(static)
+    for (long long w = 0; w < hk * nb; ++w) {
+        long long h = w / nb, j = w % nb;
+        const unsigned int *kh = (const unsigned int *)(k + h * lk * d); /* key rows, pairs */
+        unsigned int *kd = (unsigned int *)(kp + (h * nb + j) * 16 * d);
+        for (int n = 0; n < 16; ++n) {
+            long long key = 16 * j + n;
+            for (long long i = 0; i < d / 2; ++i)
+                kd[i * 16 + n] = key < lk ? kh[key * (d / 2) + i] : 0;
+        }
+        const TIN *vh = v + h * lk * dv;
+        TIN *vd = vp + h * (l32 / 2) * dv * 2;
+        for (long long pr = 8 * j; pr < 8 * j + 8; ++pr) /* the block's 16 keys, 8 pairs */
+            for (int e = 0; e < 2; ++e) {
+                long long key = 2 * pr + e;
+                TIN *out = vd + pr * dv * 2 + e;
+                if (key < lk)
+                    for (long long c = 0; c < dv; ++c) out[2 * c] = vh[key * dv + c];
+                else
+                    for (long long c = 0; c < dv; ++c) out[2 * c] = 0;
+            }
+    }
+}
+
+/* S = Q Kᵀ (unscaled) for nr rows (q: row stride d) against the keys [ka, ka + cw) of K/V
+ * head kh (ka and cw multiples of 32), into s with row stride ls, key ka at column -off:
+ * 16-row blocks (a ragged last one through the 16 x d stage, zero-padded; S is written
+ * for all 16 of its rows) by up to four 16-key blocks at once in tiles 0-3, Q's columns
+ * in tile 4, K's in tile 5. */
+static void amx_scores(const struct fl_args *a, const TIN *q, int nr, long long kh, long long ka,
+                       int cw, int off, T *s, long long ls, TIN *stage) {
+    int d = (int)a->d, nb = cw / 16;
+    const TIN *kb = a->kp + (kh * (amx_keys(a->lk) / 16) + ka / 16) * 16 * d;
+    for (int r0 = 0; r0 < nr; r0 += 16) {
+        const TIN *qr = q + (long long)r0 * d;
+        if (nr - r0 < 16) {
+            memset(stage, 0, (size_t)(16 * d) * sizeof(TIN));
+            memcpy(stage, qr, (size_t)((nr - r0) * d) * sizeof(TIN));
+            qr = stage;
+        }
+        for (int j0 = 0; j0 < nb; j0 += 4) {
+            int nj = nb - j0 < 4 ? nb - j0 : 4;
+            const TIN *kj = kb + (long long)j0 * 16 * d;
+            T *sr = s + (long long)r0 * ls + j0 * 16 - off;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int c = 0; c < d; c += 32) {
+                _tile_loadd(4, qr + c, d * 2);
+#define FL_AMX_S(J)                                                                       \
+    if (J < nj) {                                                                        \
+        _tile_loadd(5, kj + (long long)J * 16 * d + c * 16, 64);                          \
+        _tile_dpbf16ps(J, 4, 5);                                                         \
+    }
+                FL_AMX_S(0) FL_AMX_S(1) FL_AMX_S(2) FL_AMX_S(3)
+#undef FL_AMX_S
+            }
+            _tile_stored(0, sr, ls * 4);
+            if (nj > 1) _tile_stored(1, sr + 16, ls * 4);
+            if (nj > 2) _tile_stored(2, sr + 32, ls * 4);
+            if (nj > 3) _tile_stored(3, sr + 48, ls * 4);
+        }
+    }
+}
+
+/* acc (rows of d_v, a multiple of 16 of them: nr rounded up) += P V for P (bfloat16, row
+ * stride ls, key ka at column -off, cw columns, zero where a row sees no key) against the
+ * keys [ka, ka + cw) of K/V head kh: per 16-row block and up to 64 columns of acc (tiles
+ * 0-3), 32 keys at a time (P's in tile 4, V's in tile 5). */
+static void amx_pv(const struct fl_args *a, const TIN *p, long long ls, int nr, long long kh,
+                   long long ka, int cw, int off, T *acc) {
+    int dv = (int)a->dv;
+    const TIN *vb = a->vp + (kh * (amx_keys(a->lk) / 2) + ka / 2) * dv * 2;
+    for (int r0 = 0; r0 < nr; r0 += 16)
+        for (int c0 = 0; c0 < dv; c0 += 64) {
+            int nc = (dv - c0) / 16 < 4 ? (dv - c0) / 16 : 4;
+            T *ar = acc + (long long)r0 * dv + c0;
+            _tile_loadd(0, ar, dv * 4);
+            if (nc > 1) _tile_loadd(1, ar + 16, dv * 4);
+            if (nc > 2) _tile_loadd(2, ar + 32, dv * 4);
+            if (nc > 3) _tile_loadd(3, ar + 48, dv * 4);
+            for (int kc = 0; kc < cw; kc += 32) {
+                _tile_loadd(4, p + (long long)r0 * ls + kc - off, ls * 2);
+                const TIN *vk = vb + ((long long)(kc / 2) * dv + c0) * 2;
+#define FL_AMX_PV(J)                                                                      \
+    if (J < nc) {                                                                        \
+        _tile_loadd(5, vk + J * 32, dv * 4);                                              \
+        _tile_dpbf16ps(J, 4, 5);                                                         \
+    }
+                FL_AMX_PV(0) FL_AMX_PV(1) FL_AMX_PV(2) FL_AMX_PV(3)
+#undef FL_AMX_PV
+            }
+            _tile_stored(0, ar, dv * 4);
+            if (nc > 1) _tile_stored(1, ar + 16, dv * 4);
+            if (nc > 2) _tile_stored(2, ar + 32, dv * 4);
+            if (nc > 3) _tile_stored(3, ar + 48, dv * 4);
+        }
+}
+#else
+#define FL_AMX 0
+int SUF(fl_amx_on)(void) { return 0; }
+void SUF(fl_pack_amx)(const TIN *k, const TIN *v, TIN *kp, TIN *vp, long long hk, long long lk,
+                      long long d, long long dv) {
+    (void)k, (void)v, (void)kp, (void)vp, (void)hk, (void)lk, (void)d, (void)dv;
+}
+#endif
+
 /* The online update of a block of rows (at most FL_PARTIAL_ROWS rows of a partial tile, or
  * any number of a full one) against tile t: m (base-2 units), ℓ, acc (nr x d_v) of the
  * rows; s: nr · ls + nr scratch (ls = padded(nc)); ps: P in the input dtype (nr · ls; s
@@ -1046,6 +1200,26 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
     int w = hi - lo;
     long long ls = padded(w); /* S's (and P's) row stride */
     const TIN *vh = a->v + (kh * a->lk + t[2] + lo) * a->dv;
+    int nrs = nr; /* rows of S written */
+    T fs = 1;     /* S's factor, still to apply (the AMX products are unscaled) */
+#if FL_AMX
+    /* AMX: the keys [ka, ka + cw) around [k0, k0 + w), 32-aligned, key k0 at column 0 */
+    long long k0 = t[2] + lo, ka = k0 / 32 * 32;
+    int off = (int)(k0 - ka), cw = (off + w + 31) / 32 * 32;
+    if (a->amx) {
+        nrs = (nr + 15) / 16 * 16;
+        ls = padded(cw);
+        amx_scores(a, a->q + row_base(a, b) * a->d, nr, kh, ka, cw, off, s, ls, ks->stage);
+        fs = (T)(a->scale * LOG2E); /* a positive factor rides on the row max and the exp */
+        if (!(fs > 0 && fs < INFINITY)) {
+            for (int r = 0; r < nr; ++r) {
+                T *row = s + (long long)r * ls;
+                for (int j = 0; j < w; ++j) row[j] *= fs;
+            }
+            fs = 1;
+        }
+    } else
+#endif
 #if !FL_HALF
     long long ko = (kh * a->lk + t[2] + lo) * a->d; /* K_j's first row, keys in place */
     const T *qr = b->q ? b->q : a->q + row_base(a, b) * a->d;
@@ -1072,17 +1246,17 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
         scores(a, b, t[2] + lo, w, s, ls, a->scale * LOG2E, 0);
     }
     if (t[4]) mask_bytes(a, t, b, s, ls, lo, ca, cb, gap);
-    T *alpha = s + (long long)nr * ls; /* α per row */
+    T *alpha = s + (long long)nrs * ls; /* α per row */
     int moved = 0;                     /* did any row's max move? */
     for (int r = 0; r < nr; ++r) {
         T *row = s + (long long)r * ls;
         int c0r = t[4] ? ca[r] : 0, c1r = t[4] ? cb[r] : w; /* the row's columns */
-        T m_old = m[r], top = row_max(row + c0r, c1r - c0r);
+        T m_old = m[r], top = row_max(row + c0r, c1r - c0r) * fs;
         T m_new = m_old > top ? m_old : top, m_sub = m_new == -INFINITY ? 0 : m_new;
         alpha[r] = exp2s(m_old - m_sub); /* exactly 1 when the max did not move */
         moved |= alpha[r] != (T)1;
         TIN *prow = ps + (long long)r * ls;
-        T sum = exp_row(row + c0r, prow + c0r, c1r - c0r, m_sub);
+        T sum = exp_row(row + c0r, prow + c0r, c1r - c0r, m_sub, fs);
         zero_outside(prow, c0r, c1r, w); /* P = 0 where the row cannot see */
         m[r] = m_new;
         ell[r] = sum + alpha[r] * ell[r];
@@ -1093,6 +1267,21 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
             for (int c = 0; c < idv; ++c) ar[c] *= alpha[r];
         }
     /* acc (nr x d_v) += P (nr x w) V_j (w x d_v), formed as accᵀ += V_jᵀ Pᵀ */
+#if FL_AMX
+    if (a->amx) { /* P's columns around [0, w), and the rows past nr, are zeros */
+        for (int r = 0; r < nrs; ++r) {
+            TIN *prow = ps + (long long)r * ls;
+            if (r >= nr) {
+                memset(prow - off, 0, (size_t)cw * sizeof(TIN));
+                continue;
+            }
+            memset(prow - off, 0, (size_t)off * sizeof(TIN));
+            memset(prow + w, 0, (size_t)(cw - off - w) * sizeof(TIN));
+        }
+        amx_pv(a, ps, ls, nr, kh, ka, cw, off, acc);
+        return seen;
+    }
+#endif
 #if !FL_DOUBLE && !FL_HALF
     const unsigned short *v16 = a->v16 + (kh * a->lk + t[2] + lo) * a->dv;
     if (ks->on && a->half == 1)
@@ -1125,10 +1314,19 @@ static void forward_item(const struct fl_args *a, long long h0, long long r0, in
         bk = w > bk ? w : bk;
     }
     T *m = a->work + omp_get_thread_num() * a->work_stride, *ell = m + nr, *acc = ell + nr;
-    T *s = acc + nr * dv;
-    char *more = (char *)(s + nr * padded(bk) + nr);
-    TIN *ps = FL_HALF ? carve(&more, nr * padded(bk), sizeof(TIN)) : (TIN *)s;
-    struct keys ks = {!a->kt}; /* keys in place (the half builds never read them so) */
+    /* AMX writes whole 16-row blocks, and columns up to 31 before and after a tile's */
+    long long nrs = a->amx ? (nr + 15) / 16 * 16 : nr, lb = padded(a->amx ? bk + 64 : bk);
+    T *s = acc + nrs * dv + (a->amx ? 32 : 0);
+    char *more = (char *)(s + nrs * lb + nrs);
+    TIN *ps = FL_HALF ? (TIN *)carve(&more, nrs * lb + 64, sizeof(TIN)) + (a->amx ? 32 : 0)
+                      : (TIN *)s;
+    struct keys ks = {!a->kt, NULL}; /* keys in place (the half builds never read them so) */
+#if FL_AMX
+    if (a->amx) {
+        ks.stage = carve(&more, 16 * a->d, sizeof(TIN));
+        amx_begin();
+    }
+#endif
     struct rows b = {h0, r0, a->stacked ? a->lq : (1LL << 62), nr, NULL};
 #if !FL_DOUBLE && !FL_HALF
     if (!a->q) { /* Q's rows only in q16, K's half dtype: widened here (exact) */
@@ -1144,16 +1342,15 @@ static void forward_item(const struct fl_args *a, long long h0, long long r0, in
         m[r] = -INFINITY;
         ell[r] = 0;
     }
-    memset(acc, 0, (size_t)(nr * dv) * sizeof(T));
+    memset(acc, 0, (size_t)(nrs * dv) * sizeof(T));
     for (long long ti = t0; ti < t1; ++ti) {
         const long long *t = a->tiles + ti * FL_TILE;
         long long seen = 0;
-        if (!t[4]) {
-            forward_block(a, t, &b, &ks, m, ell, acc, s, ps);
-            continue;
-        }
-        for (int c = 0; c < nr; c += FL_PARTIAL_ROWS) { /* partial: narrow row blocks */
-            struct rows sub = {h0, r0 + c, b.lrows, nr - c < FL_PARTIAL_ROWS ? nr - c : FL_PARTIAL_ROWS,
+        /* partial tiles in narrow row blocks; on AMX every tile in blocks of 16 rows, whose S
+         * and P stay in the first-level cache between the products and the softmax */
+        int step = a->amx ? 16 : t[4] ? FL_PARTIAL_ROWS : nr;
+        for (int c = 0; c < nr; c += step) {
+            struct rows sub = {h0, r0 + c, b.lrows, nr - c < step ? nr - c : step,
                                b.q ? b.q + c * a->d : NULL};
             seen += forward_block(a, t, &sub, &ks, m + c, ell + c, acc + c * dv, s, ps);
         }
@@ -1191,6 +1388,9 @@ static void forward_item(const struct fl_args *a, long long h0, long long r0, in
 #pragma omp atomic write
         *a->bad = 1;
     }
+#if FL_AMX
+    if (a->amx) _tile_release();
+#endif
 }
 
 /* The tiles [*t0, *t1) of part `s` of `n` of a row's tiles [a0, a1): contiguous, as even as

@@ -74,9 +74,9 @@ _off = threading.local()
 
 _POINTERS = (
     "q k kt v vt o lse dout lam dd dq dk dvo work iv_lo iv_hi k16 v16 q16 tiles row_start bounds "
-    "seen o16 bad"
+    "seen o16 bad kp vp"
 )
-_SIZES = "heads group lq lk d dv work_stride hq iv_bstride rows chunk splits stacked half"
+_SIZES = "heads group lq lk d dv work_stride hq iv_bstride rows chunk splits stacked half amx"
 _HALF = {torch.bfloat16: 1, torch.float16: 2}
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16", torch.float16: "f16"}
 _HALF_GEMMS = {"bf16": "gemm_bf16bf16f32_", "f16": "gemm_f16f16f32_"}
@@ -203,7 +203,12 @@ class Kernels:
             else:
                 getattr(lib, f"fl_round_{suffix}").argtypes = [vp, vp, ll]
                 getattr(lib, f"fl_round_{suffix}").restype = None
+            getattr(lib, f"fl_pack_amx_{suffix}").argtypes = [vp, vp, vp, vp, ll, ll, ll, ll]
+            getattr(lib, f"fl_pack_amx_{suffix}").restype = None
+            getattr(lib, f"fl_amx_on_{suffix}").restype = i
         self.vector_bytes = int(lib.fl_vector_bytes_f32())
+        # built with AMX's instructions, and the kernel lets this process use its tiles
+        self.amx = bool(lib.fl_amx_on_bf16())
         self._gemm = {suffix: "blas" for suffix in ("f32", "f64")}
         # half inputs: converted to float32 until the calibration (or a setting) says else
         self._gemm.update({suffix: "float32" for suffix in _HALF_GEMMS})
@@ -212,10 +217,13 @@ class Kernels:
         """How the ``dtype`` step's matmuls can run here. float32/float64: ``own`` (built for
         AVX-512), ``blas`` (PyTorch's), ``openblas`` (with the ``scipy-openblas32``
         package). bfloat16/float16 (``HALF_PATHS``): ``half`` (in the dtype, on MKL's half
-        gemm, where PyTorch's library exports it) and ``float32`` (converted up front)."""
+        gemm, where PyTorch's library exports it), for bfloat16 ``amx`` (the same, with the
+        forward's products on AMX's tiles, where the CPU has them) and ``float32``
+        (converted up front)."""
         if dtype in _HALF:
             have = _suffix(dtype) in self._gemms["blas"]
-            return [p for p in HALF_PATHS if p == "float32" or have]
+            amx = have and self.amx and dtype == torch.bfloat16
+            return [p for p in HALF_PATHS if p == "float32" or (have and p != "amx") or amx]
         own = ["own"] if self.vector_bytes == 64 else []
         return own + [name for name in _calibrate.GEMMS if name in self._gemms]
 
@@ -243,7 +251,7 @@ class Kernels:
     def half_step(self, dtype: torch.dtype) -> bool:
         """True when ``dtype`` (bfloat16/float16) inputs run in their dtype (the ``half``
         path), False when they are converted to float32 (or ``dtype`` is not half)."""
-        return dtype in _HALF and self._gemm[_suffix(dtype)] == "half"
+        return dtype in _HALF and self._gemm[_suffix(dtype)] in ("half", "amx")
 
     def round_to(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A contiguous float32 ``x`` rounded to ``dtype`` (bfloat16/float16) as the half step
@@ -656,10 +664,23 @@ class ForwardPass:
         dv = v.shape[2]
         self.o_shape, self.lse_shape = (splits, heads, lq, dv), (splits, heads, lq)
         bk = sched.widest()[1]
-        lb = kern.padded(q.dtype, bk)  # S's (and P's) row stride
-        work = chunk * (2 + dv) + chunk * lb + chunk  # m, ℓ, acc; S/P; α
-        if q.dtype in _HALF:
-            work += _units(chunk * lb, q.dtype, self.acc)  # P in the input dtype
+        # the bfloat16 step's S and P V on AMX's tiles (the ``amx`` path), where they fit
+        self.amx = (
+            q.dtype == torch.bfloat16
+            and not keys_in_place
+            and kern.gemm(q.dtype) == "amx"
+            and d % 32 == 0
+            and dv % 16 == 0
+        )
+        if self.amx:  # whole 16-row blocks, up to 31 columns either side of a tile's, a stage
+            c16, lb = -(-chunk // 16) * 16, kern.padded(q.dtype, bk + 64)
+            work = 2 * chunk + c16 * dv + 32 + c16 * lb + c16 + 16
+            work += _units(c16 * lb + 64, q.dtype, self.acc) + _units(16 * d, q.dtype, self.acc)
+        else:
+            lb = kern.padded(q.dtype, bk)  # S's (and P's) row stride
+            work = chunk * (2 + dv) + chunk * lb + chunk  # m, ℓ, acc; S/P; α
+            if q.dtype in _HALF:
+                work += _units(chunk * lb, q.dtype, self.acc)  # P in the input dtype
         if half:  # q's rows widened from the cache's dtype (``run_rows``), 64-byte aligned
             work += chunk * d + 64 // self.acc.itemsize
         self.work = work
@@ -671,6 +692,7 @@ class ForwardPass:
         self._args, self._buffers = _static_args(
             q, k, v, sched, group, scale, heads_per_batch, intervals, work, sizes, half
         )
+        self._args.amx = int(self.amx)
         self._n_tiles = len(self._buffers[3])
         self._sched = sched  # its partial tiles' bytes
         self._fn = kern.fn("fl_forward", _suffix(q.dtype))
@@ -802,6 +824,14 @@ class ForwardPass:
         if self.in_place:
             args.k16, args.v16 = (k.data_ptr(), v.data_ptr()) if args.half else (None, None)
             args.q16 = None if q16 is None else q16.data_ptr()
+        elif self.amx:  # K and V in AMX's pair layout, keys padded to a multiple of 32
+            hk, lk, d = k.shape
+            l32, dv = -(-lk // 32) * 32, v.shape[2]
+            kt_buf = _pool.take("kv_t", hk * l32 * (d + dv), k.dtype)
+            args.kp, args.vp = kt_buf.data_ptr(), kt_buf[hk * l32 * d :].data_ptr()
+            self.kern.fn("fl_pack_amx", "bf16")(
+                k.data_ptr(), v.data_ptr(), args.kp, args.vp, hk, lk, d, dv
+            )
         else:
             kt_buf = _pool.take("kv_t", k.shape[0] * k.shape[2] * self.lt, k.dtype)
             args.kt = self.kern.transposed(k, kt_buf).data_ptr()  # Kᵀ (Hk, d, Lk)
