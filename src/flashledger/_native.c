@@ -238,7 +238,7 @@ static inline void store_in(TIN *p, VT v) { storev(p, v); }
 #endif
 
 /* 2^x, vectorised: x = n + f with n = round(x), |f| <= 1/2; 2^f by a polynomial (float32:
- * degree 6, relative error 2e-9 before rounding, degree 5 and 1.6e-7 in the half builds;
+ * degree 6, relative error 2e-9 before rounding, degree 4 and 3.1e-6 in the half builds;
  * float64: Taylor to degree 13, 4e-18; each exactly 1 at f = 0) and
  * 2^n built in the exponent bits. Below the smallest normal (and for -inf) the result is
  * exactly 0; x is clamped above at the largest finite exponent. */
@@ -252,12 +252,12 @@ static inline VT vexp2(VT x) {
                           2.5678435993488206e-11, 1.3691488853904128e-12};
     const int deg = 13;
 #elif FL_HALF
-    /* the half builds round P to the input dtype before P V reads it: degree 5 (relative
-     * error 1.6e-7, about an ulp of float32) is as exact as the sums need */
+    /* the half builds round P to the input dtype (relative error 2^-9 or 2^-12) before
+     * P V reads it: degree 4 (relative error 3.1e-6, 26 ulps of float32, in P and in the
+     * row sums ℓ) is far below that rounding */
     const T lo = -160.0f, hi = 127.0f;
-    static const T c[] = {1.0f, 0.6931469440460205f, 0.24022120237350464f,
-                          0.05550713092088699f, 0.009675540961325169f, 0.001327647129073739f};
-    const int deg = 5;
+    static const T c[] = {1.0f, 0.69312197f, 0.24023719f, 0.055916935f, 0.009600403f};
+    const int deg = 4;
 #else
     const T lo = -160.0f, hi = 127.0f;
     static const T c[] = {1.0f, 0.6931471824645996f, 0.24022646248340607f,
@@ -489,8 +489,9 @@ struct fl_args {
     const long long *bounds;    /* row r covers [bounds[2r], bounds[2r + 1]): its queries
                                    (forward) or keys (backward), tiles or none */
     long long *seen;            /* per tile: visible dots of a partial tile, all heads */
-    unsigned short *o16;        /* forward, one part (S = 1), keys in place: O written in the
-                                   half dtype `half` instead of into o, or NULL */
+    unsigned short *o16;        /* forward, one part (S = 1): O written in a half dtype instead
+                                   of into o (the half builds': theirs; the float32 build's, keys
+                                   in place: `half`), or NULL */
     long long *bad;             /* forward: set to 1 when a row's λ or O is not finite, or NULL */
     const TIN *kp, *vp;         /* forward with `amx`: K and V in AMX's pair layout (fl_pack_amx) */
     long long heads, group, lq, lk, d, dv, work_stride;
@@ -1086,93 +1087,115 @@ void SUF(fl_pack_amx)(const TIN *k, const TIN *v, TIN *kp, TIN *vp, long long hk
                 kd[i * 16 + n] = key < lk ? kh[key * (d / 2) + i] : 0;
         }
         const TIN *vh = v + h * lk * dv;
-        TIN *vd = vp + h * (l32 / 2) * dv * 2;
-        for (long long pr = 8 * j; pr < 8 * j + 8; ++pr) /* the block's 16 keys, 8 pairs */
-            for (int e = 0; e < 2; ++e) {
-                long long key = 2 * pr + e;
-                TIN *out = vd + pr * dv * 2 + e;
-                if (key < lk)
-                    for (long long c = 0; c < dv; ++c) out[2 * c] = vh[key * dv + c];
-                else
-                    for (long long c = 0; c < dv; ++c) out[2 * c] = 0;
-            }
+        unsigned int *vd = (unsigned int *)(vp + h * (l32 / 2) * dv * 2);
+        for (long long pr = 8 * j; pr < 8 * j + 8; ++pr) { /* the block's 16 keys, 8 pairs */
+            const TIN *v0 = vh + 2 * pr * dv, *v1 = v0 + dv; /* keys 2pr, 2pr + 1 */
+            unsigned int *out = vd + pr * dv;
+            if (2 * pr + 1 < lk)
+                for (long long c = 0; c < dv; ++c) out[c] = v0[c] | (unsigned int)v1[c] << 16;
+            else if (2 * pr < lk)
+                for (long long c = 0; c < dv; ++c) out[c] = v0[c];
+            else
+                memset(out, 0, (size_t)dv * sizeof *out);
+        }
     }
 }
 
 /* S = Q Kᵀ (unscaled) for nr rows (q: row stride d) against the keys [ka, ka + cw) of K/V
- * head kh (ka and cw multiples of 32), into s with row stride ls, key ka at column -off:
- * 16-row blocks (a ragged last one through the 16 x d stage, zero-padded; S is written
- * for all 16 of its rows) by up to four 16-key blocks at once in tiles 0-3, Q's columns
- * in tile 4, K's in tile 5. */
+ * head kh (ka and cw multiples of 32), into s with row stride ls, key ka at column -off.
+ * Blocks of 32 rows (two A operands, tiles 4 and 5; a ragged last 16 through the 16 x d
+ * stage, zero-padded; S is written for whole 16-row blocks) by 32 keys (two B operands,
+ * tiles 6 and 7; K's 16-key blocks): four products per pair of loads into tiles 0-3, each
+ * of K's blocks read once per 32 rows. */
 static void amx_scores(const struct fl_args *a, const TIN *q, int nr, long long kh, long long ka,
                        int cw, int off, T *s, long long ls, TIN *stage) {
-    int d = (int)a->d, nb = cw / 16;
+    int d = (int)a->d;
     const TIN *kb = a->kp + (kh * (amx_keys(a->lk) / 16) + ka / 16) * 16 * d;
-    for (int r0 = 0; r0 < nr; r0 += 16) {
-        const TIN *qr = q + (long long)r0 * d;
-        if (nr - r0 < 16) {
+    long long st = ls * 4;
+    for (int r0 = 0; r0 < nr; r0 += 32) {
+        const TIN *q0 = q + (long long)r0 * d, *q1 = q0 + 16 * d;
+        int two = nr - r0 > 16; /* a second 16-row block */
+        int rag = nr - r0 - (two ? 16 : 0); /* rows of the last block */
+        if (rag < 16) {
             memset(stage, 0, (size_t)(16 * d) * sizeof(TIN));
-            memcpy(stage, qr, (size_t)((nr - r0) * d) * sizeof(TIN));
-            qr = stage;
+            memcpy(stage, two ? q1 : q0, (size_t)(rag * d) * sizeof(TIN));
+            if (two) q1 = stage; else q0 = stage;
         }
-        for (int j0 = 0; j0 < nb; j0 += 4) {
-            int nj = nb - j0 < 4 ? nb - j0 : 4;
-            const TIN *kj = kb + (long long)j0 * 16 * d;
-            T *sr = s + (long long)r0 * ls + j0 * 16 - off;
+        T *s0 = s + (long long)r0 * ls - off, *s1 = s0 + 16 * ls;
+        for (int j = 0; j < cw / 16; j += 2) { /* cw / 16 is even */
+            const TIN *k0 = kb + (long long)j * 16 * d, *k1 = k0 + 16 * d;
             _tile_zero(0);
             _tile_zero(1);
             _tile_zero(2);
             _tile_zero(3);
             for (int c = 0; c < d; c += 32) {
-                _tile_loadd(4, qr + c, d * 2);
-#define FL_AMX_S(J)                                                                       \
-    if (J < nj) {                                                                        \
-        _tile_loadd(5, kj + (long long)J * 16 * d + c * 16, 64);                          \
-        _tile_dpbf16ps(J, 4, 5);                                                         \
-    }
-                FL_AMX_S(0) FL_AMX_S(1) FL_AMX_S(2) FL_AMX_S(3)
-#undef FL_AMX_S
+                _tile_loadd(4, q0 + c, d * 2);
+                _tile_loadd(6, k0 + c * 16, 64);
+                _tile_loadd(7, k1 + c * 16, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                if (two) {
+                    _tile_loadd(5, q1 + c, d * 2);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
             }
-            _tile_stored(0, sr, ls * 4);
-            if (nj > 1) _tile_stored(1, sr + 16, ls * 4);
-            if (nj > 2) _tile_stored(2, sr + 32, ls * 4);
-            if (nj > 3) _tile_stored(3, sr + 48, ls * 4);
+            _tile_stored(0, s0 + j * 16, st);
+            _tile_stored(1, s0 + j * 16 + 16, st);
+            if (two) {
+                _tile_stored(2, s1 + j * 16, st);
+                _tile_stored(3, s1 + j * 16 + 16, st);
+            }
         }
     }
 }
 
 /* acc (rows of d_v, a multiple of 16 of them: nr rounded up) += P V for P (bfloat16, row
  * stride ls, key ka at column -off, cw columns, zero where a row sees no key) against the
- * keys [ka, ka + cw) of K/V head kh: per 16-row block and up to 64 columns of acc (tiles
- * 0-3), 32 keys at a time (P's in tile 4, V's in tile 5). */
+ * keys [ka, ka + cw) of K/V head kh. Blocks of 32 rows (P's two 16-row operands, tiles 4
+ * and 5) by 32 columns of acc (V's two 16-column operands, tiles 6 and 7; acc's four
+ * blocks in tiles 0-3), 32 keys at a time: V read once per 32 rows; d_v a multiple of 16
+ * (an odd 16-column block last, alone). */
 static void amx_pv(const struct fl_args *a, const TIN *p, long long ls, int nr, long long kh,
                    long long ka, int cw, int off, T *acc) {
     int dv = (int)a->dv;
     const TIN *vb = a->vp + (kh * (amx_keys(a->lk) / 2) + ka / 2) * dv * 2;
-    for (int r0 = 0; r0 < nr; r0 += 16)
-        for (int c0 = 0; c0 < dv; c0 += 64) {
-            int nc = (dv - c0) / 16 < 4 ? (dv - c0) / 16 : 4;
-            T *ar = acc + (long long)r0 * dv + c0;
-            _tile_loadd(0, ar, dv * 4);
-            if (nc > 1) _tile_loadd(1, ar + 16, dv * 4);
-            if (nc > 2) _tile_loadd(2, ar + 32, dv * 4);
-            if (nc > 3) _tile_loadd(3, ar + 48, dv * 4);
-            for (int kc = 0; kc < cw; kc += 32) {
-                _tile_loadd(4, p + (long long)r0 * ls + kc - off, ls * 2);
-                const TIN *vk = vb + ((long long)(kc / 2) * dv + c0) * 2;
-#define FL_AMX_PV(J)                                                                      \
-    if (J < nc) {                                                                        \
-        _tile_loadd(5, vk + J * 32, dv * 4);                                              \
-        _tile_dpbf16ps(J, 4, 5);                                                         \
-    }
-                FL_AMX_PV(0) FL_AMX_PV(1) FL_AMX_PV(2) FL_AMX_PV(3)
-#undef FL_AMX_PV
+    long long sp = ls * 2, sa = dv * 4;
+    for (int r0 = 0; r0 < nr; r0 += 32) {
+        int two = nr - r0 > 16;
+        const TIN *p0 = p + (long long)r0 * ls - off, *p1 = p0 + 16 * ls;
+        for (int c0 = 0; c0 < dv; c0 += 32) {
+            int pair = dv - c0 >= 32; /* a second 16-column block */
+            T *a0 = acc + (long long)r0 * dv + c0, *a1 = a0 + 16 * dv;
+            _tile_loadd(0, a0, sa);
+            if (pair) _tile_loadd(1, a0 + 16, sa);
+            if (two) {
+                _tile_loadd(2, a1, sa);
+                if (pair) _tile_loadd(3, a1 + 16, sa);
             }
-            _tile_stored(0, ar, dv * 4);
-            if (nc > 1) _tile_stored(1, ar + 16, dv * 4);
-            if (nc > 2) _tile_stored(2, ar + 32, dv * 4);
-            if (nc > 3) _tile_stored(3, ar + 48, dv * 4);
+            for (int kc = 0; kc < cw; kc += 32) {
+                const TIN *vk = vb + ((long long)(kc / 2) * dv + c0) * 2;
+                _tile_loadd(4, p0 + kc, sp);
+                _tile_loadd(6, vk, sa);
+                _tile_dpbf16ps(0, 4, 6);
+                if (pair) {
+                    _tile_loadd(7, vk + 32, sa);
+                    _tile_dpbf16ps(1, 4, 7);
+                }
+                if (two) {
+                    _tile_loadd(5, p1 + kc, sp);
+                    _tile_dpbf16ps(2, 5, 6);
+                    if (pair) _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, a0, sa);
+            if (pair) _tile_stored(1, a0 + 16, sa);
+            if (two) {
+                _tile_stored(2, a1, sa);
+                if (pair) _tile_stored(3, a1 + 16, sa);
+            }
         }
+    }
 }
 #else
 #define FL_AMX 0
@@ -1253,7 +1276,7 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
         int c0r = t[4] ? ca[r] : 0, c1r = t[4] ? cb[r] : w; /* the row's columns */
         T m_old = m[r], top = row_max(row + c0r, c1r - c0r) * fs;
         T m_new = m_old > top ? m_old : top, m_sub = m_new == -INFINITY ? 0 : m_new;
-        alpha[r] = exp2s(m_old - m_sub); /* exactly 1 when the max did not move */
+        alpha[r] = m_old == m_sub ? 1 : exp2s(m_old - m_sub); /* 1: the max did not move */
         moved |= alpha[r] != (T)1;
         TIN *prow = ps + (long long)r * ls;
         T sum = exp_row(row + c0r, prow + c0r, c1r - c0r, m_sub, fs);
@@ -1275,8 +1298,8 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
                 memset(prow - off, 0, (size_t)cw * sizeof(TIN));
                 continue;
             }
-            memset(prow - off, 0, (size_t)off * sizeof(TIN));
-            memset(prow + w, 0, (size_t)(cw - off - w) * sizeof(TIN));
+            if (off) memset(prow - off, 0, (size_t)off * sizeof(TIN));
+            if (cw - off > w) memset(prow + w, 0, (size_t)(cw - off - w) * sizeof(TIN));
         }
         amx_pv(a, ps, ls, nr, kh, ka, cw, off, acc);
         return seen;
@@ -1346,9 +1369,10 @@ static void forward_item(const struct fl_args *a, long long h0, long long r0, in
     for (long long ti = t0; ti < t1; ++ti) {
         const long long *t = a->tiles + ti * FL_TILE;
         long long seen = 0;
-        /* partial tiles in narrow row blocks; on AMX every tile in blocks of 16 rows, whose S
-         * and P stay in the first-level cache between the products and the softmax */
-        int step = a->amx ? 16 : t[4] ? FL_PARTIAL_ROWS : nr;
+        /* partial tiles in narrow row blocks; on AMX every tile in blocks of 32 rows, whose S
+         * and P stay near (the first- and second-level caches) between the products and
+         * the softmax */
+        int step = a->amx ? 32 : t[4] ? FL_PARTIAL_ROWS : nr;
         for (int c = 0; c < nr; c += step) {
             struct rows sub = {h0, r0 + c, b.lrows, nr - c < step ? nr - c : step,
                                b.q ? b.q + c * a->d : NULL};
@@ -1367,13 +1391,17 @@ static void forward_item(const struct fl_args *a, long long h0, long long r0, in
         int empty = l == 0;
         lse[r] = empty ? -INFINITY : m[r] * (T)LN2 + LOG(l);
         finite &= isfinite(lse[r]);
-#if !FL_DOUBLE && !FL_HALF
+#if !FL_DOUBLE
         if (a->o16) { /* rounded as PyTorch's conversion rounds */
             unsigned short *orow = a->o16 + (base + r) * dv;
             for (long long c = 0; c < dv; ++c) {
                 T x = empty ? 0 : arow[c] / l;
                 finite &= isfinite(x);
+#if FL_HALF
+                orow[c] = to_in(x); /* the build's own half dtype */
+#else
                 orow[c] = a->half == 1 ? bf16_one(x) : f16_one(x);
+#endif
             }
             continue;
         }

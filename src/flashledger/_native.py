@@ -448,6 +448,8 @@ class Kernels:
         keys_in_place: bool = False,
         merge: bool = False,
         q16: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
+        o_finite: list[bool] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward pass of ``sched`` (rows: query tiles) in one native call.
 
@@ -462,8 +464,8 @@ class Kernels:
         hi[i]`` (read for partial tiles given no bytes). Returns each part's ``o`` ``(S, H,
         Lq, d_v)`` and ``lse`` ``(S, H, Lq)`` (natural units, -inf where a part saw no key),
         float32 for half inputs; with ``merge``, the parts merged (``merge_splits``):
-        ``o`` ``(H, Lq, d_v)``, ``lse`` ``(H, Lq)``; ``q16`` as ``ForwardPass.run``'s.
-        ``ForwardPass`` holds the same call for repeating it.
+        ``o`` ``(H, Lq, d_v)``, ``lse`` ``(H, Lq)``; ``q16``, ``out_dtype`` and ``o_finite`` as
+        ``ForwardPass.run``'s. ``ForwardPass`` holds the same call for repeating it.
         """
         fp = ForwardPass(
             self,
@@ -480,7 +482,7 @@ class Kernels:
             stacked=stacked,
             keys_in_place=keys_in_place,
         )
-        o, lse = fp.run(q, k, v, merge=merge, q16=q16)
+        o, lse = fp.run(q, k, v, merge=merge, q16=q16, out_dtype=out_dtype, o_finite=o_finite)
         del sched._alive[:]  # the partial tiles' bytes, read by the call
         return o, lse
 
@@ -710,6 +712,8 @@ class ForwardPass:
         merge: bool = False,
         rows: tuple[int, ...] | None = None,
         q16: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
+        o_finite: list[bool] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each part's ``(o (S, H, Lq, d_v), lse (S, H, Lq))``, as ``Kernels.forward``; with
         ``merge``, the parts merged as ``Kernels.merge_splits`` merges them: ``(o (H, Lq,
@@ -717,15 +721,33 @@ class ForwardPass:
         ``(B, Hq, Lq)``) ``o`` ``(*rows, d_v)`` and ``lse`` ``rows``, the same memory.
         ``q16``: with a bfloat16 cache read in place, q's rows in bfloat16, contiguous,
         exactly ``q``'s values (the call's q was bfloat16): the dot products then run on
-        AVX512-BF16's pair instruction where the step was built for it."""
+        AVX512-BF16's pair instruction where the step was built for it. ``out_dtype``: the
+        half step's own dtype, for a merged pass of one part: O comes in it, rounded by the
+        pass as PyTorch's conversion rounds (no float32 O, no conversion after). ``o_finite``:
+        a list the pass appends True to when it saw every value of O and the LSE finite as
+        it wrote them (one part only; else nothing is appended)."""
         self._check(q, k, v, rows)
         if q16 is not None and self.half == 1:
             self._check_q16(q16, torch.bfloat16)
         splits, heads, lq, dv = self.o_shape
         at = (splits, *rows) if merge and rows is not None else self.lse_shape
-        o = torch.empty((*at, dv), dtype=self.acc)  # (S, H, Lq, d_v)
         lse = torch.empty(at, dtype=self.acc)  # (S, H, Lq)
-        self._launch(q, k, v, o, lse, q16=q16 if self.half == 1 else None)
+        bad = ctypes.c_longlong(0) if splits == 1 else None
+        if out_dtype is not None and out_dtype != self.acc:
+            if not (merge and splits == 1 and out_dtype == q.dtype and q.dtype in _HALF):
+                raise ValueError(
+                    f"O comes in {out_dtype} from a merged pass of one part of the half step "
+                    f"in that dtype only (this pass: {q.dtype}, {splits} part(s))"
+                )
+            o16 = torch.empty((*at[1:], dv), dtype=out_dtype)  # (H, Lq, d_v)
+            self._launch(q, k, v, None, lse, o16=o16, bad=bad)
+            if o_finite is not None and bad is not None and not bad.value:
+                o_finite.append(True)
+            return o16, lse[0]
+        o = torch.empty((*at, dv), dtype=self.acc)  # (S, H, Lq, d_v)
+        self._launch(q, k, v, o, lse, q16=q16 if self.half == 1 else None, bad=bad)
+        if o_finite is not None and bad is not None and not bad.value:
+            o_finite.append(True)
         if not merge:
             return o, lse
         if splits > 1:  # in place, into part 0 (the one merge's rule: merge_splits)

@@ -789,6 +789,7 @@ def _forward_native(
     book: _Book,
     block_q: int,
     block_k: int,
+    o_finite: list[bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Ledger]:
     """The FA2 forward loop as one native call (see ``_native``).
 
@@ -800,12 +801,14 @@ def _forward_native(
     key tiles are split into parts attended apart (flash-decoding), merged by the one
     merge's rule (``online.merge_partials``) in one native call (``merge_splits``: a
     dozen small tensor operations cost more than a decode step's arithmetic). Half
-    inputs on the half path stay in their dtype.
+    inputs on the half path stay in their dtype, and with ``o_finite`` so does O (one
+    part: the pass rounds it and checks it as it writes it; see ``_forward``).
     """
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
     qtiles, sched, ran, args = _native_forward_plan(pb, kern, book, kind_of, block_q, block_k)
     in_place = args["keys_in_place"]
     q, k, v = _forward_operands(pb, kern, in_place)
+    half_o = o_finite is not None and q.dtype in _HALF and args["splits"] == 1
     o, lse = kern.forward(
         q,
         k,
@@ -813,6 +816,8 @@ def _forward_native(
         sched,
         merge=True,  # the one merge's rule, every part at once, in the same native pass
         q16=_bf16_rows(pb, in_place),
+        out_dtype=q.dtype if half_o else None,
+        o_finite=o_finite,
         **args,
     )  # (B·Hq, Lq, d_v), (B·Hq, Lq)
     _book_native(book, ran, sched.seen, d, dv, forward=True)
@@ -903,8 +908,13 @@ def _forward(
     loop_order: str,
     trace: Trace | None,
     observer: Any,
+    o_finite: list[bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Ledger]:
-    """The forward loop. Returns ``o`` ``(B, Hkv, G, Lq, d_v)``, ``lse`` with -inf on empty rows."""
+    """The forward loop. Returns ``o`` ``(B, Hkv, G, Lq, d_v)``, ``lse`` with -inf on empty rows.
+
+    ``o`` in the loop's dtype, except with ``o_finite`` (a list): the native half step may
+    then write O in its own dtype, checked as written (``True`` appended to the list; see
+    ``_native.ForwardPass.run``)."""
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
     kern = _native_step(pb, loop_order, trace is not None or observer is not None)
     block_q, block_k = _resolve_tiles(pb, kern, block_q, block_k)
@@ -918,7 +928,7 @@ def _forward(
     kind_of = _kind_of(classes)
     dt, dev = pb.dtype, pb.geo.device
     if kern is not None:
-        return _forward_native(pb, kern, ledger, kind_of, book, block_q, block_k)
+        return _forward_native(pb, kern, ledger, kind_of, book, block_q, block_k, o_finite)
     ws = _workspace(pb, block_q, block_k)
     n = b * hkv
     steps = 0
@@ -1116,6 +1126,7 @@ def _forward_problem(
     raw_lse: bool = False,
 ) -> ForwardResult:
     """``blocked_forward`` on a built problem."""
+    o_finite: list[bool] = []
     o, lse, ledger = _forward(
         pb,
         block_q=block_q,
@@ -1123,8 +1134,10 @@ def _forward_problem(
         loop_order=loop_order,
         trace=Trace.of(trace),
         observer=observer,
+        o_finite=o_finite,
     )
-    if pb.check_forward_lse(lse, o) and not raw_lse:  # a row saw no key
+    # a pass that saw every value finite as it wrote it needs no second look
+    if not o_finite and pb.check_forward_lse(lse, o) and not raw_lse:  # a row saw no key
         lse = _conventional_lse(lse, pb.conventions)
     o = pb.user_q(o)
     if o.dtype != pb.out_dtype:
