@@ -783,19 +783,24 @@ def test_flashledger_half_amx_is_bfloat16s_path(native, tmp_path, monkeypatch, s
     ids=["one-key", "gqa-ragged-32", "ragged-dv48", "d128", "long-keys"],
 )
 @pytest.mark.parametrize("mask", ["none", "causal_bottom_right", "padding", "empty_rows"])
-def test_the_amx_forward_keeps_the_rule(native, native_calls, gen, shape, mask):
+@pytest.mark.parametrize("scale", [0.0, -0.3, 2.5])
+def test_the_amx_forward_keeps_the_rule(native, native_calls, gen, shape, mask, scale):
     """bfloat16 on AMX's tiles (where the CPU has them): shapes that break its 16-row and
     32-key blocks (a ragged last row block, keys that start mid-block in partial tiles,
-    one key, GQA) and tiles of 32 x 48 keys, under verify's rule against the float64
-    oracle, and no NaN on fully masked rows; the pass really ran on the tiles (its K and V
-    laid out in AMX's pair layout)."""
+    one key, GQA) and tiles of 32 x 48 keys, at the default scale, a negative one (the
+    products are scaled after the tiles, before the mask) and a large one (scores in the
+    hundreds: the row's maximum must weigh exactly 1), under verify's rule against the
+    float64 oracle, and no NaN on fully masked rows; the pass really ran on the tiles (its
+    K and V laid out in AMX's pair layout)."""
     if "amx" not in native.gemm_names(torch.bfloat16):
         pytest.skip("no AMX here")
     from flashledger._verify_cases import Shape
     from flashledger.verify import assert_attention_close, make_case
 
     b, hq, hkv, lq, lk, d, dv = shape
-    case = make_case(Shape(b, hq, hkv, lq, lk, d, dv), mask, torch.bfloat16, seed=lq * lk)
+    case = make_case(
+        Shape(b, hq, hkv, lq, lk, d, dv), mask, torch.bfloat16, scale=scale, seed=lq * lk
+    )
     packed = []
     real = native.fn("fl_pack_amx", "bf16")
 
@@ -861,3 +866,44 @@ def test_the_native_merge_of_key_splits_is_the_one_merge(
         bound = 4 * splits * eps * (b[fin].abs() + o.abs().amax())
         worst = int(torch.argmax(err - bound)) if err.numel() else 0
         assert bool((err <= bound).all()), f"{name}: {a[fin][worst]} vs {b[fin][worst]}"
+
+
+@pytest.mark.parametrize("path", ["half", "amx"])
+def test_the_half_step_checks_o_as_it_writes_it(native, gen, path):
+    """The half step writes O in its dtype and checks O and the LSE as it writes them: a
+    result that is finite needs no second look and equals the one checked afterwards (the
+    float32 O the pass wrote before, rounded); scores that overflow float32 are still
+    reported with the row they reach, as the check after the pass reports them."""
+    if path not in native.gemm_names(torch.bfloat16):
+        pytest.skip(f"no {path} path here")
+    q, k, v = (torch.randn(1, 2, 200, 64, generator=gen).bfloat16() for _ in range(3))
+    kept = native.gemm(torch.bfloat16)
+    native.set_gemm(torch.bfloat16, path)
+    try:
+        got = fl.blocked_forward(q, k, v, mask=fl.Causal(), block_q=64, block_k=64)
+        plain = fl.blocked_forward(q, k, v, mask=fl.Causal(), block_q=64, block_k=64, raw_lse=True)
+        assert got.o.dtype == torch.bfloat16 and torch.equal(got.o, plain.o)
+        assert torch.equal(got.lse, plain.lse)
+        q_big = q.clone()
+        q_big[0, 1, 150] *= 1e30
+        with pytest.raises(ValueError, match=r"o\[0, 1, 150, :\]"):
+            fl.blocked_forward(q_big, k * 1e10, v, block_q=64, block_k=64)
+    finally:
+        native.set_gemm(torch.bfloat16, kept)
+
+
+def test_o_in_a_half_dtype_comes_from_one_merged_part_of_the_half_step(native, gen):
+    """``ForwardPass.run(out_dtype=...)`` refuses what it cannot write: a float pass, or a
+    pass of several parts."""
+    q, k, v = (x[0] for x in (torch.randn(1, 2, 8, 8, generator=gen) for _ in range(3)))
+    sched = _native.Schedule()
+    sched.add(0, 8, 0, 4, None)
+    sched.add(0, 8, 4, 8, None)
+    sched.end_row(0, 8)
+    for splits in (1, 2):
+        fp = _native.ForwardPass(
+            native, q, k, v, sched, group=1, scale=0.5, heads_per_batch=2, intervals=None,
+            chunk=8, splits=splits, stacked=False, keys_in_place=False,
+        )  # fmt: skip
+        with pytest.raises(ValueError, match="merged pass of one part of the half step"):
+            fp.run(q, k, v, merge=True, out_dtype=torch.bfloat16)

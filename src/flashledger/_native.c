@@ -546,9 +546,28 @@ static void scores(const struct fl_args *a, const struct rows *b, long long k0, 
     }
 }
 
-static T row_max(const T *row, int nc) {
+/* The row's maximum; with f != 1 the row is first scaled by f in place (each product
+ * rounded and stored: the softmax then subtracts the maximum from exactly the values it
+ * was taken over, so the maximum's own weight is exactly 1). */
+static T row_max(T *row, int nc, T f) {
     VT t0 = splat(-INFINITY), t1 = t0, t2 = t0, t3 = t0; /* four chains hide the latency */
     int j = 0;
+    if (f != (T)1) {
+        VT fv = splat(f);
+        for (; j + 2 * W <= nc; j += 2 * W) {
+            VT x0 = loadv(row + j) * fv, x1 = loadv(row + j + W) * fv;
+            storev(row + j, x0);
+            storev(row + j + W, x1);
+            t0 = vmax(t0, x0);
+            t1 = vmax(t1, x1);
+        }
+        for (; j + W <= nc; j += W) {
+            VT x = loadv(row + j) * fv;
+            storev(row + j, x);
+            t0 = vmax(t0, x);
+        }
+        for (int i = j; i < nc; ++i) row[i] *= f;
+    }
     for (; j + 4 * W <= nc; j += 4 * W) {
         t0 = vmax(t0, loadv(row + j));
         t1 = vmax(t1, loadv(row + j + W));
@@ -579,14 +598,13 @@ static inline void store_p(TIN *p, VT x, VT v) {
     store_in(p, v);
 }
 
-/* P = 2^(f · row - shift) into `out`, in the input dtype (float builds: out = row, in
- * place); returns the row sum, of P before that rounding. f · row - shift is one fused
- * multiply-add (exactly row - shift for f = 1). */
-static T exp_row(const T *row, TIN *out, int nc, T shift, T f) {
-    VT sh = splat(shift), fv = splat(f), s0 = splat(0), s1 = s0;
+/* P = 2^(row - shift) into `out`, in the input dtype (float builds: out = row, in place);
+ * returns the row sum, of P before that rounding. */
+static T exp_row(const T *row, TIN *out, int nc, T shift) {
+    VT sh = splat(shift), s0 = splat(0), s1 = s0;
     int j = 0;
     for (; j + 2 * W <= nc; j += 2 * W) {
-        VT x0 = loadv(row + j) * fv - sh, x1 = loadv(row + j + W) * fv - sh;
+        VT x0 = loadv(row + j) - sh, x1 = loadv(row + j + W) - sh;
         VT p0 = vexp2(x0), p1 = vexp2(x1);
         store_p(out + j, x0, p0);
         store_p(out + j + W, x1, p1);
@@ -594,7 +612,7 @@ static T exp_row(const T *row, TIN *out, int nc, T shift, T f) {
         s1 += p1;
     }
     for (; j + W <= nc; j += W) {
-        VT x = loadv(row + j) * fv - sh, p = vexp2(x);
+        VT x = loadv(row + j) - sh, p = vexp2(x);
         store_p(out + j, x, p);
         s0 += p;
     }
@@ -602,7 +620,7 @@ static T exp_row(const T *row, TIN *out, int nc, T shift, T f) {
     T s = 0;
     for (int i = 0; i < W; ++i) s += s0[i];
     for (; j < nc; ++j) {
-        T p = exp2s(row[j] * f - shift);
+        T p = exp2s(row[j] - shift);
         out[j] = to_in(p);
         s += p;
     }
@@ -1224,7 +1242,7 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
     long long ls = padded(w); /* S's (and P's) row stride */
     const TIN *vh = a->v + (kh * a->lk + t[2] + lo) * a->dv;
     int nrs = nr; /* rows of S written */
-    T fs = 1;     /* S's factor, still to apply (the AMX products are unscaled) */
+    T fs = 1;     /* S's factor still to apply (the AMX products are unscaled) */
 #if FL_AMX
     /* AMX: the keys [ka, ka + cw) around [k0, k0 + w), 32-aligned, key k0 at column 0 */
     long long k0 = t[2] + lo, ka = k0 / 32 * 32;
@@ -1233,12 +1251,10 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
         nrs = (nr + 15) / 16 * 16;
         ls = padded(cw);
         amx_scores(a, a->q + row_base(a, b) * a->d, nr, kh, ka, cw, off, s, ls, ks->stage);
-        fs = (T)(a->scale * LOG2E); /* a positive factor rides on the row max and the exp */
-        if (!(fs > 0 && fs < INFINITY)) {
-            for (int r = 0; r < nr; ++r) {
-                T *row = s + (long long)r * ls;
-                for (int j = 0; j < w; ++j) row[j] *= fs;
-            }
+        fs = (T)(a->scale * LOG2E); /* applied by the row max, on the columns it reads */
+        if (!(fs > 0)) { /* a zero or negative scale: before the mask's -inf, not after */
+            for (int r = 0; r < nr; ++r)
+                for (int j = 0; j < w; ++j) s[(long long)r * ls + j] *= fs;
             fs = 1;
         }
     } else
@@ -1274,12 +1290,12 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
     for (int r = 0; r < nr; ++r) {
         T *row = s + (long long)r * ls;
         int c0r = t[4] ? ca[r] : 0, c1r = t[4] ? cb[r] : w; /* the row's columns */
-        T m_old = m[r], top = row_max(row + c0r, c1r - c0r) * fs;
+        T m_old = m[r], top = row_max(row + c0r, c1r - c0r, fs);
         T m_new = m_old > top ? m_old : top, m_sub = m_new == -INFINITY ? 0 : m_new;
         alpha[r] = m_old == m_sub ? 1 : exp2s(m_old - m_sub); /* 1: the max did not move */
         moved |= alpha[r] != (T)1;
         TIN *prow = ps + (long long)r * ls;
-        T sum = exp_row(row + c0r, prow + c0r, c1r - c0r, m_sub, fs);
+        T sum = exp_row(row + c0r, prow + c0r, c1r - c0r, m_sub);
         zero_outside(prow, c0r, c1r, w); /* P = 0 where the row cannot see */
         m[r] = m_new;
         ell[r] = sum + alpha[r] * ell[r];
