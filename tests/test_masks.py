@@ -300,3 +300,30 @@ def test_a_plain_geometry_makes_its_row_tensors_when_asked():
     assert geo.diagonal_rows("bottom_right") == [5, 6, 7]
     used = Geometry.build(lq=3, lk=5, batch=2, seqused_k=torch.tensor([5, 2]))
     assert not used.plain and used.k_hi.tolist() == [[5, 5, 5], [2, 2, 2]]
+
+
+def test_a_value_mask_on_the_same_long_plain_geometry_is_bound_once():
+    """``Causal`` and ``SlidingWindow`` on a plain geometry of many rows bind once per
+    geometry and keep their tile classes (a training step's layers share them), equal to
+    a fresh binding's; another geometry, value or tile size binds or classifies afresh,
+    and a mask holding tensors is never kept."""
+    from flashledger import masks
+
+    geo = Geometry.build(lq=1500, lk=1700)
+    for mask in (fl.Causal("bottom_right"), fl.SlidingWindow(100, 3)):
+        first, again = mask.bind(geo), mask.bind(Geometry.build(lq=1500, lk=1700))
+        assert first is again
+        rows = first.tile_class_rows(256, 128)
+        assert first.tile_class_rows(256, 128) is rows
+        fresh = mask._bind(geo) if isinstance(mask, fl.SlidingWindow) else None
+        want = fresh or masks.IntervalBound(geo, geo.k_lo, geo.diagonal("bottom_right"))
+        assert rows == want.tile_classes(256, 128).tolist()
+        assert first.tile_class_rows(128, 128) == want.tile_classes(128, 128).tolist()
+        assert mask.bind(Geometry.build(lq=1500, lk=1701)) is not first
+    assert fl.Causal("top_left").bind(geo) is not fl.Causal("bottom_right").bind(geo)
+    few = Geometry.build(lq=8, lk=1700)
+    assert fl.Causal().bind(few) is not fl.Causal().bind(few)  # a few rows: plain integers
+    lens = torch.tensor([1000, 1700])
+    pad = fl.KeyPadding(lens)
+    two = Geometry.build(lq=1500, lk=1700, batch=2)
+    assert pad.bind(two) is not pad.bind(two)

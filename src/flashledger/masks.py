@@ -56,8 +56,10 @@ a -1 side opposite a bounded side becomes ``seqlen_k`` (``Geometry.window_len``:
 from __future__ import annotations
 
 import functools
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -548,16 +550,18 @@ class IntervalBound(BoundMask):
         return out.cpu()
 
     def tile_class_rows(self, block_q: int, block_k: int) -> list[list[int]]:
-        """``tile_classes`` as nested lists; a few rows' are kept per tile size (a mask bound
-        once serves every call that reuses its frame: the loops only read them)."""
-        tq, tk, few = self._tiles(block_q, block_k)
-        if few:
-            rows = self._class_rows.get((block_q, block_k))
-            if rows is None:
+        """``tile_classes`` as nested lists, kept per tile size (a mask bound once serves
+        every call that reuses it: a frame's few rows, or a value mask kept by
+        ``_kept_bound``; the loops only read them)."""
+        rows = self._class_rows.get((block_q, block_k))
+        if rows is None:
+            tq, tk, few = self._tiles(block_q, block_k)
+            if few:
                 rows = self._tile_class_rows(block_q, block_k, tq, tk)
-                self._class_rows[(block_q, block_k)] = rows
-            return rows
-        return super().tile_class_rows(block_q, block_k)
+            else:
+                rows = super().tile_class_rows(block_q, block_k)
+            self._class_rows[(block_q, block_k)] = rows
+        return rows
 
     def _tile_classes_few(self, block_q: int, block_k: int, tq: int, tk: int) -> torch.Tensor:
         """``tile_classes`` in plain integers, for a few rows (decode): the same rule
@@ -599,6 +603,46 @@ _FEW_ROWS, _FEW_TILES = 512, 4096  # classified in plain integers below these si
 def _few_plain_rows(geo: Geometry) -> bool:
     """Interval masks bind in plain integers: a plain geometry of at most ``_FEW_ROWS`` rows."""
     return geo.plain and geo.lq <= _FEW_ROWS
+
+
+_BOUND_KEEP = 32  # bound interval masks kept for their next call (``_kept_bound``)
+_bound_cache: OrderedDict[tuple[object, ...], BoundMask] = OrderedDict()
+_bound_lock = threading.Lock()
+
+
+def _kept_bound(mask: Mask, geo: Geometry, bind: Callable[[], BoundMask]) -> BoundMask:
+    """``bind()``, kept for the next call of the same value mask (``Causal``,
+    ``SlidingWindow``: nothing but their fields and the geometry decides their intervals)
+    on the same plain geometry: a training step calls attention with the same shapes in
+    every layer, and binding and classifying many rows costs tensor operations per call
+    (a bound interval mask remembers its tile classes). Other geometries bind afresh."""
+    if not geo.plain or geo.lq <= _FEW_ROWS:
+        return bind()
+    key = (
+        mask,
+        geo.lq,
+        geo.lk,
+        geo.batch,
+        geo.heads,
+        geo.q_offset,
+        geo.k_offset,
+        geo.lq_total,
+        geo.lk_total,
+        geo.causal_align,
+        geo.device,
+        geo.window_len,
+    )
+    with _bound_lock:
+        bound = _bound_cache.get(key)
+        if bound is not None:
+            _bound_cache.move_to_end(key)
+            return bound
+    bound = bind()
+    with _bound_lock:
+        _bound_cache[key] = bound
+        while len(_bound_cache) > _BOUND_KEEP:
+            _bound_cache.popitem(last=False)
+    return bound
 
 
 class DenseBound(BoundMask):
@@ -874,7 +918,9 @@ class Causal(Mask):
     def bind(self, geo: Geometry) -> BoundMask:
         if _few_plain_rows(geo):
             return IntervalBound.of_rows(geo, None, geo.diagonal_rows(self.align))
-        return IntervalBound(geo, geo.k_lo, geo.diagonal(self.align))  # (Bg, Lq) each
+        return _kept_bound(  # (Bg, Lq) each
+            self, geo, lambda: IntervalBound(geo, geo.k_lo, geo.diagonal(self.align))
+        )
 
 
 @dataclass(frozen=True)
@@ -909,6 +955,9 @@ class SlidingWindow(Mask):
         return left, right
 
     def bind(self, geo: Geometry) -> BoundMask:
+        return _kept_bound(self, geo, lambda: self._bind(geo))
+
+    def _bind(self, geo: Geometry) -> BoundMask:
         left, right = self.sides(geo)
         if _few_plain_rows(geo):
             rows = geo.diagonal_rows(self.align)  # c, one per row
