@@ -333,8 +333,8 @@ def test_default_tiles_and_layouts(gen, assert_close):
     res = fl.blocked_forward(q, q, q, mask=fl.Causal())
     from flashledger.blocked import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q
 
-    kern = _native.kernels()  # the native step's default tiles are its calibration's
-    bq, bk = kern.tiles(torch.float64) if kern else (DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K)
+    kern = _native.kernels()  # the native step's default tiles are its calibration's (a forward's)
+    bq, bk = kern.tiles(torch.float64, forward=True) if kern else (DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K)
     assert (res.ledger.block_q, res.ledger.block_k) == (bq, bk)
     traced = fl.blocked_forward(q, q, q, mask=fl.Causal(), trace=True)  # the PyTorch step's
     assert (traced.ledger.block_q, traced.ledger.block_k) == (DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K)

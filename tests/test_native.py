@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -436,7 +437,8 @@ def small_calibration(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_the_choice_is_measured_once_then_read_back(native, tmp_path, small_calibration):
     """Per dtype, every back end and tile candidate is measured, the fastest kept and
-    saved; the next time (another process: the file) the same choice is read back."""
+    saved, and the forward's own tile candidates on it; the next time (another process:
+    the file) the same choice is read back."""
     cache = tmp_path / "choices.json"
     with _gemms_kept(native):
         first = _calibrate.choose(native, cache)
@@ -444,14 +446,20 @@ def test_the_choice_is_measured_once_then_read_back(native, tmp_path, small_cali
     for dt in (torch.float32, torch.float64):
         c = first[dt]
         assert c.how == "calibrated" and again[dt].how == "cached"
-        assert (again[dt].gemm, again[dt].block_q, again[dt].block_k) == (
-            c.gemm,
-            c.block_q,
-            c.block_k,
-        )
+        assert again[dt] == replace(c, how="cached")
         want = {f"{g} 64x64" for g in native.gemm_names()} | {f"{c.gemm} 32x48"}
+        want |= {f"forward {q}x{k}" for q, k in _calibrate.FORWARD_TILE_CANDIDATES}
         assert set(c.rates) == want and all(r > 0 for r in c.rates.values()), c.rates
         assert c.gemm in native.gemm_names() and (c.block_q, c.block_k) in ((64, 64), (32, 48))
+        assert c.forward_tiles in _calibrate.FORWARD_TILE_CANDIDATES
+    # a choice saved before the forward's tiles were measured is measured again
+    saved = json.loads(cache.read_text())
+    for mine in saved["by_threads"].values():
+        for c in mine.values():
+            c.pop("forward_block_q"), c.pop("forward_block_k")
+    cache.write_text(json.dumps(saved))
+    with _gemms_kept(native):
+        assert _calibrate.choose(native, cache)[torch.float32].how == "calibrated"
     saved = json.loads(cache.read_text())
     assert saved["cpu"] == _calibrate.cpu_model() and saved["torch"] == torch.__version__
     assert set(saved["by_threads"]) == {str(native.max_threads())}
@@ -480,7 +488,8 @@ def test_flashledger_gemm_forces_the_back_end(native, tmp_path, monkeypatch, sma
     with _gemms_kept(native):
         got = {dt: c for dt, c in _calibrate.choose(native, cache).items() if dt in FLOATS}
         assert all(c.gemm == "blas" and c.how == "FLASHLEDGER_GEMM=blas" for c in got.values())
-        assert all(set(c.rates) == {"blas 64x64", "blas 32x48"} for c in got.values())
+        fwd = {f"forward {q}x{k}" for q, k in _calibrate.FORWARD_TILE_CANDIDATES}
+        assert all(set(c.rates) == {"blas 64x64", "blas 32x48"} | fwd for c in got.values())
         monkeypatch.setenv("FLASHLEDGER_GEMM", "mkl")
         with pytest.warns(UserWarning, match="FLASHLEDGER_GEMM='mkl' is not one of"):
             got = _calibrate.choose(native, cache)
@@ -907,3 +916,25 @@ def test_o_in_a_half_dtype_comes_from_one_merged_part_of_the_half_step(native, g
         )  # fmt: skip
         with pytest.raises(ValueError, match="merged pass of one part of the half step"):
             fp.run(q, k, v, merge=True, out_dtype=torch.bfloat16)
+
+
+def test_a_forward_takes_its_own_measured_tiles(native, gen, monkeypatch):
+    """Without tiles given, a forward pass runs the forward's own measured tiles and a
+    backward the forward + backward ones; with a mask_mod (whose evaluations are kept per
+    tile for the backward) both run the latter; tiles given win everywhere."""
+    dt = torch.float64
+    c = native.choices[dt]
+    mine = replace(c, block_q=32, block_k=48, forward_block_q=64, forward_block_k=16)
+    monkeypatch.setitem(native.choices, dt, mine)
+    q, k, v, do = (torch.randn(1, 2, 100, 8, dtype=dt, generator=gen) for _ in range(4))
+    f = fl.blocked_forward(q, k, v, mask=fl.Causal())
+    b = fl.blocked_backward(q, k, v, f.o, f.lse, do, mask=fl.Causal())
+    assert (f.ledger.block_q, f.ledger.block_k) == (64, 16)
+    assert (b.ledger.block_q, b.ledger.block_k) == (32, 48)
+    mm = fl.MaskMod(lambda b_, h, qi, ki: qi >= ki)
+    f = fl.blocked_forward(q, k, v, mask=mm)
+    assert (f.ledger.block_q, f.ledger.block_k) == (32, 48)
+    f = fl.blocked_forward(q, k, v, mask=fl.Causal(), block_q=20, block_k=30)
+    assert (f.ledger.block_q, f.ledger.block_k) == (20, 30)
+    assert native.tiles(dt, forward=True) == (64, 16) and native.tiles(dt) == (32, 48)
+    assert "tiles 32x48, forward 64x16" in _native.native_status()

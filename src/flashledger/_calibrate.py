@@ -66,6 +66,10 @@ HALF_PATHS = ("half", "amx", "float32")
 the forward's products on AMX's tiles, or as float32."""
 TILE_CANDIDATES = ((512, 512), (256, 256), (256, 512))
 """Default tiles measured, the first also the one each back end is measured at."""
+FORWARD_TILE_CANDIDATES = ((256, 256), (256, 512), (512, 512), (128, 512), (256, 1024))
+"""The forward's own tiles, measured on the chosen back end by forward passes alone (a
+forward without a backward, as inference runs it, may prefer other tiles: wider key tiles
+spend less per tile on the running state)."""
 FALLBACK_TILES = (512, 512)
 """The default tiles where nothing was measured (the PyTorch step)."""
 
@@ -82,11 +86,26 @@ class Choice:
     block_k: int
     how: str  # "calibrated", "cached", "FLASHLEDGER_GEMM=..." or "FLASHLEDGER_HALF=..."
     rates: dict[str, float] = field(default_factory=dict)
-    """GFLOP/s of every candidate measured (forward + backward), e.g. ``"own 512x512"``."""
+    """GFLOP/s of every candidate measured (forward + backward), e.g. ``"own 512x512"``; the
+    forward's tile candidates alone as ``"forward 256x512"``."""
+    forward_block_q: int = 0
+    forward_block_k: int = 0
+    """The default tiles of a forward pass (0: ``block_q``, ``block_k``, as before a
+    forward's own were measured)."""
+
+    @property
+    def forward_tiles(self) -> tuple[int, int]:
+        """``(block_q, block_k)`` of a forward pass."""
+        if self.forward_block_q and self.forward_block_k:
+            return self.forward_block_q, self.forward_block_k
+        return self.block_q, self.block_k
 
     def describe(self) -> str:
-        """E.g. ``"own matmul kernel, tiles 512x512 (calibrated)"``."""
-        return f"{gemm_name(self.gemm)}, tiles {self.block_q}x{self.block_k} ({self.how})"
+        """E.g. ``"own matmul kernel, tiles 512x512 (calibrated)"``, or with a forward's
+        own tiles ``"..., tiles 256x256, forward 256x512 (calibrated)"``."""
+        fwd = self.forward_tiles
+        more = "" if fwd == (self.block_q, self.block_k) else f", forward {fwd[0]}x{fwd[1]}"
+        return f"{gemm_name(self.gemm)}, tiles {self.block_q}x{self.block_k}{more} ({self.how})"
 
 
 def gemm_name(gemm: str) -> str:
@@ -223,9 +242,14 @@ def _variable(dt: torch.dtype) -> str:
 
 
 def _usable(mine: Any, names: dict[str, list[str]]) -> bool:
-    """A cached choice for every dtype, well formed, on a back end available now."""
+    """A cached choice for every dtype, well formed, on a back end available now, with its
+    forward's own tiles (a choice saved before they were measured is measured again)."""
     try:
-        return all(Choice(**mine[_name(dt)]).gemm in names[_name(dt)] for dt in DTYPES)
+        choices = [Choice(**mine[_name(dt)]) for dt in DTYPES]
+        return all(
+            c.gemm in names[_name(dt)] and c.forward_block_q > 0 and c.forward_block_k > 0
+            for c, dt in zip(choices, DTYPES)
+        )
     except (TypeError, KeyError):
         return False
 
@@ -268,9 +292,48 @@ def _fastest(
     return min(best, key=lambda c: best[c]), rates
 
 
+def _fastest_forward(
+    kern: Kernels, dtype: torch.dtype, gemm: str
+) -> tuple[tuple[int, int], dict[str, float]]:
+    """The fastest forward tiles (``FORWARD_TILE_CANDIDATES``) on back end ``gemm``: forward
+    passes alone, interleaved rounds, each candidate's fastest round; and each one's rate
+    (GFLOP/s), keyed ``"forward 256x512"``."""
+    from .blocked import blocked_forward
+
+    heads = 4 * kern.max_threads()
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(1, heads, _L, _D, generator=gen, dtype=torch.float64).to(dtype)
+        for _ in range(3)
+    )
+    flop = 4.0 * _L * _L * _D * heads
+    kern.set_gemm(dtype, gemm)
+
+    def run(bq: int, bk: int) -> float:
+        t0 = time.perf_counter()
+        blocked_forward(q, k, v, block_q=bq, block_k=bk)
+        return time.perf_counter() - t0
+
+    times: dict[tuple[int, int], list[float]] = {c: [] for c in FORWARD_TILE_CANDIDATES}
+    for c in FORWARD_TILE_CANDIDATES:  # warm-up
+        run(*c)
+    for _ in range(_ROUNDS + 1):
+        for c in FORWARD_TILE_CANDIDATES:
+            times[c].append(run(*c))
+    best = {c: min(t) for c, t in times.items()}
+    rates = {f"forward {bq}x{bk}": round(flop / t / 1e9, 1) for (bq, bk), t in best.items()}
+    return min(best, key=lambda c: best[c]), rates
+
+
+def _with_forward(kern: Kernels, dtype: torch.dtype, choice: Choice) -> Choice:
+    """``choice`` with its forward's own tiles measured (on its back end)."""
+    (fq, fk), rates = _fastest_forward(kern, dtype, choice.gemm)
+    return replace(choice, forward_block_q=fq, forward_block_k=fk, rates={**choice.rates, **rates})
+
+
 def _measure(kern: Kernels, dtype: torch.dtype, names: list[str]) -> Choice:
     """float32/float64: every back end at the first tile candidate, then the tile
-    candidates on the fastest."""
+    candidates on the fastest; then the forward's own tiles on it."""
     bq, bk = TILE_CANDIDATES[0]
     gemm = names[0]
     rates: dict[str, float] = {}
@@ -279,7 +342,8 @@ def _measure(kern: Kernels, dtype: torch.dtype, names: list[str]) -> Choice:
     (gemm, bq, bk), more = _fastest(kern, dtype, [(gemm, bq, bk) for bq, bk in TILE_CANDIDATES])
     rates.update(more)
     kern.set_gemm(dtype, gemm)
-    return Choice(gemm=gemm, block_q=bq, block_k=bk, how="calibrated", rates=rates)
+    choice = Choice(gemm=gemm, block_q=bq, block_k=bk, how="calibrated", rates=rates)
+    return _with_forward(kern, dtype, choice)
 
 
 def _measure_half(kern: Kernels, dtype: torch.dtype, paths: list[str], base: Choice) -> Choice:
@@ -295,11 +359,14 @@ def _measure_half(kern: Kernels, dtype: torch.dtype, paths: list[str], base: Cho
         for p in paths
     ]
     (path, bq, bk), rates = _fastest(kern, dtype, cands)
-    if path != "float32":
-        (path, bq, bk), more = _fastest(kern, dtype, [(path, q, k) for q, k in TILE_CANDIDATES])
-        rates.update(more)
+    if path == "float32":  # float32's choice, forward tiles and all
+        kern.set_gemm(dtype, path)
+        return replace(base, gemm="float32", how="calibrated", rates=rates)
+    (path, bq, bk), more = _fastest(kern, dtype, [(path, q, k) for q, k in TILE_CANDIDATES])
+    rates.update(more)
     kern.set_gemm(dtype, path)
-    return Choice(gemm=path, block_q=bq, block_k=bk, how="calibrated", rates=rates)
+    choice = Choice(gemm=path, block_q=bq, block_k=bk, how="calibrated", rates=rates)
+    return _with_forward(kern, dtype, choice)
 
 
 @contextlib.contextmanager

@@ -151,7 +151,9 @@ def _plan(
         return _NOT_TAKEN
     if pb.mask is not None and not isinstance(pb.mask, IntervalBound):
         return _NOT_TAKEN
-    block_q, block_k = _resolve_tiles(pb, kern, opts.get("block_q"), opts.get("block_k"))
+    block_q, block_k = _resolve_tiles(
+        pb, kern, opts.get("block_q"), opts.get("block_k"), forward=True
+    )
     if pb.shape[5] == 0:
         return _NOT_TAKEN
     book = _Book(pb, _new_ledger(pb, "forward", block_q, block_k, "fa2").counters)

@@ -283,13 +283,16 @@ class Kernels:
                 self.set_gemm(dt, c.gemm)
             self.choices = choices
 
-    def tiles(self, dtype: torch.dtype) -> tuple[int, int]:
+    def tiles(self, dtype: torch.dtype, *, forward: bool = False) -> tuple[int, int]:
         """The default ``(block_q, block_k)`` for ``dtype``: the calibration's (a half dtype
-        converted to float32 takes float32's)."""
+        converted to float32 takes float32's); ``forward``: those of a forward pass (its own
+        where the calibration measured them)."""
         if dtype in _HALF and not self.half_step(dtype):
             dtype = torch.float32
         c = (self.choices or {}).get(dtype)
-        return (c.block_q, c.block_k) if c is not None else _calibrate.FALLBACK_TILES
+        if c is None:
+            return _calibrate.FALLBACK_TILES
+        return c.forward_tiles if forward else (c.block_q, c.block_k)
 
     def fn(self, name: str, suffix: str) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
         return getattr(self._lib, f"{name}_{suffix}")
@@ -979,8 +982,10 @@ def native_status() -> str:
     parts = []
     for dt in _calibrate.DTYPES:
         bq, bk = kern.tiles(dt)
+        fq, fk = kern.tiles(dt, forward=True)
         how = _calibrate.gemm_name(kern.gemm(dt))
-        tiles = "" if kern.gemm(dt) == "float32" else f", tiles {bq}x{bk}"
+        fwd = "" if (fq, fk) == (bq, bk) else f", forward {fq}x{fk}"
+        tiles = "" if kern.gemm(dt) == "float32" else f", tiles {bq}x{bk}{fwd}"
         parts.append(f"{str(dt)[6:]}: {how}{tiles}")
     return f"native tile step: on ({head}; {'; '.join(parts)}; {path})"
 

@@ -115,19 +115,33 @@ class Config:
         c = "causal" if self.causal else "full"
         return f"L={self.length} {self.dtype} {c}"
 
-    def tiles(self) -> tuple[int, int]:
-        """The tiles flashledger runs: as given, or its defaults for this dtype."""
-        return resolved_tiles(self.dtype, self.block_q, self.block_k)
+    def tiles(self, *, forward: bool = False) -> tuple[int, int]:
+        """The tiles flashledger runs: as given, or its defaults for this dtype (``forward``:
+        a forward pass's)."""
+        return resolved_tiles(self.dtype, self.block_q, self.block_k, forward=forward)
 
 
-def resolved_tiles(dtype: str, block_q: int | None, block_k: int | None) -> tuple[int, int]:
+def resolved_tiles(
+    dtype: str, block_q: int | None, block_k: int | None, *, forward: bool = False
+) -> tuple[int, int]:
     """``block_q``, ``block_k`` as given, or the tiles flashledger takes by default for
     ``dtype``: the native step's calibrated ones (for bfloat16/float16 those of the path
-    its calibration chose: in the dtype, or float32's), 512 x 512 where it is off."""
+    its calibration chose: in the dtype, or float32's; ``forward``: a forward pass's own),
+    512 x 512 where it is off."""
     kern = _native.kernels()
     dt = getattr(torch, dtype)
-    bq, bk = kern.tiles(dt) if kern is not None else (DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K)
+    if kern is None:
+        bq, bk = DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K
+    else:
+        bq, bk = kern.tiles(dt, forward=forward)
     return (bq if block_q is None else block_q), (bk if block_k is None else block_k)
+
+
+def tiles_label(fwd: tuple[int, int], both: tuple[int, int]) -> str:
+    """``"256x512"``, or with a forward's own tiles ``"256x1024/256x512"`` (forward /
+    forward + backward)."""
+    one = "{}x{}".format(*both)
+    return one if fwd == both else "{}x{}/".format(*fwd) + one
 
 
 def make_inputs(cfg: Config, *, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -150,9 +164,9 @@ def _naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> t
 
 def attention_fn(method: str, cfg: Config) -> Callable[..., torch.Tensor]:
     """``fn(q, k, v) -> o`` for one method."""
-    if method == "flashledger":
+    if method == "flashledger":  # the given tiles, or each pass its defaults
         mask = Causal() if cfg.causal else None
-        bq, bk = cfg.tiles()
+        bq, bk = cfg.block_q, cfg.block_k
         return lambda q, k, v: flash_attention(  # type: ignore[return-value]
             q, k, v, mask=mask, block_q=bq, block_k=bk
         )
@@ -404,9 +418,9 @@ def measure_memory(method: str, cfg: Config, *, timeout_s: float = 1800.0) -> di
         str(cfg.heads),
         "--head-dim",
         str(cfg.head_dim),
-        "--tiles",
-        "{}x{}".format(*cfg.tiles()),
     ]
+    if cfg.block_q is not None or cfg.block_k is not None:
+        cmd += ["--tiles", "{}x{}".format(*cfg.tiles())]
     # glibc: every block of 128 KiB or more gets its own mapping, returned to the system when
     # freed, so the high-water mark counts live tensors, not reused free lists
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(128 * 1024))
@@ -603,6 +617,8 @@ def _measure(
         "head_dim": cfg.head_dim,
         "block_q": cfg.tiles()[0],
         "block_k": cfg.tiles()[1],
+        "forward_block_q": cfg.tiles(forward=True)[0],
+        "forward_block_k": cfg.tiles(forward=True)[1],
         "fwd_gflop": cfg.fwd_flops / 1e9,
         "fwdbwd_gflop": cfg.fwdbwd_flops / 1e9,
         "max_abs_diff_o_vs_sdpa": diff,
@@ -704,7 +720,7 @@ def contention(repeats: int = 5) -> list[dict[str, Any]]:
         row: dict[str, Any] = {
             "length": length,
             "head_dim": d,
-            "tiles": "x".join(map(str, cfg.tiles())),
+            "tiles": tiles_label(cfg.tiles(forward=True), cfg.tiles()),
         }
         for m in runners:
             q_ms, b_ms = 1e3 * statistics.median(quiet[m]), 1e3 * statistics.median(busy[m])
@@ -928,6 +944,7 @@ def print_table(report: dict[str, Any]) -> None:
     peaks = report["gemm_peak_gflops"]
     table = Table(
         title="flashledger (FL) vs SDPA's CPU flash kernel: medians; ratio < 1: FL is faster; "
+        "tiles: forward/forward + backward where the forward has its own; "
         "matmuls alone: the tiles' matmuls as batched PyTorch calls, nothing else, / SDPA",
         caption=f"{report['machine']['cpu']} ({report['machine'].get('isa', '')}), "
         f"{report['machine']['threads']} threads. Peaks, this run: FMA on registers "
@@ -950,7 +967,10 @@ def print_table(report: dict[str, Any]) -> None:
             str(r["length"]),
             r["dtype"],
             "yes" if r["causal"] else "no",
-            f"{r['block_q']}x{r['block_k']}",
+            tiles_label(
+                (r.get("forward_block_q", r["block_q"]), r.get("forward_block_k", r["block_k"])),
+                (r["block_q"], r["block_k"]),
+            ),
             f"{fl['fwd_ms']:.1f}/{sd['fwd_ms']:.1f}",
             f"{r['ratio_fwd']:.2f}",
             f"{fl['fwdbwd_ms']:.1f}/{sd['fwdbwd_ms']:.1f}",

@@ -618,15 +618,23 @@ def _half_step(pb: Problem, kern: _native.Kernels | None) -> bool:
 
 
 def _resolve_tiles(
-    pb: Problem, kern: _native.Kernels | None, block_q: int | None, block_k: int | None
+    pb: Problem,
+    kern: _native.Kernels | None,
+    block_q: int | None,
+    block_k: int | None,
+    *,
+    forward: bool = False,
 ) -> tuple[int, int]:
     """``block_q``, ``block_k`` as given, or (None) the default: the tiles the native step
     chose by measurement on this machine for this dtype (the half path's for half inputs
-    on it) when it runs, else 512 x 512."""
+    on it) when it runs, else 512 x 512. A ``forward`` pass takes the forward's own
+    measured tiles, unless a mask_mod's evaluations are kept for the backward (they are
+    kept per tile: both passes then share the tiles)."""
     if kern is None:
         dq, dk = DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K
     else:
-        dq, dk = kern.tiles(pb.out_dtype if _half_step(pb, kern) else pb.dtype)
+        own = forward and (pb.mask is None or not pb.mask.callers)
+        dq, dk = kern.tiles(pb.out_dtype if _half_step(pb, kern) else pb.dtype, forward=own)
     return (dq if block_q is None else block_q), (dk if block_k is None else block_k)
 
 
@@ -917,7 +925,7 @@ def _forward(
     ``_native.ForwardPass.run``)."""
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
     kern = _native_step(pb, loop_order, trace is not None or observer is not None)
-    block_q, block_k = _resolve_tiles(pb, kern, block_q, block_k)
+    block_q, block_k = _resolve_tiles(pb, kern, block_q, block_k, forward=True)
     ledger = _new_ledger(pb, "forward", block_q, block_k, loop_order)
     classes = _classes(pb, block_q, block_k, ledger)
     obs, wants = _observers(ledger, trace, observer)
@@ -1463,7 +1471,9 @@ def split_kv_forward(
         "split_kv_forward", dict(q=q, k=k, v=v, bias=opts.get("bias")), opts.get("score_mod"), q
     )
     pb = build_problem(q, k, v, placement=placement, **opts)
-    block_q, block_k = _resolve_tiles(pb, _native_step(pb, "fa2", False), block_q, block_k)
+    block_q, block_k = _resolve_tiles(
+        pb, _native_step(pb, "fa2", False), block_q, block_k, forward=True
+    )
     lq, lk = pb.shape[4], pb.shape[5]
     if num_splits > lk:
         raise ValueError(f"num_splits must be between 1 and Lk = {lk}, got {num_splits}")
