@@ -736,6 +736,7 @@ class ForwardPass:
         at = (splits, *rows) if merge and rows is not None else self.lse_shape
         lse = torch.empty(at, dtype=self.acc)  # (S, H, Lq)
         bad = ctypes.c_longlong(0) if splits == 1 else None
+        o16 = o = None
         if out_dtype is not None and out_dtype != self.acc:
             if not (merge and splits == 1 and out_dtype == q.dtype and q.dtype in _HALF):
                 raise ValueError(
@@ -743,14 +744,15 @@ class ForwardPass:
                     f"in that dtype only (this pass: {q.dtype}, {splits} part(s))"
                 )
             o16 = torch.empty((*at[1:], dv), dtype=out_dtype)  # (H, Lq, d_v)
-            self._launch(q, k, v, None, lse, o16=o16, bad=bad)
-            if o_finite is not None and bad is not None and not bad.value:
-                o_finite.append(True)
-            return o16, lse[0]
-        o = torch.empty((*at, dv), dtype=self.acc)  # (S, H, Lq, d_v)
-        self._launch(q, k, v, o, lse, q16=q16 if self.half == 1 else None, bad=bad)
+        else:
+            o = torch.empty((*at, dv), dtype=self.acc)  # (S, H, Lq, d_v)
+        q16 = q16 if self.half == 1 else None
+        self._launch(q, k, v, o, lse, q16=q16, o16=o16, bad=bad)
         if o_finite is not None and bad is not None and not bad.value:
             o_finite.append(True)
+        if o16 is not None:
+            return o16, lse[0]
+        assert o is not None
         if not merge:
             return o, lse
         if splits > 1:  # in place, into part 0 (the one merge's rule: merge_splits)
