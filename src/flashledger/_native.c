@@ -1632,7 +1632,8 @@ static void backward_item(const struct fl_args *a, long long kh, long long j0, l
                 long long h = kh * G + g;
                 int step = t[4] ? FL_PARTIAL_ROWS : (int)nrows;
                 for (long long c = 0; c < nrows; c += step) {
-                    struct rows b = {h, q0 + c, 1LL << 62, (int)(nrows - c < step ? nrows - c : step)};
+                    struct rows b = {h, q0 + c, 1LL << 62,
+                                     (int)(nrows - c < step ? nrows - c : step), NULL};
                     seen += backward_block(a, t, &b, dkt, dvt, dq + (h * a->lq + q0 + c) * id, s);
                 }
             }
