@@ -37,10 +37,10 @@ import platform
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -258,6 +258,37 @@ def _name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 
 
+def _inputs(kern: Kernels, dtype: torch.dtype, n: int) -> list[torch.Tensor]:
+    """``n`` tensors ``(1, 4 x threads, L, d)`` of the measured problem, in ``dtype``."""
+    heads = 4 * kern.max_threads()
+    gen = torch.Generator().manual_seed(0)
+    return [
+        torch.randn(1, heads, _L, _D, generator=gen, dtype=torch.float64).to(dtype)
+        for _ in range(n)
+    ]
+
+
+C = TypeVar("C")
+
+
+def _fastest_of(
+    runs: dict[C, Callable[[], None]], flop: float, rounds: int
+) -> tuple[C, dict[C, float]]:
+    """The key of the fastest of ``runs`` (a warm-up each: pages, caches, the BLAS's own
+    buffers; then ``rounds`` interleaved rounds, each judged by its fastest round) and
+    each one's rate there (GFLOP/s for ``flop`` per run)."""
+    times: dict[C, list[float]] = {c: [] for c in runs}
+    for run in runs.values():
+        run()
+    for _ in range(rounds):
+        for c, run in runs.items():
+            t0 = time.perf_counter()
+            run()
+            times[c].append(time.perf_counter() - t0)
+    best = {c: min(t) for c, t in times.items()}
+    return min(best, key=lambda c: best[c]), {c: round(flop / t / 1e9, 1) for c, t in best.items()}
+
+
 def _fastest(
     kern: Kernels, dtype: torch.dtype, cands: list[tuple[str, int, int]]
 ) -> tuple[tuple[str, int, int], dict[str, float]]:
@@ -266,30 +297,19 @@ def _fastest(
     fastest round; and each candidate's rate (GFLOP/s) at it, keyed ``"own 512x512"``."""
     from .blocked import blocked_backward, blocked_forward  # the loop the step serves
 
-    heads = 4 * kern.max_threads()
-    gen = torch.Generator().manual_seed(0)
-    q, k, v, do = (
-        torch.randn(1, heads, _L, _D, generator=gen, dtype=torch.float64).to(dtype)
-        for _ in range(4)
-    )
-    flop = 4.0 * _L * _L * _D * heads * 3.5  # forward 4·L²·d·H, backward 2.5 x that
+    q, k, v, do = _inputs(kern, dtype, 4)
+    flop = 4.0 * _L * _L * _D * q.shape[1] * 3.5  # forward 4·L²·d·H, backward 2.5 x that
 
-    def run(gemm: str, bq: int, bk: int) -> float:
-        kern.set_gemm(dtype, gemm)
-        t0 = time.perf_counter()
-        f = blocked_forward(q, k, v, block_q=bq, block_k=bk)
-        blocked_backward(q, k, v, f.o, f.lse, do, block_q=bq, block_k=bk)
-        return time.perf_counter() - t0
+    def run(gemm: str, bq: int, bk: int) -> Callable[[], None]:
+        def once() -> None:
+            kern.set_gemm(dtype, gemm)
+            f = blocked_forward(q, k, v, block_q=bq, block_k=bk)
+            blocked_backward(q, k, v, f.o, f.lse, do, block_q=bq, block_k=bk)
 
-    times: dict[tuple[str, int, int], list[float]] = {c: [] for c in cands}
-    for c in cands:  # warm-up: pages, caches, the BLAS's own buffers
-        run(*c)
-    for _ in range(_ROUNDS):
-        for c in cands:
-            times[c].append(run(*c))
-    best = {c: min(t) for c, t in times.items()}
-    rates = {f"{g} {bq}x{bk}": round(flop / t / 1e9, 1) for (g, bq, bk), t in best.items()}
-    return min(best, key=lambda c: best[c]), rates
+        return once
+
+    best, rates = _fastest_of({c: run(*c) for c in cands}, flop, _ROUNDS)
+    return best, {f"{g} {bq}x{bk}": r for (g, bq, bk), r in rates.items()}
 
 
 def _fastest_forward(
@@ -300,29 +320,19 @@ def _fastest_forward(
     (GFLOP/s), keyed ``"forward 256x512"``."""
     from .blocked import blocked_forward
 
-    heads = 4 * kern.max_threads()
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (
-        torch.randn(1, heads, _L, _D, generator=gen, dtype=torch.float64).to(dtype)
-        for _ in range(3)
-    )
-    flop = 4.0 * _L * _L * _D * heads
+    q, k, v = _inputs(kern, dtype, 3)
+    flop = 4.0 * _L * _L * _D * q.shape[1]
     kern.set_gemm(dtype, gemm)
 
-    def run(bq: int, bk: int) -> float:
-        t0 = time.perf_counter()
-        blocked_forward(q, k, v, block_q=bq, block_k=bk)
-        return time.perf_counter() - t0
+    def run(bq: int, bk: int) -> Callable[[], None]:
+        def once() -> None:
+            blocked_forward(q, k, v, block_q=bq, block_k=bk)
 
-    times: dict[tuple[int, int], list[float]] = {c: [] for c in FORWARD_TILE_CANDIDATES}
-    for c in FORWARD_TILE_CANDIDATES:  # warm-up
-        run(*c)
-    for _ in range(_ROUNDS + 1):
-        for c in FORWARD_TILE_CANDIDATES:
-            times[c].append(run(*c))
-    best = {c: min(t) for c, t in times.items()}
-    rates = {f"forward {bq}x{bk}": round(flop / t / 1e9, 1) for (bq, bk), t in best.items()}
-    return min(best, key=lambda c: best[c]), rates
+        return once
+
+    cands = {c: run(*c) for c in FORWARD_TILE_CANDIDATES}
+    best, rates = _fastest_of(cands, flop, _ROUNDS + 1)
+    return best, {f"forward {bq}x{bk}": r for (bq, bk), r in rates.items()}
 
 
 def _with_forward(kern: Kernels, dtype: torch.dtype, choice: Choice) -> Choice:

@@ -39,8 +39,6 @@ import torch
 from . import _native
 from ._problem import _frame_key, _FrameCache, build_problem
 from .blocked import (
-    _HALF,
-    _bf16_rows,
     _Book,
     _check_options,
     _classes,
@@ -77,14 +75,11 @@ _UNSET = frozenset(
 
 @dataclass(frozen=True, eq=False)
 class _Plan:
-    """One call shape's pass and its layouts."""
+    """One call shape's pass, and how the call's q reaches it."""
 
     run: _native.ForwardPass
-    acc: torch.dtype  # the loop's dtype: q's, and K/V's unless a half cache is read in place
-    kv_as_is: bool  # K/V read in their own (half) dtype
-    bf16_rows: bool  # q's bfloat16 rows go beside their float32 copy (``_bf16_rows``)
-    half_rows: bool  # q, K, V and O all in one half dtype: q's rows and O as they are
-    out_dtype: torch.dtype
+    half_rows: bool  # q, K, V and O in one half dtype: q's rows and O as they are; else
+    # q, K, V, O and the loop in one float dtype: every tensor as it is
 
 
 _NOT_TAKEN = object()  # a call shape the lane leaves to the general path
@@ -163,38 +158,22 @@ def _plan(
         return _NOT_TAKEN
     qn, kn, vn = _forward_operands(pb, kern, True)
     run = _native.ForwardPass(kern, qn, kn, vn, sched, **args, keep_scratch=True)
-    return _Plan(
-        run=run,
-        acc=pb.dtype,
-        kv_as_is=kn.dtype in _HALF,
-        bf16_rows=_bf16_rows(pb, True) is not None,
-        half_rows=run.half != 0 and q.dtype == kn.dtype == pb.out_dtype,
-        out_dtype=pb.out_dtype,
-    )
+    half_rows = run.half != 0 and q.dtype == kn.dtype == pb.out_dtype
+    if not (half_rows or q.dtype == qn.dtype == kn.dtype == pb.out_dtype):
+        return _NOT_TAKEN  # (q, k and v share one dtype: one of the two always holds)
+    return _Plan(run=run, half_rows=half_rows)
 
 
 def _run(
     plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The planned pass on this call's tensors, laid out as ``_forward_operands`` lays
-    them; None when the result is not finite."""
+    them; None when the result is not finite (a row that sees no key, an overflow, a NaN
+    input: the general path's to report or explain)."""
+    qn = q if q.is_contiguous() else q.contiguous()  # (B·Hq, Lq, d) as laid out
     kn = k if k.is_contiguous() else k.contiguous()
     vn = v if v.is_contiguous() else v.contiguous()
     rows = q.shape[:-1]  # the caller's (..., Lq)
     if plan.half_rows:  # q's rows and O in the cache's dtype: no conversion around the pass
-        qh = q if q.is_contiguous() else q.contiguous()
-        return plan.run.run_rows(None, kn, vn, rows, q16=qh)
-    qn = q if q.is_contiguous() else q.contiguous()  # (B·Hq, Lq, d) as laid out
-    qn = qn if qn.dtype == plan.acc else qn.to(plan.acc)
-    if not plan.kv_as_is and kn.dtype != plan.acc:
-        kn, vn = kn.to(plan.acc), vn.to(plan.acc)
-    q16: torch.Tensor | None = None
-    if plan.bf16_rows:  # as _bf16_rows gives them to the general path
-        q16 = q if q.is_contiguous() else q.contiguous()
-    # a finite LSE and O are due where every row sees a key; anything else (a row that sees
-    # none, an overflow, a NaN input) is the general path's to report or explain
-    got = plan.run.run_rows(qn, kn, vn, rows, q16=q16)  # (..., Lq, d_v), (..., Lq)
-    if got is None:
-        return None
-    o, lse = got
-    return (o if o.dtype == plan.out_dtype else o.to(plan.out_dtype)), lse
+        return plan.run.run_rows(None, kn, vn, rows, q16=qn)
+    return plan.run.run_rows(qn, kn, vn, rows)  # (..., Lq, d_v), (..., Lq)

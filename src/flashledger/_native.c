@@ -177,18 +177,30 @@ static inline VT vscale(VT p, VT r) {
 static inline VT loadv(const T *p) { VT v; memcpy(&v, p, sizeof v); return v; }
 static inline void storev(T *p, VT v) { memcpy(p, &v, sizeof v); }
 
-/* T values rounded to the input dtype: to_in one, store_in a vector (W of them). Round to
- * nearest, ties to even; subnormals kept, overflow to ±inf, NaN stays NaN (quiet), as
- * PyTorch's conversion does. In the float builds a plain store. */
+/* A float's bits rounded to bfloat16 or float16: to nearest, ties to even; subnormals
+ * kept, overflow to ±inf, NaN stays NaN (quiet), as PyTorch's conversion does. The half
+ * builds round P and dS with them (to_in), the float32 build a decode call's O. */
+#if !FL_DOUBLE
+static inline unsigned short bf16_bits(float x) {
+    unsigned int u;
+    memcpy(&u, &x, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40); /* NaN */
+    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1)) >> 16); /* the carry rounds up */
+}
+static inline unsigned short f16_bits(float x) {
+    _Float16 h = (_Float16)x;
+    unsigned short r;
+    memcpy(&r, &h, sizeof r);
+    return r;
+}
+#endif
+
+/* T values rounded to the input dtype: to_in one, store_in a vector (W of them), by the
+ * rule above. In the float builds a plain store. */
 #if FL_HALF == 1
 typedef unsigned int VU __attribute__((vector_size(VBYTES)));
 typedef unsigned short VH __attribute__((vector_size(VBYTES / 2)));
-static inline TIN to_in(T x) {
-    unsigned int u;
-    memcpy(&u, &x, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (TIN)((u >> 16) | 0x40); /* NaN */
-    return (TIN)((u + 0x7fffu + ((u >> 16) & 1)) >> 16); /* the carry rounds up */
-}
+static inline TIN to_in(T x) { return bf16_bits(x); }
 /* the same rule, lane by lane in integers */
 static inline VH bf16_of(VT v) {
     VU u = (VU)v;
@@ -215,12 +227,7 @@ static inline void store_in(TIN *p, VT v) {
     memcpy(p, &h, sizeof h);
 }
 #elif FL_HALF == 2
-static inline TIN to_in(T x) {
-    _Float16 h = (_Float16)x;
-    TIN r;
-    memcpy(&r, &h, sizeof r);
-    return r;
-}
+static inline TIN to_in(T x) { return f16_bits(x); }
 static inline void store_in(TIN *p, VT v) {
 #if defined(__AVX512F__)
     __m256i h = _mm512_cvtps_ph((__m512)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -984,20 +991,6 @@ static inline T one_f16(unsigned short x) {
     memcpy(&h, &x, sizeof h);
     return (T)h;
 }
-/* and back: x rounded to nearest, ties to even, as PyTorch's conversion rounds (subnormals
- * kept, overflow to ±inf, NaN a quiet NaN) */
-static inline unsigned short bf16_one(T x) {
-    unsigned int u;
-    memcpy(&u, &x, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40);
-    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
-}
-static inline unsigned short f16_one(T x) {
-    _Float16 h = (_Float16)x;
-    unsigned short r;
-    memcpy(&r, &h, sizeof r);
-    return r;
-}
 
 FL_DOT_ROWS(dot_bf16, unsigned short, load_bf16, one_bf16)
 #if defined(__AVX512BF16__) && VBYTES == 64
@@ -1416,7 +1409,7 @@ static void forward_item(const struct fl_args *a, long long h0, long long r0, in
 #if FL_HALF
                 orow[c] = to_in(x); /* the build's own half dtype */
 #else
-                orow[c] = a->half == 1 ? bf16_one(x) : f16_one(x);
+                orow[c] = a->half == 1 ? bf16_bits(x) : f16_bits(x);
 #endif
             }
             continue;
