@@ -16,7 +16,7 @@ from functools import cached_property
 
 import torch
 
-from .conventions import SEED, Conventions
+from .conventions import SEED, Conventions, get_conventions
 from .masks import Causal, DenseMask, KeyPadding, Mask, SlidingWindow
 
 __all__ = [
@@ -234,7 +234,7 @@ def make_case(
     mask_kind: str,
     dtype: torch.dtype,
     *,
-    conventions: Conventions = SEED,
+    conventions: Conventions | str = SEED,
     scale: float = 0.0,
     seed: int = 0,
 ) -> Case:
@@ -246,13 +246,14 @@ def make_case(
     length per batch element); ``"empty_rows"`` (a random ``DenseMask`` with
     the first and middle query rows fully masked).
     """
+    conv = get_conventions(conventions)  # a preset or its name
     mask = _mask_for(mask_kind, shape, seed)
-    return Case(shape, dtype, mask, mask_kind, conventions, scale, seed)
+    return Case(shape, dtype, mask, mask_kind, conv, scale, seed)
 
 
 def attention_cases(
     *,
-    conventions: Conventions = SEED,
+    conventions: Conventions | str = SEED,
     dtypes: Sequence[torch.dtype] = ALL_DTYPES,
     quick: bool = False,
     masks: Sequence[str] = MASK_KINDS,
@@ -267,6 +268,7 @@ def attention_cases(
     overrides both); ``gqa=False`` drops shapes with fewer K/V heads than Q
     heads; ``head_dim_v=False`` drops shapes whose V head dim differs from d.
     """
+    conventions = get_conventions(conventions)  # a preset or its name
     for kind in masks:
         if kind not in MASK_KINDS:
             raise ValueError(f"unknown mask kind {kind!r}; allowed: {', '.join(MASK_KINDS)}")

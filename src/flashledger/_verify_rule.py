@@ -8,25 +8,39 @@ measure both against a float64 oracle (``reference_forward`` /
     error(fn)  <=  factor * error(naive)  +  floor
 
 with ``factor`` 2 for outputs (O, LSE) and 3 for gradients (dQ, dK, dV), and a
-floor for the rounding no implementation can avoid: one rounding of the result
-to the test dtype plus a random walk of ``n`` roundings in the accumulation
-dtype (float32 for float16/bfloat16 inputs, as in every fused kernel; the
-input dtype otherwise)::
+floor for the rounding no implementation can avoid, derived from the case's own
+numbers (all float64, maxima over the quantity's elements)::
 
-    floor = (eps(dtype) + eps(acc) * sqrt(n)) * max(1, max |oracle|)
+    floor = eps(dtype) * max(1, |oracle|)
+          + eps(acc) * sqrt(n + e²) * max(1, |terms|)
 
-where ``n`` is the length of the longest chain of sums behind the quantity:
-``Lk`` for O and LSE; ``Lq * Hq / Hkv`` for dV; ``Lk + d_v`` for dQ and
-``Lq * Hq / Hkv + d_v`` for dK, whose ``dS = P ⊙ (dP - D)`` subtracts two
+The first part is one rounding of the result to the test dtype. The second is
+a random walk of roundings in the accumulation dtype (float32 for
+float16/bfloat16 inputs, as in every fused kernel; the input dtype otherwise),
+each at the magnitude of the *terms* summed, not of their sum: ``|terms|`` is
+the quantity computed with every product of absolute values (``Σ P |V|`` for
+O, ``Σ P |dO|`` for dV, ``|scale| Σ P (|dO||V| + |dO||O|) |K|`` for dQ and
+likewise for dK; the LSE's own value), so an answer that is 0 by cancellation
+(a row that sees one key has dQ = 0 exactly) is judged by the size of what
+cancelled. ``n`` is the length of the longest chain of sums behind the
+quantity: ``Lk`` for O and LSE; ``Lq * Hq / Hkv`` for dV; ``Lk + d_v`` for dQ
+and ``Lq * Hq / Hkv + d_v`` for dK, whose ``dS = P ⊙ (dP - D)`` subtracts two
 separately rounded dot products of length ``d_v`` (``dP = dO·Vᵀ`` and ``D =
-rowsum(dO ⊙ O)``). A FlashAttention backward needs ``D`` before it forms any
-``dP`` and no BLAS promises to sum the two in one order, so that difference
-carries a rounding every such kernel has, even on a row that sees one key
-(``P = 1``, exact answer 0), where the naive softmax backward's
-``rowsum(P ⊙ dP)`` cancels ``dP`` exactly and gives no yardstick. The floor
-matters where the naive implementation's own error is a poor yardstick: in
-float64 the naive and the oracle share a precision, and their difference
-measures only summation order. Errors are maximum absolute errors over all elements. Entries where the oracle is not
+rowsum(dO ⊙ O)``): a FlashAttention backward needs ``D`` before it forms any
+``dP`` and no BLAS promises to sum the two in one order.
+
+``e`` is the exponent's part: an error ``δ`` in the argument of ``P = exp(S -
+m)`` scales ``P`` by ``1 + δ``. Every score is a dot product of ``d`` terms
+summed in an order no BLAS promises to keep, ``sqrt(d)`` roundings at ``σ =
+|scale| Σ |q||k|`` (the largest over the visible scores), so ``e² = d σ²`` for
+O and the LSE. A FlashAttention backward also rebuilds ``P = exp(S - λ)`` from
+the forward's saved ``λ``, where the naive backward keeps the forward's
+``P``: its argument adds the roundings of the scale or base change and of ``λ
+= m + log ℓ``, two at ``|λ|``, so the gradients take ``e² = d σ² + (2 max(1,
+|λ|))²``. Even on a row that sees one key, where the naive softmax's ``P`` is
+1 exactly, the kernel's is ``exp(δ)``. The floor matters where the naive implementation's own error is a
+poor yardstick: in float64 the naive and the oracle share a precision, and
+their difference measures only summation order. Errors are maximum absolute errors over all elements. Entries where the oracle is not
 finite (the LSE of a fully-masked row: -inf or +inf by convention) must be
 matched exactly; a NaN anywhere counts as an infinite error.
 """
@@ -35,7 +49,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -102,6 +116,10 @@ class Baseline:
     inputs: tuple[torch.Tensor, ...]  # q, k, v, do in the case dtype (no grad)
     oracle: dict[str, torch.Tensor]  # "O", "LSE", "dQ", "dK", "dV" in float64
     naive: dict[str, torch.Tensor]  # the same names, naive same-dtype values
+    terms: dict[str, float] = field(default_factory=dict)
+    """Largest magnitude of the terms behind each quantity (``_magnitudes``), and
+    ``"e"`` / ``"e_grad"``, the exponent's part of the floor of O and LSE / of the
+    gradients."""
 
 
 def baseline(case: Case, *, grads: bool = True) -> Baseline:
@@ -124,7 +142,55 @@ def baseline(case: Case, *, grads: bool = True) -> Baseline:
         oracle.update(dQ=bwd.dq, dK=bwd.dk, dV=bwd.dv)
         n_dq, n_dk, n_dv = torch.autograd.grad(n_o, (nq, nk, nv), do)
         naive.update(dQ=n_dq, dK=n_dk, dV=n_dv)
-    return Baseline(case, (q, k, v, do), oracle, naive)
+    terms = _magnitudes(case, q64, k64, v64, do64 if grads else None, fwd.o, fwd.lse)
+    return Baseline(case, (q, k, v, do), oracle, naive, terms)
+
+
+def _magnitudes(
+    case: Case,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor | None,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+) -> dict[str, float]:
+    """The floor's magnitudes (float64, dense: verify's cases are small).
+
+    Each quantity computed with absolute values in every product (the size of
+    what its sums add, before any cancellation); ``"e"`` = ``sqrt(d) σ`` over the
+    visible scores and ``"e_grad"`` = ``sqrt(d σ² + (2 max(1, |λ|))²)`` (see the
+    module docstring).
+    """
+    s = case.shape
+    group = s.heads_q // s.heads_kv
+    k = k.repeat_interleave(group, dim=1)  # (B, Hq, Lk, d)
+    v = v.repeat_interleave(group, dim=1)  # (B, Hq, Lk, d_v)
+    scale = abs(case.scale)
+    scores = (q @ k.transpose(-2, -1)) * case.scale  # (B, Hq, Lq, Lk)
+    sigma = (q.abs() @ k.abs().transpose(-2, -1)) * scale  # (B, Hq, Lq, Lk)
+    seen = torch.isfinite(lse)[..., None].expand_as(scores)  # (B, Hq, Lq, Lk)
+    dense = case.dense_mask()
+    if dense is not None:
+        seen = seen & dense
+    lam = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # (B, Hq, Lq)
+    p = torch.where(seen, torch.exp(scores - lam[..., None]), torch.zeros_like(scores))
+    out = {"O": _max(p @ v.abs()), "LSE": _max(lam.abs())}
+    sig = _max(torch.where(seen, sigma, torch.zeros_like(sigma)))
+    out["e"] = math.sqrt(s.head_dim) * sig
+    out["e_grad"] = math.hypot(out["e"], 2.0 * max(1.0, out["LSE"]))
+    if do is not None:
+        dabs = do.abs()  # (B, Hq, Lq, d_v)
+        ds = p * (dabs @ v.abs().transpose(-2, -1) + (dabs * o.abs()).sum(-1, keepdim=True))
+        heads = (s.batch, s.heads_kv, group)
+        dv = (p.transpose(-2, -1) @ dabs).unflatten(1, heads[1:]).sum(2)  # (B, Hkv, Lk, d_v)
+        dk = (ds.transpose(-2, -1) @ q.abs()).unflatten(1, heads[1:]).sum(2)  # (B, Hkv, Lk, d)
+        out.update(dQ=scale * _max(ds @ k.abs()), dK=scale * _max(dk), dV=_max(dv))
+    return out
+
+
+def _max(t: torch.Tensor) -> float:
+    return float(t.max()) if t.numel() else 0.0
 
 
 def _errors(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
@@ -140,10 +206,22 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def floor(dtype: torch.dtype, n_terms: int) -> float:
-    """The rule's floor for a sum of ``n_terms`` at magnitude 1: ``eps(dtype) + eps(acc) sqrt(n)``."""
+def floor(
+    dtype: torch.dtype,
+    n_terms: int,
+    *,
+    result: float = 1.0,
+    terms: float = 1.0,
+    exponent: float = 0.0,
+) -> float:
+    """The rule's floor: ``eps(dtype) max(1, result) + eps(acc) sqrt(n + e²) max(1, terms)``.
+
+    ``result``: the largest ``|oracle|``; ``terms``: the largest magnitude of the
+    summed terms; ``exponent``: ``e``, the exponent's part (module docstring).
+    """
     acc = accumulation_dtype(dtype)
-    return torch.finfo(dtype).eps + torch.finfo(acc).eps * math.sqrt(max(1, n_terms))
+    walk = torch.finfo(acc).eps * math.sqrt(max(1, n_terms) + exponent**2)
+    return torch.finfo(dtype).eps * max(1.0, result) + walk * max(1.0, terms)
 
 
 @dataclass(frozen=True)
@@ -194,20 +272,26 @@ def compare(
     factor: float,
     dtype: torch.dtype,
     n_terms: int,
+    terms: float = 0.0,
+    exponent: float = 0.0,
 ) -> Comparison:
-    """Apply the rule to one quantity (all tensors the oracle's shape; sums of ``n_terms``)."""
+    """Apply the rule to one quantity (all tensors the oracle's shape; sums of ``n_terms``).
+
+    ``terms``: the largest magnitude of the summed terms (at least ``|oracle|``
+    is used); ``exponent``: the floor's ``e`` (gradients of a rebuilt ``P``).
+    """
     err = _errors(got, want)
     worst = int(torch.argmax(err).item()) if err.numel() else 0
     index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), want.shape))
     finite = want[torch.isfinite(want)]
-    scale = max(1.0, float(finite.abs().max())) if finite.numel() else 1.0
+    result = float(finite.abs().max()) if finite.numel() else 0.0
     naive_error = float(_errors(naive, want).max()) if err.numel() else 0.0
     return Comparison(
         quantity=quantity,
         error=float(err.max()) if err.numel() else 0.0,
         naive_error=naive_error,
         factor=factor,
-        floor=floor(dtype, n_terms) * scale,
+        floor=floor(dtype, n_terms, result=result, terms=max(result, terms), exponent=exponent),
         index=index,
         got=float(got.detach().reshape(-1)[worst]) if err.numel() else 0.0,
         want=float(want.reshape(-1)[worst]) if err.numel() else 0.0,
@@ -346,7 +430,18 @@ def _compare(
     base: Baseline, name: str, got: torch.Tensor, factor: float, n_terms: int
 ) -> Comparison:
     want, naive = base.oracle[name], base.naive[name]
-    return compare(name, got, want, naive, factor=factor, dtype=base.case.dtype, n_terms=n_terms)
+    exponent = base.terms.get("e_grad" if name in ("dQ", "dK", "dV") else "e", 0.0)
+    return compare(
+        name,
+        got,
+        want,
+        naive,
+        factor=factor,
+        dtype=base.case.dtype,
+        n_terms=n_terms,
+        terms=base.terms.get(name, 0.0),
+        exponent=exponent,
+    )
 
 
 def _one_line(exc: BaseException) -> str:
