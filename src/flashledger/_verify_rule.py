@@ -38,11 +38,14 @@ the forward's saved ``λ``, where the naive backward keeps the forward's
 ``P``: its argument adds the roundings of the scale or base change and of ``λ
 = m + log ℓ``, two at ``|λ|``, so the gradients take ``e² = d σ² + (2 max(1,
 |λ|))²``. Even on a row that sees one key, where the naive softmax's ``P`` is
-1 exactly, the kernel's is ``exp(δ)``. The floor matters where the naive implementation's own error is a
-poor yardstick: in float64 the naive and the oracle share a precision, and
-their difference measures only summation order. Errors are maximum absolute errors over all elements. Entries where the oracle is not
-finite (the LSE of a fully-masked row: -inf or +inf by convention) must be
-matched exactly; a NaN anywhere counts as an infinite error.
+1 exactly, the kernel's is ``exp(δ)``.
+
+The floor matters where the naive implementation's own error is a poor
+yardstick: in float64 the naive and the oracle share a precision, and their
+difference measures only summation order. Errors are maximum absolute errors
+over all elements. Entries where the oracle is not finite (the LSE of a
+fully-masked row: -inf or +inf by convention) must be matched exactly; a NaN
+anywhere counts as an infinite error.
 """
 
 from __future__ import annotations
