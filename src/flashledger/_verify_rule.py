@@ -94,9 +94,7 @@ def naive_attention(
     implementation would. Fully-masked rows give O = 0 (their LSE is the
     oracle's business and is filled in by :func:`baseline`).
     """
-    group = case.shape.heads_q // case.shape.heads_kv
-    k = k.repeat_interleave(group, dim=1)  # (B, Hq, Lk, d)
-    v = v.repeat_interleave(group, dim=1)  # (B, Hq, Lk, d_v)
+    k, v = _per_query_head(case, k, v)  # (B, Hq, Lk, d), (B, Hq, Lk, d_v)
     s = (q @ k.transpose(-2, -1)) * case.scale  # (B, Hq, Lq, Lk)
     dense = case.dense_mask()
     if dense is not None:
@@ -109,6 +107,14 @@ def naive_attention(
     o = p @ v  # (B, Hq, Lq, d_v)
     lse = torch.logsumexp(s, dim=-1)  # (B, Hq, Lq)
     return o, lse
+
+
+def _per_query_head(
+    case: Case, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V ``(B, Hkv, Lk, ·)`` repeated to one head per query head ``(B, Hq, Lk, ·)``."""
+    group = case.shape.heads_q // case.shape.heads_kv
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
 
 
 @dataclass(frozen=True)
@@ -167,8 +173,7 @@ def _magnitudes(
     """
     s = case.shape
     group = s.heads_q // s.heads_kv
-    k = k.repeat_interleave(group, dim=1)  # (B, Hq, Lk, d)
-    v = v.repeat_interleave(group, dim=1)  # (B, Hq, Lk, d_v)
+    k, v = _per_query_head(case, k, v)  # (B, Hq, Lk, d), (B, Hq, Lk, d_v)
     scale = abs(case.scale)
     scores = (q @ k.transpose(-2, -1)) * case.scale  # (B, Hq, Lq, Lk)
     sigma = (q.abs() @ k.abs().transpose(-2, -1)) * scale  # (B, Hq, Lq, Lk)
@@ -185,9 +190,9 @@ def _magnitudes(
     if do is not None:
         dabs = do.abs()  # (B, Hq, Lq, d_v)
         ds = p * (dabs @ v.abs().transpose(-2, -1) + (dabs * o.abs()).sum(-1, keepdim=True))
-        heads = (s.batch, s.heads_kv, group)
-        dv = (p.transpose(-2, -1) @ dabs).unflatten(1, heads[1:]).sum(2)  # (B, Hkv, Lk, d_v)
-        dk = (ds.transpose(-2, -1) @ q.abs()).unflatten(1, heads[1:]).sum(2)  # (B, Hkv, Lk, d)
+        heads = (s.heads_kv, group)  # Hq split as (Hkv, group)
+        dv = (p.transpose(-2, -1) @ dabs).unflatten(1, heads).sum(2)  # (B, Hkv, Lk, d_v)
+        dk = (ds.transpose(-2, -1) @ q.abs()).unflatten(1, heads).sum(2)  # (B, Hkv, Lk, d)
         out.update(dQ=scale * _max(ds @ k.abs()), dK=scale * _max(dk), dV=_max(dv))
     return out
 
