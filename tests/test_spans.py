@@ -21,6 +21,8 @@ from torch.nn.attention.flex_attention import and_masks, noop_mask, or_masks
 
 import flashledger as fl
 from flashledger import _maskmod
+from flashledger import masks as masks_mod
+from flashledger._mods import TileCaller
 from flashledger._spans import span_classes
 from flashledger.masks import EMPTY, FULL, PARTIAL, Geometry
 
@@ -453,3 +455,106 @@ def test_a_result_that_is_not_a_tensor_is_still_refused():
     q = k = v = torch.randn(1, 1, 9, 4)
     with pytest.raises(ValueError, match="returned bool, not a tensor"):
         fl.flash_attention(q, k, v, mask=fl.MaskMod(lambda b, h, qi, ki: True))
+
+
+# -- refining the open tiles by sub-blocks ------------------------------------------------------
+def _kept_against_dense(bound: Any, dense: Tensor) -> int:
+    """Assert every kept tile's visibility equals the dense mask's; return how many."""
+    kept = bound._kept()[0]
+    for (q0, q1, k0, k1), vis in kept.items():
+        want = dense[..., q0:q1, k0:k1]
+        got = vis.expand(want.shape)
+        wrong = torch.nonzero(got != want)
+        assert wrong.numel() == 0, (
+            f"kept tile rows {q0}..{q1 - 1} keys {k0}..{k1 - 1}: position "
+            f"{wrong[0].tolist()} is {bool(got[tuple(wrong[0])])}, the mask says "
+            f"{bool(want[tuple(wrong[0])])}"
+        )
+    return len(kept)
+
+
+@pytest.mark.parametrize("fn", ZOO, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("tiles", [(32, 64), (64, 32), (48, 16)])
+def test_sub_blocks_give_the_exact_classes_and_visibility(fn, tiles, monkeypatch):
+    """Tiles the bounds leave open are refined by sub-blocks (the bounds again, then only
+    the open sub-blocks evaluated, all in one call): the classes equal a dense
+    evaluation's, each kept partial tile's visibility equals the mask's at every
+    position (ragged last tiles, per-batch and per-head masks), and a mask the bounds
+    follow evaluates fewer positions than whole tiles take."""
+    bq, bk = tiles
+    lq, lk = 133, 131  # DOC's length, and ragged for every tile size
+    dense = flex_visible(fn, 2, 3, lq, lk)  # (B, H, Lq, Lk)
+    exact = tile_classes_from_dense(dense, bq, bk)
+    evaluated = {}
+    for refine in (True, False):
+        if not refine:
+            monkeypatch.setattr(masks_mod, "SUB_BLOCKS", ())
+        bound = fl.MaskMod(fn).bind(Geometry.build(lq=lq, lk=lk, batch=2, heads=3))
+        got = bound.classes(bq, bk)
+        assert torch.equal(got, exact), f"refine={refine}"
+        assert _kept_against_dense(bound, dense) == int((exact == PARTIAL).sum())
+        evaluated[refine] = sum(c.positions for c in bound.callers)
+    if fn.__name__ in TIGHT and fn is not noop_mask and tiles != (48, 16):
+        assert evaluated[True] < evaluated[False], evaluated
+
+
+def not_five_dims(b, h, q, k):
+    """Written for the 4-D tile only: it names the tile's dims."""
+    return (q >= k).reshape(q.shape[0], q.shape[1], q.shape[2], k.shape[3])
+
+
+def test_sub_blocks_are_one_broadcast_call():
+    """``TileCaller.blocks``: N sub-blocks in one call of an element-wise mask_mod, equal to
+    its values on each; a callable that takes 4-D tiles only answers None (and counts
+    nothing), so its tiles are evaluated whole."""
+    rows = torch.tensor([[0, 1, 2, 2], [8, 9, 10, 11]])  # (N, s): a repeated last row
+    keys = torch.tensor([[4, 5, 6, 7], [0, 1, 2, 3]])
+    caller = TileCaller(per_head_window, "mask_mod")
+    got = caller.blocks(2, 3, rows, keys, positions=28)
+    assert got is not None and got.shape[2:] == (2, 4, 4)
+    for n in range(2):
+        want = _exact(per_head_window, 2, 3, rows[n], keys[n])
+        assert torch.equal(got[:, :, n].expand(2, 3, 4, 4), want)
+    assert (caller.calls, caller.positions) == (1, 28)
+    tiles_only = TileCaller(not_five_dims, "mask_mod")
+    assert tiles_only.blocks(1, 1, rows, keys, positions=28) is None
+    assert (tiles_only.calls, tiles_only.positions) == (0, 0)
+
+
+def test_a_mask_mod_that_takes_tiles_only_is_evaluated_by_tiles(monkeypatch):
+    """Where the sub-blocks' call is refused, the tiles the bounds leave open are
+    evaluated whole: the same classes and kept visibility."""
+    monkeypatch.setattr(TileCaller, "blocks", lambda *a, **k: None)
+    dense = flex_visible(document, 1, 1, 133, 133)
+    bound = fl.MaskMod(document).bind(Geometry.build(lq=133, lk=133))
+    exact = tile_classes_from_dense(dense, 64, 32)
+    assert torch.equal(bound.classes(64, 32), exact)
+    assert _kept_against_dense(bound, dense) == int((exact == PARTIAL).sum())
+
+
+def test_sub_blocks_with_varlen_and_composites(monkeypatch):
+    """The same forward whether open tiles are refined or evaluated whole: packed
+    sequences (``cu_seqlens``), a composite with a closed-form mask and with a second
+    mask_mod, ragged tiles; outputs equal bit for bit, tile classes equal."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(3, 133, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+    cu = torch.tensor([0, 50, 133], dtype=torch.int32)
+    cases = {
+        "document": lambda: fl.MaskMod(document),
+        "window & causal": lambda: fl.MaskMod(window) & fl.Causal(),
+        "(document & window) | chunked": lambda: (
+            (fl.MaskMod(document) & fl.SlidingWindow(40, 0)) | fl.MaskMod(chunked)
+        ),
+    }
+    for name, mask in cases.items():
+        runs = []
+        for refine in (True, False):
+            monkeypatch.setattr(masks_mod, "SUB_BLOCKS", (16,) if refine else ())
+            with torch.no_grad():
+                res = fl.blocked_forward(
+                    q, k, v, mask=mask(), block_q=64, block_k=64, cu_seqlens_q=cu, cu_seqlens_k=cu
+                )
+            runs.append((res.o, res.ledger.tile_kinds))
+        (o_on, kinds_on), (o_off, kinds_off) = runs
+        assert kinds_on == kinds_off, name
+        assert torch.equal(o_on, o_off), name

@@ -36,7 +36,7 @@ import torch
 
 from ._mods import MaskModFn, TileCaller, index_grid
 from ._spans import span_classes
-from .masks import EMPTY, FULL, PARTIAL, BoundMask, Geometry, Mask, classify_bounded
+from .masks import EMPTY, FULL, PARTIAL, BoundMask, Geometry, Mask, _sub_blocks, classify_bounded
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -146,6 +146,23 @@ class MaskModBound(BoundMask):
         out = self._inside(q0, q1, k0, k1)  # (Bm, Hm, r|1, c|1)
         return out.expand(out.shape[0], out.shape[1], q1 - q0, k1 - k0)
 
+    @property
+    def sub_blockable(self) -> bool:
+        return self.caller._vmap is None  # a callable mapped by torch.vmap goes tile by tile
+
+    def sub_blocks(self, rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
+        g = self.geo
+        n, s = rows.shape
+        # the distinct positions: a ragged side's last sub-block repeats its last index
+        distinct = int(
+            ((rows[:, 1:] != rows[:, :-1]).sum(1) + 1)
+            .mul((keys[:, 1:] != keys[:, :-1]).sum(1) + 1)
+            .sum()
+        )
+        return self.caller.blocks(
+            g.batch, g.heads, rows + g.q_offset, keys + g.k_offset, positions=distinct
+        )
+
     def bounded_classes(self, block_q: int, block_k: int) -> torch.Tensor:
         """The classes the mask_mod's span bounds decide (``_spans``): ``EMPTY`` where it
         cannot hold anywhere in the tile, ``FULL`` where it cannot fail, ``PARTIAL`` where
@@ -230,13 +247,55 @@ class BlockMaskBound(MaskModBound):
                 out[:, :, r0:r1, c0:c1] = (part | full) & ~empty
         return out
 
+    def sub_blocks(self, rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
+        inside = super().sub_blocks(rows, keys)  # (Bm, Hm, N, s, s) the mask_mod
+        if inside is None:
+            return None
+        g = self.geo
+        gr = (rows + g.q_offset) // self.block_q  # (N, s) block rows
+        gc = (keys + g.k_offset) // self.block_k  # (N, s) block columns
+        kinds = self.grid[:, :, gr[:, :, None], gc[:, None, :]]  # (Bb, Hb, N, s, s)
+        return (inside | (kinds == FULL)) & (kinds != EMPTY)
+
     def bounded_classes(self, block_q: int, block_k: int) -> torch.Tensor:
-        return self.tile_classes(block_q, block_k)  # the blocks: nothing evaluated
+        """Classes by position as far as the blocks and the mask_mod's span bounds tell:
+        a tile the blocks leave partial is empty where the mask_mod cannot hold in it and
+        it touches no full block, full where the mask_mod cannot fail and it touches no
+        empty block."""
+        counts = self._counts(block_q, block_k)
+        out = self._classes(counts)
+        part = out == PARTIAL
+        if SPAN_BOUNDS and bool(part.any()):
+            spans = super().bounded_classes(block_q, block_k)
+            n_full_some, n_empty_some = counts[2], counts[3]
+            out[part & (spans == EMPTY) & (n_full_some == 0).cpu()] = EMPTY
+            out[part & (spans == FULL) & (n_empty_some == 0).cpu()] = FULL
+        return out
 
     def tile_classes(self, block_q: int, block_k: int) -> torch.Tensor:
+        """The classes the blocks give (nothing evaluated); the partial tiles' visibility
+        is put together from sub-blocks where the bounds decide most of them
+        (``masks._sub_blocks``) and kept for the loop."""
+        out = self._classes(self._counts(block_q, block_k))
+        part = out == PARTIAL
+        if bool(part.any()):
+            info = _sub_blocks(self, block_q, block_k)
+            if info is not None and not info.whole:
+                info.keep(self, block_q, block_k, torch.nonzero(part))
+        return out
+
+    @staticmethod
+    def _classes(counts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        n_seen, n_open = counts[0], counts[1]
+        out = torch.full(n_seen.shape, PARTIAL, dtype=torch.int8)
+        out[(n_seen == 0).cpu()] = EMPTY
+        out[((n_open == 0) & (n_seen > 0)).cpu()] = FULL
+        return out
+
+    def _counts(self, block_q: int, block_k: int) -> tuple[torch.Tensor, ...]:
+        """Per tile ``(Tq, Tk)``, the blocks it touches that are: not empty for some batch
+        entry and head; not full for some; full for some; empty for some."""
         g = self.geo
-        seen = (self.grid != EMPTY).any(dim=1).any(dim=0)  # (Tq_b, Tk_b) some (b, h) sees it
-        open_ = (self.grid != FULL).any(dim=1).any(dim=0)  # not full for some (b, h)
 
         def prefix(x: torch.Tensor) -> torch.Tensor:
             p = torch.zeros(x.shape[0] + 1, x.shape[1] + 1, dtype=torch.int64, device=x.device)
@@ -251,12 +310,15 @@ class BlockMaskBound(MaskModBound):
         r0, r1 = spans(g.lq, block_q, g.q_offset, self.block_q)  # (Tq,) each
         c0, c1 = spans(g.lk, block_k, g.k_offset, self.block_k)  # (Tk,) each
 
-        def count(p: torch.Tensor) -> torch.Tensor:
+        def count(x: torch.Tensor) -> torch.Tensor:
+            p = prefix(x)
             a, b = r0[:, None], r1[:, None]
             return p[b, c1] - p[a, c1] - p[b, c0] + p[a, c0]  # (Tq, Tk)
 
-        n_seen, n_open = count(prefix(seen)), count(prefix(open_))
-        out = torch.full(n_seen.shape, PARTIAL, dtype=torch.int8)
-        out[(n_seen == 0).cpu()] = EMPTY
-        out[((n_open == 0) & (n_seen > 0)).cpu()] = FULL
-        return out
+        per_block = (
+            (self.grid != EMPTY).any(dim=1).any(dim=0),  # (Tq_b, Tk_b) some (b, h) sees it
+            (self.grid != FULL).any(dim=1).any(dim=0),
+            (self.grid == FULL).any(dim=1).any(dim=0),
+            (self.grid == EMPTY).any(dim=1).any(dim=0),
+        )
+        return tuple(count(x) for x in per_block)

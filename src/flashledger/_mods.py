@@ -173,6 +173,41 @@ class TileCaller:
             raise ValueError(f"{self.kind} {self.name!r} {out}")
         return out
 
+    def blocks(
+        self, batch: int, heads: int, rows: torch.Tensor, keys: torch.Tensor, *, positions: int
+    ) -> torch.Tensor | None:
+        """A mask_mod on ``N`` square blocks at once, bool ``(Bm, Hm, N, s, s)``: block ``n``
+        holds global rows ``rows[n]`` ``(s,)`` against global keys ``keys[n]`` ``(s,)``.
+
+        One call with the blocks as one more broadcast dim: ``b`` ``(B, 1, 1, 1, 1)``,
+        ``h`` ``(1, H, 1, 1, 1)``, ``q_idx`` ``(1, 1, N, s, 1)``, ``kv_idx`` ``(1, 1, N, 1,
+        s)``, which an element-wise mask_mod (Flex's model) broadcasts as it does a
+        tile's. None when the callable runs under ``torch.vmap`` or does not take such
+        indices (the caller then evaluates tile by tile, which reports any real error).
+        ``positions``: the distinct (query, key) positions among them, for the count."""
+        if self._vmap is not None or self.kind != "mask_mod":
+            return None
+        n, s = rows.shape
+        dev = rows.device
+        b = torch.arange(batch, device=dev).view(batch, 1, 1, 1, 1)
+        h = torch.arange(heads, device=dev).view(1, heads, 1, 1, 1)
+        want = (batch, heads, n, s, s)
+        try:
+            out = self.fn(b, h, rows.view(1, 1, n, s, 1), keys.view(1, 1, n, 1, s))
+        except Exception:  # the tile by tile evaluation will say what is wrong
+            return None
+        if (
+            not isinstance(out, torch.Tensor)
+            or out.dtype != torch.bool
+            or out.ndim > 5
+            or any(x not in (1, w) for x, w in zip(out.shape[::-1], want[::-1], strict=False))
+        ):
+            return None
+        out = out.reshape((1,) * (5 - out.ndim) + tuple(out.shape))
+        self.calls += 1
+        self.positions += positions
+        return out.expand(*out.shape[:2], n, s, s)
+
 
 # ----------------------------------------------------------------------------------------
 # captured tensors

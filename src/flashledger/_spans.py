@@ -34,6 +34,7 @@ never change a class.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -329,6 +330,26 @@ def _range_table(x: torch.Tensor, reduce: Callable[..., torch.Tensor]) -> torch.
     return torch.stack(rows)
 
 
+_TABLES: dict[tuple[int, int, str], tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
+
+
+def _table_of(
+    t: torch.Tensor, x: torch.Tensor, reduce: Callable[..., torch.Tensor], name: str
+) -> torch.Tensor:
+    """``_range_table(x, reduce)`` for ``x`` reduced from the captured tensor ``t``, kept
+    while ``t`` lives unchanged (a mask_mod's ``doc[q_idx]`` and ``doc[kv_idx]``, and the
+    classifications of one call at two tile sizes, build it once)."""
+    key = (id(t), t.data_ptr(), name)
+    got = _TABLES.get(key)
+    if got is not None and got[0]() is t and got[1] == t._version:
+        return got[2]
+    table = _range_table(x, reduce)
+    if len(_TABLES) >= 16:
+        _TABLES.clear()
+    _TABLES[key] = (weakref.ref(t), t._version, table)
+    return table
+
+
 def _range_query(table: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, reduce: Any) -> Any:
     """``reduce`` of ``x[lo : hi + 1]`` for index tensors ``lo <= hi`` (any shape)."""
     length = hi - lo + 1
@@ -385,8 +406,11 @@ def _getitem(t: Any, index: Any) -> Span | Tri:
         high = vals.amax(dim=others) if others else vals  # (n,)
         i = idx[varying]
         assert isinstance(i, Span)
-        lo = _range_query(_range_table(low, torch.minimum), i.lo, i.hi, torch.minimum)
-        hi = _range_query(_range_table(high, torch.maximum), i.lo, i.hi, torch.maximum)
+        name = f"{varying} {[(f.start, f.stop) for f in fixed]} {tuple(t.shape)}"
+        low_t = _table_of(t, low, torch.minimum, f"min {name}")
+        high_t = _table_of(t, high, torch.maximum, f"max {name}")
+        lo = _range_query(low_t, i.lo, i.hi, torch.minimum)
+        hi = _range_query(high_t, i.lo, i.hi, torch.maximum)
     if boolean:
         return Tri(hi > 0, lo == 0)
     return Span(lo, hi)

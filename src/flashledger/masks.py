@@ -322,10 +322,14 @@ class BoundMask(ABC):
         the closed-form and dense masks."""
         return ()
 
-    def keep(self, q0: int, q1: int, k0: int, k1: int, vis: torch.Tensor) -> None:
+    def keep(
+        self, q0: int, q1: int, k0: int, k1: int, vis: torch.Tensor, *, shared: bool = False
+    ) -> None:
         """Keep a partial tile's visibility (a mask with a mask_mod only), so that no later
         step or pass over the same bound mask evaluates it again. Tiles are kept in the
-        order they come until ``KEEP_BYTES`` would be passed; none after that."""
+        order they come until ``KEEP_BYTES`` would be passed; none after that. ``shared``:
+        ``vis`` is a contiguous part of a tensor made to hold kept tiles, kept as it is
+        (else a view is copied, so as not to hold its base)."""
         if not self.callers:
             return
         kept, used = self._kept()
@@ -335,7 +339,7 @@ class BoundMask(ABC):
             used[0] = -1
             return
         whole = vis._base is None or vis._base.numel() == vis.numel()  # holds nothing more
-        kept[(q0, q1, k0, k1)] = vis.contiguous() if whole else vis.clone()
+        kept[(q0, q1, k0, k1)] = vis.contiguous() if whole or shared else vis.clone()
         used[0] += vis.numel()
 
     def is_kept(self, q0: int, q1: int, k0: int, k1: int) -> bool:
@@ -403,6 +407,18 @@ class BoundMask(ABC):
         a mask may keep them)."""
         rows: list[list[int]] = self.classes(block_q, block_k).tolist()
         return rows
+
+    @property
+    def sub_blockable(self) -> bool:
+        """Whether ``sub_blocks`` may answer (it still may not: a mask_mod's first
+        evaluation tells)."""
+        return False
+
+    def sub_blocks(self, rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
+        """Visibility of ``N`` square sub-blocks at once, bool ``(Bm, Hm, N, s, s)``: local
+        rows ``rows[n]`` ``(s,)`` against local keys ``keys[n]`` ``(s,)``, int64 ``(N, s)``
+        each; None where this mask cannot (its tiles are then evaluated whole)."""
+        return None
 
     def dense(self) -> torch.Tensor:
         """The whole visibility matrix, bool ``(Bm, Hm, Lq, Lk)``."""
@@ -505,6 +521,13 @@ class IntervalBound(BoundMask):
         lo = self.lo[:, q0:q1, None]  # (Bm, bq, 1)
         hi = self.hi[:, q0:q1, None]
         return ((j >= lo) & (j <= hi)).unsqueeze(1)  # (Bm, 1, bq, bk)
+
+    sub_blockable = True
+
+    def sub_blocks(self, rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
+        j = (keys + self.geo.k_offset)[None, :, None, :]  # (1, N, 1, s) global
+        lo, hi = self.lo[:, rows, None], self.hi[:, rows, None]  # (Bm, N, s, 1)
+        return ((j >= lo) & (j <= hi)).unsqueeze(1)  # (Bm, 1, N, s, s)
 
     def rows_with_keys(self) -> torch.Tensor:
         g = self.geo
@@ -655,6 +678,11 @@ class DenseBound(BoundMask):
     def block(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
         return self.t[..., q0:q1, k0:k1]
 
+    sub_blockable = True
+
+    def sub_blocks(self, rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
+        return self.t[:, :, rows[:, :, None], keys[:, None, :]]  # (Bm, Hm, N, s, s)
+
     def tile_classes(self, block_q: int, block_k: int) -> torch.Tensor:
         return _classes_from_dense(self.t, block_q, block_k)
 
@@ -669,6 +697,10 @@ class _PairBound(BoundMask):
     @property
     def callers(self) -> tuple[TileCaller, ...]:
         return self.a.callers + self.b.callers
+
+    @property
+    def sub_blockable(self) -> bool:
+        return self.a.sub_blockable and self.b.sub_blockable
 
     absorbing = EMPTY  # the class one side decides alone (AndBound: empty; OrBound: full)
 
@@ -689,6 +721,11 @@ class AndBound(_PairBound):
 
     def block(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
         return self.a.block(q0, q1, k0, k1) & self.b.block(q0, q1, k0, k1)
+
+    def sub_blocks(self, rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
+        a = self.a.sub_blocks(rows, keys)
+        b = None if a is None else self.b.sub_blocks(rows, keys)
+        return None if a is None or b is None else a & b
 
     def tile_classes(self, block_q: int, block_k: int) -> torch.Tensor:
         if self.callers:  # a mask_mod inside: evaluated where the other side leaves it open
@@ -714,6 +751,11 @@ class OrBound(_PairBound):
 
     def block(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
         return self.a.block(q0, q1, k0, k1) | self.b.block(q0, q1, k0, k1)
+
+    def sub_blocks(self, rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
+        a = self.a.sub_blocks(rows, keys)
+        b = None if a is None else self.b.sub_blocks(rows, keys)
+        return None if a is None or b is None else a | b
 
     def tile_classes(self, block_q: int, block_k: int) -> torch.Tensor:
         if self.callers:
@@ -806,11 +848,173 @@ def classify_bounded(bound: BoundMask, block_q: int, block_k: int) -> torch.Tens
     without evaluating it (a mask_mod's span bounds; for ``a & b`` / ``a | b`` each side's,
     a closed-form side's or a BlockMask's classes, the tiles one side decides alone or
     both alike), booked as ``tiles_bounded``; the rest evaluated (``classify_by_rows``)."""
+    out = _classify_by_sub_blocks(bound, block_q, block_k)
+    if out is not None:
+        return out
     known = bound.bounded_classes(block_q, block_k)
     need = known == PARTIAL
     bound._count_bounded(int((~need).sum()))
     out = classify_by_rows(bound, block_q, block_k, need=need)
     out[~need] = known[~need]
+    return out
+
+
+SUB_BLOCKS = (16, 32, 64, 128)
+"""Sides of the square sub-blocks the tiles a mask_mod's bounds leave open are refined into:
+the least that divides both tile sides and whose grid over the call has at most
+``SUB_GRID`` sub-blocks (then at most ``SUB_GRID_MAX``); an empty tuple evaluates
+those tiles whole."""
+SUB_GRID = 1 << 15
+"""Sub-blocks a refinement prefers at most: below PyTorch's grain for splitting an
+operation between threads, so the bounds' many small operations stay on the calling
+thread (waking the others costs more than they do, most of all with
+``OMP_WAIT_POLICY=PASSIVE``)."""
+SUB_GRID_MAX = 1 << 18
+"""Most sub-blocks one refinement bounds: past that, the open tiles are evaluated whole."""
+
+
+def _sub_side(geo: Geometry, block_q: int, block_k: int) -> int | None:
+    fits = [
+        (n, s)
+        for s in SUB_BLOCKS
+        if block_q % s == 0
+        and block_k % s == 0
+        and (n := -(-geo.lq // s) * -(-geo.lk // s)) <= SUB_GRID_MAX
+    ]
+    small = [s for n, s in fits if n <= SUB_GRID]
+    return small[0] if small else (fits[-1][1] if fits else None)
+
+
+@dataclass
+class _SubBlocks:
+    """The open tiles of a mask refined by ``s x s`` sub-blocks (``_sub_blocks``)."""
+
+    s: int
+    pq: int  # sub-blocks per tile side
+    pk: int
+    tiles: torch.Tensor  # (Tq, Tk, pq, pk) int8: the bounds' class of each sub-block
+    some: torch.Tensor  # (Tq, Tk, pq, pk) bool: a position visible (some batch entry, head)
+    every: torch.Tensor  # (Tq, Tk, pq, pk) bool: every position visible (all of them)
+    where: (
+        torch.Tensor
+    )  # (n, 4) int64: the evaluated sub-blocks (tile row, column, sub-row, sub-column)
+    vals: torch.Tensor  # (Bm, Hm, n, s, s) bool: their visibility
+    whole: bool = False  # the open sub-blocks left unevaluated: evaluate the open tiles whole
+
+    def classes(self) -> torch.Tensor:
+        """Exact ``(Tq, Tk)`` tile classes."""
+        t_some, t_every = self.some.flatten(2).any(dim=2), self.every.flatten(2).all(dim=2)
+        out = torch.where(t_every, FULL, torch.where(t_some, PARTIAL, EMPTY))
+        return out.to(torch.int8).cpu()
+
+    def keep(self, bound: BoundMask, block_q: int, block_k: int, which: torch.Tensor) -> None:
+        """Put together the visibility of tiles ``which`` ``(N, 2)`` (tile row, column) and
+        keep it (``BoundMask.keep``), a few tiles at a time: each tile's decided
+        sub-blocks spread to positions, its evaluated ones written over them."""
+        g, s, pq, pk = bound.geo, self.s, self.pq, self.pk
+        tq, tk = self.tiles.shape[:2]
+        bm, hm = self.vals.shape[:2]
+        which = which.to(g.device)
+        slot = torch.full((tq, tk), -1, dtype=torch.int64, device=g.device)
+        slot[which[:, 0], which[:, 1]] = torch.arange(which.shape[0], device=g.device)
+        where = self.where
+        of_open = slot[where[:, 0], where[:, 1]]  # (n,) each evaluated sub-block's place
+        per_group = max(1, CLASSIFY_CHUNK // (block_q * block_k))
+        for g0 in range(0, which.shape[0], per_group):
+            group = which[g0 : g0 + per_group]  # (N', 2)
+            base = self.tiles[group[:, 0], group[:, 1]] == FULL  # (N', pq, pk)
+            base = base.repeat_interleave(s, dim=1).repeat_interleave(s, dim=2)  # (N', bq, bk)
+            vis = base.expand(bm, hm, *base.shape)
+            if bm * hm > 1:
+                vis = vis.clone()
+            mine = torch.nonzero((of_open >= g0) & (of_open < g0 + group.shape[0])).view(-1)
+            if mine.numel():
+                sub = vis.view(bm, hm, group.shape[0], pq, s, pk, s)
+                got = self.vals[:, :, mine].permute(2, 0, 1, 3, 4)  # (m, Bm, Hm, s, s)
+                sub[:, :, of_open[mine] - g0, where[mine, 2], :, where[mine, 3], :] = got
+            for n, (i, j) in enumerate(group.tolist()):
+                q0, q1 = i * block_q, min((i + 1) * block_q, g.lq)
+                k0, k1 = j * block_k, min((j + 1) * block_k, g.lk)
+                bound.keep(q0, q1, k0, k1, vis[:, :, n, : q1 - q0, : k1 - k0], shared=True)
+
+
+def _sub_blocks(bound: BoundMask, block_q: int, block_k: int) -> _SubBlocks | None:
+    """The tiles the bounds leave open, refined by ``s x s`` sub-blocks (``s`` from
+    ``SUB_BLOCKS``): the bounds decide the sub-blocks they can (``bounded_classes(s,
+    s)``), and only the undecided ones are evaluated (``sub_blocks``: all of them in one
+    call, up to ``CLASSIFY_CHUNK`` positions). A packed-document mask's undecided
+    sub-blocks lie along the diagonal and the documents' edges: a tenth of its partial
+    tiles' positions. Nothing is evaluated (``whole``) where the bounds leave most
+    sub-blocks of the open tiles undecided (evaluating those tiles whole is then the
+    cheaper way); None where the mask cannot evaluate sub-blocks or no size fits."""
+    g = bound.geo
+    s = _sub_side(g, block_q, block_k)
+    if s is None or not bound.sub_blockable:
+        return None
+    dev = g.device
+    tq, tk = -(-g.lq // block_q), -(-g.lk // block_k)
+    pq, pk = block_q // s, block_k // s
+    fine = bound.bounded_classes(s, s).to(dev)  # (Fq, Fk)
+    fq, fk = fine.shape
+    grid = torch.full((tq * pq, tk * pk), EMPTY, dtype=torch.int8, device=dev)
+    grid[:fq, :fk] = fine  # (Tq·pq, Tk·pk)
+    past = torch.ones(tq * pq, tk * pk, dtype=torch.bool, device=dev)
+    past[:fq, :fk] = False  # sub-blocks past the ends: nothing seen, nothing unseen
+    tiles = grid.view(tq, pq, tk, pk).permute(0, 2, 1, 3)  # (Tq, Tk, pq, pk)
+    open_t = tiles == PARTIAL  # the sub-blocks to evaluate
+    some = tiles == FULL
+    every = some | past.view(tq, pq, tk, pk).permute(0, 2, 1, 3)
+    empty = torch.zeros(1, 1, 0, s, s, dtype=torch.bool, device=dev)
+    where = torch.nonzero(open_t)  # (n, 4)
+    info = _SubBlocks(s, pq, pk, tiles, some, every, where, empty)
+    n_open = where.shape[0]
+    if 2 * n_open > int(open_t.flatten(2).any(dim=2).sum()) * pq * pk:
+        info.whole = True
+        return info
+    fr, fc = where[:, 0] * pq + where[:, 2], where[:, 1] * pk + where[:, 3]  # (n,) each
+    step = torch.arange(s, device=dev)  # (s,)
+    # a ragged side's last sub-block repeats its last position: any and all are unchanged
+    # by a repeat, and a tile's slice drops it
+    rows = torch.clamp(fr[:, None] * s + step, max=g.lq - 1)  # (n, s) local
+    keys = torch.clamp(fc[:, None] * s + step, max=g.lk - 1)  # (n, s) local
+    parts = []
+    per_call = max(1, CLASSIFY_CHUNK // (s * s))
+    for c0 in range(0, n_open, per_call):
+        vis = bound.sub_blocks(rows[c0 : c0 + per_call], keys[c0 : c0 + per_call])
+        if vis is None:
+            return None
+        parts.append(vis)  # (Bm, Hm, n', s, s)
+    if parts:
+        bm = max(p.shape[0] for p in parts)
+        hm = max(p.shape[1] for p in parts)
+        info.vals = torch.cat([p.expand(bm, hm, *p.shape[2:]) for p in parts], dim=2)
+        flat = info.vals.permute(2, 0, 1, 3, 4).reshape(n_open, -1)  # (n, Bm·Hm·s·s)
+        some[where[:, 0], where[:, 1], where[:, 2], where[:, 3]] = flat.any(dim=1)
+        every[where[:, 0], where[:, 1], where[:, 2], where[:, 3]] = flat.all(dim=1)
+    return info
+
+
+def _classify_by_sub_blocks(bound: BoundMask, block_q: int, block_k: int) -> torch.Tensor | None:
+    """Exact tile classes from sub-blocks (``_sub_blocks``), the partial tiles'
+    visibility kept for the loop; where the bounds leave most of the open tiles
+    undecided, those tiles evaluated whole (``classify_by_rows``). None where sub-blocks
+    do not apply."""
+    info = _sub_blocks(bound, block_q, block_k)
+    if info is None:
+        return None
+    if info.whole:  # the bounds' classes; the open tiles evaluated whole
+        open_t = (info.tiles == PARTIAL).flatten(2).any(dim=2)
+        bound._count_bounded(int((~open_t).sum()))
+        known = info.classes()
+        # the open tiles, and the partial ones whose sub-blocks the bounds decided (so
+        # that their visibility is kept too)
+        need = open_t.cpu() | (known == PARTIAL)
+        out = classify_by_rows(bound, block_q, block_k, need=need)
+        out[~need] = known[~need]
+        return out
+    bound._count_bounded(int((~(info.tiles == PARTIAL).flatten(2).any(dim=2)).sum()))
+    out = info.classes()
+    info.keep(bound, block_q, block_k, torch.nonzero(out == PARTIAL))
     return out
 
 
