@@ -6,13 +6,16 @@
   tile, vectorised over broadcast index tensors (``_mods.TileCaller``), and
 - each tile's class: the mask_mod run once on spans of indices (``_spans``:
   per tile, the least and greatest row and key) decides the tiles it cannot
-  hold anywhere in (empty) or cannot fail anywhere in (full); the others,
-  and every tile of a mask_mod the spans cannot follow, are evaluated
-  position by position (``masks.classify_by_rows``: one row of tiles at a time,
-  memory linear in the length) and reduced to empty, partial or full, as
-  ``create_block_mask`` does (without its padding: a ragged last tile whose
-  real positions are all visible is full). The classes are the same either
-  way; the bounds only spare the evaluations.
+  hold anywhere in (empty) or cannot fail anywhere in (full). It runs on
+  sub-blocks of the tiles (``masks._sub_blocks``), so inside a partial tile
+  it decides the sub-blocks away from the mask's edges too, and only the
+  sub-blocks left open are evaluated (in one call, ``TileCaller.blocks``);
+  every tile of a mask_mod the spans cannot follow is evaluated position by
+  position (``masks.classify_by_rows``: one row of tiles at a time, memory
+  linear in the length). Either way the positions are reduced to empty,
+  partial or full, as ``create_block_mask`` does (without its padding: a
+  ragged last tile whose real positions are all visible is full). The
+  classes are the same either way; the bounds only spare the evaluations.
 
 ``MaskMod(block_mask)`` takes a ``torch.nn.attention.flex_attention.BlockMask``
 instead: tile classes come from its block structure, without evaluating
@@ -22,7 +25,10 @@ kernels compute (its eager path applies the ``mask_mod`` alone, ignoring the
 blocks; they agree whenever the blocks were made from the ``mask_mod``, as
 ``create_block_mask`` makes them). flashledger's tiles need not match the
 block size: a tile is empty when every block it touches is empty (for every
-batch and head), full when every one is full, partial otherwise.
+batch and head), full when every one is full, partial otherwise. The partial
+tiles' visibility is put together at classification as a mask_mod's is (the
+blocks and the span bounds decide sub-blocks, the rest evaluated) and kept for
+both passes.
 
 Positions are global (placement, split-KV, ring); with variable length they
 are positions in the packed sequence.
