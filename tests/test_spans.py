@@ -558,3 +558,18 @@ def test_sub_blocks_with_varlen_and_composites(monkeypatch):
         (o_on, kinds_on), (o_off, kinds_off) = runs
         assert kinds_on == kinds_off, name
         assert torch.equal(o_on, o_off), name
+
+
+def test_a_document_table_made_in_inference_mode_is_still_bounded():
+    """A captured tensor without a version counter (made under ``inference_mode``): its
+    range tables are built each time, and the classes are still decided by the bounds."""
+    with torch.inference_mode():
+        doc = _doc_ids([40, 30, 43, 1, 19])
+
+    def doc_mask(b, h, q, k):
+        return (doc[q] == doc[k]) & (q >= k)
+
+    bounds = _check_sound(doc_mask, 1, 1, 133, 133, 32, 32, 0, 0)
+    assert bounds is not None and bool((~bounds[0]).any())
+    exact = tile_classes_from_dense(flex_visible(document, 1, 1, 133, 133), 32, 32)
+    assert torch.equal(fl.MaskMod(doc_mask).tile_classes(133, 133, 32, 32), exact)

@@ -14,7 +14,12 @@ broadcast index tensors::
 
 and takes the result broadcast to ``(B, H, r, c)``; a mask may leave out the
 batch and head dims it does not depend on (``(1, 1, r, c)``), which keeps its
-bytes small. A callable written for scalars that does not broadcast (say
+bytes small. To classify tiles, a mask_mod is also called once on many small
+square sub-blocks at once, with one more broadcast dim (``TileCaller.blocks``:
+``q_idx`` ``(1, 1, N, s, 1)``, ``kv_idx`` ``(1, 1, N, 1, s)``): a mask_mod is
+element-wise, as Flex defines it, so the dims only say how the positions are
+laid out; one that refuses them (written for 4-D tiles only) is evaluated
+tile by tile. A callable written for scalars that does not broadcast (say
 ``table[b][h]`` instead of ``table[b, h]``) is detected (it raises or returns
 a wrong shape) and called under ``torch.vmap`` over the four index dims
 instead, as Flex's eager path calls it.

@@ -339,6 +339,8 @@ def _table_of(
     """``_range_table(x, reduce)`` for ``x`` reduced from the captured tensor ``t``, kept
     while ``t`` lives unchanged (a mask_mod's ``doc[q_idx]`` and ``doc[kv_idx]``, and the
     classifications of one call at two tile sizes, build it once)."""
+    if t.is_inference():  # no version counter to tell a change by: built each time
+        return _range_table(x, reduce)
     key = (id(t), t.data_ptr(), name)
     got = _TABLES.get(key)
     if got is not None and got[0]() is t and got[1] == t._version:
