@@ -260,7 +260,11 @@ class BlockMaskBound(MaskModBound):
         g = self.geo
         gr = (rows + g.q_offset) // self.block_q  # (N, s) block rows
         gc = (keys + g.k_offset) // self.block_k  # (N, s) block columns
-        kinds = self.grid[:, :, gr[:, :, None], gc[:, None, :]]  # (Bb, Hb, N, s, s)
+        if bool((gr == gr[:, :1]).all()) and bool((gc == gc[:, :1]).all()):
+            # each sub-block inside one block: one kind per sub-block
+            kinds = self.grid[:, :, gr[:, 0], gc[:, 0]][..., None, None]  # (Bb, Hb, N, 1, 1)
+        else:
+            kinds = self.grid[:, :, gr[:, :, None], gc[:, None, :]]  # (Bb, Hb, N, s, s)
         return (inside | (kinds == FULL)) & (kinds != EMPTY)
 
     def bounded_classes(self, block_q: int, block_k: int) -> torch.Tensor:
@@ -303,11 +307,6 @@ class BlockMaskBound(MaskModBound):
         entry and head; not full for some; full for some; empty for some."""
         g = self.geo
 
-        def prefix(x: torch.Tensor) -> torch.Tensor:
-            p = torch.zeros(x.shape[0] + 1, x.shape[1] + 1, dtype=torch.int64, device=x.device)
-            p[1:, 1:] = x.to(torch.int64).cumsum(0).cumsum(1)
-            return p
-
         def spans(n: int, block: int, offset: int, grain: int) -> tuple[torch.Tensor, ...]:
             start = torch.arange(0, n, block, device=g.device)  # local tile starts
             stop = torch.clamp(start + block, max=n)
@@ -316,15 +315,17 @@ class BlockMaskBound(MaskModBound):
         r0, r1 = spans(g.lq, block_q, g.q_offset, self.block_q)  # (Tq,) each
         c0, c1 = spans(g.lk, block_k, g.k_offset, self.block_k)  # (Tk,) each
 
-        def count(x: torch.Tensor) -> torch.Tensor:
-            p = prefix(x)
-            a, b = r0[:, None], r1[:, None]
-            return p[b, c1] - p[a, c1] - p[b, c0] + p[a, c0]  # (Tq, Tk)
-
-        per_block = (
-            (self.grid != EMPTY).any(dim=1).any(dim=0),  # (Tq_b, Tk_b) some (b, h) sees it
-            (self.grid != FULL).any(dim=1).any(dim=0),
-            (self.grid == FULL).any(dim=1).any(dim=0),
-            (self.grid == EMPTY).any(dim=1).any(dim=0),
-        )
-        return tuple(count(x) for x in per_block)
+        grid = self.grid.flatten(0, 1)  # (Bb·Hb, Tq_b, Tk_b)
+        per_block = torch.stack(
+            [
+                (grid != EMPTY).any(dim=0),  # (Tq_b, Tk_b) some (b, h) sees it
+                (grid != FULL).any(dim=0),
+                (grid == FULL).any(dim=0),
+                (grid == EMPTY).any(dim=0),
+            ]
+        )  # (4, Tq_b, Tk_b)
+        p = torch.zeros(4, grid.shape[1] + 1, grid.shape[2] + 1, dtype=torch.int64, device=g.device)
+        p[:, 1:, 1:] = per_block.to(torch.int64).cumsum(1).cumsum(2)  # prefix sums
+        a, b = r0[:, None], r1[:, None]
+        counts = p[:, b, c1] - p[:, a, c1] - p[:, b, c0] + p[:, a, c0]  # (4, Tq, Tk)
+        return tuple(counts.unbind(0))
