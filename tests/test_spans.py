@@ -573,3 +573,19 @@ def test_a_document_table_made_in_inference_mode_is_still_bounded():
     assert bounds is not None and bool((~bounds[0]).any())
     exact = tile_classes_from_dense(flex_visible(document, 1, 1, 133, 133), 32, 32)
     assert torch.equal(fl.MaskMod(doc_mask).tile_classes(133, 133, 32, 32), exact)
+
+
+def test_a_document_table_changed_in_place_is_bounded_anew():
+    """The range tables of a captured tensor are kept between calls while it is
+    unchanged: changing it in place (its version counter moves) rebuilds them, so the
+    classes follow the new documents."""
+    doc = _doc_ids([40, 30, 43, 1, 19])
+
+    def doc_mask(b, h, q, k):
+        return (doc[q] == doc[k]) & (q >= k)
+
+    for lengths in ([40, 30, 43, 1, 19], [100, 33], [5, 120, 8]):
+        doc.copy_(_doc_ids(lengths))
+        exact = tile_classes_from_dense(flex_visible(doc_mask, 1, 1, 133, 133), 32, 64)
+        got = fl.MaskMod(doc_mask).tile_classes(133, 133, 32, 64)
+        assert torch.equal(got, exact), lengths

@@ -331,6 +331,8 @@ def _range_table(x: torch.Tensor, reduce: Callable[..., torch.Tensor]) -> torch.
 
 
 _TABLES: dict[tuple[int, int, str], tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
+TABLE_KEEP_BYTES = 8 << 20
+"""Largest range table kept between calls (a longer captured tensor's is built each time)."""
 
 
 def _table_of(
@@ -338,7 +340,8 @@ def _table_of(
 ) -> torch.Tensor:
     """``_range_table(x, reduce)`` for ``x`` reduced from the captured tensor ``t``, kept
     while ``t`` lives unchanged (a mask_mod's ``doc[q_idx]`` and ``doc[kv_idx]``, and the
-    classifications of one call at two tile sizes, build it once)."""
+    classifications of one call at two tile sizes, build it once), up to 16 tables of at
+    most ``TABLE_KEEP_BYTES`` each."""
     if t.is_inference():  # no version counter to tell a change by: built each time
         return _range_table(x, reduce)
     key = (id(t), t.data_ptr(), name)
@@ -346,6 +349,8 @@ def _table_of(
     if got is not None and got[0]() is t and got[1] == t._version:
         return got[2]
     table = _range_table(x, reduce)
+    if table.numel() * table.element_size() > TABLE_KEEP_BYTES:
+        return table
     if len(_TABLES) >= 16:
         _TABLES.clear()
     _TABLES[key] = (weakref.ref(t), t._version, table)
