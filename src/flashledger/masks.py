@@ -895,9 +895,7 @@ class _SubBlocks:
     tiles: torch.Tensor  # (Tq, Tk, pq, pk) int8: the bounds' class of each sub-block
     some: torch.Tensor  # (Tq, Tk, pq, pk) bool: a position visible (some batch entry, head)
     every: torch.Tensor  # (Tq, Tk, pq, pk) bool: every position visible (all of them)
-    where: (
-        torch.Tensor
-    )  # (n, 4) int64: the evaluated sub-blocks (tile row, column, sub-row, sub-column)
+    where: torch.Tensor  # (n, 4) int64: evaluated (tile row, column, sub-row, sub-column)
     vals: torch.Tensor  # (Bm, Hm, n, s, s) bool: their visibility
     whole: bool = False  # the open sub-blocks left unevaluated: evaluate the open tiles whole
 
