@@ -222,36 +222,29 @@ class BlockMaskBound(MaskModBound):
             )
         self.grid = block_grid(bm, geo.device)  # (Bb, Hb, Tq, Tk)
 
+    def _with_blocks(
+        self, inside: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor
+    ) -> torch.Tensor:
+        """Visibility inside the BlockMask: a full block's positions are visible and an
+        empty one's are not, whatever the mask_mod says; a partial one's as it says.
+        ``inside``: the mask_mod there; ``rows``, ``keys``: the positions' local rows and
+        keys, broadcast to them."""
+        g = self.geo
+        kinds = self.grid[
+            :, :, (rows + g.q_offset) // self.block_q, (keys + g.k_offset) // self.block_k
+        ]  # (Bb, Hb, ...) each position's block kind
+        return (inside | (kinds == FULL)) & (kinds != EMPTY)
+
     def block(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
         g = self.geo
         inside = self._inside(q0, q1, k0, k1)  # (Bm, Hm, r|1, c|1)
-        # the blocks the tile touches; a full block's positions are visible and an empty
-        # one's are not, whatever the mask_mod says (set block by block: a tile touches a few)
-        gq0, gq1, gk0, gk1 = q0 + g.q_offset, q1 + g.q_offset, k0 + g.k_offset, k1 + g.k_offset
-        rb0, rb1 = gq0 // self.block_q, (gq1 - 1) // self.block_q + 1
-        cb0, cb1 = gk0 // self.block_k, (gk1 - 1) // self.block_k + 1
-        kinds = self.grid[:, :, rb0:rb1, cb0:cb1]  # (Bb, Hb, nq, nk)
-        if bool((kinds == PARTIAL).all()):
+        rb0, rb1 = (q0 + g.q_offset) // self.block_q, (q1 - 1 + g.q_offset) // self.block_q + 1
+        cb0, cb1 = (k0 + g.k_offset) // self.block_k, (k1 - 1 + g.k_offset) // self.block_k + 1
+        if bool((self.grid[:, :, rb0:rb1, cb0:cb1] == PARTIAL).all()):  # the mask_mod alone
             return inside.expand(*inside.shape[:2], q1 - q0, k1 - k0)
-        b = max(inside.shape[0], kinds.shape[0])
-        h = max(inside.shape[1], kinds.shape[1])
-        out = inside.expand(b, h, q1 - q0, k1 - k0).clone()  # (B', H', r, c)
-        for i in range(rb1 - rb0):
-            r0 = max(gq0, (rb0 + i) * self.block_q) - gq0
-            r1 = min(gq1, (rb0 + i + 1) * self.block_q) - gq0
-            for j in range(cb1 - cb0):
-                kind = kinds[:, :, i, j]  # (Bb, Hb)
-                c0 = max(gk0, (cb0 + j) * self.block_k) - gk0
-                c1 = min(gk1, (cb0 + j + 1) * self.block_k) - gk0
-                if kind.numel() == 1:  # one kind for every batch entry and head
-                    one = int(kind)
-                    if one != PARTIAL:
-                        out[:, :, r0:r1, c0:c1] = one == FULL
-                    continue
-                part = out[:, :, r0:r1, c0:c1]
-                full, empty = (kind == FULL)[..., None, None], (kind == EMPTY)[..., None, None]
-                out[:, :, r0:r1, c0:c1] = (part | full) & ~empty
-        return out
+        rows = torch.arange(q0, q1, device=g.device)[:, None]  # (r, 1)
+        keys = torch.arange(k0, k1, device=g.device)[None, :]  # (1, c)
+        return self._with_blocks(inside, rows, keys)  # (B', H', r, c)
 
     def sub_blocks(self, rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
         inside = super().sub_blocks(rows, keys)  # (Bm, Hm, N, s, s) the mask_mod
@@ -261,11 +254,9 @@ class BlockMaskBound(MaskModBound):
         gr = (rows + g.q_offset) // self.block_q  # (N, s) block rows
         gc = (keys + g.k_offset) // self.block_k  # (N, s) block columns
         if bool((gr == gr[:, :1]).all()) and bool((gc == gc[:, :1]).all()):
-            # each sub-block inside one block: one kind per sub-block
-            kinds = self.grid[:, :, gr[:, 0], gc[:, 0]][..., None, None]  # (Bb, Hb, N, 1, 1)
-        else:
-            kinds = self.grid[:, :, gr[:, :, None], gc[:, None, :]]  # (Bb, Hb, N, s, s)
-        return (inside | (kinds == FULL)) & (kinds != EMPTY)
+            # each sub-block inside one block: its first position's kind is every one's
+            return self._with_blocks(inside, rows[:, :1, None], keys[:, None, :1])
+        return self._with_blocks(inside, rows[:, :, None], keys[:, None, :])  # (B', H', N, s, s)
 
     def bounded_classes(self, block_q: int, block_k: int) -> torch.Tensor:
         """Classes by position as far as the blocks and the mask_mod's span bounds tell:

@@ -847,7 +847,8 @@ def classify_bounded(bound: BoundMask, block_q: int, block_k: int) -> torch.Tens
     """Exact tile classes of a mask with a mask_mod inside: what ``bounded_classes`` decides
     without evaluating it (a mask_mod's span bounds; for ``a & b`` / ``a | b`` each side's,
     a closed-form side's or a BlockMask's classes, the tiles one side decides alone or
-    both alike), booked as ``tiles_bounded``; the rest evaluated (``classify_by_rows``)."""
+    both alike), booked as ``tiles_bounded``; the rest evaluated: by sub-blocks where they
+    apply (``_classify_by_sub_blocks``), else tile by tile (``classify_by_rows``)."""
     out = _classify_by_sub_blocks(bound, block_q, block_k)
     if out is not None:
         return out
@@ -898,6 +899,11 @@ class _SubBlocks:
     where: torch.Tensor  # (n, 4) int64: evaluated (tile row, column, sub-row, sub-column)
     vals: torch.Tensor  # (Bm, Hm, n, s, s) bool: their visibility
     whole: bool = False  # the open sub-blocks left unevaluated: evaluate the open tiles whole
+
+    @property
+    def open_tiles(self) -> torch.Tensor:
+        """``(Tq, Tk)`` bool: the tiles with a sub-block the bounds leave open."""
+        return (self.tiles == PARTIAL).flatten(2).any(dim=2)
 
     def classes(self) -> torch.Tensor:
         """Exact ``(Tq, Tk)`` tile classes."""
@@ -966,7 +972,7 @@ def _sub_blocks(bound: BoundMask, block_q: int, block_k: int) -> _SubBlocks | No
     where = torch.nonzero(open_t)  # (n, 4)
     info = _SubBlocks(s, pq, pk, tiles, some, every, where, empty)
     n_open = where.shape[0]
-    if 2 * n_open > int(open_t.flatten(2).any(dim=2).sum()) * pq * pk:
+    if 2 * n_open > int(info.open_tiles.sum()) * pq * pk:
         info.whole = True
         return info
     fr, fc = where[:, 0] * pq + where[:, 2], where[:, 1] * pk + where[:, 3]  # (n,) each
@@ -1000,9 +1006,9 @@ def _classify_by_sub_blocks(bound: BoundMask, block_q: int, block_k: int) -> tor
     info = _sub_blocks(bound, block_q, block_k)
     if info is None:
         return None
+    open_t = info.open_tiles
+    bound._count_bounded(int((~open_t).sum()))
     if info.whole:  # the bounds' classes; the open tiles evaluated whole
-        open_t = (info.tiles == PARTIAL).flatten(2).any(dim=2)
-        bound._count_bounded(int((~open_t).sum()))
         known = info.classes()
         # the open tiles, and the partial ones whose sub-blocks the bounds decided (so
         # that their visibility is kept too)
@@ -1010,7 +1016,6 @@ def _classify_by_sub_blocks(bound: BoundMask, block_q: int, block_k: int) -> tor
         out = classify_by_rows(bound, block_q, block_k, need=need)
         out[~need] = known[~need]
         return out
-    bound._count_bounded(int((~(info.tiles == PARTIAL).flatten(2).any(dim=2)).sum()))
     out = info.classes()
     info.keep(bound, block_q, block_k, torch.nonzero(out == PARTIAL))
     return out
