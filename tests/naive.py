@@ -210,19 +210,30 @@ def naive_flex(
     """FlexAttention's definition, dense: ``(o, lse)``, differentiable in q, k, v and every
     tensor the mods capture. ``(B, H, L, d)`` tensors, K/V heads repeated for GQA; the mods
     are called per element (``torch.vmap``); a fully-masked row has O = 0 and LSE -inf."""
-    hq, hkv = q.shape[1], k.shape[1]
-    k = k.repeat_interleave(hq // hkv, dim=1)
-    v = v.repeat_interleave(hq // hkv, dim=1)
+    s, visible = naive_flex_scores(q, k, mask_mod=mask_mod, score_mod=score_mod, scale=scale)
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    return naive_attention_scores(s, v, visible)
+
+
+def naive_flex_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    mask_mod: Any = None,
+    score_mod: Any = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Flex's final scores, dense: ``(s, visible)``, ``s`` ``(B, H, Lq, Lk)`` through the
+    score_mod (per element, ``torch.vmap``), ``visible`` the mask_mod's (None without one)."""
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     s = (q @ k.transpose(-1, -2)) * scale  # (B, H, Lq, Lk)
     if score_mod is not None:
         idx = [torch.arange(n) for n in s.shape]
         s = _bhqkv_vmap(score_mod, score=True)(s, *idx)
-    visible = None
-    if mask_mod is not None:
-        visible = flex_visible(mask_mod, *s.shape)
-    return naive_attention_scores(s, v, visible)
+    visible = None if mask_mod is None else flex_visible(mask_mod, *s.shape)
+    return s, visible
 
 
 def naive_attention_scores(

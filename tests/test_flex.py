@@ -11,6 +11,7 @@ kinds attention-gym ships; lengths that are no multiple of any tile
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +20,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from naive import flex_visible, naive_flex, tile_classes_from_dense
+from naive import flex_visible, naive_flex, naive_flex_scores, tile_classes_from_dense
 
 import flashledger as fl
 from flashledger import _maskmod, masks
@@ -217,6 +218,106 @@ def test_forward_equals_torch_flex_attention(name, assert_close):
         assert_close(o, o_t, rtol=FWD, name=f"O {name} tiles {tiles}")
         assert_close(lse, lse_t, rtol=FWD, name=f"LSE {name} tiles {tiles}")
         assert o.dtype == o_t.dtype and lse.dtype == lse_t.dtype
+
+
+def _dense_row_max(q: Tensor, k: Tensor, mask_mod: Any, score_mod: Any) -> Tensor:
+    """Each row's largest final score, dense (-inf where the mask hides every key)."""
+    s, visible = naive_flex_scores(q, k, mask_mod=mask_mod, score_mod=score_mod)
+    if visible is not None:
+        s = s.masked_fill(~visible, -math.inf)
+    return s.amax(dim=-1)  # (B, H, Lq)
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_return_aux_gives_the_lse_and_each_rows_largest_score(name, assert_close):
+    """``return_aux=AuxRequest(...)`` as in torch 2.9+: the LSE of ``return_lse`` and the
+    rows' largest scores after the score_mod and the mask (torch's CPU path refuses
+    ``max_scores``; the dense oracle decides), on the native step (no score_mod) and the
+    PyTorch step, with tiles that split the blocks."""
+    shape = SHAPES["B2 GQA 97x113"]
+    mask_mod, score_mod, _ = _case(name, shape)
+    q, k, v, _ = _inputs(*shape)
+    want = _dense_row_max(q, k, mask_mod, score_mod)
+    bm = None
+    if mask_mod is not None:
+        bm = flex_mod.create_block_mask(mask_mod, shape[0], None, shape[3], shape[4], device="cpu")
+    both = flex_mod.AuxRequest(lse=True, max_scores=True)
+    for tiles in ((512, 512), (32, 16)):
+        kw: dict[str, Any] = dict(enable_gqa=True, block_q=tiles[0], block_k=tiles[1])
+        o, aux = fl.flex_attention(q, k, v, score_mod, bm, return_aux=both, **kw)
+        o_l, lse = fl.flex_attention(q, k, v, score_mod, bm, return_lse=True, **kw)
+        assert isinstance(aux, flex_mod.AuxOutput), type(aux)
+        assert torch.equal(o, o_l) and torch.equal(aux.lse, lse), "return_aux's LSE is return_lse's"
+        assert aux.max_scores.dtype == lse.dtype and not aux.max_scores.requires_grad
+        assert_close(aux.max_scores, want, rtol=FWD, name=f"max_scores {name} tiles {tiles}")
+        _, only = fl.flex_attention(
+            q, k, v, score_mod, bm, return_aux=flex_mod.AuxRequest(max_scores=True), **kw
+        )
+        assert only.lse is None and torch.equal(only.max_scores, aux.max_scores)
+
+
+def test_row_max_on_every_path(assert_close, native_calls):
+    """``blocked_forward(row_max=True)``: the native pass (one part, and split parts for a
+    decode-shaped call), the PyTorch step (FA2 and FA1 orders) and the half step all
+    report the rows' largest scores; a row that sees no key reports -inf."""
+    q, k, v, _ = _inputs(2, 4, 2, 97, 113)
+    lagged = fl.MaskMod(lambda b, h, qi, ki: (ki <= qi - 5) & (ki > qi - 14))  # rows 0-4: none
+    mask = (lagged & fl.Causal()) | fl.MaskMod(lambda b, h, qi, ki: (h == 1) & (ki < 3))
+    vis = mask.dense(97, 113, batch=2, heads=4).expand(2, 4, 97, 113)  # (B, H, Lq, Lk)
+    assert not bool(vis.any(-1).all()), "a row sees no key"
+
+    def seen(b: Tensor, h: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
+        return vis[b, h, qi, ki]
+
+    want = _dense_row_max(q, k, seen, None)
+    got = {}
+    for order in ("fa2", "fa1"):
+        r = fl.blocked_forward(q, k, v, mask=mask, row_max=True, loop_order=order)
+        got[order] = r.row_max
+    got["observed"] = fl.blocked_forward(q, k, v, mask=mask, row_max=True, trace=True).row_max
+    for path, m in got.items():
+        assert_close(m, want, rtol=FWD, name=f"row_max {path}")
+    assert native_calls["forward"] >= 1, "the native pass ran"
+    dec = fl.blocked_forward(q[:, :, :1], k, v, row_max=True, block_k=16)  # parts split
+    assert_close(dec.row_max, _dense_row_max(q[:, :, :1], k, None, None), rtol=FWD, name="decode")
+    assert fl.blocked_forward(q, k, v, mask=mask).row_max is None, "only when asked for"
+    # the half step: its scores from bfloat16 inputs, summed in float32
+    qh, kh, vh = (x.to(torch.bfloat16) for x in (q, k, v))
+    half = fl.blocked_forward(qh, kh, vh, mask=mask, row_max=True).row_max
+    ref = _dense_row_max(qh.double(), kh.double(), seen, None)
+    assert half.dtype == torch.float32
+    assert_close(half, ref, rtol=2e-6, name="row_max bfloat16")
+    with pytest.raises(TypeError, match="row_max must be True or False"):
+        fl.blocked_forward(q, k, v, row_max=1)  # type: ignore[arg-type]
+
+
+def test_return_aux_and_kernel_options_errors(assert_close):
+    q, k, v, _ = _inputs(1, 2, 2, 16, 16)
+    with pytest.raises(ValueError, match="return_lse=True or return_aux, not both"):
+        fl.flex_attention(q, k, v, return_lse=True, return_aux=flex_mod.AuxRequest(lse=True))
+    with pytest.raises(TypeError, match=r"return_aux must be an AuxRequest"):
+        fl.flex_attention(q, k, v, return_aux=True)
+    with pytest.raises(TypeError, match="kernel_options must be a dict"):
+        fl.flex_attention(q, k, v, kernel_options=[("BLOCK_M", 64)])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"may not set OUTPUT_MAX: ask .* with return_aux"):
+        fl.flex_attention(q, k, v, kernel_options={"OUTPUT_MAX": True})
+    # the Triton kernels' settings change nothing on CPU, as in torch's CPU path
+    plain = fl.flex_attention(q, k, v)
+    tuned = fl.flex_attention(q, k, v, None, None, None, False, False, {"BLOCK_M": 64})
+    assert torch.equal(plain, tuned)
+    # no gradient into max_scores; o and the LSE keep theirs
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    o, aux = fl.flex_attention(*leaves, return_aux=flex_mod.AuxRequest(lse=True, max_scores=True))
+    assert aux.max_scores.grad_fn is None and aux.lse.grad_fn is not None
+    (o.sum() + aux.lse.sum()).backward()
+    assert all(x.grad is not None for x in leaves)
+    with torch.no_grad():  # a decode-shaped call without a graph takes the same path
+        _, one = fl.flex_attention(
+            q[:, :, :1], k, v, return_aux=flex_mod.AuxRequest(max_scores=True)
+        )
+    assert_close(
+        one.max_scores, _dense_row_max(q[:, :, :1], k, None, None), rtol=FWD, name="decode"
+    )
 
 
 @pytest.mark.parametrize("name", CASE_NAMES)

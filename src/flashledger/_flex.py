@@ -3,9 +3,9 @@
 Same signature and semantics as ``torch.nn.attention.flex_attention.
 flex_attention`` (query ``(B, Hq, L, E)``, key ``(B, Hkv, S, E)``, value
 ``(B, Hkv, S, Ev)``; ``score_mod``; a ``BlockMask`` from ``create_block_mask``;
-``scale``; ``enable_gqa``; ``return_lse``), with the FLEX_ATTENTION
-conventions: the LSE is natural-log and differentiable, a fully-masked row
-gives O = 0 and LSE -inf. What flashledger adds on CPU: a backward (torch
+``scale``; ``enable_gqa``; ``return_lse``; ``kernel_options``; ``return_aux``),
+with the FLEX_ATTENTION conventions: the LSE is natural-log and
+differentiable, a fully-masked row gives O = 0 and LSE -inf. What flashledger adds on CPU: a backward (torch
 2.13 has none there), float64 throughout, and gradients for every tensor the
 score_mod captures that requires grad.
 
@@ -18,14 +18,16 @@ is classified from the blocks it covers.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from ._checks import check_float_tensor
 from ._maskmod import MaskMod, is_block_mask
 from ._mods import ScoreModFn
-from .autograd import flash_attention
+from ._options import check_options
+from .autograd import _attend
 from .conventions import FLEX_ATTENTION
 
 if TYPE_CHECKING:
@@ -43,10 +45,12 @@ def flex_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
     return_lse: bool = False,
+    kernel_options: Mapping[str, Any] | None = None,
     *,
+    return_aux: Any = None,
     block_q: int | None = None,
     block_k: int | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | tuple[torch.Tensor, Any]:
     """FlexAttention, exact and differentiable on CPU (torch's signature).
 
     query ``(B, Hq, L, E)``, key ``(B|1, Hkv, S, E)``, value ``(B|1, Hkv, S, Ev)``
@@ -55,8 +59,14 @@ def flex_attention(
     kv_idx)``; ``block_mask`` a ``BlockMask`` made for ``(L, S)``; ``scale``
     [``1/sqrt(E)``]. Returns ``o`` ``(B, Hq, L, Ev)`` in the query's dtype, and
     with ``return_lse=True`` also the LSE ``(B, Hq, L)`` (float64 for float64
-    inputs, else float32). ``block_q``, ``block_k``: flashledger's tiles [None: the
-    native step's, as for ``flash_attention``].
+    inputs, else float32). ``return_aux=AuxRequest(lse=..., max_scores=...)``
+    returns ``(o, AuxOutput(lse, max_scores))`` instead, each requested field
+    ``(B, Hq, L)`` in that dtype (the other None): ``max_scores`` is each row's
+    largest score after the score_mod and the mask (-inf for a row that sees no
+    key), the running max the loop ended with, not differentiable, as Flex's.
+    ``kernel_options``: the Triton kernels' settings, accepted and without effect
+    on CPU (as in torch's CPU path). ``block_q``, ``block_k``: flashledger's
+    tiles [None: the native step's, as for ``flash_attention``].
     """
     for name, x in (("query", query), ("key", key), ("value", value)):
         check_float_tensor(name, x)
@@ -69,6 +79,8 @@ def flex_attention(
         raise TypeError(f"enable_gqa must be True or False, got {enable_gqa!r}")
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be True or False, got {return_lse!r}")
+    want_lse, want_max = _aux_request(return_aux, return_lse)
+    _check_kernel_options(kernel_options)
     hq, hkv = query.shape[1], key.shape[1]
     if not enable_gqa and hq != hkv:
         raise ValueError(
@@ -98,7 +110,61 @@ def flex_attention(
         opts["mask"] = mask
     if score_mod is not None:
         opts["score_mod"] = score_mod
-    o, lse = flash_attention(
-        query, key, value, block_q=block_q, block_k=block_k, return_lse=True, **opts
-    )
+    check_options("flex_attention", opts)
+    row_max: list[torch.Tensor] | None = [] if want_max else None
+    o, lse = _attend(query, key, value, block_q, block_k, "fa2", opts, row_max=row_max)
+    if return_aux is not None:
+        return o, AuxOutput(
+            lse=lse if want_lse else None, max_scores=row_max[0] if row_max else None
+        )
     return (o, lse) if return_lse else o
+
+
+try:  # torch's own (2.9 and later), so that code written for Flex reads the same fields
+    from torch.nn.attention.flex_attention import AuxOutput
+except ImportError:  # pragma: no cover - older torch
+
+    class AuxOutput(NamedTuple):  # type: ignore[no-redef]
+        """Flex's auxiliary outputs: the requested fields, None for the others."""
+
+        lse: torch.Tensor | None = None
+        max_scores: torch.Tensor | None = None
+
+
+def _aux_request(return_aux: Any, return_lse: bool) -> tuple[bool, bool]:
+    """``(lse, max_scores)`` wanted, from ``return_aux`` (an ``AuxRequest`` or None)."""
+    if return_aux is None:
+        return return_lse, False
+    if return_lse:
+        raise ValueError(
+            "flex_attention: pass return_lse=True or return_aux, not both (return_lse is "
+            "Flex's older spelling of return_aux=AuxRequest(lse=True))"
+        )
+    lse, top = getattr(return_aux, "lse", None), getattr(return_aux, "max_scores", None)
+    if not (isinstance(lse, bool) and isinstance(top, bool)):
+        raise TypeError(
+            "return_aux must be an AuxRequest(lse=..., max_scores=...) with True/False "
+            f"fields (torch.nn.attention.flex_attention.AuxRequest) or None, got {return_aux!r}"
+        )
+    return lse, top
+
+
+_OUTPUT_KEYS = ("OUTPUT_LOGSUMEXP", "OUTPUT_MAX")
+
+
+def _check_kernel_options(options: Any) -> None:
+    """``kernel_options`` must be a mapping of option names (as Flex's ``FlexKernelOptions``);
+    the outputs are asked for through ``return_aux``, as in Flex."""
+    if options is None:
+        return
+    if not isinstance(options, Mapping) or not all(isinstance(n, str) for n in options):
+        raise TypeError(
+            "kernel_options must be a dict of Flex kernel option names to values "
+            f"(FlexKernelOptions) or None, got {options!r}"
+        )
+    taken = [n for n in _OUTPUT_KEYS if n in options]
+    if taken:
+        raise ValueError(
+            f"kernel_options may not set {', '.join(taken)}: ask for the LSE and the row "
+            "maxima with return_aux=AuxRequest(lse=True, max_scores=True)"
+        )

@@ -501,6 +501,8 @@ struct fl_args {
                                    in place: `half`), or NULL */
     long long *bad;             /* forward: set to 1 when a row's λ or O is not finite, or NULL */
     const TIN *kp, *vp;         /* forward with `amx`: K and V in AMX's pair layout (fl_pack_amx) */
+    T *mx;                      /* forward: each row's final running max m (S, H, Lq), natural
+                                   units (-inf where a part saw no key), or NULL */
     long long heads, group, lq, lk, d, dv, work_stride;
     long long hq, iv_bstride; /* query heads per batch; the intervals' batch stride (0: shared) */
     long long rows;           /* rows of the schedule */
@@ -1394,6 +1396,8 @@ static void forward_item(const struct fl_args *a, long long h0, long long r0, in
     }
     long long base = split * a->heads * a->lq + row_base(a, &b);
     T *lse = a->lse + base;
+    if (a->mx) /* the largest score of the row, as the loop's max saw it, back in natural units */
+        for (int r = 0; r < nr; ++r) a->mx[base + r] = m[r] == -INFINITY ? m[r] : m[r] * (T)LN2;
     int finite = 1;
     for (int r = 0; r < nr; ++r) {
         T l = ell[r], *arow = acc + r * dv;

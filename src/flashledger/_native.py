@@ -74,7 +74,7 @@ _off = threading.local()
 
 _POINTERS = (
     "q k kt v vt o lse dout lam dd dq dk dvo work iv_lo iv_hi k16 v16 q16 tiles row_start bounds "
-    "seen o16 bad kp vp"
+    "seen o16 bad kp vp mx"
 )
 _SIZES = "heads group lq lk d dv work_stride hq iv_bstride rows chunk splits stacked half amx"
 _HALF = {torch.bfloat16: 1, torch.float16: 2}
@@ -453,6 +453,7 @@ class Kernels:
         q16: torch.Tensor | None = None,
         out_dtype: torch.dtype | None = None,
         o_finite: list[bool] | None = None,
+        row_max: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward pass of ``sched`` (rows: query tiles) in one native call.
 
@@ -467,8 +468,8 @@ class Kernels:
         hi[i]`` (read for partial tiles given no bytes). Returns each part's ``o`` ``(S, H,
         Lq, d_v)`` and ``lse`` ``(S, H, Lq)`` (natural units, -inf where a part saw no key),
         float32 for half inputs; with ``merge``, the parts merged (``merge_splits``):
-        ``o`` ``(H, Lq, d_v)``, ``lse`` ``(H, Lq)``; ``q16``, ``out_dtype`` and ``o_finite`` as
-        ``ForwardPass.run``'s. ``ForwardPass`` holds the same call for repeating it.
+        ``o`` ``(H, Lq, d_v)``, ``lse`` ``(H, Lq)``; ``q16``, ``out_dtype``, ``o_finite`` and
+        ``row_max`` as ``ForwardPass.run``'s. ``ForwardPass`` holds the same call for repeating it.
         """
         fp = ForwardPass(
             self,
@@ -485,7 +486,9 @@ class Kernels:
             stacked=stacked,
             keys_in_place=keys_in_place,
         )
-        o, lse = fp.run(q, k, v, merge=merge, q16=q16, out_dtype=out_dtype, o_finite=o_finite)
+        o, lse = fp.run(
+            q, k, v, merge=merge, q16=q16, out_dtype=out_dtype, o_finite=o_finite, row_max=row_max
+        )
         del sched._alive[:]  # the partial tiles' bytes, read by the call
         return o, lse
 
@@ -717,6 +720,7 @@ class ForwardPass:
         q16: torch.Tensor | None = None,
         out_dtype: torch.dtype | None = None,
         o_finite: list[bool] | None = None,
+        row_max: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each part's ``(o (S, H, Lq, d_v), lse (S, H, Lq))``, as ``Kernels.forward``; with
         ``merge``, the parts merged as ``Kernels.merge_splits`` merges them: ``(o (H, Lq,
@@ -728,7 +732,10 @@ class ForwardPass:
         half step's own dtype, for a merged pass of one part: O comes in it, rounded by the
         pass as PyTorch's conversion rounds (no float32 O, no conversion after). ``o_finite``:
         a list the pass appends True to when it saw every value of O and the LSE finite as
-        it wrote them (one part only; else nothing is appended)."""
+        it wrote them (one part only; else nothing is appended). ``row_max``: a list the pass
+        appends each row's largest score to (the running max ``m`` it ended with, natural
+        units, -inf for a row that saw no key; shaped as the returned ``lse``: the parts'
+        largest when merged)."""
         self._check(q, k, v, rows)
         if q16 is not None and self.half == 1:
             self._check_q16(q16, torch.bfloat16)
@@ -747,9 +754,12 @@ class ForwardPass:
         else:
             o = torch.empty((*at, dv), dtype=self.acc)  # (S, H, Lq, d_v)
         q16 = q16 if self.half == 1 else None
-        self._launch(q, k, v, o, lse, q16=q16, o16=o16, bad=bad)
+        mx = None if row_max is None else torch.empty(at, dtype=self.acc)  # (S, H, Lq)
+        self._launch(q, k, v, o, lse, q16=q16, o16=o16, bad=bad, mx=mx)
         if o_finite is not None and bad is not None and not bad.value:
             o_finite.append(True)
+        if row_max is not None and mx is not None:
+            row_max.append(mx.amax(dim=0) if merge else mx)
         if o16 is not None:
             return o16, lse[0]
         assert o is not None
@@ -842,8 +852,10 @@ class ForwardPass:
         q16: torch.Tensor | None = None,
         o16: torch.Tensor | None = None,
         bad: ctypes.c_longlong | None = None,
+        mx: torch.Tensor | None = None,
     ) -> None:
-        """The C call on checked operands and results (``q`` None: its rows from ``q16``)."""
+        """The C call on checked operands and results (``q`` None: its rows from ``q16``;
+        ``mx``: where each row's final running max goes, shaped as ``lse``)."""
         args = _Args.from_buffer_copy(self._args)
         seen = array.array("q", bytes(8 * self._n_tiles))
         args.seen = seen.buffer_info()[0]
@@ -875,6 +887,7 @@ class ForwardPass:
         args.o = None if o is None else o.data_ptr()
         args.o16 = None if o16 is None else o16.data_ptr()
         args.bad = None if bad is None else ctypes.addressof(bad)
+        args.mx = None if mx is None else mx.data_ptr()
         self._fn(ctypes.byref(args))
         if self.keep_scratch and work.numel() * work.element_size() <= SPARE_BYTES:
             if not self._spare:

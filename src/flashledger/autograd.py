@@ -80,7 +80,7 @@ class _FlashAttention(torch.autograd.Function):
             and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
         ) or torch._C._are_functorch_transforms_active():
             return super().apply(q, k, v, bias, opts, sink, *captured)  # type: ignore[no-any-return]
-        if sink is None and bias is None and not captured:
+        if sink is None and bias is None and not captured and _ROW_MAX not in opts:
             lane = _decode.forward(q, k, v, opts)
             if lane is not None:
                 return lane
@@ -101,7 +101,7 @@ class _FlashAttention(torch.autograd.Function):
         pb, res = _forward(q, k, v, bias, opts, sink, captured)
         ctx.set_materialize_grads(False)  # an unused LSE output costs no zero tensor and no pass
         ctx.save_for_backward(q, k, v, bias, res.o, res.lse, *captured)
-        ctx.opts, ctx.sink = opts, sink
+        ctx.opts, ctx.sink = {n: x for n, x in opts.items() if n != _ROW_MAX}, sink
         # the bound mask (tile classes, kept partial tiles) and score_mod, for the backward
         ctx.bound = (pb.mask, pb.smod.user)
         return res.o, res.lse
@@ -152,24 +152,29 @@ def _forward(
     sink: Callable[[Ledger], None] | None,
     captured: Sequence[torch.Tensor],
 ) -> tuple[Problem, ForwardResult]:
-    """The op's forward pass: its problem and result; the ledger goes to ``sink``."""
+    """The op's forward pass: its problem and result; the ledger goes to ``sink``, and with
+    ``opts[_ROW_MAX]`` (a list) each row's largest score (``ForwardResult.row_max``) to it."""
     problem, loop = _split(opts)
     _check_options(**loop)  # the op may be called directly (the transformers integration)
     pb = build_problem(q, k, v, bias=bias, **problem)
     if pb.smod.user is not None:
         pb.smod.user.use_captured(tuple(captured))  # found once, by flash_attention
-    res = _forward_problem(pb, **loop)
+    row_max = opts.get(_ROW_MAX)
+    res = _forward_problem(pb, **loop, row_max=row_max is not None)
     if sink is not None:
         sink(res.ledger)
+    if row_max is not None:
+        row_max.append(res.row_max)
     return pb, res
 
 
 _LOOP = ("block_q", "block_k", "loop_order")
+_ROW_MAX = "_row_max"  # a list the forward appends its rows' largest scores to (flex's aux)
 
 
 def _split(opts: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """The op's options as ``(build_problem's, the loop's)``."""
-    problem = {n: x for n, x in opts.items() if n not in _LOOP}
+    problem = {n: x for n, x in opts.items() if n not in _LOOP and n != _ROW_MAX}
     return problem, {n: opts[n] for n in _LOOP}
 
 
@@ -209,6 +214,23 @@ def flash_attention(
     captures that requires one.
     """
     check_options("flash_attention", opts)
+    o, lse = _attend(q, k, v, block_q, block_k, loop_order, dict(opts))
+    return (o, lse) if return_lse else o
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_q: int | None,
+    block_k: int | None,
+    loop_order: LoopOrder,
+    opts: dict[str, Any],
+    row_max: list[torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``flash_attention``'s ``(o, lse)`` for checked ``opts``; with ``row_max`` (a list),
+    the forward appends each row's largest score ``(..., Lq)`` to it (not differentiable:
+    the running max the loop ended with, natural units, -inf for a row that sees no key)."""
     _check_options(block_q, block_k, loop_order)
     slopes = opts.get("alibi_slopes")
     if isinstance(slopes, torch.Tensor) and slopes.requires_grad:
@@ -225,8 +247,12 @@ def flash_attention(
     if score_mod is not None and torch.is_grad_enabled() and isinstance(q, torch.Tensor):
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         captured = find_captured(score_mod, dtype=acc, device=q.device)
-    o, lse = _FlashAttention.apply(q, k, v, bias, rest, None, *captured)
-    return (o, lse) if return_lse else o
+    if row_max is not None:
+        rest[_ROW_MAX] = row_max
+    out: tuple[torch.Tensor, torch.Tensor] = _FlashAttention.apply(
+        q, k, v, bias, rest, None, *captured
+    )
+    return out
 
 
 def _demo() -> None:

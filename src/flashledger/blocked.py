@@ -127,11 +127,15 @@ _HALF = (torch.bfloat16, torch.float16)  # dtypes the native step reads in place
 
 @dataclass(frozen=True)
 class ForwardResult:
-    """``o`` ``(..., Lq, d_v)`` in the input dtype, ``lse`` ``(..., Lq)`` in the accumulation dtype."""
+    """``o`` ``(..., Lq, d_v)`` in the input dtype, ``lse`` ``(..., Lq)`` in the accumulation dtype;
+    ``row_max`` ``(..., Lq)`` (when asked for): each row's largest score after the score
+    transform and the mask, the running max ``m`` the loop ended with (natural units, the
+    accumulation dtype, -inf for a row that sees no key)."""
 
     o: torch.Tensor
     lse: torch.Tensor
     ledger: Ledger
+    row_max: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -798,6 +802,7 @@ def _forward_native(
     block_q: int,
     block_k: int,
     o_finite: list[bool] | None = None,
+    row_max: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Ledger]:
     """The FA2 forward loop as one native call (see ``_native``).
 
@@ -826,8 +831,11 @@ def _forward_native(
         q16=_bf16_rows(pb, in_place),
         out_dtype=q.dtype if half_o else None,
         o_finite=o_finite,
+        row_max=row_max,
         **args,
     )  # (B·Hq, Lq, d_v), (B·Hq, Lq)
+    if row_max is not None:
+        row_max[-1] = row_max[-1].view(b, hkv, g, lq)
     _book_native(book, ran, sched.seen, d, dv, forward=True)
     read = {t[1] for t in ran}  # query tiles with a tile run
     for q0, q1 in qtiles:
@@ -917,12 +925,15 @@ def _forward(
     trace: Trace | None,
     observer: Any,
     o_finite: list[bool] | None = None,
+    row_max: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Ledger]:
     """The forward loop. Returns ``o`` ``(B, Hkv, G, Lq, d_v)``, ``lse`` with -inf on empty rows.
 
     ``o`` in the loop's dtype, except with ``o_finite`` (a list): the native half step may
     then write O in its own dtype, checked as written (``True`` appended to the list; see
-    ``_native.ForwardPass.run``)."""
+    ``_native.ForwardPass.run``). ``row_max`` (a list): the running max ``m`` each row
+    ended with is appended, ``(B, Hkv, G, Lq)`` in the loop's dtype: the row's largest
+    score after the score transform and the mask, -inf where the row saw no key."""
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
     kern = _native_step(pb, loop_order, trace is not None or observer is not None)
     block_q, block_k = _resolve_tiles(pb, kern, block_q, block_k, forward=True)
@@ -936,7 +947,7 @@ def _forward(
     kind_of = _kind_of(classes)
     dt, dev = pb.dtype, pb.geo.device
     if kern is not None:
-        return _forward_native(pb, kern, ledger, kind_of, book, block_q, block_k, o_finite)
+        return _forward_native(pb, kern, ledger, kind_of, book, block_q, block_k, o_finite, row_max)
     ws = _workspace(pb, block_q, block_k)
     n = b * hkv
     steps = 0
@@ -956,6 +967,7 @@ def _forward(
     if loop_order == "fa2":
         o = torch.empty(b, hkv, g, lq, dv, dtype=dt, device=dev)  # (B, Hkv, G, Lq, d_v)
         lse = torch.empty(b, hkv, g, lq, dtype=dt, device=dev)  # (B, Hkv, G, Lq)
+        m_all = None if row_max is None else torch.empty_like(lse)  # (B, Hkv, G, Lq)
         # V and acc are stored transposed (d_v rows): acc' = α acc + P̃ V is then formed as
         # accᵀ += Vᵀ P̃ᵀ, the matmul layout that runs fastest on CPU in float64.
         v_t = pb.v.reshape(n, lk, dv).mT.contiguous()  # (B·Hkv, d_v, Lk)
@@ -1016,8 +1028,12 @@ def _forward(
             o_i, lse_i = online.finalize(state)  # (B·Hkv, G·bq, d_v), (B·Hkv, G·bq)
             o[..., q0:q1, :] = _unflat(pb, o_i)
             lse[..., q0:q1] = _unflat(pb, lse_i)
+            if m_all is not None:
+                m_all[..., q0:q1] = _unflat(pb, state.m)
             book.io(write=(q1 - q0) * (dv + 1))
         book.flush()
+        if row_max is not None and m_all is not None:
+            row_max.append(m_all)
         return o, lse, ledger
 
     # FlashAttention-1 order: O, m, ell live in slow memory and are updated every step.
@@ -1075,6 +1091,8 @@ def _forward(
     lse = torch.where(empty, -math.inf, m + torch.log(torch.where(empty, 1.0, ell)))
     book.io(read=2 * lq, write=lq)
     book.flush()
+    if row_max is not None:
+        row_max.append(m)
     return o, lse, ledger
 
 
@@ -1090,6 +1108,7 @@ def blocked_forward(
     trace: bool | int | Trace = False,
     observer: Any = None,
     raw_lse: bool = False,
+    row_max: bool = False,
     **opts: Unpack[AttentionOptions],
 ) -> ForwardResult:
     """Blocked attention forward.
@@ -1105,8 +1124,12 @@ def blocked_forward(
     ALiBi, bias, cu_seqlens).
     ``raw_lse=True`` reports -inf for fully-masked rows whatever the
     conventions (a partial result to merge, as split-KV and ring attention do).
+    ``row_max=True`` also reports each row's largest score after the score
+    transform and the mask (``result.row_max``, the running max the loop ended with).
     """
     _check_options(block_q, block_k, loop_order)
+    if not isinstance(row_max, bool):
+        raise TypeError(f"row_max must be True or False, got {row_max!r}")
     check_options("blocked_forward", opts)
     _refuse_graph(
         "blocked_forward", dict(q=q, k=k, v=v, bias=opts.get("bias")), opts.get("score_mod"), q
@@ -1120,6 +1143,7 @@ def blocked_forward(
         trace=trace,
         observer=observer,
         raw_lse=raw_lse,
+        row_max=row_max,
     )
 
 
@@ -1132,9 +1156,11 @@ def _forward_problem(
     trace: bool | int | Trace = False,
     observer: Any = None,
     raw_lse: bool = False,
+    row_max: bool = False,
 ) -> ForwardResult:
-    """``blocked_forward`` on a built problem."""
+    """``blocked_forward`` on a built problem (``row_max``: report each row's ``m``)."""
     o_finite: list[bool] = []
+    m: list[torch.Tensor] | None = [] if row_max else None
     o, lse, ledger = _forward(
         pb,
         block_q=block_q,
@@ -1143,6 +1169,7 @@ def _forward_problem(
         trace=Trace.of(trace),
         observer=observer,
         o_finite=o_finite,
+        row_max=m,
     )
     # a pass that saw every value finite as it wrote it needs no second look
     if not o_finite and pb.check_forward_lse(lse, o) and not raw_lse:  # a row saw no key
@@ -1150,7 +1177,9 @@ def _forward_problem(
     o = pb.user_q(o)
     if o.dtype != pb.out_dtype:
         o = o.to(pb.out_dtype)
-    return ForwardResult(o=o, lse=pb.user_rows(lse), ledger=ledger)
+    return ForwardResult(
+        o=o, lse=pb.user_rows(lse), ledger=ledger, row_max=pb.user_rows(m[0]) if m else None
+    )
 
 
 # ----------------------------------------------------------------------------------------
