@@ -455,14 +455,15 @@ def _plain_scores(pb: Problem) -> bool:
 
 
 def _scale_in_matmul(pb: Problem) -> bool:
-    """Plain scores whose scale is a power of two (``1/sqrt(d)`` for d = 4, 16, 64, 256...).
+    """A scale that is a power of two (``1/sqrt(d)`` for d = 4, 16, 64, 256...).
 
     Then ``scale · (q kᵀ)`` rounds exactly like the reference's ``(q kᵀ) · scale``
-    and the scale rides on the matmul (alpha) for free; any other scale is
+    and the scale rides on the matmul (alpha) for free, before any further
+    transform of the scores (softcap, ALiBi, bias, score_mod); any other scale is
     applied afterwards, as the reference does, so the scores stay bit for bit
     the reference's.
     """
-    return _plain_scores(pb) and math.frexp(pb.smod.scale)[0] == 0.5
+    return math.frexp(pb.smod.scale)[0] == 0.5
 
 
 def _tile_scores(
@@ -481,7 +482,7 @@ def _tile_scores(
     """``(s, ctx, vis, keep)`` of one tile: scores with the mask applied (partial tiles only).
 
     ``qi`` ``(B·Hkv, G·bq, d)``, ``kt`` = ``K_jᵀ`` ``(B·Hkv, d, bk)``; ``s``
-    ``(B·Hkv, G·bq, bk)`` in workspace slot 0 (plain scores: the scale folded
+    ``(B·Hkv, G·bq, bk)`` in workspace slot 0 (a power-of-two scale folded
     into the matmul); ``ctx``: what the backward needs of the score transform
     (``grad=True``: the score_mod's graph on the tile).
     """
@@ -512,8 +513,9 @@ def _finish_scores(
     the 5-D layout, or None.
     """
     s, ctx = qk, TileGrad()
-    if not _scale_in_matmul(pb):
-        s5, ctx = pb.smod.tile(_unflat(pb, qk), q0, q1, k0, k1, grad=grad)
+    scaled = _scale_in_matmul(pb)
+    if not (scaled and _plain_scores(pb)):
+        s5, ctx = pb.smod.tile(_unflat(pb, qk), q0, q1, k0, k1, grad=grad, scaled=scaled)
         s = s5.reshape(qk.shape)
     vis = None
     if kind == PARTIAL:
@@ -1219,12 +1221,13 @@ def _backward(
     dt, dev = pb.dtype, pb.geo.device
     n = b * hkv
     # The scores are recomputed by the forward's own call (``_tile_scores``), so the
-    # rebuilt P = exp(S - λ) sees bit for bit the S that produced λ. With plain scores the
-    # gradient matmuls carry the scale as their alpha (``a``). The gradients are
-    # accumulated transposed, dQᵀ_i (d, G·bq) and dKᵀ_j, dVᵀ_j (d, bk): the matmul layouts
-    # that run fastest on CPU.
-    plain = _plain_scores(pb)
-    a = pb.smod.scale if plain else 1.0
+    # rebuilt P = exp(S - λ) sees bit for bit the S that produced λ. Without a softcap the
+    # gradient of q kᵀ is the scale times dS (of the scores after ALiBi, bias and
+    # score_mod), and the gradient matmuls carry the scale as their alpha (``a``). The
+    # gradients are accumulated transposed, dQᵀ_i (d, G·bq) and dKᵀ_j, dVᵀ_j (d, bk): the
+    # matmul layouts that run fastest on CPU.
+    fold = pb.smod.softcap is None
+    a = pb.smod.scale if fold else 1.0
     # -- preprocess: D = rowsum(dO ⊙ O); a gradient on the LSE folds into it --
     D = (do5 * o5).sum(dim=-1)  # (B, Hkv, G, Lq)
     d_eff = D if dlse5 is None else D - dlse5  # dS = P ⊙ (dP - D + dλ)
@@ -1304,7 +1307,7 @@ def _backward(
                 _add_bias_grad(dbias5, _unflat(pb, ds), pb, q0, q1, k0, k1)
             if keep is not None:
                 p.mul_(keep3).mul_(pb.keep_scale)  # the dropped P that weighted V
-            if not plain:  # gradient of q kᵀ; plain scores carry the scale in alpha instead
+            if not fold:  # gradient of q kᵀ through the softcap (else the scale is in alpha)
                 ds.copy_(pb.smod.grad_qk(_unflat(pb, ds), ctx).view(ds.shape))
             # -- accumulate: dQᵀ_i += a Kᵀ_j dSᵀ, dKᵀ_j += a Qᵀ_i dS, dVᵀ_j += dOᵀ_i P --
             dqt_t[i].baddbmm_(kt_c, ds.mT, alpha=a)  # (B·Hkv, d, G·bq)

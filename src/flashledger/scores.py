@@ -136,15 +136,17 @@ class ScoreMod:
         *,
         grad: bool = False,
         inplace: bool = True,
+        scaled: bool = False,
     ) -> tuple[torch.Tensor, TileGrad]:
-        """Final scores of a tile from ``qk = q k^T``; returns ``(s, ctx)``.
+        """Final scores of a tile from ``qk = q k^T`` (``scaled``: ``scale · q k^T``, the
+        scale already applied by the matmul); returns ``(s, ctx)``.
 
         ``qk`` is modified in place unless ``inplace=False`` (out-of-place ops only, for
         a graph autograd differentiates again). ``ctx`` keeps what the backward needs:
         ``t = tanh(scale * qk / c)`` when softcap is on and, with ``grad=True``, the
         score_mod's graph on the tile.
         """
-        s = qk.mul_(self.scale) if inplace else qk * self.scale  # (B, Hkv, G, bq, bk)
+        s = qk if scaled else qk.mul_(self.scale) if inplace else qk * self.scale
         t = None
         if self.softcap is not None:
             t = s.div_(self.softcap).tanh_() if inplace else torch.tanh(s / self.softcap)
