@@ -320,6 +320,10 @@ def test_bench_runs_a_tiny_configuration_and_writes_json_and_png(
     for key in (*keys, "max_abs_diff_o_vs_sdpa"):
         assert isinstance(row[key], float) and math.isfinite(row[key]), (key, row[key])
     assert row["mem_ratio"] is None or row["mem_ratio"] >= 0, row["mem_ratio"]
+    for key in ("fwd", "fwdbwd"):  # one round: the range is that round's ratio
+        fl_t, sd_t = row["flashledger"][f"{key}_rounds_ms"], row["sdpa"][f"{key}_rounds_ms"]
+        assert len(fl_t) == len(sd_t) == 1
+        assert row[f"ratio_{key}_range"] == pytest.approx([fl_t[0] / sd_t[0]] * 2)
     assert row["max_abs_diff_o_vs_sdpa"] < 1e-4, "the benchmark timed a wrong answer"
     for method in bench.METHODS:
         entry = row[method]
@@ -329,6 +333,15 @@ def test_bench_runs_a_tiny_configuration_and_writes_json_and_png(
     traced = report["traced"]
     assert traced["traced_ms"] > 0 and traced["fast_ms"] > 0 and traced["length"] == 64
     assert (tmp_path / "bench.png").stat().st_size > 10_000
+
+
+def test_paired_ratios_and_their_cell():
+    assert bench.paired_ratios([2.0, 3.0, 1.0], [4.0, 3.0, 2.0]) == [0.5, 1.0, 0.5]
+    with pytest.raises(ValueError):
+        bench.paired_ratios([1.0, 2.0], [1.0])  # rounds must pair up
+    assert bench._ratio_cell(0.914, [0.881, 0.953]) == "0.91 (0.88-0.95)"
+    assert bench._ratio_cell(0.914, [0.914, 0.914]) == "0.91"
+    assert bench._ratio_cell(0.914, None) == "0.91"
 
 
 class _CountMatmuls(TorchDispatchMode):

@@ -15,7 +15,9 @@ multi-GB allocations slow whatever runs next to them):
   or when its estimated memory exceeds ``--naive-max-gb``).
 
 Forward alone (under ``no_grad``) and forward + backward are timed; the
-median is reported. Attention FLOPs: ``4·B·H·L²·d`` forward, 2.5× that
+median is reported, and beside each ratio of medians the range of the
+rounds' own ratios (each round's flashledger time over that round's SDPA
+time: a wide range says the machine was busy while it ran). Attention FLOPs: ``4·B·H·L²·d`` forward, 2.5× that
 backward, halved for causal. The GEMM peak (PyTorch's square 2048 matmul into
 a preallocated output) is measured in the same run, so "% of peak" compares
 like with like; so is the rate of the native step's own matmul (``512³``
@@ -318,7 +320,8 @@ def time_interleaved(
     """Median seconds per runner: one warm-up each, then rounds that call every runner once.
 
     Rounds stop after ``repeats``, or earlier (never before 3) once ``budget_s``
-    seconds have gone by. ``reset`` runs between calls, untimed.
+    seconds have gone by. ``reset`` runs between calls, untimed. Each runner's
+    ``samples_s`` holds its seconds round by round (the same index: the same round).
     """
     for run in runners.values():
         run()
@@ -336,9 +339,20 @@ def time_interleaved(
             advance(float(repeats - rnd - 1))
             break
     return {
-        name: {"median_s": statistics.median(ts), "min_s": min(ts), "rounds": len(ts)}
+        name: {
+            "median_s": statistics.median(ts),
+            "min_s": min(ts),
+            "rounds": len(ts),
+            "samples_s": ts,
+        }
         for name, ts in samples.items()
     }
+
+
+def paired_ratios(a: Sequence[float], b: Sequence[float]) -> list[float]:
+    """``a[i] / b[i]`` round by round: two methods timed in the same rounds, each ratio
+    taken between calls made moments apart (a busy spell slows both)."""
+    return [x / y for x, y in zip(a, b, strict=True)]
 
 
 def max_abs_diff(cfg: Config, a: str, b: str, inputs: Sequence[torch.Tensor]) -> float:
@@ -637,6 +651,8 @@ def _measure(
             "rounds": fb[m]["rounds"],
             "fwdbwd_gflops": cfg.fwdbwd_flops / fb[m]["median_s"] / 1e9,
             "peak_extra_mb": None,
+            "fwd_rounds_ms": [1e3 * t for t in fwd[m]["samples_s"]],
+            "fwdbwd_rounds_ms": [1e3 * t for t in fb[m]["samples_s"]],
         }
         if not args.no_memory:
             entry["peak_extra_mb"] = measure_memory(m, cfg)["peak_extra_bytes"] / 2**20
@@ -648,11 +664,15 @@ def _measure(
 def _derive(
     row: dict[str, Any], peak: float, step_mm: float | None, fma: float | None = None
 ) -> None:
-    """Ratios against SDPA, the shares of the GEMM peak, of the step's matmul rate and of
-    the machine's FMA peak."""
+    """Ratios against SDPA (of the medians, and the range of the rounds' paired ratios),
+    the shares of the GEMM peak, of the step's matmul rate and of the machine's FMA peak."""
     fl, sd = row["flashledger"], row["sdpa"]
     row["ratio_fwd"] = fl["fwd_ms"] / sd["fwd_ms"]
     row["ratio_fwdbwd"] = fl["fwdbwd_ms"] / sd["fwdbwd_ms"]
+    for key in ("fwd", "fwdbwd"):
+        if f"{key}_rounds_ms" in fl and f"{key}_rounds_ms" in sd:
+            pr = paired_ratios(fl[f"{key}_rounds_ms"], sd[f"{key}_rounds_ms"])
+            row[f"ratio_{key}_range"] = [min(pr), max(pr)]
     mm = row["matmuls"]
     row["floor_fwd"] = mm["fwd_ms"] / sd["fwd_ms"]
     row["floor_fwdbwd"] = mm["fwdbwd_ms"] / sd["fwdbwd_ms"]
@@ -938,12 +958,21 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _ratio_cell(ratio: float, spread: Sequence[float] | None) -> str:
+    """``0.91 (0.88-0.95)``: the ratio of the medians, and the rounds' paired ratios'
+    range where there were several rounds."""
+    if not spread or spread[0] == spread[1]:
+        return f"{ratio:.2f}"
+    return f"{ratio:.2f} ({spread[0]:.2f}-{spread[1]:.2f})"
+
+
 def print_table(report: dict[str, Any]) -> None:
     from rich.table import Table
 
     peaks = report["gemm_peak_gflops"]
     table = Table(
-        title="flashledger (FL) vs SDPA's CPU flash kernel: medians; ratio < 1: FL is faster; "
+        title="flashledger (FL) vs SDPA's CPU flash kernel: medians; ratio < 1: FL is faster "
+        "(in brackets: the range of the rounds' ratios, each round's FL over its SDPA); "
         "tiles: forward/forward + backward where the forward has its own; "
         "matmuls alone: the tiles' matmuls as batched PyTorch calls, nothing else, / SDPA",
         caption=f"{report['machine']['cpu']} ({report['machine'].get('isa', '')}), "
@@ -972,9 +1001,9 @@ def print_table(report: dict[str, Any]) -> None:
                 (r["block_q"], r["block_k"]),
             ),
             f"{fl['fwd_ms']:.1f}/{sd['fwd_ms']:.1f}",
-            f"{r['ratio_fwd']:.2f}",
+            _ratio_cell(r["ratio_fwd"], r.get("ratio_fwd_range")),
             f"{fl['fwdbwd_ms']:.1f}/{sd['fwdbwd_ms']:.1f}",
-            f"{r['ratio_fwdbwd']:.2f}",
+            _ratio_cell(r["ratio_fwdbwd"], r.get("ratio_fwdbwd_range")),
             f"{r['floor_fwd']:.2f}/{r['floor_fwdbwd']:.2f}",
             _fmt(None if nv is None else nv["fwdbwd_ms"], ".1f"),
             f"{fl['fwdbwd_gflops']:.0f}",
