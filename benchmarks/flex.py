@@ -17,7 +17,8 @@ rounds), and prints the ratio with its target:
   score_mod (with ``fl.Causal()``, gradients for the table too) against the
   plain causal path (target 3x);
 
-and the cost of classifying the mask_mod's tiles alone (``MaskMod.tile_classes``)
+(with the range of the rounds' own ratios, each round's flex time over that
+round's baseline) and the cost of classifying the mask_mod's tiles alone (``MaskMod.tile_classes``)
 and of ``create_block_mask``, for reference. For the score_mod case it also times the
 score_mod's own work alone, as the step calls it (once per computed tile in the
 forward, once with its vector-Jacobian product in the backward, on the step's tiles):
@@ -55,11 +56,18 @@ TARGETS = {
 }
 
 
-def _timed(runners: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:
-    """Median seconds of each runner: one warm-up each, then ``rounds`` rounds of all."""
+def _timed(
+    runners: dict[str, Callable[[], None]],
+    rounds: int,
+    samples: dict[str, list[float]] | None = None,
+) -> dict[str, float]:
+    """Median seconds of each runner: one warm-up each, then ``rounds`` rounds of all
+    (each round's seconds go to ``samples`` when given)."""
     for run in runners.values():
         run()
-    samples: dict[str, list[float]] = {name: [] for name in runners}
+    if samples is None:
+        samples = {}
+    samples.update({name: [] for name in runners})
     for _ in range(rounds):
         for name, run in runners.items():
             t0 = time.perf_counter()
@@ -213,12 +221,14 @@ def main() -> None:
         runners = {"flex": run, "base": base}
         if name == "score_mod(rel. bias)":
             runners["alone"] = _score_mod_alone(rel_bias, table, (h, n, d), dt)
-        got = _timed(runners, args.rounds)
+        per: dict[str, list[float]] = {}
+        got = _timed(runners, args.rounds, per)
         ratio = got["flex"] / got["base"]
+        paired = [f / b for f, b in zip(per["flex"], per["base"], strict=True)]
         ok = "ok" if ratio <= TARGETS[name] else "OVER"
         print(
             f"{name:<22} {got['base'] * 1e3:>12.1f} {got['flex'] * 1e3:>10.1f} "
-            f"{ratio:>7.2f} {TARGETS[name]:>6.1f}x {ok}"
+            f"{ratio:>7.2f} {TARGETS[name]:>6.1f}x {ok}  (rounds {min(paired):.2f}-{max(paired):.2f})"
         )
         if "alone" in got:
             floor = (got["alone"], got["alone"] / got["base"])
