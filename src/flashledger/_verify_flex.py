@@ -3,12 +3,15 @@
 Cases of the kinds attention-gym collects (causal, sliding window, prefix LM,
 document packing, dilated window, 2-D neighbourhood, ALiBi, tanh softcap, a
 learnable relative-position table, combinations, a fully-masked row), each
-with its own inputs drawn from a fixed seed. Three checks per case:
+with its own inputs drawn from a fixed seed. Four checks per case:
 
 - ``flashledger Flex fwd``: flashledger's ``flex_attention`` (its tiles
   64 x 32 against the block mask's 128 x 128) against torch's FlexAttention
   eager forward on CPU, float64: O and LSE within ``FORWARD_BOUND`` (normwise:
   ``|a - b| <= bound * max(1, max|b|)``);
+- ``flashledger Flex max``: its ``max_scores`` (``return_aux``; torch's CPU path
+  refuses them) against the dense final scores' row maxima, within
+  ``FORWARD_BOUND``;
 - ``flashledger Flex grads``: its gradients (q, k, v and the tensors the
   score_mod captures) against a dense float64 autograd oracle that calls the
   mods under ``torch.vmap``, as Flex's eager path does, within
@@ -37,7 +40,15 @@ from .conventions import FLEX_ATTENTION
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
-__all__ = ["BACKWARD_BOUND", "FORWARD_BOUND", "FlexCase", "dense_flex", "flex_cases", "flex_rows"]
+__all__ = [
+    "BACKWARD_BOUND",
+    "FORWARD_BOUND",
+    "FlexCase",
+    "dense_flex",
+    "dense_scores",
+    "flex_cases",
+    "flex_rows",
+]
 
 FORWARD_BOUND = 1e-12
 """flashledger's float64 O and LSE against torch's FlexAttention (normwise)."""
@@ -163,13 +174,10 @@ def flex_cases(*, quick: bool) -> list[FlexCase]:
     return out
 
 
-def dense_flex(
-    case: FlexCase, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None
-) -> tuple[Tensor, Tensor]:
-    """The dense float64 oracle: ``(O, LSE)`` with every score, the mods under ``torch.vmap``
-    (Flex's eager convention), a fully-masked row O = 0 and LSE -inf; differentiable."""
-    g = case.heads_q // case.heads_kv
-    kx, vx = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+def dense_scores(case: FlexCase, q: Tensor, k: Tensor, *, scale: float | None = None) -> Tensor:
+    """The final scores ``(B, H, Lq, Lk)``, dense: through the score_mod, -inf where the
+    mask_mod hides a key; the mods under ``torch.vmap`` (Flex's eager convention)."""
+    kx = k.repeat_interleave(case.heads_q // case.heads_kv, dim=1)
     sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = (q @ kx.transpose(-1, -2)) * sc  # (B, H, Lq, Lk)
     idx = [torch.arange(n) for n in s.shape]
@@ -177,6 +185,16 @@ def dense_flex(
         s = _vmapped(case.score_mod, "score_mod")(s, *idx)
     if case.mask_mod is not None:
         s = s.masked_fill(~_vmapped(case.mask_mod, "mask_mod")(*idx), -math.inf)
+    return s
+
+
+def dense_flex(
+    case: FlexCase, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None
+) -> tuple[Tensor, Tensor]:
+    """The dense float64 oracle: ``(O, LSE)`` with every score, the mods under ``torch.vmap``
+    (Flex's eager convention), a fully-masked row O = 0 and LSE -inf; differentiable."""
+    vx = v.repeat_interleave(case.heads_q // case.heads_kv, dim=1)
+    s = dense_scores(case, q, k, scale=scale)  # (B, H, Lq, Lk)
     top = s.amax(dim=-1, keepdim=True)
     empty = torch.isneginf(top)
     e = torch.exp(s - torch.where(empty, 0.0, top))
@@ -275,6 +293,8 @@ def _tile_row(case: FlexCase) -> VerifyRow:
 
 def flex_rows(*, quick: bool) -> list[VerifyRow]:
     """The forward, backward and tile rows of every case (see the module docstring)."""
+    from torch.nn.attention.flex_attention import AuxRequest
+
     from ._flex import flex_attention
 
     rows = []
@@ -284,13 +304,20 @@ def flex_rows(*, quick: bool) -> list[VerifyRow]:
         o_t, lse_t = _torch_flex(case, q, k, v)
         lq, lk, lv = (x.clone().requires_grad_(True) for x in (q, k, v))
         leaves = [lq, lk, lv]
-        o, lse = flex_attention(
+        o, aux = flex_attention(
             lq, lk, lv, case.score_mod, bm, enable_gqa=True,
-            return_lse=True, block_q=TILES[0], block_k=TILES[1],
+            return_aux=AuxRequest(lse=True, max_scores=True), block_q=TILES[0], block_k=TILES[1],
         )  # fmt: skip
+        lse = aux.lse
         rows.append(
             _row("flashledger Flex fwd", case, "O LSE",
                  _worst([("O", o, o_t), ("LSE", lse, lse_t)]), FORWARD_BOUND)
+        )  # fmt: skip
+        with torch.no_grad():  # torch's CPU path refuses max_scores: the dense scores decide
+            top = dense_scores(case, q, k).amax(dim=-1)  # (B, H, Lq)
+        rows.append(
+            _row("flashledger Flex max", case, "max_scores",
+                 _worst([("max", aux.max_scores, top)]), FORWARD_BOUND)
         )  # fmt: skip
         # the same through flash_attention with MaskMod (the mask_mod classified blockwise),
         # tiles the other way round
