@@ -287,6 +287,22 @@ def test_row_max_on_every_path(assert_close, native_calls):
     ref = _dense_row_max(qh.double(), kh.double(), seen, None)
     assert half.dtype == torch.float32
     assert_close(half, ref, rtol=2e-6, name="row_max bfloat16")
+    # packed sequences: each row's largest score within its own sequence
+    qp, kp, vp = (x[0, 0] for x in (q, k, v))  # (97, d), (113, d)
+    cq, ck = (
+        torch.tensor([0, 40, 97], dtype=torch.int32),
+        torch.tensor([0, 50, 113], dtype=torch.int32),
+    )
+    packed = fl.blocked_forward(
+        qp, kp, vp, mask=fl.Causal(), cu_seqlens_q=cq, cu_seqlens_k=ck, row_max=True
+    )
+    seq_q, seq_k = torch.arange(97) >= 40, torch.arange(113) >= 50
+    pos_q, pos_k = torch.arange(97) - 40 * seq_q, torch.arange(113) - 50 * seq_k
+    same = seq_q[:, None] == seq_k[None, :]
+    causal = pos_k[None, :] <= pos_q[:, None]  # top-left, the default alignment
+    s = (qp @ kp.T) / math.sqrt(qp.shape[-1])
+    want_p = s.masked_fill(~(same & causal), -math.inf).amax(-1)
+    assert_close(packed.row_max, want_p, rtol=FWD, name="row_max packed")
     with pytest.raises(TypeError, match="row_max must be True or False"):
         fl.blocked_forward(q, k, v, row_max=1)  # type: ignore[arg-type]
 

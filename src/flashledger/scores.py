@@ -146,7 +146,9 @@ class ScoreMod:
         ``t = tanh(scale * qk / c)`` when softcap is on and, with ``grad=True``, the
         score_mod's graph on the tile.
         """
-        s = qk if scaled else qk.mul_(self.scale) if inplace else qk * self.scale
+        s = qk  # (B, Hkv, G, bq, bk)
+        if not scaled:
+            s = qk.mul_(self.scale) if inplace else qk * self.scale
         t = None
         if self.softcap is not None:
             t = s.div_(self.softcap).tanh_() if inplace else torch.tanh(s / self.softcap)
