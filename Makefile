@@ -12,7 +12,7 @@ PORT    ?= 8000
 NUMERIC_TESTS := tests/test_blocked.py tests/test_native.py tests/test_features.py \
 	tests/test_fast_path.py tests/test_properties.py tests/test_verify.py \
 	tests/test_verify_matrix.py tests/test_docs.py tests/test_decode_lane.py \
-	tests/test_kvcache.py
+	tests/test_kvcache.py tests/test_flex.py
 # the native step's matmul back ends here, and one other than its choice for float32
 GEMMS = $(shell $(BIN)/python -c "from flashledger import _native as n; k = n.kernels(); print(' '.join(k.gemm_names()) if k else '')")
 OTHER_GEMM = $(shell $(BIN)/python -c "import torch; from flashledger import _native as n; k = n.kernels(); print(next((g for g in k.gemm_names() if g != k.gemm(torch.float32)), '') if k else '')")
