@@ -18,11 +18,12 @@ f64 = torch.float64
 def _qkv(
     lq: int = 5, lk: int = 6, d: int = 4, dv: int = 3, h: int = 2, hkv: int = 2
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q ``(h, Lq, d)``, k ``(hkv, Lk, d)``, v ``(hkv, Lk, d_v)`` in float64."""
+    """q ``(h, Lq, d)``, k ``(hkv, Lk, d)``, v ``(hkv, Lk, d_v)`` in float64, from a fixed seed."""
+    g = torch.Generator().manual_seed(0)
     return (
-        torch.randn(h, lq, d, dtype=f64),
-        torch.randn(hkv, lk, d, dtype=f64),
-        torch.randn(hkv, lk, dv, dtype=f64),
+        torch.randn(h, lq, d, dtype=f64, generator=g),
+        torch.randn(hkv, lk, d, dtype=f64, generator=g),
+        torch.randn(hkv, lk, dv, dtype=f64, generator=g),
     )
 
 
@@ -104,10 +105,32 @@ def test_nan_and_inf_inputs_name_the_index(entry, name):
     t[name][1, 2, 0] = math.nan
     msg = _raises(lambda: ENTRY[entry](t["q"], t["k"], t["v"]), ValueError, name, "(1, 2, 0)")
     assert "NaN" in msg and "finite" in msg
+    # an infinite q or k entry meeting a positive partner makes a score +inf, and the
+    # result NaN (an infinite v entry always reaches O)
+    t["q"][1, :, 0], t["k"][1, :, 0] = t["q"][1, :, 0].abs(), t["k"][1, :, 0].abs()
     t[name][1, 2, 0] = math.inf
     _raises(
         lambda: ENTRY[entry](t["q"], t["k"], t["v"]), ValueError, f"{name} contains", "(1, 2, 0)"
     )
+
+
+@pytest.mark.parametrize("entry", ["reference_forward", "blocked_forward", "flash_attention"])
+def test_an_infinite_key_whose_scores_are_all_minus_inf_weighs_nothing(entry):
+    """An infinite k entry whose every product with q is -inf is no error: each of its
+    scores is -inf, so the key gets weight exactly 0 (IEEE arithmetic, as SDPA), and O is
+    that of the same inputs without the key."""
+    q, k, v = _qkv()
+    q[1, :, 0] = -q[1, :, 0].abs() - 0.1  # every row of head 1: a negative first component
+    k[1, 2, 0] = math.inf
+    got = ENTRY[entry](q, k, v)
+    o = got if isinstance(got, torch.Tensor) else got.o
+    seen = torch.ones(2, 5, 6, dtype=torch.bool)
+    seen[1, :, 2] = False
+    k_fin = k.clone()
+    k_fin[1, 2, 0] = 0.0
+    want = fl.reference_forward(q, k_fin, v, mask=seen).o
+    assert torch.isfinite(o).all()
+    assert (o - want).abs().max() <= 1e-13, (o - want).abs().max()
 
 
 # -- options ------------------------------------------------------------------------------
