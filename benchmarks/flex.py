@@ -29,6 +29,7 @@ that floor plus one.
 
     .venv/bin/python benchmarks/flex.py                  # L = 4096, H = 4, d = 64
     .venv/bin/python benchmarks/flex.py --length 1024 --rounds 3   # a quick look
+    .venv/bin/python benchmarks/flex.py --torch-eager    # also torch's eager forward
 
 Ratios, not times, are the result: measure on a quiet machine and name its CPU.
 """
@@ -137,6 +138,11 @@ def main() -> None:
     parser.add_argument(
         "--cases", nargs="*", choices=list(TARGETS), default=list(TARGETS), help="cases to run"
     )
+    parser.add_argument(
+        "--torch-eager",
+        action="store_true",
+        help="also time torch's eager flex_attention forward with the score_mod (3 rounds)",
+    )
     args = parser.parse_args()
     warnings.simplefilter("ignore", UserWarning)
     from torch.nn.attention.flex_attention import create_block_mask
@@ -240,6 +246,24 @@ def main() -> None:
         print(
             f"with the attention's own arithmetic on top (at best the plain path's), a call "
             f"takes at least {floor[1] + 1:.2f}x the plain path"
+        )
+    if args.torch_eager:  # forwards only: torch's eager Flex has no backward on CPU
+        from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+        fwd = {
+            "torch eager flex_attention": lambda: torch_flex(
+                q, k, v, score_mod=rel_bias, block_mask=bm
+            ),
+            "fl.flex_attention": lambda: fl.flex_attention(
+                q, k, v, score_mod=rel_bias, block_mask=bm
+            ),
+            "fl plain causal": lambda: flash(q, k, v, mask=fl.Causal()),
+        }
+        with torch.no_grad():
+            got = _timed(fwd, 3)
+        print(
+            "forward alone, score_mod(rel. bias) with the causal BlockMask (median of 3): "
+            + ", ".join(f"{name} {t * 1e3:.0f} ms" for name, t in got.items())
         )
     print(
         f"classifying MaskMod(causal) alone (512 x 512 tiles, median of 5): "
