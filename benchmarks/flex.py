@@ -47,6 +47,7 @@ import torch
 
 import flashledger as fl
 from flashledger import _calibrate
+from flashledger.bench import paired_ratios
 
 TARGETS = {
     "MaskMod(causal)": 1.2,
@@ -230,7 +231,7 @@ def main() -> None:
         per: dict[str, list[float]] = {}
         got = _timed(runners, args.rounds, per)
         ratio = got["flex"] / got["base"]
-        paired = [f / b for f, b in zip(per["flex"], per["base"], strict=True)]
+        paired = paired_ratios(per["flex"], per["base"])
         ok = "ok" if ratio <= TARGETS[name] else "OVER"
         print(
             f"{name:<22} {got['base'] * 1e3:>12.1f} {got['flex'] * 1e3:>10.1f} "

@@ -5,9 +5,9 @@ flex_attention`` (query ``(B, Hq, L, E)``, key ``(B, Hkv, S, E)``, value
 ``(B, Hkv, S, Ev)``; ``score_mod``; a ``BlockMask`` from ``create_block_mask``;
 ``scale``; ``enable_gqa``; ``return_lse``; ``kernel_options``; ``return_aux``),
 with the FLEX_ATTENTION conventions: the LSE is natural-log and
-differentiable, a fully-masked row gives O = 0 and LSE -inf. What flashledger adds on CPU: a backward (torch
-2.13 has none there), float64 throughout, and gradients for every tensor the
-score_mod captures that requires grad.
+differentiable, a fully-masked row gives O = 0 and LSE -inf. What flashledger
+adds on CPU: a backward (torch 2.13 has none there), float64 throughout, and
+gradients for every tensor the score_mod captures that requires grad.
 
 The block mask is used as Flex's kernels use it (``_maskmod.BlockMaskBound``):
 its blocks give the tile classes, its ``mask_mod`` decides inside partial
@@ -26,7 +26,6 @@ import torch
 from ._checks import check_float_tensor
 from ._maskmod import MaskMod, is_block_mask
 from ._mods import ScoreModFn
-from ._options import check_options
 from .autograd import _attend
 from .conventions import FLEX_ATTENTION
 
@@ -110,7 +109,6 @@ def flex_attention(
         opts["mask"] = mask
     if score_mod is not None:
         opts["score_mod"] = score_mod
-    check_options("flex_attention", opts)
     row_max: list[torch.Tensor] | None = [] if want_max else None
     o, lse = _attend(query, key, value, block_q, block_k, "fa2", opts, row_max=row_max)
     if return_aux is not None:

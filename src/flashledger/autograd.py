@@ -33,7 +33,7 @@ again. Second-order gradients with a score_mod are not supported (refused).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Unpack
 
@@ -214,7 +214,7 @@ def flash_attention(
     captures that requires one.
     """
     check_options("flash_attention", opts)
-    o, lse = _attend(q, k, v, block_q, block_k, loop_order, dict(opts))
+    o, lse = _attend(q, k, v, block_q, block_k, loop_order, opts)
     return (o, lse) if return_lse else o
 
 
@@ -225,7 +225,7 @@ def _attend(
     block_q: int | None,
     block_k: int | None,
     loop_order: LoopOrder,
-    opts: dict[str, Any],
+    opts: Mapping[str, Any],
     row_max: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``flash_attention``'s ``(o, lse)`` for checked ``opts``; with ``row_max`` (a list),

@@ -670,9 +670,8 @@ def _derive(
     row["ratio_fwd"] = fl["fwd_ms"] / sd["fwd_ms"]
     row["ratio_fwdbwd"] = fl["fwdbwd_ms"] / sd["fwdbwd_ms"]
     for key in ("fwd", "fwdbwd"):
-        if f"{key}_rounds_ms" in fl and f"{key}_rounds_ms" in sd:
-            pr = paired_ratios(fl[f"{key}_rounds_ms"], sd[f"{key}_rounds_ms"])
-            row[f"ratio_{key}_range"] = [min(pr), max(pr)]
+        pr = paired_ratios(fl[f"{key}_rounds_ms"], sd[f"{key}_rounds_ms"])
+        row[f"ratio_{key}_range"] = [min(pr), max(pr)]
     mm = row["matmuls"]
     row["floor_fwd"] = mm["fwd_ms"] / sd["fwd_ms"]
     row["floor_fwdbwd"] = mm["fwdbwd_ms"] / sd["fwdbwd_ms"]

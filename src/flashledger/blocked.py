@@ -824,6 +824,7 @@ def _forward_native(
     in_place = args["keys_in_place"]
     q, k, v = _forward_operands(pb, kern, in_place)
     half_o = o_finite is not None and q.dtype in _HALF and args["splits"] == 1
+    got: list[torch.Tensor] | None = None if row_max is None else []  # (B·Hq, Lq)
     o, lse = kern.forward(
         q,
         k,
@@ -833,11 +834,11 @@ def _forward_native(
         q16=_bf16_rows(pb, in_place),
         out_dtype=q.dtype if half_o else None,
         o_finite=o_finite,
-        row_max=row_max,
+        row_max=got,
         **args,
     )  # (B·Hq, Lq, d_v), (B·Hq, Lq)
-    if row_max is not None:
-        row_max[-1] = row_max[-1].view(b, hkv, g, lq)
+    if row_max is not None and got:
+        row_max.append(got[0].view(b, hkv, g, lq))
     _book_native(book, ran, sched.seen, d, dv, forward=True)
     read = {t[1] for t in ran}  # query tiles with a tile run
     for q0, q1 in qtiles:
