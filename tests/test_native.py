@@ -112,22 +112,36 @@ def problems(draw: Any) -> dict[str, Any]:
     b, hkv, g = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.integers(1, 3))
     lq, lk = draw(LENGTHS), draw(LENGTHS)
     d, dv = draw(st.sampled_from([1, 8, 24, 64])), draw(st.sampled_from([1, 16, 24]))
-    kind = draw(st.sampled_from(["none", "causal", "causal-br", "window", "padding", "dense"]))
     seed = draw(st.integers(0, 2**31 - 1))
     gen = torch.Generator().manual_seed(seed)
-    mask: Any = None
-    if kind == "causal":
-        mask = fl.Causal()
-    elif kind == "causal-br":
-        mask = fl.Causal("bottom_right")
-    elif kind == "window":
-        mask = fl.SlidingWindow(draw(st.integers(0, 80)), draw(st.integers(-1, 10)))
-    elif kind == "padding":
-        mask = fl.KeyPadding(draw(st.lists(st.integers(0, lk), min_size=b, max_size=b)))
-    elif kind == "dense":
-        t = torch.rand(b, hkv * g, lq, lk, generator=gen) < 0.6
-        t[..., : max(1, lq // 3), :] = False  # whole 64-row blocks with nothing visible
-        mask = t
+    kinds = ["none", "causal", "causal-br", "window", "padding", "dense", "mask_mod"]
+
+    def one(kind: str) -> Any:
+        if kind == "causal":
+            return fl.Causal()
+        if kind == "causal-br":
+            return fl.Causal("bottom_right")
+        if kind == "window":
+            return fl.SlidingWindow(draw(st.integers(0, 80)), draw(st.integers(-1, 10)))
+        if kind == "padding":
+            return fl.KeyPadding(draw(st.lists(st.integers(0, lk), min_size=b, max_size=b)))
+        if kind == "dense":
+            t = torch.rand(b, hkv * g, lq, lk, generator=gen) < 0.6
+            t[..., : max(1, lq // 3), :] = False  # whole 64-row blocks with nothing visible
+            return t
+        if kind == "mask_mod":  # periodic stripes by head: no span bound follows them
+            return fl.MaskMod(lambda b_, h, q, kv: (q * 7 + kv * 13 + h) % 3 != 0)
+        return None
+
+    kind = draw(st.sampled_from(kinds))
+    mask = one(kind)
+    if mask is not None and draw(st.integers(0, 2)) == 0:  # composed with a second mask
+        kind2 = draw(st.sampled_from(kinds[1:]))
+        other = one(kind2)
+        if isinstance(mask, torch.Tensor) and isinstance(other, torch.Tensor):
+            other = fl.DenseMask(other)
+        op = draw(st.sampled_from(["&", "|"]))
+        mask = (mask & other) if op == "&" else (mask | other)
     tiles = (draw(st.sampled_from([1, 64, 65, 128, 512])), draw(st.sampled_from([3, 64, 100, 512])))
     return dict(
         shape=(b, hkv, g, lq, lk, d, dv),
