@@ -1013,3 +1013,237 @@ def test_blocked_mods_equal_the_oracle_property(
     assert_close(fwd.lse, lse_n, rtol=FWD, name="LSE")
     for what, a, b in zip(["dQ", "dK", "dV", "d table"], got, want):
         assert_close(a, b, rtol=GRAD, name=what)
+
+
+# ----------------------------------------------------------------------------------------
+# random block masks through fl.flex_attention, against torch's eager Flex
+# ----------------------------------------------------------------------------------------
+MASK_MODS: dict[str, Callable[..., Tensor]] = {
+    "causal": causal,
+    "window": sliding_window(20),
+    "prefix": prefix_lm(torch.tensor([30, 5])),
+    "document": document([40, 1, 60, 200]),  # covers lengths up to 301
+    "dilated": dilated(8, 3),
+    "by head": lambda b, h, q, kv: kv <= q + 10 * h,
+    "by batch": lambda b, h, q, kv: kv % (b + 2) == 0,
+    "hash": lambda b, h, q, kv: (q * 7 + kv * 13 + h) % 3 != 0,
+}
+DEPENDS_ON_B_OR_H = {"prefix", "by head", "by batch", "hash"}
+
+
+def _flex_property_case(data: Any, assert_close: Callable[..., None]) -> None:
+    b, hk = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 2))
+    g = data.draw(st.sampled_from([1, 2]))
+    lq = data.draw(st.sampled_from([1, 17, 97, 128, 200, 301]))
+    lk = data.draw(st.sampled_from([1, 17, 97, 128, 200, 301]))
+    d = data.draw(st.sampled_from([8, 16]))
+    names = data.draw(st.lists(st.sampled_from(sorted(MASK_MODS)), max_size=2, unique=True))
+    mm = None
+    if names:
+        mm = MASK_MODS[names[0]]
+        if len(names) == 2:
+            combine = data.draw(st.sampled_from([flex_mod.and_masks, flex_mod.or_masks]))
+            mm = combine(mm, MASK_MODS[names[1]])
+    table = _table(hk * g, lq, lk, seed=data.draw(st.integers(0, 99)))
+    mod = data.draw(st.sampled_from(["none", "table", "softcap", "alibi", "where"]))
+    score_mod = {
+        "none": None,
+        "table": rel_bias(table, lk),
+        "softcap": softcap(2.0),
+        "alibi": alibi(torch.linspace(0.1, 1.0, hk * g, dtype=F64)),
+        # a score_mod that masks: its -inf must weigh nothing, as a mask_mod's does
+        "where": lambda s, b, h, q, kv: torch.where(kv <= q + 3, s, -math.inf),
+    }[mod]
+    block_mask = None
+    if mm is not None:
+        # a block mask made without B or H is made for b = h = 0: only for mods that
+        # do not read them (Flex's own rule; flashledger follows the blocks)
+        full = any(n in DEPENDS_ON_B_OR_H for n in names)
+        sizes = data.draw(st.sampled_from([16, 32, 128, (16, 64)]))
+        bs = b if full or data.draw(st.booleans()) else None
+        hs = hk * g if full or data.draw(st.booleans()) else None
+        block_mask = flex_mod.create_block_mask(mm, bs, hs, lq, lk, device="cpu", BLOCK_SIZE=sizes)
+        ours = fl.create_block_mask(mm, bs, hs, lq, lk, device="cpu", BLOCK_SIZE=sizes)
+        _same_block_mask(ours, block_mask, f"{names}, B {bs}, H {hs}, {sizes}")
+    tiles = data.draw(
+        st.sampled_from([{}, dict(block_q=32, block_k=48), dict(block_q=7, block_k=64)])
+    )
+    q, k, v, do = _inputs(b, hk * g, hk, lq, lk, d=d, seed=data.draw(st.integers(0, 2**16)))
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    kw: dict[str, Any] = dict(score_mod=score_mod, block_mask=block_mask, enable_gqa=g > 1)
+    o, lse = fl.flex_attention(*leaves, **kw, return_lse=True, **tiles)
+    with torch.no_grad():
+        o_t, lse_t = flex_mod.flex_attention(q, k, v, **kw, return_lse=True)
+    assert_close(o, o_t, rtol=FWD, name="O vs torch's flex_attention")
+    assert_close(lse, lse_t, rtol=FWD, name="LSE vs torch's flex_attention")
+    learned = [table] if mod == "table" else []
+    got = torch.autograd.grad((o * do).sum(), [*leaves, *learned])
+    ref = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    o_n, _ = naive_flex(*ref, mask_mod=mm, score_mod=score_mod)
+    want = torch.autograd.grad((o_n * do).sum(), [*ref, *learned])
+    for what, a, w in zip(["dQ", "dK", "dV", "d table"], got, want):
+        assert not bool(torch.isnan(a).any()), f"NaN in {what}"
+        assert_close(a, w, rtol=GRAD, name=what)
+
+
+@settings(max_examples=8, deadline=None)
+@given(data=st.data())
+def test_flex_attention_on_random_block_masks_equals_torch_and_the_oracle(data, assert_close):
+    """Random mask_mods (alone, ``and_masks``, ``or_masks``; some reading b or h), block
+    masks of random block sizes (some made without B or H; ``fl.create_block_mask``
+    builds the same, field for field), random score_mods, GQA, lengths no tile divides:
+    O and the LSE equal torch's eager ``flex_attention`` within 1e-12, the gradients (q, k, v, a captured table) the dense oracle's within 1e-11."""
+    _flex_property_case(data, assert_close)
+
+
+@pytest.mark.slow
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_flex_attention_on_random_block_masks_sweep(data, assert_close):
+    """The property above, 200 cases."""
+    _flex_property_case(data, assert_close)
+
+
+# ----------------------------------------------------------------------------------------
+# fl.create_block_mask: torch's BlockMask, from the span bounds and the open blocks
+# ----------------------------------------------------------------------------------------
+BLOCK_FIELDS = (
+    "kv_num_blocks",
+    "kv_indices",
+    "full_kv_num_blocks",
+    "full_kv_indices",
+    "q_num_blocks",
+    "q_indices",
+    "full_q_num_blocks",
+    "full_q_indices",
+)
+
+
+def _same_block_mask(got: Any, want: Any, where: str) -> None:
+    assert tuple(got.BLOCK_SIZE) == tuple(want.BLOCK_SIZE), where
+    assert tuple(got.seq_lengths) == tuple(want.seq_lengths), where
+    assert got.mask_mod is want.mask_mod, where
+    for field in BLOCK_FIELDS:
+        a, b = getattr(got, field), getattr(want, field)
+        assert (a is None) == (b is None), f"{field} ({where})"
+        if a is not None:
+            assert a.dtype == b.dtype and a.shape == b.shape, f"{field} ({where})"
+            assert torch.equal(a, b), f"{field} differs ({where}):\n{a}\n{b}"
+
+
+@pytest.mark.parametrize("name", sorted(MASK_MODS))
+def test_create_block_mask_equals_torchs(name):
+    """Every mask_mod of the zoo, for no batch/head (b = h = 0) and for 2 x 3, lengths one
+    block, ragged, Lq != Lk, square and rectangular blocks, full blocks apart or not:
+    the same BlockMask as torch's create_block_mask, field for field."""
+    mm = MASK_MODS[name]
+    for bh in ((None, None), (2, 3)):
+        for lengths in ((1, 1), (97, 113), (301, 17), (256, 256)):
+            for block in (128, (16, 64), 7):
+                for separate in (True, False):
+                    kw = dict(device="cpu", BLOCK_SIZE=block, separate_full_blocks=separate)
+                    got = fl.create_block_mask(mm, *bh, *lengths, **kw)
+                    want = flex_mod.create_block_mask(mm, *bh, *lengths, **kw)
+                    _same_block_mask(got, want, f"{name} B, H {bh}, {lengths}, {block}")
+
+
+def test_create_block_mask_of_combined_and_scalar_style_mods():
+    """``and_masks`` / ``or_masks`` of zoo mods (one reads h), and a mask_mod that only
+    works on scalars (evaluated under torch.vmap, as torch evaluates every one)."""
+    per_bh = torch.tensor([[3, 5, 1], [7, 2, 0]])
+
+    def scalar_mask(b: Tensor, h: Tensor, qi: Tensor, kv: Tensor) -> Tensor:
+        return (qi - kv).abs() <= per_bh[b][h]
+
+    mods = {
+        "and": flex_mod.and_masks(MASK_MODS["document"], MASK_MODS["by head"]),
+        "or": flex_mod.or_masks(MASK_MODS["window"], MASK_MODS["dilated"]),
+        "scalar": scalar_mask,
+    }
+    for name, mm in mods.items():
+        for block in (32, (8, 16)):
+            got = fl.create_block_mask(mm, 2, 3, 97, 150, device="cpu", BLOCK_SIZE=block)
+            want = flex_mod.create_block_mask(mm, 2, 3, 97, 150, device="cpu", BLOCK_SIZE=block)
+            _same_block_mask(got, want, f"{name}, {block}")
+
+
+def test_create_block_mask_in_small_chunks(monkeypatch):
+    """The open blocks of a row evaluated a few at a time (a bound on the positions per
+    call, counted for every batch entry and head until a call shows that the mask_mod
+    broadcasts over them): the same BlockMask."""
+    from flashledger import _blockmask
+
+    monkeypatch.setattr(_blockmask, "_CHUNK", 3000)
+    for name in ("hash", "document", "by head"):
+        mm = MASK_MODS[name]
+        for bh in ((None, None), (2, 3)):
+            got = fl.create_block_mask(mm, *bh, 97, 300, device="cpu", BLOCK_SIZE=(16, 32))
+            want = flex_mod.create_block_mask(mm, *bh, 97, 300, device="cpu", BLOCK_SIZE=(16, 32))
+            _same_block_mask(got, want, f"{name}, B, H {bh}")
+
+
+def test_create_block_mask_evaluates_only_the_blocks_the_bounds_leave_open(monkeypatch):
+    """At L = 1024 in 128-blocks the bounds decide every full and every empty block of a
+    causal mask and of a packed-document one, so exactly the partial blocks' positions
+    are evaluated (the diagonal's 8 for causal; 17 for the documents), where torch
+    evaluates all 1024²."""
+    from flashledger import _blockmask
+
+    callers: list[Any] = []
+
+    class Counting(_blockmask.TileCaller):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            callers.append(self)
+
+    monkeypatch.setattr(_blockmask, "TileCaller", Counting)
+    for mm, partial, full in ((causal, 8, 28), (document([100, 400, 524]), 17, 7)):
+        bm = fl.create_block_mask(mm, None, None, 1024, 1024, device="cpu")
+        assert int(bm.kv_num_blocks.sum()) == partial
+        assert int(bm.full_kv_num_blocks.sum()) == full
+        assert callers[-1].positions == partial * 128 * 128
+
+
+def test_create_block_mask_drives_both_flex_attentions(assert_close):
+    """The block mask flashledger builds runs in fl.flex_attention and in torch's own
+    flex_attention, with the same results as torch's block mask."""
+    q, k, v, _ = _inputs(2, 4, 2, 200, 200)
+    mm = flex_mod.and_masks(MASK_MODS["document"], MASK_MODS["by head"])
+    ours = fl.create_block_mask(mm, 2, 4, 200, 200, device="cpu", BLOCK_SIZE=64)
+    theirs = flex_mod.create_block_mask(mm, 2, 4, 200, 200, device="cpu", BLOCK_SIZE=64)
+    want = flex_mod.flex_attention(q, k, v, block_mask=theirs, enable_gqa=True)
+    assert_close(
+        flex_mod.flex_attention(q, k, v, block_mask=ours, enable_gqa=True),
+        want,
+        rtol=FWD,
+        name="torch's flex_attention with fl's block mask",
+    )
+    assert_close(
+        fl.flex_attention(q, k, v, block_mask=ours, enable_gqa=True),
+        want,
+        rtol=FWD,
+        name="fl.flex_attention with fl's block mask",
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error", "match"),
+    [
+        (("not callable", None, None, 8, 8), {}, TypeError, "mask_mod must be callable"),
+        ((causal, 0, None, 8, 8), {}, ValueError, "B must be an integer >= 1, got 0"),
+        ((causal, None, 2.0, 8, 8), {}, ValueError, "H must be an integer >= 1"),
+        ((causal, None, None, 0, 8), {}, ValueError, "Q_LEN must be an integer >= 1"),
+        ((causal, None, None, 8, -1), {}, ValueError, "KV_LEN must be an integer >= 1"),
+        ((causal, None, None, 8, 8), {"BLOCK_SIZE": 0}, ValueError, r"BLOCK_SIZE \(q\)"),
+        ((causal, None, None, 8, 8), {"BLOCK_SIZE": (8, 8, 8)}, ValueError, "an int or"),
+        (
+            (lambda b, h, q, kv: (q - kv).float(), None, None, 8, 8),
+            {},
+            ValueError,
+            "returned a torch.float32 tensor; a mask_mod returns bool",
+        ),
+    ],
+)
+def test_create_block_mask_errors(args, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        fl.create_block_mask(*args, device="cpu", **kwargs)

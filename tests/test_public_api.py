@@ -55,6 +55,7 @@ PUBLIC = [
     "attention_with_kvcache",
     "blocked_backward",
     "blocked_forward",
+    "create_block_mask",
     "flash_attention",
     "flex_attention",
     "ledger_of",

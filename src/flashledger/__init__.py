@@ -41,6 +41,7 @@ _EXPORTS: dict[str, str] = {
     "BackwardResult": "blocked",
     "flash_attention": "autograd",
     "flex_attention": "_flex",
+    "create_block_mask": "_blockmask",
     "OnlineSoftmax": "online",
     "OnlineState": "online",
     "merge": "online",
@@ -127,6 +128,7 @@ __all__ = [
     "attention_with_kvcache",
     "blocked_backward",
     "blocked_forward",
+    "create_block_mask",
     "flash_attention",
     "flex_attention",
     "ledger_of",
@@ -163,6 +165,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from ._blockmask import create_block_mask
     from ._flex import flex_attention
     from ._kvcache import KVCacheLedger, KVCacheResult, apply_rotary, attention_with_kvcache
     from ._maskmod import MaskMod
