@@ -1148,17 +1148,29 @@ def test_create_block_mask_equals_torchs(name):
 
 
 def test_create_block_mask_of_combined_and_scalar_style_mods():
-    """``and_masks`` / ``or_masks`` of zoo mods (one reads h), and a mask_mod that only
-    works on scalars (evaluated under torch.vmap, as torch evaluates every one)."""
+    """``and_masks`` / ``or_masks`` of zoo mods (one reads h), a mask_mod that only works
+    on scalars (evaluated under torch.vmap, as torch evaluates every one), and mask_mods
+    that read only the keys or only the queries (their result broadcasts over the other,
+    and full blocks must still count every position)."""
     per_bh = torch.tensor([[3, 5, 1], [7, 2, 0]])
 
     def scalar_mask(b: Tensor, h: Tensor, qi: Tensor, kv: Tensor) -> Tensor:
         return (qi - kv).abs() <= per_bh[b][h]
 
+    kept = torch.arange(40, 140)
+
+    def kv_only(b: Tensor, h: Tensor, qi: Tensor, kv: Tensor) -> Tensor:
+        return torch.isin(kv, kept)  # no span bound: evaluated; one row broadcast to all
+
+    def q_only(b: Tensor, h: Tensor, qi: Tensor, kv: Tensor) -> Tensor:
+        return torch.isin(qi, kept)
+
     mods = {
         "and": flex_mod.and_masks(MASK_MODS["document"], MASK_MODS["by head"]),
         "or": flex_mod.or_masks(MASK_MODS["window"], MASK_MODS["dilated"]),
         "scalar": scalar_mask,
+        "keys only": kv_only,
+        "queries only": q_only,
     }
     for name, mm in mods.items():
         for block in (32, (8, 16)):

@@ -2,8 +2,9 @@
 
 torch's ``create_block_mask`` (eager) evaluates the mask_mod under ``torch.vmap`` at
 every (batch, head, query, key) position and reduces the ``(B, H, Lq, Lk)`` boolean
-matrix to blocks: on CPU at L = 4096 that takes seconds, more than the attention it
-prepares, and packed-document training makes a new block mask every step. The same
+matrix to blocks: on CPU about 0.1 s at L = 4096 (its first call in a process 1.6 s
+more), 2.2 s at L = 8192 with B = 2 and H = 4, and packed-document training makes a new
+block mask every step. The same
 ``BlockMask`` comes from far less work, with the machinery ``MaskMod`` classifies
 tiles by:
 
@@ -95,7 +96,8 @@ def _block_counts(
             flat = torch.where(real, keys, lk - 1).view(-1)  # (n·bk,) in range for the mod
             seen = caller(*index_grid(batch, heads, rows, flat))  # (Bm, Hm, r, n·bk)
             spread = max(spread, seen.shape[0] * seen.shape[1])  # (Bm, Hm)
-            seen = seen & real.view(1, 1, 1, -1)
+            # every row and key counted, also where the result broadcasts over one of them
+            seen = seen.expand(*seen.shape[:2], rows.numel(), flat.numel()) & real.view(1, 1, 1, -1)
             got = seen.sum(dim=2, dtype=torch.int64).view(*seen.shape[:2], -1, block_k).sum(-1)
             counts[:, :, i, js] = got.expand(batch, heads, -1)  # (B, H, n)
     return counts
