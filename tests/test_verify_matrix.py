@@ -35,6 +35,8 @@ def test_quick_matrix_passes(quick_report: tuple[VerifyReport, list[tuple[int, i
         "SDPA causal_lower_right", "FlexAttention eager", "FlexAttention backward",
         "Flex BlockMask tiles", "mpmath vs reference", "mpmath vs blocked 4x4",
         "flash-attn 2 window -1", "flash-attn 2 ALiBi LSE", "flash-attn 2 cap+drop",
+        "flashledger Flex fwd", "flashledger Flex max", "flashledger MaskMod",
+        "flashledger Flex grads", "MaskMod tiles", "fl.create_block_mask",
     ):  # fmt: skip
         assert name in systems, f"{name} missing from the matrix"
     fl_presets = {r.convention for r in report.rows if r.system == "flashledger fa2 64x32"}
@@ -165,3 +167,39 @@ def test_full_matrix_passes() -> None:
         f"{r.system} [{r.convention}] {r.detail}" for r in report.failures[:5]
     )
     assert report.counts()["passed"] > 2500
+
+
+def test_the_create_block_mask_row_fails_on_other_blocks_or_another_layout(monkeypatch) -> None:
+    """The row compares the blocks' kinds first, then every index tensor: a block mask of
+    another mask_mod fails on the kinds, one laid out in another order on the layout."""
+    import torch
+
+    from flashledger import _blockmask, _verify_flex
+
+    case = next(c for c in _verify_flex.flex_cases(quick=True) if c.mask_mod is not None)
+    assert _verify_flex._block_mask_row(case).status == "passed"
+
+    real = _blockmask.create_block_mask
+
+    def everything(*args, **kwargs):  # every block visible, whatever the mask_mod
+        return real(lambda b, h, q, kv: q >= 0, *args[1:], **kwargs)
+
+    monkeypatch.setattr(_blockmask, "create_block_mask", everything)
+    row = _verify_flex._block_mask_row(case)
+    assert row.status == "failed" and row.error > 0 and "differ in kind" in row.detail
+
+    monkeypatch.setattr(_blockmask, "create_block_mask", real)
+    ordered = _blockmask._ordered
+
+    def flipped(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unlisted blocks after the listed ones in descending order (torch: ascending)."""
+        num, idx = ordered(dense)
+        j = torch.arange(idx.shape[-1])
+        n = num[..., None].long()
+        slots = torch.where(j < n, j, idx.shape[-1] - 1 - j + n)
+        return num, idx.gather(-1, slots).contiguous()
+
+    monkeypatch.setattr(_blockmask, "_ordered", flipped)
+    row = _verify_flex._block_mask_row(case)
+    assert row.status == "failed" and row.error == 0
+    assert "laid out differently in kv_indices" in row.detail

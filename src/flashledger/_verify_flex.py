@@ -3,7 +3,7 @@
 Cases of the kinds attention-gym collects (causal, sliding window, prefix LM,
 document packing, dilated window, 2-D neighbourhood, ALiBi, tanh softcap, a
 learnable relative-position table, combinations, a fully-masked row), each
-with its own inputs drawn from a fixed seed. Four checks per case:
+with its own inputs drawn from a fixed seed. Five checks per case:
 
 - ``flashledger Flex fwd``: flashledger's ``flex_attention`` (its tiles
   64 x 32 against the block mask's 128 x 128) against torch's FlexAttention
@@ -18,7 +18,10 @@ with its own inputs drawn from a fixed seed. Four checks per case:
   ``BACKWARD_BOUND``;
 - ``MaskMod tiles``: ``MaskMod(mask_mod)``'s tile classes against those of
   ``create_block_mask`` for the same tiles (a ragged edge tile demoted to
-  partial, as Flex pads with False).
+  partial, as Flex pads with False);
+- ``fl.create_block_mask``: the ``BlockMask`` it builds against torch's
+  ``create_block_mask``'s (16 x 32 blocks): every block's kind, then every
+  index tensor equal.
 """
 
 from __future__ import annotations
@@ -291,6 +294,50 @@ def _tile_row(case: FlexCase) -> VerifyRow:
     )
 
 
+def _block_mask_row(case: FlexCase) -> VerifyRow:
+    """``fl.create_block_mask`` against torch's ``create_block_mask``: the blocks' kinds,
+    then the index tensors' layout (every field equal)."""
+    from ._blockmask import create_block_mask
+    from ._maskmod import block_grid
+
+    assert case.mask_mod is not None
+    block = (16, 32)  # blocks small enough for the cases' lengths to hold every kind
+    theirs = _block_mask(case, block)
+    ours = create_block_mask(
+        case.mask_mod, case.batch, None, case.len_q, case.len_k, device="cpu", BLOCK_SIZE=block
+    )
+    assert theirs is not None
+    a, b = block_grid(ours), block_grid(theirs)
+    diff = int((a != b).sum()) if a.shape == b.shape else max(a.numel(), b.numel())
+    fields = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+              "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")  # fmt: skip
+    unequal = [
+        f
+        for f in fields
+        if (getattr(ours, f) is None) != (getattr(theirs, f) is None)
+        or (getattr(ours, f) is not None and not torch.equal(getattr(ours, f), getattr(theirs, f)))
+    ]
+    ok = diff == 0 and not unequal
+    detail = ""
+    if diff:
+        detail = f"{diff} blocks differ in kind: {a.tolist()} vs {b.tolist()}"
+    elif unequal:
+        detail = f"the same blocks, laid out differently in {', '.join(unequal)}"
+    return VerifyRow(
+        system="fl.create_block_mask",
+        convention=FLEX_ATTENTION.name,
+        case=f"{case.name} {case.len_q}x{case.len_k} @{block[0]}x{block[1]}",
+        dtype="-",
+        checked="BlockMask",
+        worst="blocks",
+        error=float(diff),
+        bound=0.0,
+        status="passed" if ok else "failed",
+        unit="tiles",  # mismatching blocks (the block mask's tiles)
+        detail=detail,
+    )
+
+
 def flex_rows(*, quick: bool) -> list[VerifyRow]:
     """The forward, backward and tile rows of every case (see the module docstring)."""
     from torch.nn.attention.flex_attention import AuxRequest
@@ -345,4 +392,5 @@ def flex_rows(*, quick: bool) -> list[VerifyRow]:
         )
         if case.mask_mod is not None:
             rows.append(_tile_row(case))
+            rows.append(_block_mask_row(case))
     return rows
