@@ -221,6 +221,7 @@ class BlockMaskBound(MaskModBound):
                 f"{geo.batch} batch entries and 1 or {geo.heads} heads"
             )
         self.grid = block_grid(bm, geo.device)  # (Bb, Hb, Tq, Tk)
+        self._counted: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
 
     def _with_blocks(
         self, inside: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor
@@ -295,7 +296,13 @@ class BlockMaskBound(MaskModBound):
 
     def _counts(self, block_q: int, block_k: int) -> tuple[torch.Tensor, ...]:
         """Per tile ``(Tq, Tk)``, the blocks it touches that are: not empty for some batch
-        entry and head; not full for some; full for some; empty for some."""
+        entry and head; not full for some; full for some; empty for some (computed once
+        per tile size: the bounds and the classes both start from them)."""
+        if (block_q, block_k) not in self._counted:
+            self._counted[block_q, block_k] = self._count(block_q, block_k)
+        return self._counted[block_q, block_k]
+
+    def _count(self, block_q: int, block_k: int) -> tuple[torch.Tensor, ...]:
         g = self.geo
 
         def spans(n: int, block: int, offset: int, grain: int) -> tuple[torch.Tensor, ...]:
