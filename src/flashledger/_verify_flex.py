@@ -35,7 +35,7 @@ import torch
 
 from ._maskmod import MaskMod
 from ._mods import MaskModFn, ScoreModFn, _vmapped
-from ._verify_report import VerifyRow
+from ._verify_report import VerifyRow, count_row
 from ._verify_systems import block_mask_classes, padded_as_flex
 from .autograd import flash_attention
 from .conventions import FLEX_ATTENTION
@@ -279,19 +279,10 @@ def _tile_row(case: FlexCase) -> VerifyRow:
     )
     ours = padded_as_flex(ours, case.len_q, case.len_k, bq, bk)
     diff = int((ours != theirs).sum())
-    return VerifyRow(
-        system="MaskMod tiles",
-        convention=FLEX_ATTENTION.name,
-        case=f"{case.name} {case.len_q}x{case.len_k} @{bq}x{bk}",
-        dtype="-",
-        checked="tile classes",
-        worst="tiles",
-        error=float(diff),
-        bound=0.0,
-        status="passed" if diff == 0 else "failed",
-        unit="tiles",
-        detail="" if diff == 0 else f"{diff} tiles differ: {theirs.tolist()} vs {ours.tolist()}",
-    )
+    return count_row(
+        "MaskMod tiles", FLEX_ATTENTION.name, f"{case.name} {case.len_q}x{case.len_k} @{bq}x{bk}",
+        "tile classes", diff, f"{diff} tiles differ: {theirs.tolist()} vs {ours.tolist()}" if diff else "",
+    )  # fmt: skip
 
 
 def _block_mask_row(case: FlexCase) -> VerifyRow:
@@ -317,25 +308,13 @@ def _block_mask_row(case: FlexCase) -> VerifyRow:
         if (getattr(ours, f) is None) != (getattr(theirs, f) is None)
         or (getattr(ours, f) is not None and not torch.equal(getattr(ours, f), getattr(theirs, f)))
     ]
-    ok = diff == 0 and not unequal
     detail = ""
     if diff:
         detail = f"{diff} blocks differ in kind: {a.tolist()} vs {b.tolist()}"
     elif unequal:
         detail = f"the same blocks, laid out differently in {', '.join(unequal)}"
-    return VerifyRow(
-        system="fl.create_block_mask",
-        convention=FLEX_ATTENTION.name,
-        case=f"{case.name} {case.len_q}x{case.len_k} @{block[0]}x{block[1]}",
-        dtype="-",
-        checked="BlockMask",
-        worst="blocks",
-        error=float(diff),
-        bound=0.0,
-        status="passed" if ok else "failed",
-        unit="tiles",  # mismatching blocks (the block mask's tiles)
-        detail=detail,
-    )
+    where = f"{case.name} {case.len_q}x{case.len_k} @{block[0]}x{block[1]}"
+    return count_row("fl.create_block_mask", FLEX_ATTENTION.name, where, "BlockMask", diff, detail)
 
 
 def flex_rows(*, quick: bool) -> list[VerifyRow]:

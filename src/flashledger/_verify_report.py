@@ -41,6 +41,27 @@ class VerifyRow:
             raise ValueError(f"VerifyRow.status must be one of {STATUSES}, got {self.status!r}")
 
 
+def count_row(
+    system: str, convention: str, case: str, checked: str, differ: int, detail: str
+) -> VerifyRow:
+    """A row that counts mismatches (tiles, blocks): passed when ``differ`` is 0 and no
+    ``detail`` says what else differs; the detail is kept only for a failure."""
+    ok = differ == 0 and not detail
+    return VerifyRow(
+        system=system,
+        convention=convention,
+        case=case,
+        dtype="-",
+        checked=checked,
+        worst="tiles" if checked == "tile classes" else "blocks",
+        error=float(differ),
+        bound=0.0,
+        status="passed" if ok else "failed",
+        unit="tiles",
+        detail="" if ok else detail,
+    )
+
+
 @dataclass(frozen=True)
 class Fact:
     """A behaviour of the installed PyTorch, observed by running it."""

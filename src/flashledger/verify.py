@@ -79,7 +79,7 @@ from ._verify_cases import (
 from ._verify_flash_attn import flash_attn_edge_rows
 from ._verify_flex import flex_rows
 from ._verify_mp import MP_DIGITS, MpResult, mp_attention, ulps
-from ._verify_report import Fact, VerifyReport, VerifyRow
+from ._verify_report import Fact, VerifyReport, VerifyRow, count_row
 from ._verify_rule import (
     GRAD_FACTOR,
     OUTPUT_FACTOR,
@@ -552,22 +552,14 @@ def _tile_rows(quick: bool) -> list[VerifyRow]:
                 theirs = systems.flex_tile_classes(case, bq, bk)
                 ours = systems.ledger_tile_classes_for_flex(case, bq, bk)
                 diff = int((theirs != ours).sum())
+                where = f"{case.mask_name} B{shape.batch} {shape.len_q}x{shape.len_k} @{bq}x{bk}"
+                detail = (
+                    f"{diff} of {theirs.numel()} tiles differ: flex {theirs.tolist()} vs "
+                    f"flashledger {ours.tolist()}"
+                )
+                conv, shown = case.conventions.name, detail if diff else ""
                 rows.append(
-                    VerifyRow(
-                        system="Flex BlockMask tiles",
-                        convention=case.conventions.name,
-                        case=f"{case.mask_name} B{shape.batch} {shape.len_q}x{shape.len_k} @{bq}x{bk}",
-                        dtype="-",
-                        checked="tile classes",
-                        worst="tiles",
-                        error=float(diff),
-                        bound=0.0,
-                        status="passed" if diff == 0 else "failed",
-                        unit="tiles",
-                        detail=""
-                        if diff == 0
-                        else f"{diff} of {theirs.numel()} tiles differ: flex {theirs.tolist()} vs flashledger {ours.tolist()}",
-                    )
+                    count_row("Flex BlockMask tiles", conv, where, "tile classes", diff, shown)
                 )
     return rows
 
