@@ -8,9 +8,10 @@ block mask every step. The same
 ``BlockMask`` comes from far less work, with the machinery ``MaskMod`` classifies
 tiles by:
 
-1. the mask_mod's span bounds (``_spans``), once over all blocks: a block where it
-   cannot hold for any batch entry and head is empty, one where it cannot fail is
-   full (a ragged last block is then partial: Flex pads the lengths with False);
+1. the mask_mod's span bounds (``MaskModBound.bounded_classes``, ``_spans``), once over
+   all blocks: a block where it cannot hold for any batch entry and head is empty, one
+   where it cannot fail is full (a ragged last block is then partial: Flex pads the
+   lengths with False, ``padded_as_flex``);
 2. the blocks the bounds leave open, evaluated with broadcast index tensors
    (``_mods.TileCaller``, ``torch.vmap`` for scalar-only code), one call per row of
    blocks (chunked to bound memory), their visible positions counted per batch
@@ -28,8 +29,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._maskmod import MaskModBound, padded_as_flex
 from ._mods import MaskModFn, TileCaller, index_grid
-from ._spans import span_classes
+from .masks import FULL, PARTIAL, Geometry
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -137,35 +139,18 @@ def create_block_mask(
     block_q = _positive_int("BLOCK_SIZE (q)", sizes[0])
     block_k = _positive_int("BLOCK_SIZE (kv)", sizes[1])
     dev = _default_device() if device is None else torch.device(device)
-    tq, tk = -(-lq // block_q), -(-lk // block_k)
 
-    # 1. the span bounds, for every batch entry and head at once
-    first_q = torch.arange(0, lq, block_q, device=dev)  # (Tq,)
-    first_k = torch.arange(0, lk, block_k, device=dev)  # (Tk,)
-    bounds = span_classes(
-        mask_mod,
-        batch=batch,
-        heads=heads,
-        rows=(first_q, torch.clamp(first_q + block_q, max=lq) - 1),
-        keys=(first_k, torch.clamp(first_k + block_k, max=lk) - 1),
-    )
-    if bounds is None:
-        may_true = torch.ones(tq, tk, dtype=torch.bool, device=dev)
-        may_false = may_true.clone()
-    else:
-        may_true, may_false = (x.to(dev) for x in bounds)
+    # 1. the span bounds, for every batch entry and head at once (MaskMod's classifier):
+    #    the blocks they decide, a full one demoted where padding cuts it (Flex's rule)
+    geo = Geometry.build(lq=lq, lk=lk, batch=batch, heads=heads, device=dev)
+    bounded = MaskModBound(geo, caller).bounded_classes(block_q, block_k).to(dev)  # (Tq, Tk)
+    open_ = bounded == PARTIAL
+    decided = padded_as_flex(bounded, lq, lk, block_q, block_k)
     # 2. the open blocks, evaluated
-    open_ = may_true & may_false
     counts = _block_counts(caller, batch, heads, lq, lk, block_q, block_k, open_)
     area = block_q * block_k
-    full = (counts == area) & open_
-    partial = (counts > 0) & (counts < area) & open_
-    # decided by the bounds: a full block is partial where padding cuts it (Flex's rule)
-    cut_q, cut_k = (first_q + block_q) > lq, (first_k + block_k) > lk  # (Tq,), (Tk,)
-    ragged = cut_q[:, None] | cut_k[None, :]  # (Tq, Tk)
-    sure = ~may_false & may_true  # every real position visible
-    full |= (sure & ~ragged).expand(batch, heads, tq, tk)
-    partial |= (sure & ragged).expand(batch, heads, tq, tk)
+    full = ((counts == area) & open_) | ((decided == FULL) & ~open_)  # (B, H, Tq, Tk)
+    partial = ((counts > 0) & (counts < area) & open_) | ((decided == PARTIAL) & ~open_)
     full_num: torch.Tensor | None = None
     full_idx: torch.Tensor | None = None
     if separate_full_blocks:

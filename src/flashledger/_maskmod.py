@@ -47,7 +47,14 @@ from .masks import EMPTY, FULL, PARTIAL, BoundMask, Geometry, Mask, _sub_blocks,
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
-__all__ = ["BlockMaskBound", "MaskMod", "MaskModBound", "block_grid", "is_block_mask"]
+__all__ = [
+    "BlockMaskBound",
+    "MaskMod",
+    "MaskModBound",
+    "block_grid",
+    "is_block_mask",
+    "padded_as_flex",
+]
 
 SPAN_BOUNDS = True
 """Whether a mask_mod's tile classes start from its span bounds (``_spans``); False
@@ -87,6 +94,18 @@ def block_grid(bm: BlockMask, device: torch.device | str = "cpu") -> torch.Tenso
         cols = torch.where(listed, idx, width)  # unlisted slots land in a spare column
         grid.scatter_(-1, cols, kind)
     return grid[..., :tk]
+
+
+def padded_as_flex(
+    classes: torch.Tensor, len_q: int, len_k: int, block_q: int, block_k: int
+) -> torch.Tensor:
+    """Tile classes ``(Tq, Tk)`` as FlexAttention's padded mask has them: a full tile on a
+    ragged edge (past ``Lq`` or ``Lk``) is partial there. Returns a new tensor."""
+    dev = classes.device
+    ragged_q = torch.arange(classes.shape[0], device=dev) * block_q + block_q > len_q  # (Tq,)
+    ragged_k = torch.arange(classes.shape[1], device=dev) * block_k + block_k > len_k  # (Tk,)
+    ragged = ragged_q[:, None] | ragged_k[None, :]
+    return torch.where(ragged & (classes == FULL), PARTIAL, classes)
 
 
 class MaskMod(Mask):

@@ -3,7 +3,7 @@
 Cases of the kinds attention-gym collects (causal, sliding window, prefix LM,
 document packing, dilated window, 2-D neighbourhood, ALiBi, tanh softcap, a
 learnable relative-position table, combinations, a fully-masked row), each
-with its own inputs drawn from a fixed seed. Five checks per case:
+with its own inputs drawn from a fixed seed. Six checks per case:
 
 - ``flashledger Flex fwd``: flashledger's ``flex_attention`` (its tiles
   64 x 32 against the block mask's 128 x 128) against torch's FlexAttention
@@ -12,6 +12,8 @@ with its own inputs drawn from a fixed seed. Five checks per case:
 - ``flashledger Flex max``: its ``max_scores`` (``return_aux``; torch's CPU path
   refuses them) against the dense final scores' row maxima, within
   ``FORWARD_BOUND``;
+- ``flashledger MaskMod``: the same forward through ``flash_attention`` with
+  ``MaskMod(mask_mod)`` (the mask_mod classified blockwise, tiles the other way round);
 - ``flashledger Flex grads``: its gradients (q, k, v and the tensors the
   score_mod captures) against a dense float64 autograd oracle that calls the
   mods under ``torch.vmap``, as Flex's eager path does, within

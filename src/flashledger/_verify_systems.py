@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from ._maskmod import block_grid
+from ._maskmod import block_grid, padded_as_flex
 from ._verify_cases import Case
 from .masks import (
     EMPTY,
@@ -280,12 +280,3 @@ def ledger_tile_classes_for_flex(case: Case, block_q: int, block_k: int) -> Tens
         conventions=case.conventions,
     )  # (Tq, Tk)
     return padded_as_flex(classes, s.len_q, s.len_k, block_q, block_k)
-
-
-def padded_as_flex(classes: Tensor, len_q: int, len_k: int, block_q: int, block_k: int) -> Tensor:
-    """Tile classes ``(Tq, Tk)`` as FlexAttention's padded mask has them: a full tile on a
-    ragged edge (past ``Lq`` or ``Lk``) is partial there. Returns a new tensor."""
-    ragged_q = torch.arange(classes.shape[0]) * block_q + block_q > len_q  # (Tq,)
-    ragged_k = torch.arange(classes.shape[1]) * block_k + block_k > len_k  # (Tk,)
-    ragged = ragged_q[:, None] | ragged_k[None, :]
-    return torch.where(ragged & (classes == FULL), PARTIAL, classes)

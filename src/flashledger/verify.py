@@ -556,10 +556,12 @@ def _tile_rows(quick: bool) -> list[VerifyRow]:
                 detail = (
                     f"{diff} of {theirs.numel()} tiles differ: flex {theirs.tolist()} vs "
                     f"flashledger {ours.tolist()}"
+                    if diff
+                    else ""
                 )
-                conv, shown = case.conventions.name, detail if diff else ""
+                conv = case.conventions.name
                 rows.append(
-                    count_row("Flex BlockMask tiles", conv, where, "tile classes", diff, shown)
+                    count_row("Flex BlockMask tiles", conv, where, "tile classes", diff, detail)
                 )
     return rows
 
