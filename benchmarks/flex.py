@@ -26,7 +26,10 @@ forward, once with its vector-Jacobian product in the backward, on the step's ti
 in eager PyTorch no implementation that calls the callable can take less, so that
 time over the plain path's is a floor under the ratio, and with the attention's own
 arithmetic on top (the plain path is the fastest flashledger has) the ratio is at least
-that floor plus one.
+that floor plus one. The score_mod case is also timed with the table read through
+PyTorch's own indexing (``_gather.ENABLED = False``; by default flashledger runs a
+score_mod's integer-array indexing as a gather whose gradient is a scatter-add), to
+show what that rewrite is worth.
 
     .venv/bin/python benchmarks/flex.py                  # L = 4096, H = 4, d = 64
     .venv/bin/python benchmarks/flex.py --length 1024 --rounds 3   # a quick look
@@ -48,7 +51,7 @@ from collections.abc import Callable
 import torch
 
 import flashledger as fl
-from flashledger import _calibrate
+from flashledger import _calibrate, _gather
 from flashledger.bench import paired_ratios
 
 TARGETS = {
@@ -128,6 +131,19 @@ def _score_mod_alone(
             user.vjp(ctx, torch.ones_like(s))
 
     return run
+
+
+def _without_gather_rewrite(run: Callable[[], None]) -> Callable[[], None]:
+    """``run`` with a score_mod's indexing through PyTorch's own ``__getitem__``."""
+
+    def off() -> None:
+        _gather.ENABLED = False
+        try:
+            run()
+        finally:
+            _gather.ENABLED = True
+
+    return off
 
 
 def main() -> None:
@@ -236,6 +252,7 @@ def main() -> None:
         runners = {"flex": run, "base": base}
         if name == "score_mod(rel. bias)":
             runners["alone"] = _score_mod_alone(rel_bias, table, (h, n, d), dt)
+            runners["pytorch indexing"] = _without_gather_rewrite(run)
         per: dict[str, list[float]] = {}
         got = _timed(runners, args.rounds, per)
         ratio = got["flex"] / got["base"]
@@ -247,6 +264,13 @@ def main() -> None:
         )
         if "alone" in got:
             floor = (got["alone"], got["alone"] / got["base"])
+        if "pytorch indexing" in got:
+            plain_ix = got["pytorch indexing"]
+            print(
+                f"{'  with PyTorch indexing':<22} {got['base'] * 1e3:>12.1f} "
+                f"{plain_ix * 1e3:>10.1f} {plain_ix / got['base']:>7.2f}  (the gather rewrite "
+                f"off: {plain_ix / got['flex']:.2f}x the time with it)"
+            )
     if floor is not None:
         print(
             f"the score_mod alone on the step's tiles (forward, and backward with its VJP): "

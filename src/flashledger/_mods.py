@@ -42,7 +42,10 @@ The backward differentiates the score_mod tile by tile: ``UserScore.forward``
 evaluates it on a tile with its input as a fresh leaf, and ``vjp`` takes the
 vector-Jacobian product with ``torch.autograd.grad``, returning the gradient
 of the input scores and adding the captured tensors' gradients to
-``UserScore.grads``. Never a dense ``L x L`` graph.
+``UserScore.grads``. Never a dense ``L x L`` graph. While a score_mod runs on a
+tile, its integer-array indexing of a table (``table[h, q_idx - kv_idx]``) runs as
+a gather whose gradient is a scatter-add (``_gather``): PyTorch's indexing backward
+on CPU is a single-threaded ``index_put_``, most of a learnable bias's cost.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ from typing import Any, Literal
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
+
+from ._gather import fast_indexing
 
 __all__ = [
     "MaskModFn",
@@ -120,7 +125,8 @@ class TileCaller:
 
     Broadcast first; on an error or a result that does not broadcast, the same call
     under ``torch.vmap``, which is then kept for every later tile. ``calls`` and
-    ``positions`` count the tile calls and the (query, key) positions they decided.
+    ``positions`` count the tile calls and the (query, key) positions they decided,
+    ``gathers`` a score_mod's indexing operations run as gathers (``_gather``).
     """
 
     def __init__(self, fn: Callable[..., torch.Tensor], kind: Kind) -> None:
@@ -136,6 +142,18 @@ class TileCaller:
         self._vmap: Callable[..., torch.Tensor] | None = None
         self.calls = 0
         self.positions = 0
+        self.gathers = 0
+
+    def _broadcast(self, *args: torch.Tensor) -> Any:
+        """``fn(*args)`` on broadcast index tensors; a score_mod's integer-array indexing
+        runs as gathers (``_gather.fast_indexing``; ``gathers`` counts them)."""
+        if self.kind == "mask_mod":
+            return self.fn(*args)
+        mode = fast_indexing()
+        with mode:
+            out = self.fn(*args)
+        self.gathers += getattr(mode, "hits", 0)
+        return out
 
     def __call__(
         self,
@@ -153,7 +171,7 @@ class TileCaller:
         head = () if score is None else (score,)
         if self._vmap is None:
             try:
-                got = _fit(self.fn(*head, b, h, q_idx, kv_idx), want, self.kind)
+                got = _fit(self._broadcast(*head, b, h, q_idx, kv_idx), want, self.kind)
             except Exception as exc:  # scalar-only code, or a plain error: vmap will tell
                 got = f"raised {type(exc).__name__}: {' '.join(str(exc).split())}"
             if isinstance(got, torch.Tensor):
@@ -198,7 +216,7 @@ class TileCaller:
         h = torch.arange(heads, device=dev).view(1, heads, 1, 1, 1)
         want = (batch, heads, n, s, s)
         try:
-            out = self.fn(b, h, rows.view(1, 1, n, s, 1), keys.view(1, 1, n, 1, s))
+            out = self._broadcast(b, h, rows.view(1, 1, n, s, 1), keys.view(1, 1, n, 1, s))
         except Exception:  # the tile by tile evaluation will say what is wrong
             return None
         if (
