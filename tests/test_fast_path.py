@@ -284,6 +284,31 @@ def test_flash_attention_default_tiles_match_the_oracle(gen, assert_close):
 
 
 # -- the benchmark machinery (no timing is asserted) -----------------------------------------
+def test_bench_shares_of_the_peak_pair_each_round_with_its_own_peak() -> None:
+    """A round that ran at half speed because the machine did (its peak halved too) is
+    as efficient as the others: the share is the rounds' median of time-paired shares."""
+    row: dict[str, Any] = {
+        "fwdbwd_gflop": 100.0,
+        "flashledger": {"fwd_ms": 1.0, "fwdbwd_ms": 1000.0, "fwdbwd_gflops": 100.0},
+        "sdpa": {"fwd_ms": 1.0, "fwdbwd_ms": 1000.0, "fwdbwd_gflops": 100.0},
+        "matmuls": {"fwd_ms": 1.0, "fwdbwd_ms": 1.0},
+        "rounds_gemm_gflops": [200.0, 100.0, 200.0],
+        "rounds_fma_gflops": [400.0, 200.0, 400.0],
+    }
+    for method in ("flashledger", "sdpa"):  # 100 GFLOP in 0.5 s, 1 s (the slow round), 0.5 s
+        row[method]["fwd_rounds_ms"] = [1.0, 1.0, 1.0]
+        row[method]["fwdbwd_rounds_ms"] = [500.0, 1000.0, 500.0]
+        row[method]["peak_extra_mb"] = None
+    bench._derive(row, peak=1000.0, step_mm=None, fma=1000.0)  # start-of-run peaks: unused
+    assert row["pct_gemm_peak"] == pytest.approx(100.0)  # 200 GFLOP/s of 200, 100 of 100
+    assert row["pct_fma_peak"] == pytest.approx(50.0)
+    assert row["sdpa_pct_fma_peak"] == pytest.approx(50.0)
+    assert (row["gemm_peak_gflops"], row["fma_peak_gflops"]) == (200.0, 400.0)
+    del row["rounds_fma_gflops"]  # no native step: the start-of-run FMA peak, if any
+    bench._derive(row, peak=1000.0, step_mm=None, fma=None)
+    assert row["pct_fma_peak"] is None and row["fma_peak_gflops"] is None
+
+
 def _bench_args(*argv: str) -> Any:
     parser = cli._Parser(prog="flashledger bench")
     bench.add_cli_arguments(parser)
@@ -325,6 +350,12 @@ def test_bench_runs_a_tiny_configuration_and_writes_json_and_png(
         assert len(fl_t) == len(sd_t) == 1
         assert row[f"ratio_{key}_range"] == pytest.approx([fl_t[0] / sd_t[0]] * 2)
     assert row["max_abs_diff_o_vs_sdpa"] < 1e-4, "the benchmark timed a wrong answer"
+    # the peaks were timed in the round, and the shares are of those
+    (gemm_round,) = row["rounds_gemm_gflops"]
+    assert gemm_round > 0 and row["gemm_peak_gflops"] == gemm_round
+    fl_s = row["flashledger"]["fwdbwd_rounds_ms"][0] / 1e3
+    assert row["pct_gemm_peak"] == pytest.approx(100 * row["fwdbwd_gflop"] / fl_s / gemm_round)
+    assert (row["rounds_fma_gflops"] is None) == (_native.kernels() is None)
     for method in bench.METHODS:
         entry = row[method]
         assert entry["fwd_ms"] > 0 and entry["fwdbwd_ms"] > 0 and entry["rounds"] == 1

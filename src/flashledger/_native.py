@@ -47,7 +47,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -565,6 +565,24 @@ class Kernels:
             dvo=dv_,
         )
         return dq[0], dk, dv_
+
+    def fma_runner(
+        self, dtype: torch.dtype, *, seconds: float = 0.03
+    ) -> tuple[Callable[[], None], float]:
+        """The register FMA loop of ``fma_peak`` as a call of about ``seconds`` (its
+        repetitions fixed here, from a first timing) and the FLOPs one call does: a
+        benchmark times it round by round, beside what it measures."""
+        suffix = _suffix(dtype)
+        fn, per = self.fn("fl_fma_peak", suffix), self.fn("fl_fma_flops_per_rep", suffix)()
+        reps = 16
+        fn(reps)
+        while True:
+            t0 = time.perf_counter()
+            fn(reps)
+            if time.perf_counter() - t0 >= seconds or reps >= 1 << 24:
+                break
+            reps *= 2
+        return (lambda: fn(reps)), per * reps * self.max_threads()
 
     def fma_peak(self, dtype: torch.dtype, *, seconds: float = 0.2) -> float:
         """GFLOP/s of fused multiply-adds on registers only, on every thread: the peak no

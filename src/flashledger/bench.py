@@ -276,20 +276,42 @@ def matmul_floor_runners(cfg: Config) -> tuple[Callable[[], None], Callable[[], 
 # ----------------------------------------------------------------------------------------
 # timing
 # ----------------------------------------------------------------------------------------
-def gemm_peak(dtype: str, *, repeats: int = 5) -> float:
-    """GFLOP/s of a square ``2048`` matmul into a preallocated output (median)."""
+def gemm_runner(dtype: str) -> tuple[Callable[[], None], float]:
+    """A square ``2048`` matmul into a preallocated output, and its FLOPs."""
     dt = DTYPES[dtype]
     gen = torch.Generator().manual_seed(1)
     a = torch.randn(GEMM_N, GEMM_N, generator=gen, dtype=dt)
     b = torch.randn(GEMM_N, GEMM_N, generator=gen, dtype=dt)
     c = torch.empty(GEMM_N, GEMM_N, dtype=dt)
-    torch.mm(a, b, out=c)
+
+    def run() -> None:
+        torch.mm(a, b, out=c)
+
+    return run, 2.0 * GEMM_N**3
+
+
+def gemm_peak(dtype: str, *, repeats: int = 5) -> float:
+    """GFLOP/s of a square ``2048`` matmul into a preallocated output (median)."""
+    run, flops = gemm_runner(dtype)
+    run()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        torch.mm(a, b, out=c)
+        run()
         times.append(time.perf_counter() - t0)
-    return 2.0 * GEMM_N**3 / statistics.median(times) / 1e9
+    return flops / statistics.median(times) / 1e9
+
+
+def peak_runners(dtype: str) -> dict[str, tuple[Callable[[], None], float]]:
+    """``{"gemm": ..., "fma": ...}``: the two peaks as calls to time in every round beside
+    the attention (``(call, FLOPs)``; no ``"fma"`` when the native step is off). On a
+    shared machine the peaks move by 2-3x within seconds; a share of a peak measured
+    minutes earlier says little."""
+    out = {"gemm": gemm_runner(dtype)}
+    kern = _native.kernels()
+    if kern is not None:
+        out["fma"] = kern.fma_runner(torch.float64 if dtype == "float64" else torch.float32)
+    return out
 
 
 def step_matmul_rate(dtype: str) -> float | None:
@@ -607,10 +629,17 @@ def _time_config(
     fwd = time_interleaved(
         {**{m: _fwd_runner(f, q, k, v) for m, f in pair.items()}, "matmuls": floor_fwd}, **common
     )
+    peaks = peak_runners(cfg.dtype)
     fb = time_interleaved(
-        {**{m: _fwdbwd_runner(f, q, k, v, do) for m, f in pair.items()}, "matmuls": floor_fb},
+        {
+            **{m: _fwdbwd_runner(f, q, k, v, do) for m, f in pair.items()},
+            "matmuls": floor_fb,
+            **{f"peak {name}": run for name, (run, _) in peaks.items()},
+        },
         **common,
     )
+    for name, (_, flops) in peaks.items():  # the round's peak rate, beside its timings
+        fb[f"peak {name}"]["gflops"] = [flops / t / 1e9 for t in fb[f"peak {name}"]["samples_s"]]
     if "naive" in fns:
         fwd |= time_interleaved({"naive": _fwd_runner(fns["naive"], q, k, v)}, **common)
         fb |= time_interleaved({"naive": _fwdbwd_runner(fns["naive"], q, k, v, do)}, **common)
@@ -640,6 +669,9 @@ def _measure(
             "fwd_ms": 1e3 * fwd["matmuls"]["median_s"],
             "fwdbwd_ms": 1e3 * fb["matmuls"]["median_s"],
         },
+        # the peaks, timed in each forward + backward round beside the attention
+        "rounds_gemm_gflops": fb["peak gemm"]["gflops"],
+        "rounds_fma_gflops": fb["peak fma"]["gflops"] if "peak fma" in fb else None,
     }
     for m in METHODS:
         if m not in methods:
@@ -661,11 +693,25 @@ def _measure(
     return row
 
 
+def _round_shares(row: dict[str, Any], method: str, peaks: Sequence[float]) -> float:
+    """The median over the rounds of ``method``'s forward + backward GFLOP/s as a
+    percentage of the peak timed in the same round."""
+    flops = row["fwdbwd_gflop"] * 1e9
+    times = row[method]["fwdbwd_rounds_ms"]
+    return statistics.median(
+        100.0 * flops / (t / 1e3) / 1e9 / p for t, p in zip(times, peaks, strict=True)
+    )
+
+
 def _derive(
     row: dict[str, Any], peak: float, step_mm: float | None, fma: float | None = None
 ) -> None:
     """Ratios against SDPA (of the medians, and the range of the rounds' paired ratios),
-    the shares of the GEMM peak, of the step's matmul rate and of the machine's FMA peak."""
+    the shares of the GEMM peak, of the step's matmul rate and of the machine's FMA peak.
+
+    The GEMM and FMA shares use the peaks timed in each round beside the attention
+    (``rounds_*_gflops``, the median of the rounds' shares) where the row has them;
+    ``peak`` and ``fma`` (measured once, at the start) otherwise."""
     fl, sd = row["flashledger"], row["sdpa"]
     row["ratio_fwd"] = fl["fwd_ms"] / sd["fwd_ms"]
     row["ratio_fwdbwd"] = fl["fwdbwd_ms"] / sd["fwdbwd_ms"]
@@ -675,11 +721,17 @@ def _derive(
     mm = row["matmuls"]
     row["floor_fwd"] = mm["fwd_ms"] / sd["fwd_ms"]
     row["floor_fwdbwd"] = mm["fwdbwd_ms"] / sd["fwdbwd_ms"]
-    row["pct_gemm_peak"] = 100.0 * fl["fwdbwd_gflops"] / peak
-    row["sdpa_pct_gemm_peak"] = 100.0 * sd["fwdbwd_gflops"] / peak
     row["pct_step_matmul"] = None if not step_mm else 100.0 * fl["fwdbwd_gflops"] / step_mm
-    row["pct_fma_peak"] = None if not fma else 100.0 * fl["fwdbwd_gflops"] / fma
-    row["sdpa_pct_fma_peak"] = None if not fma else 100.0 * sd["fwdbwd_gflops"] / fma
+    for key, start in (("gemm", peak), ("fma", fma)):
+        rounds = row.get(f"rounds_{key}_gflops")
+        if rounds:
+            row[f"{key}_peak_gflops"] = statistics.median(rounds)
+            row[f"pct_{key}_peak"] = _round_shares(row, "flashledger", rounds)
+            row[f"sdpa_pct_{key}_peak"] = _round_shares(row, "sdpa", rounds)
+        else:
+            row[f"{key}_peak_gflops"] = start
+            row[f"pct_{key}_peak"] = None if not start else 100.0 * fl["fwdbwd_gflops"] / start
+            row[f"sdpa_pct_{key}_peak"] = None if not start else 100.0 * sd["fwdbwd_gflops"] / start
     if fl["peak_extra_mb"] is not None and sd["peak_extra_mb"]:
         row["mem_ratio"] = fl["peak_extra_mb"] / sd["peak_extra_mb"]
     else:
@@ -975,7 +1027,9 @@ def print_table(report: dict[str, Any]) -> None:
         "tiles: forward/forward + backward where the forward has its own; "
         "matmuls alone: the tiles' matmuls as batched PyTorch calls, nothing else, / SDPA",
         caption=f"{report['machine']['cpu']} ({report['machine'].get('isa', '')}), "
-        f"{report['machine']['threads']} threads. Peaks, this run: FMA on registers "
+        f"{report['machine']['threads']} threads. % FMA and % GEMM: of the peaks timed in "
+        "each round beside the attention (median of the rounds' shares; FMA/GEMM "
+        "GFLOP/s: the rounds' median peaks). Peaks at the start of the run: FMA on registers "
         + ", ".join(f"{dt} {_fmt(v, '.0f')}" for dt, v in report.get("fma_peak_gflops", {}).items())
         + " GFLOP/s; PyTorch's 2048² matmul "
         + ", ".join(f"{dt} {v:.0f}" for dt, v in peaks.items())
@@ -985,7 +1039,7 @@ def print_table(report: dict[str, Any]) -> None:
     cols = [
         "L", "dtype", "causal", "tiles", "fwd ms FL/SDPA", "ratio", "f+b ms FL/SDPA", "ratio",
         "matmuls alone f/f+b", "naive f+b ms", "GFLOP/s", "% FMA FL/SDPA", "% GEMM",
-        "% step mm", "MB FL/SDPA/naive", "ratio",
+        "FMA/GEMM GFLOP/s", "% step mm", "MB FL/SDPA/naive", "ratio",
     ]  # fmt: skip
     for c in cols:
         table.add_column(c, justify="right")
@@ -1008,6 +1062,7 @@ def print_table(report: dict[str, Any]) -> None:
             f"{fl['fwdbwd_gflops']:.0f}",
             _fmt(r.get("pct_fma_peak"), ".0f") + "/" + _fmt(r.get("sdpa_pct_fma_peak"), ".0f"),
             f"{r['pct_gemm_peak']:.0f}",
+            _fmt(r.get("fma_peak_gflops"), ".0f") + "/" + _fmt(r.get("gemm_peak_gflops"), ".0f"),
             _fmt(r["pct_step_matmul"], ".0f"),
             "/".join(_fmt(None if x is None else x["peak_extra_mb"], ".0f") for x in (fl, sd, nv)),
             _fmt(r["mem_ratio"], ".2f"),
