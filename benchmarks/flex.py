@@ -28,8 +28,9 @@ time over the plain path's is a floor under the ratio, and with the attention's 
 arithmetic on top (the plain path is the fastest flashledger has) the ratio is at least
 that floor plus one. The score_mod case is also timed with the table read through
 PyTorch's own indexing (``_gather.ENABLED = False``; by default flashledger runs a
-score_mod's integer-array indexing as a gather whose gradient is a scatter-add), to
-show what that rewrite is worth.
+score_mod's integer-array indexing as a gather whose gradient is a scatter-add), and
+with that gather on ``torch.take`` instead of the native library's loop
+(``_gather.NATIVE = False``), to show what each is worth.
 
     .venv/bin/python benchmarks/flex.py                  # L = 4096, H = 4, d = 64
     .venv/bin/python benchmarks/flex.py --length 1024 --rounds 3   # a quick look
@@ -133,15 +134,17 @@ def _score_mod_alone(
     return run
 
 
-def _without_gather_rewrite(run: Callable[[], None]) -> Callable[[], None]:
-    """``run`` with a score_mod's indexing through PyTorch's own ``__getitem__``."""
+def _with_gather(run: Callable[[], None], switch: str) -> Callable[[], None]:
+    """``run`` with ``_gather.<switch>`` False: ``ENABLED`` (a score_mod's indexing
+    through PyTorch's own ``__getitem__``) or ``NATIVE`` (the rewrite's gathers on
+    ``torch.take`` and ``scatter_add_``)."""
 
     def off() -> None:
-        _gather.ENABLED = False
+        setattr(_gather, switch, False)
         try:
             run()
         finally:
-            _gather.ENABLED = True
+            setattr(_gather, switch, True)
 
     return off
 
@@ -252,7 +255,8 @@ def main() -> None:
         runners = {"flex": run, "base": base}
         if name == "score_mod(rel. bias)":
             runners["alone"] = _score_mod_alone(rel_bias, table, (h, n, d), dt)
-            runners["pytorch indexing"] = _without_gather_rewrite(run)
+            runners["take lane"] = _with_gather(run, "NATIVE")
+            runners["pytorch indexing"] = _with_gather(run, "ENABLED")
         per: dict[str, list[float]] = {}
         got = _timed(runners, args.rounds, per)
         ratio = got["flex"] / got["base"]
@@ -264,6 +268,13 @@ def main() -> None:
         )
         if "alone" in got:
             floor = (got["alone"], got["alone"] / got["base"])
+        if "take lane" in got:
+            take = got["take lane"]
+            print(
+                f"{'  gathers on torch.take':<22} {got['base'] * 1e3:>12.1f} "
+                f"{take * 1e3:>10.1f} {take / got['base']:>7.2f}  (the native gather and "
+                f"scatter-add off: {take / got['flex']:.2f}x the time with them)"
+            )
         if "pytorch indexing" in got:
             plain_ix = got["pytorch indexing"]
             print(

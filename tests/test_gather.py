@@ -14,16 +14,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flashledger as fl
-from flashledger import _gather
+from flashledger import _gather, _native
 from flashledger._mods import TileCaller, index_grid
 
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True)
-def _every_size(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rewrite gathers of any size (the default leaves small ones to PyTorch)."""
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def lane(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test in both lanes (the native library's gather where it runs, PyTorch's
+    ``take``), rewriting gathers of any size (the default leaves small ones to PyTorch)."""
     monkeypatch.setattr(_gather, "MIN_ELEMENTS", 0)
+    if request.param == "native" and _native.kernels() is None:
+        pytest.skip("the native library does not run here")
+    monkeypatch.setattr(_gather, "NATIVE", request.param == "native")
+    return str(request.param)
 
 
 def _both(src: torch.Tensor, index: Any) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -84,6 +89,14 @@ REWRITTEN: dict[str, tuple[Callable[[], torch.Tensor], Callable[[], Any]]] = {
         lambda: torch.randn(1, 6, dtype=F64).expand(4, 6),
         lambda: (_ar(3, hi=4), _ar(3, hi=6)),
     ),
+    "five broadcast dims": (
+        lambda: torch.randn(3, 4, dtype=F64),
+        lambda: (_ar(2, 1, 1, 1, 1, hi=3), _ar(1, 2, 1, 1, 3, hi=4, seed=1)),
+    ),
+    "float32 table, int64 indices": (
+        lambda: torch.randn(4, 31),
+        lambda: (torch.arange(4).view(1, 4, 1, 1), _ar(1, 1, 9, 11, lo=-31, hi=31)),
+    ),
     "integer table": (
         lambda: torch.tensor([0, 0, 1, 1, 1, 2]),
         lambda: _ar(1, 1, 4, 1, hi=6),
@@ -92,11 +105,17 @@ REWRITTEN: dict[str, tuple[Callable[[], torch.Tensor], Callable[[], Any]]] = {
 
 
 @pytest.mark.parametrize("name", list(REWRITTEN))
-def test_rewritten_indexing_reads_the_same_elements(name: str) -> None:
+def test_rewritten_indexing_reads_the_same_elements(name: str, lane: str) -> None:
     make_src, make_index = REWRITTEN[name]
     src, index = make_src(), make_index()
-    fast, slow, hits = _both(src, index)
+    mode = _gather.fast_indexing()
+    with mode:
+        fast = src[index]
+    slow, hits = src[index], mode.hits
     assert hits == 1, f"{name}: the rewrite did not apply"
+    # the native lane takes float tables of up to 4 broadcast dims
+    native = lane == "native" and src.is_floating_point() and slow.ndim <= 4
+    assert mode.native == int(native), f"{name}: native {mode.native}, expected {int(native)}"
     assert fast.shape == slow.shape and fast.dtype == slow.dtype
     assert torch.equal(fast, slow), f"{name}: {(fast - slow).abs().max()}"
 
@@ -239,3 +258,49 @@ def test_a_relative_bias_score_mod_runs_as_gathers_with_the_same_result(
     bb, hh, qq, kk = index_grid(1, 2, torch.arange(4), torch.arange(5))
     caller(bb, hh, qq, kk, score=torch.zeros(1, 2, 4, 5, dtype=F64))
     assert caller.gathers == 1
+
+
+@pytest.mark.parametrize(
+    ("table", "shape"),
+    [((4, 100), (1, 4, 64, 300)), ((150_000,), (1, 1, 250, 280))],
+    ids=["threads sum private copies", "a large table: one thread"],
+)
+def test_native_scatter_add_equals_pytorchs_gradient(
+    lane: str, table: tuple[int, ...], shape: tuple[int, ...]
+) -> None:
+    """Gathers large enough to run on every thread: with integer weights every partial
+    sum is exact, so the gradient equals PyTorch's bit for bit; with random weights it
+    is the same on every call (a fixed order of sums) and PyTorch's to rounding."""
+    if lane != "native":
+        pytest.skip("the native scatter-add")
+    gen = torch.Generator().manual_seed(5)
+    src = torch.randn(*table, generator=gen, dtype=F64)
+    if len(table) == 2:
+        index: Any = (torch.arange(4).view(1, 4, 1, 1), _ar(1, 1, shape[2], shape[3], hi=100))
+    else:
+        index = _ar(*shape, lo=-table[0], hi=table[0])
+    weight = _ar(*shape, lo=-4, hi=5, seed=3).to(F64)
+    fast, slow = _grads(src, index, weight)
+    assert torch.equal(fast, slow), f"worst {(fast - slow).abs().max()}"
+    weight = torch.randn(shape, generator=gen, dtype=F64)
+    fast, slow = _grads(src, index, weight)
+    again, _ = _grads(src, index, weight)
+    assert torch.equal(fast, again)
+    torch.testing.assert_close(fast, slow, rtol=1e-13, atol=1e-13)
+
+
+def test_native_gather_refuses_what_it_does_not_take(lane: str) -> None:
+    """Out-of-range indices: ``Kernels.gather`` answers None (the mode then lets PyTorch
+    raise its error) and ``scatter_add`` False, without touching memory out of range."""
+    if lane != "native":
+        pytest.skip("the native library's own calls")
+    kern = _native.kernels()
+    assert kern is not None
+    src = torch.randn(4, 6)
+    rows = torch.arange(4).view(4, 1)
+    for bad in (torch.tensor([[0, 6]]), torch.tensor([[-7, 0]])):
+        assert kern.gather(src, (4, 2), 0, [(rows, 0), (bad, 1)]) is None
+        dst = torch.zeros(4, 6)
+        assert not kern.scatter_add(dst, torch.ones(4, 2), 0, [(rows, 0), (bad, 1)])
+    got = kern.gather(src, (4, 2), 0, [(rows, 0), (torch.tensor([[-6, 5]]), 1)])
+    assert got is not None and torch.equal(got, src[rows, torch.tensor([[0, 5]])])

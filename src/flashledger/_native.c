@@ -1696,6 +1696,146 @@ double SUF(fl_fma_peak)(long long reps) {
 
 /* FLOPs of one fl_fma_peak rep on one thread */
 double SUF(fl_fma_flops_per_rep)(void) { return 1024.0 * 12 * 2 * W; }
+
+/* -- a score_mod's table reads: gather, and its gradient's scatter-add ----------------------
+ *
+ * src[i_0, i_1, ...] with one integer index tensor (int64 or int32) per indexed dim of src,
+ * broadcast together to the output's shape (n0, n1, n2, n3): out[p] = src[flat(p)],
+ * flat(p) = base + Σ_t wrap(i_t[p]) · stride_t, a negative index wrapped once (i + size),
+ * as Python and PyTorch wrap it. No flat index is stored: each output row's indices are
+ * read where they lie (strides 0 along the dims an index broadcasts over), a row's flat
+ * indices formed in a small buffer. (_gather.py.) */
+#define FL_GATHER_DIMS 8
+#define FL_GATHER_RUN 512
+struct fl_gather {
+    long long n[4];                  /* the output's shape (the indices' broadcast), 4 dims */
+    long long dims;                  /* index tensors, at most FL_GATHER_DIMS */
+    long long base;                  /* the Python ints' part of the flat index */
+    const void *idx[FL_GATHER_DIMS]; /* each index tensor's data */
+    long long is32[FL_GATHER_DIMS];  /* 1: int32, 0: int64 */
+    long long st[FL_GATHER_DIMS][4]; /* its strides along the output's dims, in elements */
+    long long size[FL_GATHER_DIMS];  /* the size of the dim of src it indexes */
+    long long stride[FL_GATHER_DIMS]; /* that dim's stride in src (or in the gradient) */
+};
+
+/* The flat indices of row r's elements [j0, j0 + nj) into fl; 1 when one is out of range. */
+static int gather_run(const struct fl_gather *g, long long r, long long j0, int nj, long long *fl) {
+    long long i2 = r % g->n[2], i1 = r / g->n[2] % g->n[1], i0 = r / (g->n[2] * g->n[1]);
+    long long bad = 0, base = g->base;
+    for (int t = 0; t < g->dims; ++t) { /* indices constant along the row first */
+        const long long *st = g->st[t];
+        if (st[3]) continue;
+        long long at = i0 * st[0] + i1 * st[1] + i2 * st[2], size = g->size[t];
+        long long v = g->is32[t] ? ((const int *)g->idx[t])[at] : ((const long long *)g->idx[t])[at];
+        v += v < 0 ? size : 0;
+        bad |= (unsigned long long)v >= (unsigned long long)size;
+        base += v * g->stride[t];
+    }
+    for (int j = 0; j < nj; ++j) fl[j] = base;
+    for (int t = 0; t < g->dims; ++t) {
+        const long long *st = g->st[t];
+        long long s3 = st[3], size = g->size[t], ts = g->stride[t];
+        if (!s3) continue;
+        long long at = i0 * st[0] + i1 * st[1] + i2 * st[2] + j0 * s3;
+        if (s3 == 1 && !g->is32[t]) { /* the common case, contiguous along the row: vectors */
+            const long long *p = (const long long *)g->idx[t] + at;
+            for (int j = 0; j < nj; ++j) {
+                long long v = p[j];
+                v += v < 0 ? size : 0;
+                bad |= (unsigned long long)v >= (unsigned long long)size;
+                fl[j] += v * ts;
+            }
+        } else if (g->is32[t]) {
+            const int *p = (const int *)g->idx[t] + at;
+            for (int j = 0; j < nj; ++j) {
+                long long v = p[j * s3];
+                v += v < 0 ? size : 0;
+                bad |= (unsigned long long)v >= (unsigned long long)size;
+                fl[j] += v * ts;
+            }
+        } else {
+            const long long *p = (const long long *)g->idx[t] + at;
+            for (int j = 0; j < nj; ++j) {
+                long long v = p[j * s3];
+                v += v < 0 ? size : 0;
+                bad |= (unsigned long long)v >= (unsigned long long)size;
+                fl[j] += v * ts;
+            }
+        }
+    }
+    return bad != 0;
+}
+
+/* out (n0 · n1 · n2 · n3, contiguous) = src at the flat indices; returns 1 (out then
+ * partly written, src never read out of range) when an index is out of range. */
+int SUF(fl_gather)(const T *src, T *out, const struct fl_gather *g) {
+    long long rows = g->n[0] * g->n[1] * g->n[2], n3 = g->n[3];
+    int bad = 0;
+#pragma omp parallel for schedule(static) reduction(| : bad) if (rows * n3 >= (1 << 16))
+    for (long long r = 0; r < rows; ++r) {
+        long long fl[FL_GATHER_RUN];
+        for (long long j0 = 0; j0 < n3 && !bad; j0 += FL_GATHER_RUN) {
+            int nj = (int)(n3 - j0 < FL_GATHER_RUN ? n3 - j0 : FL_GATHER_RUN);
+            if (gather_run(g, r, j0, nj, fl)) {
+                bad = 1;
+                break;
+            }
+            T *o = out + r * n3 + j0;
+            for (int j = 0; j < nj; ++j) o[j] = src[fl[j]];
+        }
+    }
+    return bad;
+}
+
+/* dst (n_dst, zeros or a sum to add to) += grad (the output's shape, contiguous) at the flat
+ * indices (strides: dst's). Rows are split among the threads in a fixed order, each summing
+ * into a private copy of dst, the copies then added in thread order: the same sums for the
+ * same thread count. One thread when dst is large beside the work (the copies would cost
+ * more than the sums). Returns 1 when an index is out of range (dst then unspecified). */
+int SUF(fl_scatter_add)(T *dst, long long n_dst, const T *grad, const struct fl_gather *g) {
+    long long rows = g->n[0] * g->n[1] * g->n[2], n3 = g->n[3];
+    int threads = omp_get_max_threads(), bad = 0;
+    if (threads > 1 && rows * n3 >= (1 << 16) && n_dst * threads <= rows * n3 / 4) {
+        T *priv = calloc((size_t)(n_dst * threads), sizeof(T));
+        if (priv) {
+#pragma omp parallel num_threads(threads) reduction(| : bad)
+            {
+                int id = omp_get_thread_num(), nt = omp_get_num_threads();
+                T *mine = priv + (long long)id * n_dst;
+                long long fl[FL_GATHER_RUN];
+                long long r0 = rows * id / nt, r1 = rows * (id + 1) / nt;
+                for (long long r = r0; r < r1 && !bad; ++r)
+                    for (long long j0 = 0; j0 < n3; j0 += FL_GATHER_RUN) {
+                        int nj = (int)(n3 - j0 < FL_GATHER_RUN ? n3 - j0 : FL_GATHER_RUN);
+                        if (gather_run(g, r, j0, nj, fl)) {
+                            bad = 1;
+                            break;
+                        }
+                        const T *gr = grad + r * n3 + j0;
+                        for (int j = 0; j < nj; ++j) mine[fl[j]] += gr[j];
+                    }
+#pragma omp barrier
+#pragma omp for schedule(static)
+                for (long long i = 0; i < n_dst; ++i) {
+                    T sum = dst[i];
+                    for (int t = 0; t < nt; ++t) sum += priv[(long long)t * n_dst + i];
+                    dst[i] = sum;
+                }
+            }
+            free(priv);
+            return bad;
+        }
+    }
+    long long fl[FL_GATHER_RUN];
+    for (long long r = 0; r < rows; ++r)
+        for (long long j0 = 0; j0 < n3; j0 += FL_GATHER_RUN) {
+            int nj = (int)(n3 - j0 < FL_GATHER_RUN ? n3 - j0 : FL_GATHER_RUN);
+            if (gather_run(g, r, j0, nj, fl)) return 1;
+            const T *gr = grad + r * n3 + j0;
+            for (int j = 0; j < nj; ++j) dst[fl[j]] += gr[j];
+        }
+    return 0;
+}
 #else
 /* -- the rounding to the input dtype, on its own (tests) ------------------------------------ */
 

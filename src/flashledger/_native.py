@@ -94,6 +94,46 @@ class _Args(ctypes.Structure):
     )
 
 
+GATHER_DIMS = 8
+"""Index tensors a native gather takes (``struct fl_gather``)."""
+
+
+class _GatherArgs(ctypes.Structure):
+    """Mirror of ``struct fl_gather`` in ``_native.c``."""
+
+    _fields_ = [
+        ("n", ctypes.c_longlong * 4),
+        ("dims", ctypes.c_longlong),
+        ("base", ctypes.c_longlong),
+        ("idx", ctypes.c_void_p * GATHER_DIMS),
+        ("is32", ctypes.c_longlong * GATHER_DIMS),
+        ("st", (ctypes.c_longlong * 4) * GATHER_DIMS),
+        ("size", ctypes.c_longlong * GATHER_DIMS),
+        ("stride", ctypes.c_longlong * GATHER_DIMS),
+    ]
+
+
+def _gather_args(
+    shape: tuple[int, ...],
+    base: int,
+    terms: list[tuple[torch.Tensor, int, int]],
+) -> _GatherArgs:
+    """The gather of ``shape`` (at most 4 dims) at ``base + Σ wrap(i) · stride`` over the
+    ``terms`` ``(index tensor (int64 or int32, broadcasting to shape), size, stride)``."""
+    g = _GatherArgs()
+    pad = 4 - len(shape)
+    for j, n in enumerate((1,) * pad + tuple(shape)):
+        g.n[j] = n
+    g.dims, g.base = len(terms), base
+    for t, (index, size, stride) in enumerate(terms):
+        g.idx[t] = index.data_ptr()
+        g.is32[t] = int(index.dtype == torch.int32)
+        for j, st in enumerate((0,) * pad + tuple(index.expand(shape).stride())):
+            g.st[t][j] = st
+        g.size[t], g.stride[t] = size, stride
+    return g
+
+
 class Schedule:
     """The tiles one pass runs, in order, grouped in rows: the forward's query tiles (each
     a list of key tiles), or the backward's key tiles (each a list of query tiles).
@@ -203,6 +243,11 @@ class Kernels:
             else:
                 getattr(lib, f"fl_round_{suffix}").argtypes = [vp, vp, ll]
                 getattr(lib, f"fl_round_{suffix}").restype = None
+            if suffix in ("f32", "f64"):
+                getattr(lib, f"fl_gather_{suffix}").argtypes = [vp, vp, vp]
+                getattr(lib, f"fl_gather_{suffix}").restype = i
+                getattr(lib, f"fl_scatter_add_{suffix}").argtypes = [vp, ll, vp, vp]
+                getattr(lib, f"fl_scatter_add_{suffix}").restype = i
             getattr(lib, f"fl_pack_amx_{suffix}").argtypes = [vp, vp, vp, vp, ll, ll, ll, ll]
             getattr(lib, f"fl_pack_amx_{suffix}").restype = None
             getattr(lib, f"fl_amx_on_{suffix}").restype = i
@@ -565,6 +610,43 @@ class Kernels:
             dvo=dv_,
         )
         return dq[0], dk, dv_
+
+    def gather(
+        self,
+        src: torch.Tensor,
+        shape: tuple[int, ...],
+        base: int,
+        terms: list[tuple[torch.Tensor, int]],
+    ) -> torch.Tensor | None:
+        """``src`` (float32 or float64, CPU) read at ``base + Σ_t wrap(i_t) · src.stride(d_t)``
+        over ``terms`` ``(i_t (int64 or int32, broadcasting to shape), d_t)`` (at most
+        ``GATHER_DIMS`` of them; ``shape`` at most 4 dims): a new contiguous tensor of
+        ``shape``, ``src[..., i_t, ...]`` for one index tensor per dim; None when an index
+        is out of range (wrapped once, as Python wraps negative indices)."""
+        args = _gather_args(shape, base, [(i, src.shape[dim], src.stride(dim)) for i, dim in terms])
+        out = torch.empty(shape, dtype=src.dtype)
+        if self.fn("fl_gather", _suffix(src.dtype))(
+            src.data_ptr(), out.data_ptr(), ctypes.byref(args)
+        ):
+            return None
+        return out
+
+    def scatter_add(
+        self,
+        dst: torch.Tensor,
+        grad: torch.Tensor,
+        base: int,
+        terms: list[tuple[torch.Tensor, int]],
+    ) -> bool:
+        """``dst`` (contiguous) ``+= grad`` at the flat indices ``gather`` reads (``grad``
+        of the gather's shape, contiguous, ``dst``'s dtype): the gradient of a gather from a
+        tensor shaped as ``dst``. The sums run in a fixed order for a given thread count.
+        False (``dst`` then unspecified) when an index is out of range."""
+        args = _gather_args(
+            tuple(grad.shape), base, [(i, dst.shape[dim], dst.stride(dim)) for i, dim in terms]
+        )
+        fn = self.fn("fl_scatter_add", _suffix(dst.dtype))
+        return not fn(dst.data_ptr(), dst.numel(), grad.data_ptr(), ctypes.byref(args))
 
     def fma_runner(
         self, dtype: torch.dtype, *, seconds: float = 0.03
