@@ -304,3 +304,21 @@ def test_native_gather_refuses_what_it_does_not_take(lane: str) -> None:
         assert not kern.scatter_add(dst, torch.ones(4, 2), 0, [(rows, 0), (bad, 1)])
     got = kern.gather(src, (4, 2), 0, [(rows, 0), (torch.tensor([[-6, 5]]), 1)])
     assert got is not None and torch.equal(got, src[rows, torch.tensor([[0, 5]])])
+
+
+def test_a_gathered_table_can_be_modified_in_place() -> None:
+    """A score_mod may modify what it read in place (``bias.mul_(2)``): the gather's
+    output is a tensor of its own, not a view, and the gradient flows through it."""
+    index = (torch.arange(2).view(2, 1), _ar(1, 5, hi=15))
+    weight = _ar(2, 5, lo=-4, hi=5, seed=3).to(F64)
+    grads = []
+    fast = _gather.fast_indexing()
+    for mode in (fast, contextlib.nullcontext()):
+        leaf = TABLE.clone().requires_grad_(True)
+        with mode:
+            picked = leaf[index]
+        picked.mul_(2)
+        (picked * weight).sum().backward()
+        grads.append(leaf.grad)
+    assert getattr(fast, "hits", 0) == 1
+    assert torch.equal(grads[0], grads[1])

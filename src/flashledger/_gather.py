@@ -184,17 +184,19 @@ def _library() -> Any:
 
 
 class _NativeTake(torch.autograd.Function):
-    """A native gather's result (``plan``, already read from ``src`` as ``out``), with the
-    gradient of ``src`` as the native scatter-add at the same indices."""
+    """A native gather's result (``plan``, already read from ``src``, handed over in a
+    list: a tensor input returned as the output would be a view, which a score_mod could
+    not modify in place), with the gradient of ``src`` as the native scatter-add at the
+    same indices."""
 
     @staticmethod
     def forward(
-        ctx: Any, src: torch.Tensor, out: torch.Tensor, plan: _Plan, kern: Any
+        ctx: Any, src: torch.Tensor, box: list[torch.Tensor], plan: _Plan, kern: Any
     ) -> torch.Tensor:
         ctx.save_for_backward(*(i for i, _ in plan.terms))
         ctx.dims = [dim for _, dim in plan.terms]
         ctx.plan, ctx.kern, ctx.src_shape = plan, kern, src.shape
-        return out
+        return box.pop()
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -221,7 +223,7 @@ def _native_take(src: torch.Tensor, plan: _Plan, kern: Any) -> torch.Tensor | No
     if out is None:
         return None
     if src.requires_grad and torch.is_grad_enabled():
-        return _NativeTake.apply(src, out, plan, kern)
+        return _NativeTake.apply(src, [out], plan, kern)
     return out
 
 
