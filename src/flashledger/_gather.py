@@ -49,6 +49,9 @@ from typing import Any, NamedTuple
 import torch
 from torch.overrides import TorchFunctionMode
 
+from . import _native
+from ._native import GATHER_DIMS
+
 __all__ = ["ENABLED", "fast_indexing"]
 
 ENABLED = True
@@ -176,11 +179,7 @@ def _library() -> Any:
     """The native library's gather and scatter-add (``_native.Kernels``), or None where
     the native step does not run (``FLASHLEDGER_NATIVE=0``, ``_native.disabled()``, no
     compiler): ``torch.take`` and ``scatter_add_`` then run instead."""
-    if not NATIVE:
-        return None
-    from . import _native
-
-    return _native.kernels()
+    return _native.kernels() if NATIVE else None
 
 
 class _NativeTake(torch.autograd.Function):
@@ -193,16 +192,16 @@ class _NativeTake(torch.autograd.Function):
     def forward(
         ctx: Any, src: torch.Tensor, box: list[torch.Tensor], plan: _Plan, kern: Any
     ) -> torch.Tensor:
-        ctx.save_for_backward(*(i for i, _ in plan.terms))
+        ctx.save_for_backward(*(i for i, _ in plan.terms))  # the index tensors, checked
         ctx.dims = [dim for _, dim in plan.terms]
-        ctx.plan, ctx.kern, ctx.src_shape = plan, kern, src.shape
+        ctx.shape, ctx.ints, ctx.kern, ctx.src_shape = plan.shape, plan.ints, kern, src.shape
         return box.pop()
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         terms = list(zip(ctx.saved_tensors, ctx.dims))
-        plan: _Plan = ctx.plan
+        plan = _Plan(ctx.shape, ctx.ints, terms)
         dst = grad.new_zeros(ctx.src_shape)  # (src's shape), contiguous
         grad = grad.expand(plan.shape).contiguous()  # (the indices' broadcast shape)
         if not ctx.kern.scatter_add(dst, grad, plan.base(dst.stride()), terms):
@@ -216,7 +215,7 @@ def _native_take(src: torch.Tensor, plan: _Plan, kern: Any) -> torch.Tensor | No
     if (
         src.dtype not in (torch.float32, torch.float64)
         or len(plan.shape) > 4
-        or len(plan.terms) > 8
+        or len(plan.terms) > GATHER_DIMS
     ):
         return None
     out = kern.gather(src, plan.shape, plan.base(src.stride()), plan.terms)
