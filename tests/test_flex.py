@@ -937,7 +937,10 @@ def test_the_loop_calls_the_mods_once_per_tile_on_the_tile(monkeypatch):
     o.backward(do)
     assert max(s[-2] * s[-1] for s in calls["score"]) <= 32 * 32 and calls["score"][1:]
     runs = 4 * 5 // 2  # causal 4 x 4 tiles: 10 run (4 partial, 6 full)
-    assert n_fwd == runs + 1 and len(calls["score"]) == 2 * runs + 1  # one probe
+    # two probes: whether the callable takes broadcast indices, and whether it adds a term
+    # to the score (on the first 2 x 2 positions; this one does not: the PyTorch step runs)
+    assert n_fwd == runs + 2 and len(calls["score"]) == 2 * runs + 2
+    assert sum(s[-2:] == (2, 2) for s in calls["score"]) == 1
     # classification: one call per row of tiles (4); each pass: the 4 partial tiles
     assert after_forward == 4 + 4 and len(calls["mask"]) == 4 + 2 * 4, "no second classification"
 

@@ -50,6 +50,7 @@ on CPU is a single-threaded ``index_put_``, most of a learnable bias's cost.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -338,6 +339,7 @@ class UserScore:
     device: torch.device
     _captured: tuple[torch.Tensor, ...] | None = None
     grads: list[torch.Tensor | None] = field(default_factory=list)
+    additive: bool | None = None  # adds a term to the score (``adds_to_score``); None: unknown
 
     @staticmethod
     def bind(
@@ -384,18 +386,62 @@ class UserScore:
     def vjp(self, ctx: TileVJP, ds: torch.Tensor) -> torch.Tensor:
         """The gradient of the tile's input scores from ``ds`` (that of its output), both
         ``(B, H, r, c)``; the captured tensors' gradients are added to ``grads``."""
-        inputs = (ctx.leaf, *self.captured)
-        if not ctx.out.requires_grad:  # the score_mod ignores the score and every capture
+        got = self._grads(ctx, ds, (ctx.leaf, *self.captured))
+        if got is None or got[0] is None:
             return torch.zeros_like(ds)
+        self._add(got[1:])
+        return got[0]
+
+    def vjp_captured(self, ctx: TileVJP, ds: torch.Tensor) -> None:
+        """As ``vjp``, the captured tensors' gradients only (a score_mod that adds a term
+        to the score passes ``ds`` on as the score's own)."""
+        got = self._grads(ctx, ds, self.captured)
+        if got is not None:
+            self._add(got)
+
+    @staticmethod
+    def _grads(
+        ctx: TileVJP, ds: torch.Tensor, inputs: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor | None, ...] | None:
+        if not ctx.out.requires_grad or not inputs:  # nothing to differentiate
+            return None
         with torch.enable_grad():  # (retain: a captured leaf's own history stays usable)
-            got = torch.autograd.grad(
+            return torch.autograd.grad(
                 ctx.out, inputs, grad_outputs=ds, allow_unused=True, retain_graph=True
             )
-        for n, g in enumerate(got[1:]):
+
+    def _add(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        for n, g in enumerate(grads):
             if g is not None:
                 prev = self.grads[n]
                 self.grads[n] = g if prev is None else prev + g
-        return torch.zeros_like(ds) if got[0] is None else got[0]
+
+    def probe_additive(self, rows: torch.Tensor, keys: torch.Tensor) -> bool:
+        """Whether the score_mod adds a term to the score (``adds_to_score``), judged on
+        the first two global ``rows`` and ``keys`` it will see (its call counts left as they
+        were); kept in ``additive``."""
+        if self.additive is None:
+            calls, positions = self.caller.calls, self.caller.positions
+            r, c = rows[:2], keys[:2]
+            zero = torch.zeros(self.batch, self.heads, len(r), len(c), dtype=self.dtype)
+            try:
+                term, ctx = self.forward(zero.to(self.device), r, c)
+                self.additive = adds_to_score(ctx) and self._adds_on_values(term, r, c)
+            finally:
+                self.caller.calls, self.caller.positions = calls, positions
+        return self.additive
+
+    def _adds_on_values(self, term: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor) -> bool:
+        """Whether the score_mod at random scores ``s`` gives ``s + term`` (its value at 0)
+        to rounding: the graph cannot see a term computed from ``score.detach()``."""
+        gen = torch.Generator().manual_seed(0)
+        s = (4 * torch.randn(term.shape, generator=gen, dtype=self.dtype)).to(self.device)
+        out = self.apply(s, rows, keys)
+        want = s + term
+        both_inf = torch.isinf(out) & (out == want)
+        eps = torch.finfo(self.dtype).eps
+        near = (out - want).abs() <= 16 * eps * (s.abs() + term.abs() + 1)
+        return bool((both_inf | near).all())
 
     def captured_grads(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
         """``(tensor, gradient)`` per captured tensor (zeros where no tile contributed)."""
@@ -403,3 +449,83 @@ class UserScore:
             (t, torch.zeros_like(t) if g is None else g.to(t.dtype))
             for t, g in zip(self.captured, self.grads)
         )
+
+
+# autograd nodes that only re-view the same elements in the same (row-major) order
+_SAME_ELEMENTS = frozenset(
+    {"ViewBackward0", "ExpandBackward0", "AliasBackward0", "UnsafeViewBackward0"}
+)
+_MAX_NODES = 10_000
+
+
+def _through_views(fn: Any, numel: int) -> Any:
+    """``fn`` past the nodes that re-view ``numel`` elements as they are (a view of a
+    contiguous tensor, an expand to its own size): the node that computed them."""
+    while fn is not None and fn.name() in _SAME_ELEMENTS:
+        sizes = getattr(fn, "_saved_self_sym_sizes", None)
+        if sizes is None or math.prod(int(n) for n in sizes) != numel:
+            return _NOT_A_VIEW
+        fn = fn.next_functions[0][0]
+    return fn
+
+
+_NOT_A_VIEW = object()
+
+
+def _reaches(fn: Any, target: Any) -> bool:
+    """Whether the autograd graph below ``fn`` reaches node ``target`` (True when it is too
+    large to tell)."""
+    seen, todo = set(), [fn]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        if node is target:
+            return True
+        seen.add(id(node))
+        if len(seen) > _MAX_NODES:
+            return True
+        todo.extend(f for f, _ in node.next_functions)
+    return False
+
+
+def adds_to_score(ctx: TileVJP) -> bool:
+    """True when the score_mod's output on a tile, as recorded by autograd, is its input
+    score plus terms computed without it: a chain of ``+`` and ``-`` whose score side
+    reaches the score itself (``score + x``, ``x + score``, ``score - x + y``; each
+    ``x`` of the indices and captured tensors only; views that keep the elements in order
+    allowed anywhere on the way). Such a score_mod's effect is the additive term
+    ``score_mod(0, ...)``, which the native step adds to its scores itself."""
+    numel = ctx.leaf.numel()
+    # the leaf's own node: the input's AccumulateGrad (found below the output)
+    todo, leaf_node = [ctx.out.grad_fn], None
+    seen: set[int] = set()
+    while todo and leaf_node is None:
+        node = todo.pop()
+        if node is None or id(node) in seen or len(seen) > _MAX_NODES:
+            continue
+        seen.add(id(node))
+        if getattr(node, "variable", None) is ctx.leaf:
+            leaf_node = node
+        todo.extend(f for f, _ in node.next_functions)
+    if leaf_node is None:
+        return False
+    fn = _through_views(ctx.out.grad_fn, numel)
+    for _ in range(_MAX_NODES):  # down the score side of the chain
+        if fn is None or fn is _NOT_A_VIEW or fn.name() not in ("AddBackward0", "SubBackward0"):
+            return False
+        (a, _), (b, _) = fn.next_functions
+        a, b = _through_views(a, numel), _through_views(b, numel)
+        if a is _NOT_A_VIEW or b is _NOT_A_VIEW:
+            return False
+        alpha = getattr(fn, "_saved_alpha", 1)
+        if not _reaches(b, leaf_node):  # score side + alpha·x, score side - alpha·x
+            side = a
+        elif fn.name() == "AddBackward0" and alpha == 1 and not _reaches(a, leaf_node):
+            side = b  # x + score side
+        else:
+            return False
+        if side is leaf_node:
+            return True
+        fn = side
+    return False

@@ -471,9 +471,12 @@ void SUF(fl_transpose)(const TIN *src, TIN *dst, long long n, long long rows, lo
 /* One pass's arguments. Layouts (row-major, contiguous), H = B·Hq query heads, head h
  * reading K/V head h / group. A pass runs a schedule: rows (the forward's query tiles, the
  * backward's key tiles), each a list of tiles, FL_TILE fields per tile (q0, q1, k0, k1,
- * partial, vis, vis_sn, vis_sg): a partial tile's visibility is its uint8 bytes (rows x
+ * partial, vis, vis_sn, vis_sg, term, ds): a partial tile's visibility is its uint8 bytes (rows x
  * cols) for head h at vis + (h / group) · vis_sn + (h % group) · vis_sg (strides 0 where the
- * mask broadcasts), or, with vis 0, the pass's intervals (iv_lo, iv_hi). */
+ * mask broadcasts), or, with vis 0, the pass's intervals (iv_lo, iv_hi). A tile's term
+ * (or 0) is an additive term of its scores (a score_mod's, natural units), T values
+ * (H, rows, cols) contiguous; its ds (backward, or 0) where dS of the final scores goes,
+ * the same layout (the pass writes the positions it computes). */
 struct fl_args {
     const TIN *q, *k, *kt, *v, *vt; /* (H, Lq, d), (Hk, Lk, d), (Hk, d, Lk), (Hk, Lk, d_v),
                                        (Hk, d_v, Lk), in the input dtype */
@@ -514,7 +517,7 @@ struct fl_args {
     double scale;
     long long scale_exact; /* scale is a power of two: exact as the matmul's alpha */
 };
-#define FL_TILE 8
+#define FL_TILE 10
 /* below this many FLOPs a pass runs on the calling thread only */
 #define FL_SERIAL_FLOPS 4e6
 
@@ -536,6 +539,28 @@ static inline long long row_pos(const struct rows *b, int r) { return (b->r0 + r
 /* offset of row 0 in a (H, Lq, ·) tensor, in rows */
 static inline long long row_base(const struct fl_args *a, const struct rows *b) {
     return b->h0 * a->lq + b->r0;
+}
+
+/* Offset of block row r, key k0, in tile t's term (or ds) layout (H, rows, cols). */
+static inline long long term_at(const long long *t, const struct rows *b, int r, long long k0) {
+    long long rows = t[1] - t[0], cols = t[3] - t[2];
+    return row_head(b, r) * rows * cols + (row_pos(b, r) - t[0]) * cols + (k0 - t[2]);
+}
+
+/* S += f · term on a block's rows and keys [k0, k0 + nc) of tile t (S's row stride ls):
+ * the score after an additive score_mod, as the PyTorch step adds it (f = 1), or in the
+ * forward's base-2 units (f = log2 e). */
+static void add_term(const long long *t, const struct rows *b, long long k0, int nc, T *s,
+                     long long ls, T f) {
+    const T *term = (const T *)(size_t)t[8];
+    for (int r = 0; r < b->nr; ++r) {
+        const T *x = term + term_at(t, b, r, k0);
+        T *row = s + (long long)r * ls;
+        if (f == (T)1)
+            for (int j = 0; j < nc; ++j) row[j] += x[j];
+        else
+            for (int j = 0; j < nc; ++j) row[j] += f * x[j];
+    }
 }
 
 /* S = factor · Q Kᵀ for a block of rows and keys [k0, k0 + nc), the factor riding on the
@@ -1279,6 +1304,7 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
         (void)ks;
         scores(a, b, t[2] + lo, w, s, ls, a->scale * LOG2E, 0);
     }
+    if (t[8]) add_term(t, b, t[2] + lo, w, s, ls, (T)LOG2E);
     if (t[4]) mask_bytes(a, t, b, s, ls, lo, ca, cb, gap);
     T *alpha = s + (long long)nrs * ls; /* α per row */
     int moved = 0;                     /* did any row's max move? */
@@ -1563,6 +1589,7 @@ static long long backward_block(const struct fl_args *a, const long long *t, con
     /* the scores the PyTorch step (and the reference) form: the scale on the matmul only
      * when it is a power of two, so that a forward run with that step is matched exactly */
     scores(a, b, t[2] + lo, w, s, ls, a->scale, !a->scale_exact);
+    if (t[8]) add_term(t, b, t[2] + lo, w, s, ls, 1);
     if (t[4]) mask_bytes(a, t, b, s, ls, lo, ca, cb, gap);
     long long base = row_base(a, b);
     const TIN *doh = a->dout + base * a->dv;
@@ -1589,6 +1616,11 @@ static long long backward_block(const struct fl_args *a, const long long *t, con
             po[j] = to_in(p);
             so[j] = to_in(ds);
         }
+#if !FL_HALF
+        if (t[9]) /* dS of the final scores, for the score_mod's captured tensors */
+            memcpy((T *)(size_t)t[9] + term_at(t, b, r, t[2] + lo) + c0, so + c0,
+                   (size_t)(c1 - c0) * sizeof(T));
+#endif
     }
     const TIN *kh = a->k + ((b->h0 / a->group) * a->lk + t[2] + lo) * a->d;
     /* dV_jᵀ (d_v x w) += dOᵀ P;  dK_jᵀ (d x w) += scale Qᵀ dS;  dQ (nr x d) += scale dS K_j */

@@ -143,7 +143,10 @@ class Schedule:
     intervals; ``alive``: the tensor holding the bytes, kept until the pass is over), then
     ``end_row(lo, hi)`` with the row's query (forward) or key (backward) range, tiles or
     none. After the pass ``seen[t]`` holds partial tile ``t``'s visible dots (counted by
-    the step as it reads the intervals or bytes, all heads).
+    the step as it reads the intervals or bytes, all heads). A tile may carry ``term``, an
+    additive term of its scores (a score_mod's, natural units), and (backward) ``ds``,
+    where the pass writes dS of the final scores: each ``(H, rows, cols)`` contiguous in
+    the pass's float dtype, kept alive with the schedule.
     """
 
     def __init__(self) -> None:
@@ -152,6 +155,7 @@ class Schedule:
         self._bounds: list[int] = []
         self._alive: list[torch.Tensor] = []
         self.seen: list[int] = []
+        self.terms = 0  # tiles carrying an additive term of their scores
 
     def add(
         self,
@@ -161,9 +165,22 @@ class Schedule:
         k1: int,
         vis: tuple[int, int, int] | None,
         alive: torch.Tensor | None = None,
+        term: torch.Tensor | None = None,
+        ds: torch.Tensor | None = None,
     ) -> None:
         ptr, sn, sg = vis if vis is not None else (0, 0, 0)
-        self._tiles.append((q0, q1, k0, k1, int(vis is not None), ptr, sn, sg))
+        at = [0, 0]
+        for n, x in enumerate((term, ds)):
+            if x is not None:
+                shape = (q1 - q0, k1 - k0)
+                if x.ndim != 3 or tuple(x.shape[1:]) != shape or not x.is_contiguous():
+                    raise ValueError(
+                        f"a tile's term and dS are contiguous (H, {shape[0]}, {shape[1]})"
+                    )
+                at[n] = x.data_ptr()
+                self._alive.append(x)
+        self.terms += term is not None
+        self._tiles.append((q0, q1, k0, k1, int(vis is not None), ptr, sn, sg, *at))
         if alive is not None:
             self._alive.append(alive)
 
@@ -186,12 +203,12 @@ class Schedule:
         return max(b - a for a, b in itertools.pairwise(self._row_start)) if self.rows else 0
 
     def _arrays(self) -> list[array.array[int]]:
-        """The schedule as C arrays of int64: tiles (n x 8), row starts (rows + 1),
+        """The schedule as C arrays of int64: tiles (n x 10), row starts (rows + 1),
         bounds (rows x 2) and ``seen`` (n, zeros); plain buffers, no tensors (a decode
         step's schedule is a few numbers, and four small tensors cost more than its C work)."""
         n = max(1, len(self._tiles))
         return [
-            array.array("q", itertools.chain.from_iterable(self._tiles or [(0,) * 8])),
+            array.array("q", itertools.chain.from_iterable(self._tiles or [(0,) * 10])),
             array.array("q", self._row_start),
             array.array("q", self._bounds or [0, 0]),
             array.array("q", bytes(8 * n)),
@@ -472,6 +489,8 @@ class Kernels:
         )
         for n, t in tensors.items():
             setattr(args, n, t.data_ptr())
+        if sched.terms and q.dtype in _HALF:
+            raise ValueError("a tile's term is read by a float32/float64 pass")
         self.fn("fl_backward", _suffix(q.dtype))(ctypes.byref(args))
         del sched._alive[:]
         _pool.give("work", work)
@@ -514,7 +533,9 @@ class Kernels:
         Lq, d_v)`` and ``lse`` ``(S, H, Lq)`` (natural units, -inf where a part saw no key),
         float32 for half inputs; with ``merge``, the parts merged (``merge_splits``):
         ``o`` ``(H, Lq, d_v)``, ``lse`` ``(H, Lq)``; ``q16``, ``out_dtype``, ``o_finite`` and
-        ``row_max`` as ``ForwardPass.run``'s. ``ForwardPass`` holds the same call for repeating it.
+        ``row_max`` as ``ForwardPass.run``'s. ``ForwardPass`` holds the same call for
+        repeating it. A tile of ``sched`` may carry an additive term of its scores
+        (``Schedule.add``; float32/float64, not stacked, keys not in place).
         """
         fp = ForwardPass(
             self,
@@ -532,7 +553,14 @@ class Kernels:
             keys_in_place=keys_in_place,
         )
         o, lse = fp.run(
-            q, k, v, merge=merge, q16=q16, out_dtype=out_dtype, o_finite=o_finite, row_max=row_max
+            q,
+            k,
+            v,
+            merge=merge,
+            q16=q16,
+            out_dtype=out_dtype,
+            o_finite=o_finite,
+            row_max=row_max,
         )
         del sched._alive[:]  # the partial tiles' bytes, read by the call
         return o, lse
@@ -579,7 +607,9 @@ class Kernels:
         dk, dv)`` ``(H, Lq, d)``, ``(Hk, Lk, d)``, ``(Hk, Lk, d_v)``. ``dout`` ``(H, Lq,
         d_v)``; ``lam`` (the LSE, +inf on empty rows) and ``dd`` (D) ``(H, Lq)``; work
         items are (K/V head, one of ``splits`` parts of the key tiles). Half inputs (q, k,
-        v, dout in bfloat16/float16: the half step) give float32 gradients."""
+        v, dout in bfloat16/float16: the half step) give float32 gradients. Tiles may carry
+        an additive term of their scores and where dS goes (``Schedule.add``). Rows of dK
+        and dV of key tiles the schedule leaves out are not written."""
         heads, lq, d = q.shape
         hk, lk, dv = v.shape
         acc = torch.float32 if q.dtype in _HALF else q.dtype
@@ -855,6 +885,8 @@ class ForwardPass:
             o = torch.empty((*at, dv), dtype=self.acc)  # (S, H, Lq, d_v)
         q16 = q16 if self.half == 1 else None
         mx = None if row_max is None else torch.empty(at, dtype=self.acc)  # (S, H, Lq)
+        if self._sched.terms and (self.half or self.amx or self.in_place or q.dtype in _HALF):
+            raise ValueError("a tile's term is read by a float32/float64 pass with Kᵀ laid out")
         self._launch(q, k, v, o, lse, q16=q16, o16=o16, bad=bad, mx=mx)
         if o_finite is not None and bad is not None and not bad.value:
             o_finite.append(True)

@@ -100,7 +100,7 @@ import torch
 
 from . import _native, online
 from ._checks import check_size
-from ._mods import find_captured
+from ._mods import adds_to_score, find_captured
 from ._options import AttentionOptions, check_options
 from ._problem import Placement, Problem, build_problem
 from .ledger import BackwardTileStep, Counters, ForwardTileStep, Ledger, Trace, ordinal
@@ -520,7 +520,10 @@ def _finish_scores(
     vis = None
     if kind == PARTIAL:
         vis = pb.mask_tile(q0, q1, k0, k1)  # (Bm, Hkv|1, G|1, bq, bk)
-        _unflat(pb, s).masked_fill_(~vis, -math.inf)
+        if ctx.user is not None:  # the score_mod's graph may have saved its output (tanh)
+            s = _unflat(pb, s).masked_fill(~vis, -math.inf).reshape(qk.shape)
+        else:
+            _unflat(pb, s).masked_fill_(~vis, -math.inf)
     keep = pb.keep_tile(q0, q1, k0, k1)  # (B, Hkv, G, bq, bk) or None
     return s, ctx, vis, keep
 
@@ -605,9 +608,26 @@ def _native_step(pb: Problem, loop_order: str, observed: bool) -> _native.Kernel
     (the PyTorch step runs)."""
     if observed or loop_order != "fa2" or pb.geo.device.type != "cpu" or pb.has_dropout:
         return None
-    if pb.dtype not in (torch.float32, torch.float64) or not _plain_scores(pb):
+    if pb.dtype not in (torch.float32, torch.float64):
         return None
-    return _native.kernels()
+    if _plain_scores(pb):
+        return _native.kernels()
+    if not _additive_user(pb):
+        return None
+    kern = _native.kernels()
+    return None if kern is None or _half_step(pb, kern) else kern
+
+
+def _additive_user(pb: Problem) -> bool:
+    """True when the scores are ``scale · q kᵀ`` plus a score_mod's additive term (no
+    softcap, ALiBi or bias besides; ``_mods.adds_to_score``, probed once on the problem's
+    first rows and keys): the native step adds the term itself (``_native.BiasSlab``)."""
+    sm = pb.smod
+    if sm.user is None or sm.softcap is not None or sm.slopes is not None or sm.bias is not None:
+        return False
+    rows = pb.geo.rows()  # (Lq,) global
+    keys = torch.arange(pb.shape[5], device=pb.geo.device) + pb.geo.k_offset  # (Lk,)
+    return sm.user.probe_additive(rows, keys)
 
 
 def _half_step(pb: Problem, kern: _native.Kernels | None) -> bool:
@@ -635,12 +655,17 @@ def _resolve_tiles(
     chose by measurement on this machine for this dtype (the half path's for half inputs
     on it) when it runs, else 512 x 512. A ``forward`` pass takes the forward's own
     measured tiles, unless a mask_mod's evaluations are kept for the backward (they are
-    kept per tile: both passes then share the tiles)."""
+    kept per tile: both passes then share the tiles). With a score_mod the native step's
+    tiles are at least 512 x 512: its term is evaluated once per tile in each pass, and
+    on tiles of 256² the calls' own cost outweighs what the smaller tiles gain
+    (docs/perf.md)."""
     if kern is None:
         dq, dk = DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K
     else:
-        own = forward and (pb.mask is None or not pb.mask.callers)
+        own = forward and (pb.mask is None or not pb.mask.callers) and pb.smod.user is None
         dq, dk = kern.tiles(pb.out_dtype if _half_step(pb, kern) else pb.dtype, forward=own)
+        if pb.smod.user is not None:
+            dq, dk = max(dq, DEFAULT_BLOCK_Q), max(dk, DEFAULT_BLOCK_K)
     return (dq if block_q is None else block_q), (dk if block_k is None else block_k)
 
 
@@ -697,22 +722,28 @@ def _native_schedule(
     kind_of: Any,
     *,
     forward: bool,
+    first: int = 0,
+    term_of: Callable[[int, int, int, int, int], tuple[Any, Any]] | None = None,
 ) -> tuple[_native.Schedule, list[tuple[int, int, int, int, int]]]:
     """The pass's schedule for the native step, built by the loop's own schedule
     (``_running``: empty tiles booked as skipped, left out): rows are the outer tiles
     (forward: query tiles; backward: key tiles), each with the inner tiles that run, in
-    order. Also returns each run tile's ``(kind, q0, q1, k0, k1)`` for the booking."""
+    order. Also returns each run tile's ``(kind, q0, q1, k0, k1)`` for the booking.
+    ``outer`` may be a run of the pass's outer tiles, the first of them tile ``first``;
+    ``term_of(kind, q0, q1, k0, k1)`` gives each run tile's ``(term, ds)`` (see
+    ``_native.Schedule.add``)."""
     sched = _native.Schedule()
     ran: list[tuple[int, int, int, int, int]] = []
     intervals = isinstance(pb.mask, IntervalBound)
-    for n, (a0, a1) in enumerate(outer):
+    for n, (a0, a1) in enumerate(outer, start=first):
         tiles = (
             _running(book, inner, kind_of, i=n) if forward else _running(book, inner, kind_of, j=n)
         )
         for _, b0, b1, kind in tiles:
             q0, q1, k0, k1 = (a0, a1, b0, b1) if forward else (b0, b1, a0, a1)
             tile, where = _native_vis(pb, intervals, kind, q0, q1, k0, k1)
-            sched.add(q0, q1, k0, k1, where, alive=tile)
+            term, ds = (None, None) if term_of is None else term_of(kind, q0, q1, k0, k1)
+            sched.add(q0, q1, k0, k1, where, alive=tile, term=term, ds=ds)
             ran.append((kind, q0, q1, k0, k1))
         sched.end_row(a0, a1)
     return sched, ran
@@ -820,6 +851,8 @@ def _forward_native(
     part: the pass rounds it and checks it as it writes it; see ``_forward``).
     """
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
+    if pb.smod.user is not None:
+        return _forward_native_scored(pb, kern, ledger, kind_of, book, block_q, block_k, row_max)
     qtiles, sched, ran, args = _native_forward_plan(pb, kern, book, kind_of, block_q, block_k)
     in_place = args["keys_in_place"]
     q, k, v = _forward_operands(pb, kern, in_place)
@@ -891,6 +924,10 @@ def _backward_native(
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
     dt = pb.dtype
     heads = b * hq
+    if pb.smod.user is not None:
+        return _backward_native_scored(
+            pb, kern, do5, lse_safe, d_eff, kind_of, book, block_q, block_k
+        )
     qtiles, ktiles = _tiles(lq, block_q), _tiles(lk, block_k)
     sched, ran = _native_schedule(pb, book, ktiles, qtiles, kind_of, forward=False)
     splits = max(1, min(len(ktiles), -(-2 * kern.max_threads() // (b * hkv)), 8))
@@ -913,6 +950,192 @@ def _backward_native(
         if k0 in read:
             book.io(read=(k1 - k0) * (d + dv))
         book.io(write=(k1 - k0) * (d + dv))
+    return dq.view(b, hkv, g, lq, d), dk.view(b, hkv, 1, lk, d), dv_.view(b, hkv, 1, lk, dv)
+
+
+SLAB_BYTES = 64 << 20
+"""The most memory a native pass with a score_mod's additive term holds for the terms of
+its tiles (and their dS) at once: the pass runs in slabs of whole tile rows (query tiles
+in the forward, key tiles in the backward) whose run tiles' terms fit, at least one row
+each: memory linear in L."""
+
+
+def _slabs(
+    pb: Problem,
+    outer: Sequence[tuple[int, int]],
+    inner: Sequence[tuple[int, int]],
+    kind_of: Any,
+    *,
+    forward: bool,
+    buffers: int,
+) -> list[tuple[int, int]]:
+    """Runs ``[s0, s1)`` of the outer tiles whose run tiles' terms (``buffers`` per tile,
+    ``(B·Hq, r, c)`` each) fit in ``SLAB_BYTES`` together, at least one outer tile each."""
+    b, hq = pb.shape[:2]
+    unit = buffers * b * hq * pb.dtype.itemsize
+    out, s0, used = [], 0, 0
+    for n, (a0, a1) in enumerate(outer):
+        area = sum(
+            (a1 - a0) * (c1 - c0)
+            for m, (c0, c1) in enumerate(inner)
+            if (kind_of(n, m) if forward else kind_of(m, n)) != EMPTY
+        )
+        if n > s0 and used + area * unit > SLAB_BYTES:
+            out.append((s0, n))
+            s0, used = n, 0
+        used += area * unit
+    out.append((s0, len(outer)))
+    return out
+
+
+class _ScoreTerms:
+    """A score_mod's additive term ``score_mod(0, ...)`` for each tile a native pass runs
+    (``term_of``, the schedule's callback): one call of the score_mod per tile, as the
+    PyTorch step calls it (and books it), ``(B·Hq, r, c)`` in the loop's dtype. With
+    ``graphs`` (the backward) each call keeps its graph, is checked to add to the score
+    (``_mods.adds_to_score``) and, with ``ds``, gets a buffer for dS of the final scores,
+    from which ``vjp`` adds the captured tensors' gradients."""
+
+    def __init__(self, pb: Problem, *, graphs: bool = False, ds: bool = False) -> None:
+        self.pb, self.graphs, self.want_ds = pb, graphs, ds
+        self.kept: list[tuple[Any, torch.Tensor]] = []
+        self.zero = torch.zeros((), dtype=pb.dtype, device=pb.geo.device)
+        self.rows = pb.geo.rows()  # (Lq,) global
+
+    def term_of(self, kind: int, q0: int, q1: int, k0: int, k1: int) -> tuple[Any, Any]:
+        pb, user = self.pb, self.pb.smod.user
+        assert user is not None
+        b, hq = pb.shape[:2]
+        geo = pb.geo
+        score = self.zero.expand(b, hq, q1 - q0, k1 - k0)  # (B, Hq, r, c), no memory
+        keys = torch.arange(k0, k1, device=geo.device) + geo.k_offset  # (c,) global
+        if not self.graphs:  # the forward: no graph (the probe judged the callable)
+            out = user.apply(score, self.rows[q0:q1], keys)  # (B, Hq, r, c)
+            return out.reshape(b * hq, q1 - q0, k1 - k0).contiguous(), None
+        out, ctx = user.forward(score, self.rows[q0:q1], keys)  # (B, Hq, r, c)
+        if not adds_to_score(ctx):
+            raise RuntimeError(
+                "the score_mod added a term to the score on its first positions but not on "
+                f"queries {q0}-{q1 - 1} x keys {k0}-{k1 - 1}: it must compute each position "
+                "alike (pointwise, as FlexAttention requires)"
+            )
+        ds = None
+        if self.want_ds:  # the pass writes the positions it computes: zeros where masked
+            make = torch.zeros if kind == PARTIAL else torch.empty
+            ds = make(b * hq, q1 - q0, k1 - k0, dtype=pb.dtype, device=geo.device)
+            self.kept.append((ctx, ds))
+        return out.reshape(b * hq, q1 - q0, k1 - k0).contiguous(), ds
+
+    def vjp(self) -> None:
+        """The captured tensors' gradients from each kept tile's dS (the score's own is
+        dS: the term does not depend on it); then the graphs go."""
+        user = self.pb.smod.user
+        assert user is not None
+        b, hq = self.pb.shape[:2]
+        for ctx, ds in self.kept:
+            user.vjp_captured(ctx, ds.view(b, hq, *ds.shape[1:]))
+        self.kept.clear()
+
+
+def _forward_native_scored(
+    pb: Problem,
+    kern: _native.Kernels,
+    ledger: Ledger,
+    kind_of: Any,
+    book: _Book,
+    block_q: int,
+    block_k: int,
+    row_max: list[torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor, Ledger]:
+    """The forward on the native step with a score_mod that adds a term to the scores
+    (``_additive_user``): in slabs of query tiles, the term of each tile that runs
+    evaluated (``_ScoreTerms``) and added by the pass to its scores."""
+    b, hq, hkv, g, lq, lk, d, dv = pb.shape
+    heads = b * hq
+    qtiles, ktiles = _tiles(lq, block_q), _tiles(lk, block_k)
+    q, k, v = _forward_operands(pb, kern, False)
+    o = torch.empty(heads, lq, dv, dtype=pb.dtype)  # (B·Hq, Lq, d_v)
+    lse = torch.empty(heads, lq, dtype=pb.dtype)  # (B·Hq, Lq)
+    m_all = None if row_max is None else torch.empty(heads, lq, dtype=pb.dtype)
+    threads, rows = kern.max_threads(), min(block_q, lq)
+    terms = _ScoreTerms(pb)
+    for s0, s1 in _slabs(pb, qtiles, ktiles, kind_of, forward=True, buffers=1):
+        slab = qtiles[s0:s1]
+        sched, ran = _native_schedule(
+            pb, book, slab, ktiles, kind_of, forward=True, first=s0, term_of=terms.term_of
+        )
+        r0, r1 = slab[0][0], slab[-1][1]
+        chunk = rows
+        while heads * len(slab) * -(-rows // chunk) < threads and chunk > 32:
+            chunk = -(-chunk // 2)
+        got: list[torch.Tensor] | None = None if row_max is None else []
+        o_s, lse_s = kern.forward(
+            q, k, v, sched, merge=True, row_max=got, chunk=chunk, **_native_common(pb, ran)
+        )  # (B·Hq, Lq, d_v), (B·Hq, Lq): the slab's rows written
+        o[:, r0:r1], lse[:, r0:r1] = o_s[:, r0:r1], lse_s[:, r0:r1]
+        if m_all is not None and got:
+            m_all[:, r0:r1] = got[0][:, r0:r1]
+        _book_native(book, ran, sched.seen, d, dv, forward=True)
+        read = {t[1] for t in ran}
+        for q0, q1 in slab:
+            if q0 in read:
+                book.io(read=(q1 - q0) * d)
+            book.io(write=(q1 - q0) * (dv + 1))
+    book.flush()
+    if row_max is not None and m_all is not None:
+        row_max.append(m_all.view(b, hkv, g, lq))
+    return o.view(b, hkv, g, lq, dv), lse.view(b, hkv, g, lq), ledger
+
+
+def _backward_native_scored(
+    pb: Problem,
+    kern: _native.Kernels,
+    do5: torch.Tensor,
+    lse_safe: torch.Tensor,
+    d_eff: torch.Tensor,
+    kind_of: Any,
+    book: _Book,
+    block_q: int,
+    block_k: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward on the native step with a score_mod that adds a term to the scores:
+    in slabs of key tiles, each tile's term evaluated with its graph, the pass adding it
+    to its scores and writing dS of the final scores back, from which each tile's
+    vector-Jacobian product gives the captured tensors' gradients."""
+    b, hq, hkv, g, lq, lk, d, dv = pb.shape
+    dt = pb.dtype
+    heads = b * hq
+    user = pb.smod.user
+    assert user is not None
+    qtiles, ktiles = _tiles(lq, block_q), _tiles(lk, block_k)
+    q, k, v, do = (_native_rows(pb, x, dt) for x in (pb.q, pb.k, pb.v, do5))
+    lam = lse_safe.to(dt).reshape(heads, lq).contiguous()
+    dd = d_eff.to(dt).reshape(heads, lq).contiguous()
+    dq = torch.zeros(heads, lq, d, dtype=dt)  # (B·Hq, Lq, d)
+    dk = torch.empty(b * hkv, lk, d, dtype=dt)  # (B·Hkv, Lk, d)
+    dv_ = torch.empty(b * hkv, lk, dv, dtype=dt)  # (B·Hkv, Lk, d_v)
+    grads = bool(user.captured)
+    terms = _ScoreTerms(pb, graphs=True, ds=grads)
+    slabs = _slabs(pb, ktiles, qtiles, kind_of, forward=False, buffers=2 if grads else 1)
+    for s0, s1 in slabs:
+        slab = ktiles[s0:s1]
+        sched, ran = _native_schedule(
+            pb, book, slab, qtiles, kind_of, forward=False, first=s0, term_of=terms.term_of
+        )
+        c0, c1 = slab[0][0], slab[-1][1]
+        splits = max(1, min(len(slab), -(-2 * kern.max_threads() // (b * hkv)), 8))
+        dq_s, dk_s, dv_s = kern.backward(
+            q, k, v, do, lam, dd, sched, splits=splits, **_native_common(pb, ran)
+        )
+        dq += dq_s
+        dk[:, c0:c1], dv_[:, c0:c1] = dk_s[:, c0:c1], dv_s[:, c0:c1]
+        terms.vjp()
+        _book_native(book, ran, sched.seen, d, dv, forward=False)
+        read = {t[3] for t in ran}
+        for k0, k1 in slab:
+            if k0 in read:
+                book.io(read=(k1 - k0) * (d + dv))
+            book.io(write=(k1 - k0) * (d + dv))
     return dq.view(b, hkv, g, lq, d), dk.view(b, hkv, 1, lk, d), dv_.view(b, hkv, 1, lk, dv)
 
 

@@ -1,0 +1,217 @@
+"""A score_mod that adds a term to the score (``score + table[h, q - kv]``, ALiBi, a
+-inf mask) runs on the native step: the pass adds ``score_mod(0, ...)``, evaluated tile
+by tile, to its scores, and hands dS back for the captured tensors' gradients. Against
+the PyTorch step (the same callable on every tile) and the dense float64 oracle; the
+detection of what adds a term (``_mods.adds_to_score``) and of what does not."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from naive import naive_attention_scores
+from torch import Tensor
+
+import flashledger as fl
+from flashledger import _native, blocked
+from flashledger._mods import UserScore
+
+F64 = torch.float64
+TABLE = torch.randn(4, 64, dtype=F64)
+
+
+def _rel(table: Tensor, lk: int) -> Callable[..., Tensor]:
+    def score(s: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        return s + table[h, q - kv + lk]
+
+    return score
+
+
+ADDS: dict[str, tuple[Callable[..., Tensor], bool]] = {
+    "score + table[h, q - kv]": (lambda s, b, h, q, k: s + TABLE[h, q - k + 31], True),
+    "table[h, q - kv] + score": (lambda s, b, h, q, k: TABLE[h, q - k + 31] + s, True),
+    "ALiBi, score - slope * |q - kv|": (
+        lambda s, b, h, q, k: s - (h + 1) * 0.1 * (q - k).abs(),
+        True,
+    ),
+    "a constant": (lambda s, b, h, q, k: s + 1.5, True),
+    "a -inf mask": (lambda s, b, h, q, k: s + torch.where(q >= k, 0.0, -float("inf")), True),
+    "a chain: score + x - y + z": (
+        lambda s, b, h, q, k: s + TABLE[h, q - k + 31] - 0.5 * (q - k).abs() + h * 0.25,
+        True,
+    ),
+    "softcap": (lambda s, b, h, q, k: 30 * torch.tanh(s / 30), False),
+    "a term of score.detach()": (lambda s, b, h, q, k: s + s.detach().square(), False),
+    "(score + x) * 1": (lambda s, b, h, q, k: (s + TABLE[h, q - k + 31]) * 1, False),
+    "score times a term": (lambda s, b, h, q, k: s * TABLE[h, q - k + 31], False),
+    "a term of the score": (lambda s, b, h, q, k: s + s.square() * 0.1, False),
+    "torch.where on the score": (lambda s, b, h, q, k: torch.where(q >= k, s, -1e9), False),
+    "the score itself": (lambda s, b, h, q, k: s, False),
+    "2 * score + 1": (lambda s, b, h, q, k: 2 * s + 1, False),
+    "1 - score": (lambda s, b, h, q, k: 1 - s, False),
+}
+
+
+@pytest.mark.parametrize("name", list(ADDS))
+def test_what_adds_a_term_to_the_score_is_told_apart(name: str) -> None:
+    fn, adds = ADDS[name]
+    user = UserScore.bind(fn, batch=1, heads=4, dtype=F64, device=torch.device("cpu"))
+    assert user.probe_additive(torch.arange(6), torch.arange(5)) is adds
+    assert user.caller.calls == 0 and user.caller.positions == 0, "the probe is not booked"
+
+
+def _run(
+    score_mod: Any,
+    captured: list[Tensor],
+    dtype: torch.dtype,
+    *,
+    native: bool,
+    shape: tuple[int, int, int, int, int] = (2, 4, 2, 97, 113),
+    **kw: Any,
+) -> tuple[Tensor, ...]:
+    b, hq, hk, lq, lk = shape
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(b, hq, lq, 16, generator=g, dtype=F64).to(dtype).requires_grad_(True)
+    k = torch.randn(b, hk, lk, 16, generator=g, dtype=F64).to(dtype).requires_grad_(True)
+    v = torch.randn(b, hk, lk, 16, generator=g, dtype=F64).to(dtype).requires_grad_(True)
+    do = torch.randn(b, hq, lq, 16, generator=g, dtype=F64).to(dtype)
+    for t in captured:
+        t.grad = None
+    with contextlib.nullcontext() if native else _native.disabled():
+        o = fl.flash_attention(q, k, v, score_mod=score_mod, **kw)
+        o.backward(do)
+    return (o.detach(), q.grad, k.grad, v.grad, *(t.grad for t in captured))  # type: ignore[misc]
+
+
+CASES: dict[str, dict[str, Any]] = {
+    "no mask": {},
+    "causal, small tiles": {"mask": fl.Causal(), "block_q": 16, "block_k": 32},
+    "causal, ragged tiles": {"mask": fl.Causal(), "block_q": 7, "block_k": 5},
+    "document MaskMod": {
+        "mask": fl.MaskMod(lambda b, h, q, k: (q // 40 == k // 40) & (q >= k)),
+        "block_q": 32,
+        "block_k": 32,
+    },
+    "sliding window": {"mask": fl.SlidingWindow(20, 0), "block_q": 16, "block_k": 16},
+}
+
+
+@pytest.fixture
+def scored_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts the native passes with a score_mod's term (skips without the native step)."""
+    if _native.kernels() is None:
+        pytest.skip(_native.native_status())
+    calls = {"forward": 0, "backward": 0}
+    for name, key in (
+        ("_forward_native_scored", "forward"),
+        ("_backward_native_scored", "backward"),
+    ):
+        real = getattr(blocked, name)
+
+        def counted(*a: Any, _real: Any = real, _key: str = key, **kw: Any) -> Any:
+            calls[_key] += 1
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(blocked, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_an_additive_score_mod_on_the_native_step_equals_the_pytorch_step(
+    case: str, dtype: torch.dtype, scored_calls: dict[str, int], assert_close: Any
+) -> None:
+    table = torch.nn.Parameter(0.3 * torch.randn(4, 97 + 113 + 1, dtype=dtype))
+    sm = _rel(table, 113)
+    got = _run(sm, [table], dtype, native=True, **CASES[case])
+    assert scored_calls == {"forward": 1, "backward": 1}
+    want = _run(sm, [table], dtype, native=False, **CASES[case])
+    # float64: rounding apart only; float32: the step's base-2 forward and the PyTorch
+    # step's natural exponent differ by a few units in the last place of the scores
+    rtol = 1e-12 if dtype == F64 else 2e-5
+    for name, a, b in zip(("O", "dQ", "dK", "dV", "d table"), got, want, strict=True):
+        assert_close(a, b, rtol=rtol, name=f"{name} ({case}, {dtype})")
+
+
+def test_an_additive_score_mod_equals_the_dense_oracle(
+    scored_calls: dict[str, int], assert_close: Any
+) -> None:
+    """ALiBi plus a learnable table plus a -inf mask that empties some rows, float64,
+    against dense attention with the same final scores."""
+    table = torch.nn.Parameter(0.3 * torch.randn(4, 97 + 113 + 1, dtype=F64))
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=F64)
+
+    def sm(s: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        gone = (q % 13 == 5) | (kv > q + 20)  # rows 5, 18, ... see no key
+        return (
+            s
+            + table[h, q - kv + 113]
+            - slopes[h] * (q - kv).abs()
+            + torch.where(gone, -float("inf"), 0.0)
+        )
+
+    got = _run(sm, [table], F64, native=True, shape=(2, 4, 4, 97, 113), block_q=32, block_k=16)
+    assert scored_calls == {"forward": 1, "backward": 1}
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 97, 16, generator=g, dtype=F64).requires_grad_(True)
+    k = torch.randn(2, 4, 113, 16, generator=g, dtype=F64).requires_grad_(True)
+    v = torch.randn(2, 4, 113, 16, generator=g, dtype=F64).requires_grad_(True)
+    do = torch.randn(2, 4, 97, 16, generator=g, dtype=F64)
+    table.grad = None
+    qi = torch.arange(97).view(1, 1, 97, 1)
+    ki = torch.arange(113).view(1, 1, 1, 113)
+    hh = torch.arange(4).view(1, 4, 1, 1)
+    bias = sm(torch.zeros(2, 4, 97, 113, dtype=F64), None, hh, qi, ki)  # type: ignore[arg-type]
+    o, _ = naive_attention_scores(q @ k.mT * 16**-0.5 + bias, v, None)
+    o.backward(do)
+    want = (o.detach(), q.grad, k.grad, v.grad, table.grad)
+    empty = (torch.arange(97) % 13 == 5).view(1, 1, 97, 1)
+    assert bool((got[0].masked_select(empty) == 0).all()), "a row that sees no key gives 0"
+    for name, a, b in zip(("O", "dQ", "dK", "dV", "d table"), got, want, strict=True):
+        assert_close(a, b, rtol=1e-11, name=name)
+
+
+def test_slabs_of_a_few_tiles_give_the_same_result(
+    monkeypatch: pytest.MonkeyPatch, scored_calls: dict[str, int]
+) -> None:
+    """The term and its dS held a tile row (or column) at a time: bit for bit the result
+    of one slab (each tile computes the same products; dQ sums its slabs' parts)."""
+    table = torch.nn.Parameter(0.3 * torch.randn(4, 97 + 113 + 1, dtype=F64))
+    sm = _rel(table, 113)
+    opts = dict(mask=fl.Causal(), block_q=16, block_k=16)
+    whole = _run(sm, [table], F64, native=True, **opts)
+    monkeypatch.setattr(blocked, "SLAB_BYTES", 1)  # one tile per slab
+    sliced = _run(sm, [table], F64, native=True, **opts)
+    assert torch.equal(whole[0], sliced[0])
+    for name, a, b in zip(("dQ", "dK", "dV", "d table"), whole[1:], sliced[1:], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_other_score_mods_keep_the_pytorch_step(scored_calls: dict[str, int]) -> None:
+    sm = ADDS["softcap"][0]
+    _run(sm, [], F64, native=True, mask=fl.Causal())
+    assert scored_calls == {"forward": 0, "backward": 0}
+
+
+def test_a_score_mod_that_adds_only_on_some_positions_is_refused(
+    scored_calls: dict[str, int],
+) -> None:
+    """Not pointwise: it adds a term on the first positions (the probe) and scales the
+    score further on; the native pass would miss the scaling, so it says so."""
+
+    def sm(s: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        return s + 1.0 if int(q.max()) < 16 else s * 2.0
+
+    with pytest.raises(RuntimeError, match="pointwise"):
+        _run(sm, [], F64, native=True, block_q=16, block_k=16)
+
+
+def test_a_score_mod_that_saves_its_output_with_a_partial_tile() -> None:
+    """``tanh`` saves its output for its backward; the PyTorch step masks a partial tile
+    out of place, so the score_mod's graph stays intact."""
+    sm = lambda s, b, h, q, k: torch.tanh(s)  # noqa: E731
+    got = _run(sm, [], F64, native=True, mask=fl.Causal(), block_q=16, block_k=16)
+    assert all(bool(torch.isfinite(x).all()) for x in got)
