@@ -170,18 +170,15 @@ def native() -> _native.Kernels:
     return kern
 
 
-@pytest.fixture
-def native_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Counts the passes that run with the native tile step (skips where it is not built):
-    the loop's, and the decode lane's (``_decode``)."""
+def _count_calls(
+    monkeypatch: pytest.MonkeyPatch, targets: tuple[tuple[Any, str, str], ...]
+) -> dict[str, int]:
+    """Calls of each ``(module, function, key)`` counted under ``key`` (skips where the
+    native tile step is not built)."""
     if _native.kernels() is None:
         pytest.skip(_native.native_status())
     calls = {"forward": 0, "backward": 0}
-    for module, name, key in (
-        (blocked, "_forward_native", "forward"),
-        (blocked, "_backward_native", "backward"),
-        (_decode, "_run", "forward"),
-    ):
+    for module, name, key in targets:
         real = getattr(module, name)
 
         def counted(*a: Any, _real: Any = real, _key: str = key, **kw: Any) -> Any:
@@ -190,3 +187,30 @@ def native_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 
         monkeypatch.setattr(module, name, counted)
     return calls
+
+
+@pytest.fixture
+def native_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts the passes that run with the native tile step (skips where it is not built):
+    the loop's, and the decode lane's (``_decode``)."""
+    return _count_calls(
+        monkeypatch,
+        (
+            (blocked, "_forward_native", "forward"),
+            (blocked, "_backward_native", "backward"),
+            (_decode, "_run", "forward"),
+        ),
+    )
+
+
+@pytest.fixture
+def scored_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts the native passes that add a score_mod's term to their scores (skips where
+    the native tile step is not built)."""
+    return _count_calls(
+        monkeypatch,
+        (
+            (blocked, "_forward_native_scored", "forward"),
+            (blocked, "_backward_native_scored", "backward"),
+        ),
+    )

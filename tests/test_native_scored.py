@@ -99,26 +99,6 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.fixture
-def scored_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Counts the native passes with a score_mod's term (skips without the native step)."""
-    if _native.kernels() is None:
-        pytest.skip(_native.native_status())
-    calls = {"forward": 0, "backward": 0}
-    for name, key in (
-        ("_forward_native_scored", "forward"),
-        ("_backward_native_scored", "backward"),
-    ):
-        real = getattr(blocked, name)
-
-        def counted(*a: Any, _real: Any = real, _key: str = key, **kw: Any) -> Any:
-            calls[_key] += 1
-            return _real(*a, **kw)
-
-        monkeypatch.setattr(blocked, name, counted)
-    return calls
-
-
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", [F64, torch.float32])
 def test_an_additive_score_mod_on_the_native_step_equals_the_pytorch_step(

@@ -34,9 +34,12 @@ full tiles never evaluate the mask, partial tiles do. A user's FlexAttention
 ``mask_mod`` (``MaskMod``) is evaluated on each partial tile at once, and a
 ``score_mod`` on each tile run at once (in the backward with its graph, for
 its vector-Jacobian product on the tile); the ledger books both
-(``mask_mod_*`` and ``score_mod_*`` counters). Tiles with a score_mod run the
-PyTorch step; without one, a mask_mod's full tiles run the native step and its
-partial tiles hand it their visibility bytes, as a dense mask's do.
+(``mask_mod_*`` and ``score_mod_*`` counters). A mask_mod's full tiles run the
+native step and its partial tiles hand it their visibility bytes, as a dense
+mask's do. A score_mod that adds a term to the score (``_mods.adds_to_score``)
+runs on the native step too: each tile that runs evaluates the term
+``score_mod(0, ...)`` and the pass adds it (``_ScoreTerms``); any other score_mod
+runs the PyTorch step.
 
 Counters (``ledger.counters``, totals over batch and query heads) are always
 kept. Slow-memory traffic is counted in elements, per (batch, query head),
@@ -621,7 +624,7 @@ def _native_step(pb: Problem, loop_order: str, observed: bool) -> _native.Kernel
 def _additive_user(pb: Problem) -> bool:
     """True when the scores are ``scale · q kᵀ`` plus a score_mod's additive term (no
     softcap, ALiBi or bias besides; ``_mods.adds_to_score``, probed once on the problem's
-    first rows and keys): the native step adds the term itself (``_native.BiasSlab``)."""
+    first rows and keys): the native step adds the term itself (``_ScoreTerms``)."""
     sm = pb.smod
     if sm.user is None or sm.softcap is not None or sm.slopes is not None or sm.bias is not None:
         return False
@@ -872,12 +875,7 @@ def _forward_native(
     )  # (B·Hq, Lq, d_v), (B·Hq, Lq)
     if row_max is not None and got:
         row_max.append(got[0].view(b, hkv, g, lq))
-    _book_native(book, ran, sched.seen, d, dv, forward=True)
-    read = {t[1] for t in ran}  # query tiles with a tile run
-    for q0, q1 in qtiles:
-        if q0 in read:
-            book.io(read=(q1 - q0) * d)
-        book.io(write=(q1 - q0) * (dv + 1))
+    _book_native(book, ran, sched.seen, d, dv, forward=True, outer=qtiles)
     book.flush()
     return o.view(b, hkv, g, lq, dv), lse.view(b, hkv, g, lq), ledger
 
@@ -890,15 +888,29 @@ def _book_native(
     dv: int,
     *,
     forward: bool,
+    outer: Sequence[tuple[int, int]],
 ) -> None:
     """Book the tiles a native pass ran (a partial tile's visible dots as the step counted
-    them) and their slow-memory reads, as the PyTorch loop books them."""
+    them) and their slow-memory traffic, as the PyTorch loop books them: per tile, then
+    per ``outer`` tile (the forward's query tiles: Q_i read where a tile ran, O and λ
+    written; the backward's key tiles: K_j, V_j read where a tile ran, dK_j, dV_j
+    written)."""
     for t, (kind, q0, q1, k0, k1) in enumerate(ran):
         book.run(kind, q1 - q0, k1 - k0, None, None, forward=forward, visible=seen[t])
         if forward:
             book.io(read=(k1 - k0) * (d + dv))
         else:
             book.io(read=(q1 - q0) * (2 * d + dv + 2), write=(q1 - q0) * d)
+    read = {t[1] if forward else t[3] for t in ran}  # outer tiles with a tile run
+    for a0, a1 in outer:
+        if forward:
+            if a0 in read:
+                book.io(read=(a1 - a0) * d)
+            book.io(write=(a1 - a0) * (dv + 1))
+        else:
+            if a0 in read:
+                book.io(read=(a1 - a0) * (d + dv))
+            book.io(write=(a1 - a0) * (d + dv))
 
 
 def _backward_native(
@@ -944,12 +956,7 @@ def _backward_native(
         splits=splits,
         **_native_common(pb, ran),
     )
-    _book_native(book, ran, sched.seen, d, dv, forward=False)
-    read = {t[3] for t in ran}  # key tiles with a tile run
-    for k0, k1 in ktiles:
-        if k0 in read:
-            book.io(read=(k1 - k0) * (d + dv))
-        book.io(write=(k1 - k0) * (d + dv))
+    _book_native(book, ran, sched.seen, d, dv, forward=False, outer=ktiles)
     return dq.view(b, hkv, g, lq, d), dk.view(b, hkv, 1, lk, d), dv_.view(b, hkv, 1, lk, dv)
 
 
@@ -1075,12 +1082,7 @@ def _forward_native_scored(
         o[:, r0:r1], lse[:, r0:r1] = o_s[:, r0:r1], lse_s[:, r0:r1]
         if m_all is not None and got:
             m_all[:, r0:r1] = got[0][:, r0:r1]
-        _book_native(book, ran, sched.seen, d, dv, forward=True)
-        read = {t[1] for t in ran}
-        for q0, q1 in slab:
-            if q0 in read:
-                book.io(read=(q1 - q0) * d)
-            book.io(write=(q1 - q0) * (dv + 1))
+        _book_native(book, ran, sched.seen, d, dv, forward=True, outer=slab)
     book.flush()
     if row_max is not None and m_all is not None:
         row_max.append(m_all.view(b, hkv, g, lq))
@@ -1130,12 +1132,7 @@ def _backward_native_scored(
         dq += dq_s
         dk[:, c0:c1], dv_[:, c0:c1] = dk_s[:, c0:c1], dv_s[:, c0:c1]
         terms.vjp()
-        _book_native(book, ran, sched.seen, d, dv, forward=False)
-        read = {t[3] for t in ran}
-        for k0, k1 in slab:
-            if k0 in read:
-                book.io(read=(k1 - k0) * (d + dv))
-            book.io(write=(k1 - k0) * (d + dv))
+        _book_native(book, ran, sched.seen, d, dv, forward=False, outer=slab)
     return dq.view(b, hkv, g, lq, d), dk.view(b, hkv, 1, lk, d), dv_.view(b, hkv, 1, lk, dv)
 
 
