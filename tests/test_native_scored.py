@@ -195,3 +195,19 @@ def test_a_score_mod_that_saves_its_output_with_a_partial_tile() -> None:
     sm = lambda s, b, h, q, k: torch.tanh(s)  # noqa: E731
     got = _run(sm, [], F64, native=True, mask=fl.Causal(), block_q=16, block_k=16)
     assert all(bool(torch.isfinite(x).all()) for x in got)
+
+
+def test_rows_whose_terms_do_not_fit_keep_the_pytorch_step(
+    monkeypatch: pytest.MonkeyPatch, scored_calls: dict[str, int], assert_close: Any
+) -> None:
+    """Memory: where one tile row of terms (with their dS) would take more than
+    ``ROW_BYTES``, both passes run the PyTorch step, with the same result."""
+    table = torch.nn.Parameter(0.3 * torch.randn(4, 97 + 113 + 1, dtype=F64))
+    sm = _rel(table, 113)
+    want = _run(sm, [table], F64, native=True, mask=fl.Causal(), block_q=16, block_k=32)
+    assert scored_calls == {"forward": 1, "backward": 1}
+    monkeypatch.setattr(blocked, "ROW_BYTES", 2 * 2 * 4 * 32 * 97 * 8 - 1)  # a row too many
+    got = _run(sm, [table], F64, native=True, mask=fl.Causal(), block_q=16, block_k=32)
+    assert scored_calls == {"forward": 1, "backward": 1}, "no second scored pass"
+    for name, a, b in zip(("O", "dQ", "dK", "dV", "d table"), got, want, strict=True):
+        assert_close(a, b, rtol=1e-12, name=name)

@@ -967,6 +967,26 @@ in the forward, key tiles in the backward) whose run tiles' terms fit, at least 
 each: memory linear in L."""
 
 
+ROW_BYTES = 256 << 20
+"""The most memory one tile row's terms and their dS may take on the native step; a
+longer row (a long sequence, many heads) runs the score_mod on the PyTorch step, whose
+memory is a tile's."""
+
+
+def _with_terms_that_fit(
+    pb: Problem, kern: _native.Kernels | None, block_q: int, block_k: int
+) -> _native.Kernels | None:
+    """``kern``, or None (the PyTorch step) when a score_mod's terms would run on it and
+    one tile row of them, with their dS, would take more than ``ROW_BYTES``: the forward's
+    (``block_q`` x Lk) or the backward's (``block_k`` x Lq), so that both passes decide
+    alike (the backward rebuilds P on the step its forward ran on)."""
+    if kern is None or pb.smod.user is None:
+        return kern
+    b, hq, _, _, lq, lk = pb.shape[:6]
+    row = max(min(block_q, lq) * lk, min(block_k, lk) * lq)
+    return kern if 2 * b * hq * row * pb.dtype.itemsize <= ROW_BYTES else None
+
+
 def _slabs(
     pb: Problem,
     outer: Sequence[tuple[int, int]],
@@ -1160,6 +1180,7 @@ def _forward(
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
     kern = _native_step(pb, loop_order, trace is not None or observer is not None)
     block_q, block_k = _resolve_tiles(pb, kern, block_q, block_k, forward=True)
+    kern = _with_terms_that_fit(pb, kern, block_q, block_k)
     ledger = _new_ledger(pb, "forward", block_q, block_k, loop_order)
     classes = _classes(pb, block_q, block_k, ledger)
     obs, wants = _observers(ledger, trace, observer)
@@ -1431,6 +1452,7 @@ def _backward(
     # unit in the last place apart, and P then misses 1 by that much times |S|.
     kern = _native_step(pb, loop_order, trace is not None or observer is not None)
     block_q, block_k = _resolve_tiles(pb, kern, block_q, block_k)
+    kern = _with_terms_that_fit(pb, kern, block_q, block_k)
     ledger = _new_ledger(pb, "backward", block_q, block_k, loop_order)
     classes = _classes(pb, block_q, block_k, ledger)
     obs, wants = _observers(ledger, trace, observer)
