@@ -1750,9 +1750,21 @@ struct fl_gather {
     long long stride[FL_GATHER_DIMS]; /* that dim's stride in src (or in the gradient) */
 };
 
-/* The flat indices of row r's elements [j0, j0 + nj) into fl; 1 when one is out of range. */
-static int gather_run(const struct fl_gather *g, long long r, long long j0, int nj, long long *fl) {
-    long long i2 = r % g->n[2], i1 = r / g->n[2] % g->n[1], i0 = r / (g->n[2] * g->n[1]);
+/* Rows are visited with dim 1 (the heads, over which a position's index typically
+ * broadcasts) innermost: visit r is row (i0, i1, i2) = (r / (n1 n2), r % n1, r / n1 % n2),
+ * so the heads of one query row read the same index row while it is in cache. Returns the
+ * row's offset in the output (n0, n1, n2, n3). */
+static inline long long gather_row(const struct fl_gather *g, long long r, long long *i) {
+    i[1] = r % g->n[1];
+    i[2] = r / g->n[1] % g->n[2];
+    i[0] = r / (g->n[1] * g->n[2]);
+    return ((i[0] * g->n[1] + i[1]) * g->n[2] + i[2]) * g->n[3];
+}
+
+/* The flat indices of row i's elements [j0, j0 + nj) into fl; 1 when one is out of range. */
+static int gather_run(const struct fl_gather *g, const long long *i, long long j0, int nj,
+                      long long *fl) {
+    long long i0 = i[0], i1 = i[1], i2 = i[2];
     long long bad = 0, base = g->base;
     for (int t = 0; t < g->dims; ++t) { /* indices constant along the row first */
         const long long *st = g->st[t];
@@ -1805,14 +1817,14 @@ int SUF(fl_gather)(const T *src, T *out, const struct fl_gather *g) {
     int bad = 0;
 #pragma omp parallel for schedule(static) reduction(| : bad) if (rows * n3 >= (1 << 16))
     for (long long r = 0; r < rows; ++r) {
-        long long fl[FL_GATHER_RUN];
+        long long fl[FL_GATHER_RUN], i[3], at = gather_row(g, r, i);
         for (long long j0 = 0; j0 < n3 && !bad; j0 += FL_GATHER_RUN) {
             int nj = (int)(n3 - j0 < FL_GATHER_RUN ? n3 - j0 : FL_GATHER_RUN);
-            if (gather_run(g, r, j0, nj, fl)) {
+            if (gather_run(g, i, j0, nj, fl)) {
                 bad = 1;
                 break;
             }
-            T *o = out + r * n3 + j0;
+            T *o = out + at + j0;
             for (int j = 0; j < nj; ++j) o[j] = src[fl[j]];
         }
     }
@@ -1836,16 +1848,18 @@ int SUF(fl_scatter_add)(T *dst, long long n_dst, const T *grad, const struct fl_
                 T *mine = priv + (long long)id * n_dst;
                 long long fl[FL_GATHER_RUN];
                 long long r0 = rows * id / nt, r1 = rows * (id + 1) / nt;
-                for (long long r = r0; r < r1 && !bad; ++r)
+                for (long long r = r0; r < r1 && !bad; ++r) {
+                    long long i[3], at = gather_row(g, r, i);
                     for (long long j0 = 0; j0 < n3; j0 += FL_GATHER_RUN) {
                         int nj = (int)(n3 - j0 < FL_GATHER_RUN ? n3 - j0 : FL_GATHER_RUN);
-                        if (gather_run(g, r, j0, nj, fl)) {
+                        if (gather_run(g, i, j0, nj, fl)) {
                             bad = 1;
                             break;
                         }
-                        const T *gr = grad + r * n3 + j0;
+                        const T *gr = grad + at + j0;
                         for (int j = 0; j < nj; ++j) mine[fl[j]] += gr[j];
                     }
+                }
 #pragma omp barrier
 #pragma omp for schedule(static)
                 for (long long i = 0; i < n_dst; ++i) {
@@ -1859,13 +1873,15 @@ int SUF(fl_scatter_add)(T *dst, long long n_dst, const T *grad, const struct fl_
         }
     }
     long long fl[FL_GATHER_RUN];
-    for (long long r = 0; r < rows; ++r)
+    for (long long r = 0; r < rows; ++r) {
+        long long i[3], at = gather_row(g, r, i);
         for (long long j0 = 0; j0 < n3; j0 += FL_GATHER_RUN) {
             int nj = (int)(n3 - j0 < FL_GATHER_RUN ? n3 - j0 : FL_GATHER_RUN);
-            if (gather_run(g, r, j0, nj, fl)) return 1;
-            const T *gr = grad + r * n3 + j0;
+            if (gather_run(g, i, j0, nj, fl)) return 1;
+            const T *gr = grad + at + j0;
             for (int j = 0; j < nj; ++j) dst[fl[j]] += gr[j];
         }
+    }
     return 0;
 }
 #else
