@@ -211,3 +211,25 @@ def test_rows_whose_terms_do_not_fit_keep_the_pytorch_step(
     assert scored_calls == {"forward": 1, "backward": 1}, "no second scored pass"
     for name, a, b in zip(("O", "dQ", "dK", "dV", "d table"), got, want, strict=True):
         assert_close(a, b, rtol=1e-12, name=name)
+
+
+def test_a_score_mod_that_writes_into_the_score_keeps_the_pytorch_step(
+    scored_calls: dict[str, int], assert_close: Any
+) -> None:
+    """``score.add_(x)`` cannot run on the probe's graph: it counts as not adding, and the
+    PyTorch step runs it without gradients as it always has."""
+
+    def in_place(s: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        return s.add_(-0.5 * (q - kv).abs())
+
+    def out_of_place(s: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        return s - 0.5 * (q - kv).abs()
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 97, 16, generator=g, dtype=F64) for _ in range(3))
+    with torch.no_grad():
+        got = fl.flash_attention(q, k, v, mask=fl.Causal(), score_mod=in_place)
+        assert scored_calls["forward"] == 0
+        want = fl.flash_attention(q, k, v, mask=fl.Causal(), score_mod=out_of_place)
+    assert scored_calls["forward"] == 1
+    assert_close(got, want, rtol=1e-12, name="O")

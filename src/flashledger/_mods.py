@@ -418,17 +418,22 @@ class UserScore:
 
     def probe_additive(self, rows: torch.Tensor, keys: torch.Tensor) -> bool:
         """Whether the score_mod adds a term to the score (``adds_to_score``), judged on
-        the first two global ``rows`` and ``keys`` it will see (its call counts left as they
-        were); kept in ``additive``."""
+        the first two global ``rows`` and ``keys`` it will see (the caller's counts and its
+        choice of ``torch.vmap`` left as they were; a callable that fails on the probe, as
+        one writing into the score in place does, counts as not adding); kept in
+        ``additive``."""
         if self.additive is None:
-            calls, positions = self.caller.calls, self.caller.positions
+            caller = self.caller
+            state = caller.calls, caller.positions, caller._vmap
             r, c = rows[:2], keys[:2]
             zero = torch.zeros(self.batch, self.heads, len(r), len(c), dtype=self.dtype)
             try:
                 term, ctx = self.forward(zero.to(self.device), r, c)
                 self.additive = adds_to_score(ctx) and self._adds_on_values(term, r, c)
+            except Exception:  # e.g. it writes into the score in place: the PyTorch step
+                self.additive = False  # calls it as it always has, and says what fails
             finally:
-                self.caller.calls, self.caller.positions = calls, positions
+                caller.calls, caller.positions, caller._vmap = state
         return self.additive
 
     def _adds_on_values(self, term: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor) -> bool:
