@@ -152,10 +152,10 @@ def _plan(src: torch.Tensor, index: tuple[Any, ...]) -> _Plan | None:
 def _flat_index(src: torch.Tensor, plan: _Plan) -> torch.Tensor | None:
     """The row-major flat index of ``plan``'s gather from ``src`` (contiguous order),
     expanded to the indices' broadcast shape; None when an index is out of range."""
-    flat: torch.Tensor | int = plan.base(_contiguous_strides(src.shape))
+    strides = _contiguous_strides(src.shape)
+    flat: torch.Tensor | int = plan.base(strides)
     for i, dim in plan.terms:
-        size = src.shape[dim]
-        stride = math.prod(src.shape[dim + 1 :])
+        size, stride = src.shape[dim], strides[dim]
         lo, hi = (int(x) for x in torch.aminmax(i))
         if lo < -size or hi >= size:
             return None  # out of range: PyTorch's indexing says so
@@ -168,6 +168,7 @@ def _flat_index(src: torch.Tensor, plan: _Plan) -> torch.Tensor | None:
 
 
 def _contiguous_strides(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (in elements)."""
     strides, n = [], 1
     for size in reversed(shape):
         strides.append(n)

@@ -51,7 +51,7 @@ on CPU is a single-threaded ``index_put_``, most of a learnable bias's cost.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -477,21 +477,30 @@ def _through_views(fn: Any, numel: int) -> Any:
 _NOT_A_VIEW = object()
 
 
-def _reaches(fn: Any, target: Any) -> bool:
-    """Whether the autograd graph below ``fn`` reaches node ``target`` (True when it is too
-    large to tell)."""
-    seen, todo = set(), [fn]
+_TOO_LARGE = object()
+
+
+def _below(fn: Any) -> Iterator[Any]:
+    """The autograd nodes at and below ``fn``, each once; past ``_MAX_NODES`` it yields
+    ``_TOO_LARGE`` and stops."""
+    seen: set[int] = set()
+    todo = [fn]
     while todo:
         node = todo.pop()
         if node is None or id(node) in seen:
             continue
-        if node is target:
-            return True
+        if len(seen) >= _MAX_NODES:
+            yield _TOO_LARGE
+            return
         seen.add(id(node))
-        if len(seen) > _MAX_NODES:
-            return True
+        yield node
         todo.extend(f for f, _ in node.next_functions)
-    return False
+
+
+def _reaches(fn: Any, target: Any) -> bool:
+    """Whether the autograd graph below ``fn`` reaches node ``target`` (True when it is too
+    large to tell)."""
+    return any(node is target or node is _TOO_LARGE for node in _below(fn))
 
 
 def adds_to_score(ctx: TileVJP) -> bool:
@@ -502,17 +511,10 @@ def adds_to_score(ctx: TileVJP) -> bool:
     allowed anywhere on the way). Such a score_mod's effect is the additive term
     ``score_mod(0, ...)``, which the native step adds to its scores itself."""
     numel = ctx.leaf.numel()
-    # the leaf's own node: the input's AccumulateGrad (found below the output)
-    todo, leaf_node = [ctx.out.grad_fn], None
-    seen: set[int] = set()
-    while todo and leaf_node is None:
-        node = todo.pop()
-        if node is None or id(node) in seen or len(seen) > _MAX_NODES:
-            continue
-        seen.add(id(node))
-        if getattr(node, "variable", None) is ctx.leaf:
-            leaf_node = node
-        todo.extend(f for f, _ in node.next_functions)
+    # the leaf's own node: the input's AccumulateGrad, found below the output
+    leaf_node = next(
+        (n for n in _below(ctx.out.grad_fn) if getattr(n, "variable", None) is ctx.leaf), None
+    )
     if leaf_node is None:
         return False
     fn = _through_views(ctx.out.grad_fn, numel)

@@ -806,10 +806,9 @@ def _native_forward_plan(
     threads, rows = kern.max_threads(), min(block_q, lq)
     stacked = len(qtiles) == 1  # decode: the group's rows share their K/V tiles
     units = b * hkv if stacked else b * hq
-    chunk = g * lq if stacked else rows
-    while units * -(-(g * lq if stacked else rows) // chunk) < threads and chunk > 32:
-        chunk = -(-chunk // 2)
-    items = units * -(-(g * lq if stacked else rows) // chunk) * len(qtiles)
+    rows = g * lq if stacked else rows
+    chunk = _rows_per_item(units, rows, threads)
+    items = units * -(-rows // chunk) * len(qtiles)
     splits = 1
     if items < 4 * threads:  # too few to balance: split each row's key tiles
         splits = max(1, min(sched.longest_row(), -(-4 * threads // items), 16))
@@ -821,6 +820,21 @@ def _native_forward_plan(
         **_native_common(pb, ran),
     )
     return qtiles, sched, ran, args
+
+
+def _rows_per_item(units: int, rows: int, threads: int) -> int:
+    """Query rows per forward work item: a tile's ``rows``, halved (not below 32) while
+    ``units`` tiles of items cannot keep the ``threads`` busy."""
+    chunk = rows
+    while units * -(-rows // chunk) < threads and chunk > 32:
+        chunk = -(-chunk // 2)
+    return chunk
+
+
+def _backward_splits(key_tiles: int, kern: _native.Kernels, kv_heads: int) -> int:
+    """Parts of the key tiles a native backward runs apart (each with a dQ of its own):
+    enough items for twice the threads across ``kv_heads``, at most 8."""
+    return max(1, min(key_tiles, -(-2 * kern.max_threads() // kv_heads), 8))
 
 
 def _kind_of(classes: list[list[int]] | None) -> Any:
@@ -942,7 +956,7 @@ def _backward_native(
         )
     qtiles, ktiles = _tiles(lq, block_q), _tiles(lk, block_k)
     sched, ran = _native_schedule(pb, book, ktiles, qtiles, kind_of, forward=False)
-    splits = max(1, min(len(ktiles), -(-2 * kern.max_threads() // (b * hkv)), 8))
+    splits = _backward_splits(len(ktiles), kern, b * hkv)
     xs = (pb.q_in, pb.k_in, pb.v_in, do5) if half else (pb.q, pb.k, pb.v, do5)
     q, k, v, do = (_native_rows(pb, x, pb.out_dtype if half else dt) for x in xs)
     dq, dk, dv_ = kern.backward(
@@ -1092,9 +1106,7 @@ def _forward_native_scored(
             pb, book, slab, ktiles, kind_of, forward=True, first=s0, term_of=terms.term_of
         )
         r0, r1 = slab[0][0], slab[-1][1]
-        chunk = rows
-        while heads * len(slab) * -(-rows // chunk) < threads and chunk > 32:
-            chunk = -(-chunk // 2)
+        chunk = _rows_per_item(heads * len(slab), rows, threads)
         got: list[torch.Tensor] | None = None if row_max is None else []
         o_s, lse_s = kern.forward(
             q, k, v, sched, merge=True, row_max=got, chunk=chunk, **_native_common(pb, ran)
@@ -1145,7 +1157,7 @@ def _backward_native_scored(
             pb, book, slab, qtiles, kind_of, forward=False, first=s0, term_of=terms.term_of
         )
         c0, c1 = slab[0][0], slab[-1][1]
-        splits = max(1, min(len(slab), -(-2 * kern.max_threads() // (b * hkv)), 8))
+        splits = _backward_splits(len(slab), kern, b * hkv)
         dq_s, dk_s, dv_s = kern.backward(
             q, k, v, do, lam, dd, sched, splits=splits, **_native_common(pb, ran)
         )
