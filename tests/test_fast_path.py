@@ -57,6 +57,14 @@ def _case(name: str, gen: torch.Generator) -> tuple[tuple[torch.Tensor, ...], di
         opts.update(softcap=2.5, alibi_slopes=fl.alibi_slopes(hq, dtype=f64))
     elif name == "bias":
         opts["bias"] = _randn(gen, 1, hq, lq, lk)
+    elif name == "alibi+varlen":  # per-sequence slopes, bottom-right causal in each
+        b, lk = 1, lq
+        opts.update(
+            cu_seqlens_q=torch.tensor([0, 120, 300], dtype=torch.int32),
+            cu_seqlens_k=torch.tensor([0, 160, 300], dtype=torch.int32),
+            mask=fl.Causal("bottom_right"),
+            alibi_slopes=_randn(gen, 2, hq).abs(),
+        )
     elif name == "varlen":
         b, lk = 1, lq
         opts.update(
@@ -76,9 +84,9 @@ def _case(name: str, gen: torch.Generator) -> tuple[tuple[torch.Tensor, ...], di
     return (q, k, v, do), opts
 
 
-NATIVE_CASES = {  # the cases whose tile step runs natively (plain scores, no dropout)
+NATIVE_CASES = {  # the cases whose tile step runs natively (no softcap, no dropout)
     "plain", "causal-br", "window+padding", "gqa+dense", "scale-not-power-of-two",
-    "d!=dv+scale", "varlen", "conventions",
+    "d!=dv+scale", "alibi+varlen", "bias", "varlen", "conventions",
 }  # fmt: skip
 
 CASES = [
@@ -90,6 +98,7 @@ CASES = [
     "d!=dv+scale",
     "dropout",
     "softcap+alibi",
+    "alibi+varlen",
     "bias",
     "varlen",
     "conventions",

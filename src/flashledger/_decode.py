@@ -47,6 +47,7 @@ from .blocked import (
     _native_forward_plan,
     _native_step,
     _new_ledger,
+    _plain_scores,
     _resolve_tiles,
 )
 from .masks import Causal, IntervalBound, SlidingWindow
@@ -142,8 +143,8 @@ def _plan(
         pb = build_problem(q, k, v, **problem)
     except (TypeError, ValueError):
         return _NOT_TAKEN  # the general path raises, naming what was wrong
-    if _native_step(pb, "fa2", False) is not kern or pb.smod.user is not None:
-        return _NOT_TAKEN  # (a score_mod's term rides on the general path's tiles)
+    if _native_step(pb, "fa2", False) is not kern or not _plain_scores(pb):
+        return _NOT_TAKEN  # (a term added to the scores rides on the general path's tiles)
     if pb.mask is not None and not isinstance(pb.mask, IntervalBound):
         return _NOT_TAKEN
     block_q, block_k = _resolve_tiles(

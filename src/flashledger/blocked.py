@@ -615,19 +615,22 @@ def _native_step(pb: Problem, loop_order: str, observed: bool) -> _native.Kernel
         return None
     if _plain_scores(pb):
         return _native.kernels()
-    if not _additive_user(pb):
+    if not _additive_scores(pb):
         return None
     kern = _native.kernels()
     return None if kern is None or _half_step(pb, kern) else kern
 
 
-def _additive_user(pb: Problem) -> bool:
-    """True when the scores are ``scale · q kᵀ`` plus a score_mod's additive term (no
-    softcap, ALiBi or bias besides; ``_mods.adds_to_score``, probed once on the problem's
-    first rows and keys): the native step adds the term itself (``_ScoreTerms``)."""
+def _additive_scores(pb: Problem) -> bool:
+    """True when the scores are ``scale · q kᵀ`` plus a term that does not depend on them:
+    ALiBi, a bias and a score_mod that adds to the score (``_mods.adds_to_score``, probed
+    once on the problem's first rows and keys), any of them, and no softcap: the native
+    step adds the term itself (``_ScoreTerms``)."""
     sm = pb.smod
-    if sm.user is None or sm.softcap is not None or sm.slopes is not None or sm.bias is not None:
+    if sm.softcap is not None:
         return False
+    if sm.user is None:
+        return sm.slopes is not None or sm.bias is not None
     rows = pb.geo.rows()  # (Lq,) global
     keys = torch.arange(pb.shape[5], device=pb.geo.device) + pb.geo.k_offset  # (Lk,)
     return sm.user.probe_additive(rows, keys)
@@ -658,16 +661,17 @@ def _resolve_tiles(
     chose by measurement on this machine for this dtype (the half path's for half inputs
     on it) when it runs, else 512 x 512. A ``forward`` pass takes the forward's own
     measured tiles, unless a mask_mod's evaluations are kept for the backward (they are
-    kept per tile: both passes then share the tiles). With a score_mod the native step's
-    tiles are at least 512 x 512: its term is evaluated once per tile in each pass, and
-    on tiles of 256² the calls' own cost outweighs what the smaller tiles gain
-    (docs/perf.md)."""
+    kept per tile: both passes then share the tiles). With a term to add (ALiBi, a bias,
+    an additive score_mod) the native step's tiles are at least 512 x 512: the term is
+    evaluated once per tile in each pass, and on tiles of 256² the calls' own cost
+    outweighs what the smaller tiles gain (docs/perf.md)."""
     if kern is None:
         dq, dk = DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K
     else:
-        own = forward and (pb.mask is None or not pb.mask.callers) and pb.smod.user is None
+        plain = _plain_scores(pb)  # else the step adds a term (``_additive_scores``)
+        own = forward and (pb.mask is None or not pb.mask.callers) and plain
         dq, dk = kern.tiles(pb.out_dtype if _half_step(pb, kern) else pb.dtype, forward=own)
-        if pb.smod.user is not None:
+        if not plain:
             dq, dk = max(dq, DEFAULT_BLOCK_Q), max(dk, DEFAULT_BLOCK_K)
     return (dq if block_q is None else block_q), (dk if block_k is None else block_k)
 
@@ -868,7 +872,7 @@ def _forward_native(
     part: the pass rounds it and checks it as it writes it; see ``_forward``).
     """
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
-    if pb.smod.user is not None:
+    if not _plain_scores(pb):
         return _forward_native_scored(pb, kern, ledger, kind_of, book, block_q, block_k, row_max)
     qtiles, sched, ran, args = _native_forward_plan(pb, kern, book, kind_of, block_q, block_k)
     in_place = args["keys_in_place"]
@@ -939,8 +943,9 @@ def _backward_native(
     block_q: int,
     block_k: int,
     half: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward loop as one native call: ``(dq, dk, dv)`` 5-D.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The backward loop as one native call: ``(dq, dk, dv, dbias5)``, 5-D (``dbias5``:
+    the bias's gradient, None without a bias).
 
     Work items are (K/V head, part of the key tiles): each key tile's ``dK_j``, ``dV_j``
     accumulate over its query tiles and the group's query heads in the item's scratch;
@@ -950,7 +955,7 @@ def _backward_native(
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
     dt = pb.dtype
     heads = b * hq
-    if pb.smod.user is not None:
+    if not _plain_scores(pb):
         return _backward_native_scored(
             pb, kern, do5, lse_safe, d_eff, kind_of, book, block_q, block_k
         )
@@ -971,11 +976,12 @@ def _backward_native(
         **_native_common(pb, ran),
     )
     _book_native(book, ran, sched.seen, d, dv, forward=False, outer=ktiles)
-    return dq.view(b, hkv, g, lq, d), dk.view(b, hkv, 1, lk, d), dv_.view(b, hkv, 1, lk, dv)
+    dq5, dk5 = dq.view(b, hkv, g, lq, d), dk.view(b, hkv, 1, lk, d)
+    return dq5, dk5, dv_.view(b, hkv, 1, lk, dv), None
 
 
 SLAB_BYTES = 64 << 20
-"""The most memory a native pass with a score_mod's additive term holds for the terms of
+"""The most memory a native pass with a term to add (ALiBi, bias, score_mod) holds for the terms of
 its tiles (and their dS) at once: the pass runs in slabs of whole tile rows (query tiles
 in the forward, key tiles in the backward) whose run tiles' terms fit, at least one row
 each: memory linear in L."""
@@ -983,18 +989,18 @@ each: memory linear in L."""
 
 ROW_BYTES = 256 << 20
 """The most memory one tile row's terms and their dS may take on the native step; a
-longer row (a long sequence, many heads) runs the score_mod on the PyTorch step, whose
-memory is a tile's."""
+longer row (a long sequence, many heads) runs on the PyTorch step, whose memory is a
+tile's."""
 
 
 def _with_terms_that_fit(
     pb: Problem, kern: _native.Kernels | None, block_q: int, block_k: int
 ) -> _native.Kernels | None:
-    """``kern``, or None (the PyTorch step) when a score_mod's terms would run on it and
+    """``kern``, or None (the PyTorch step) when the scores' terms would run on it and
     one tile row of them, with their dS, would take more than ``ROW_BYTES``: the forward's
     (``block_q`` x Lk) or the backward's (``block_k`` x Lq), so that both passes decide
     alike (the backward rebuilds P on the step its forward ran on)."""
-    if kern is None or pb.smod.user is None:
+    if kern is None or _plain_scores(pb):
         return kern
     b, hq, _, _, lq, lk = pb.shape[:6]
     row = max(min(block_q, lq) * lk, min(block_k, lk) * lq)
@@ -1030,31 +1036,28 @@ def _slabs(
 
 
 class _ScoreTerms:
-    """A score_mod's additive term ``score_mod(0, ...)`` for each tile a native pass runs
-    (``term_of``, the schedule's callback): one call of the score_mod per tile, as the
-    PyTorch step calls it (and books it), ``(B·Hq, r, c)`` in the loop's dtype. With
-    ``graphs`` (the backward) each call keeps its graph, is checked to add to the score
-    (``_mods.adds_to_score``) and, with ``ds``, gets a buffer for dS of the final scores,
-    from which ``vjp`` adds the captured tensors' gradients."""
+    """The scores' additive term for each tile a native pass runs (``term_of``, the
+    schedule's callback): ALiBi, the bias and a score_mod's ``score_mod(0, ...)`` on a zero
+    score, through the PyTorch step's own ``ScoreMod.tile`` (one call of the score_mod per
+    tile, as that step calls and books it), ``(B·Hq, r, c)`` in the loop's dtype. With
+    ``graphs`` (the backward) a score_mod's call keeps its graph and is checked to add to
+    the score (``_mods.adds_to_score``); with ``ds`` each tile gets a buffer for dS of the
+    final scores, from which ``vjp`` adds the captured tensors' gradients and the bias's
+    (into ``dbias5``)."""
 
     def __init__(self, pb: Problem, *, graphs: bool = False, ds: bool = False) -> None:
         self.pb, self.graphs, self.want_ds = pb, graphs, ds
-        self.kept: list[tuple[Any, torch.Tensor]] = []
+        self.kept: list[tuple[Any, torch.Tensor, tuple[int, int, int, int]]] = []
         self.zero = torch.zeros((), dtype=pb.dtype, device=pb.geo.device)
-        self.rows = pb.geo.rows()  # (Lq,) global
+        bias = pb.smod.bias
+        self.dbias5 = None if bias is None or not ds else torch.zeros_like(bias)
 
     def term_of(self, kind: int, q0: int, q1: int, k0: int, k1: int) -> tuple[Any, Any]:
-        pb, user = self.pb, self.pb.smod.user
-        assert user is not None
-        b, hq = pb.shape[:2]
-        geo = pb.geo
-        score = self.zero.expand(b, hq, q1 - q0, k1 - k0)  # (B, Hq, r, c), no memory
-        keys = torch.arange(k0, k1, device=geo.device) + geo.k_offset  # (c,) global
-        if not self.graphs:  # the forward: no graph (the probe judged the callable)
-            out = user.apply(score, self.rows[q0:q1], keys)  # (B, Hq, r, c)
-            return out.reshape(b * hq, q1 - q0, k1 - k0).contiguous(), None
-        out, ctx = user.forward(score, self.rows[q0:q1], keys)  # (B, Hq, r, c)
-        if not adds_to_score(ctx):
+        pb = self.pb
+        b, hq, hkv, g = pb.shape[:4]
+        zero = self.zero.expand(b, hkv, g, q1 - q0, k1 - k0)  # (B, Hkv, G, r, c), no memory
+        out, ctx = pb.smod.tile(zero, q0, q1, k0, k1, grad=self.graphs, inplace=False, scaled=True)
+        if ctx.user is not None and not adds_to_score(ctx.user):
             raise RuntimeError(
                 "the score_mod added a term to the score on its first positions but not on "
                 f"queries {q0}-{q1 - 1} x keys {k0}-{k1 - 1}: it must compute each position "
@@ -1063,18 +1066,22 @@ class _ScoreTerms:
         ds = None
         if self.want_ds:  # the pass writes the positions it computes: zeros where masked
             make = torch.zeros if kind == PARTIAL else torch.empty
-            ds = make(b * hq, q1 - q0, k1 - k0, dtype=pb.dtype, device=geo.device)
-            self.kept.append((ctx, ds))
-        return out.reshape(b * hq, q1 - q0, k1 - k0).contiguous(), ds
+            ds = make(b * hq, q1 - q0, k1 - k0, dtype=pb.dtype, device=pb.geo.device)
+            self.kept.append((ctx.user, ds, (q0, q1, k0, k1)))
+        term = out.expand(b, hkv, g, q1 - q0, k1 - k0)  # a term alone may broadcast
+        return term.reshape(b * hq, q1 - q0, k1 - k0).contiguous(), ds
 
     def vjp(self) -> None:
-        """The captured tensors' gradients from each kept tile's dS (the score's own is
-        dS: the term does not depend on it); then the graphs go."""
-        user = self.pb.smod.user
-        assert user is not None
-        b, hq = self.pb.shape[:2]
-        for ctx, ds in self.kept:
-            user.vjp_captured(ctx, ds.view(b, hq, *ds.shape[1:]))
+        """The captured tensors' gradients and the bias's from each kept tile's dS (the
+        score's own is dS: the term does not depend on it); then the graphs go."""
+        pb = self.pb
+        user = pb.smod.user
+        b, hq, hkv, g = pb.shape[:4]
+        for ctx, ds, (q0, q1, k0, k1) in self.kept:
+            if user is not None and ctx is not None:
+                user.vjp_captured(ctx, ds.view(b, hq, *ds.shape[1:]))
+            if self.dbias5 is not None:
+                _add_bias_grad(self.dbias5, ds.view(b, hkv, g, *ds.shape[1:]), pb, q0, q1, k0, k1)
         self.kept.clear()
 
 
@@ -1131,16 +1138,17 @@ def _backward_native_scored(
     book: _Book,
     block_q: int,
     block_k: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward on the native step with a score_mod that adds a term to the scores:
-    in slabs of key tiles, each tile's term evaluated with its graph, the pass adding it
-    to its scores and writing dS of the final scores back, from which each tile's
-    vector-Jacobian product gives the captured tensors' gradients."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The backward on the native step with a term added to the scores (ALiBi, bias, an
+    additive score_mod): in slabs of key tiles, each tile's term evaluated (a score_mod's
+    with its graph), the pass adding it to its scores and writing dS of the final scores
+    back, from which each tile's vector-Jacobian product gives the captured tensors'
+    gradients and the bias's. Returns ``(dq, dk, dv, dbias5)`` (``dbias5`` None without a
+    bias)."""
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
     dt = pb.dtype
     heads = b * hq
     user = pb.smod.user
-    assert user is not None
     qtiles, ktiles = _tiles(lq, block_q), _tiles(lk, block_k)
     q, k, v, do = (_native_rows(pb, x, dt) for x in (pb.q, pb.k, pb.v, do5))
     lam = lse_safe.to(dt).reshape(heads, lq).contiguous()
@@ -1148,7 +1156,7 @@ def _backward_native_scored(
     dq = torch.zeros(heads, lq, d, dtype=dt)  # (B·Hq, Lq, d)
     dk = torch.empty(b * hkv, lk, d, dtype=dt)  # (B·Hkv, Lk, d)
     dv_ = torch.empty(b * hkv, lk, dv, dtype=dt)  # (B·Hkv, Lk, d_v)
-    grads = bool(user.captured)
+    grads = (user is not None and bool(user.captured)) or pb.smod.bias is not None
     terms = _ScoreTerms(pb, graphs=True, ds=grads)
     slabs = _slabs(pb, ktiles, qtiles, kind_of, forward=False, buffers=2 if grads else 1)
     for s0, s1 in slabs:
@@ -1165,7 +1173,12 @@ def _backward_native_scored(
         dk[:, c0:c1], dv_[:, c0:c1] = dk_s[:, c0:c1], dv_s[:, c0:c1]
         terms.vjp()
         _book_native(book, ran, sched.seen, d, dv, forward=False, outer=slab)
-    return dq.view(b, hkv, g, lq, d), dk.view(b, hkv, 1, lk, d), dv_.view(b, hkv, 1, lk, dv)
+    return (
+        dq.view(b, hkv, g, lq, d),
+        dk.view(b, hkv, 1, lk, d),
+        dv_.view(b, hkv, 1, lk, dv),
+        terms.dbias5,
+    )
 
 
 # ----------------------------------------------------------------------------------------
@@ -1491,7 +1504,7 @@ def _backward(
     lse_safe = torch.where(torch.isneginf(lse5), math.inf, lse5)  # (B, Hkv, G, Lq)
     book.io(write=lq * d)  # dQ initialised
     if kern is not None:
-        dq5, dk5, dv5 = _backward_native(
+        dq5, dk5, dv5, dbias5 = _backward_native(
             pb,
             kern,
             do5,
@@ -1505,7 +1518,7 @@ def _backward(
             half=_half_step(pb, kern) and do_dtype == pb.out_dtype,
         )
         book.flush()
-        return dq5, dk5, dv5, None, D, ledger
+        return dq5, dk5, dv5, dbias5, D, ledger
     rows, cols = g * min(block_q, lq), min(block_k, lk)
     ws = _Workspace(
         pb,

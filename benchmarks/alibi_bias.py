@@ -1,0 +1,96 @@
+"""ALiBi and an additive bias on the native step, against the plain call and the PyTorch step.
+
+The native step adds ALiBi's and a bias's term to its scores (``blocked._ScoreTerms``);
+this times forward + backward (causal, float32 by default) of
+
+- the plain call (``mask=fl.Causal()``), the baseline of every ratio;
+- ALiBi (``alibi_slopes=fl.alibi_slopes(H)``) on the native step and on the PyTorch step;
+- a dense learnable bias ``(1, H, L, L)`` (its gradient too) on both steps,
+
+in interleaved rounds (each round's ratio against the same round's plain call; medians).
+
+    python benchmarks/alibi_bias.py --length 4096 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import flashledger as fl
+from flashledger import _calibrate, _native
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--no-bias", action="store_true", help="skip the dense bias (L² memory)")
+    args = parser.parse_args()
+    if args.length < 1 or args.heads < 1 or args.dim < 1 or args.rounds < 1:
+        parser.error("--length, --heads, --dim and --rounds must be positive integers")
+    dt = getattr(torch, args.dtype)
+    n, h, d = args.length, args.heads, args.dim
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, n, d, generator=gen, dtype=dt).requires_grad_() for _ in range(3))
+    do = torch.randn(1, h, n, d, generator=gen, dtype=dt)
+    slopes = fl.alibi_slopes(h, dtype=dt)
+
+    def fwd_bwd(**opts: Any) -> Callable[[], None]:
+        wrt = [q, k, v] + ([opts["bias"]] if "bias" in opts else [])
+
+        def run() -> None:
+            o = fl.flash_attention(q, k, v, mask=fl.Causal(), **opts)
+            torch.autograd.grad(o, wrt, do)
+
+        return run
+
+    def on_pytorch_step(run: Callable[[], None]) -> Callable[[], None]:
+        def off() -> None:
+            with _native.disabled():
+                run()
+
+        return off
+
+    cases = {
+        "plain": fwd_bwd(),
+        "ALiBi, native step": fwd_bwd(alibi_slopes=slopes),
+        "ALiBi, PyTorch step": on_pytorch_step(fwd_bwd(alibi_slopes=slopes)),
+    }
+    if not args.no_bias:
+        bias = torch.randn(1, h, n, n, generator=gen, dtype=dt).requires_grad_()
+        cases["bias, native step"] = fwd_bwd(bias=bias)
+        cases["bias, PyTorch step"] = on_pytorch_step(fwd_bwd(bias=bias))
+    for run in cases.values():  # warm-up (and the native step's build)
+        run()
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(args.rounds):
+        for name, run in cases.items():
+            t0 = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - t0)
+    print(
+        f"ALiBi and bias, forward + backward, causal: L={n} H={h} d={d} {args.dtype}, "
+        f"{args.rounds} rounds; {_calibrate.cpu_model() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads"
+    )
+    base = times["plain"]
+    for name, ts in times.items():
+        ratios = [t / b for t, b in zip(ts, base)]
+        print(
+            f"{name:<22} {statistics.median(ts) * 1e3:9.1f} ms  "
+            f"{statistics.median(ratios):6.2f} x plain  (rounds {min(ratios):.2f}-{max(ratios):.2f})"
+        )
+
+
+if __name__ == "__main__":
+    main()
