@@ -193,6 +193,52 @@ def test_alibi_and_a_bias_ride_on_the_native_step(
         assert_close(a.to(F64), w, rtol=tol, name=f"{name} ({dtype})")
 
 
+@pytest.mark.parametrize("form", ["distance", "key index"])
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_alibi_alone_is_computed_in_the_native_pass(
+    form: str,
+    dtype: torch.dtype,
+    monkeypatch: pytest.MonkeyPatch,
+    native_calls: dict[str, int],
+    scored_calls: dict[str, int],
+) -> None:
+    """ALiBi with nothing else on the scores runs the native step's own passes, its term
+    computed in them (no term laid out per tile): bit for bit the result of the laid-out
+    term, in both of ALiBi's forms (-slope · |i - j|; flash-attn 2's causal slope · (j -
+    first key)), GQA 97 x 113, ragged tiles."""
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (
+        torch.randn(2, h, n, 16, generator=g, dtype=F64).to(dtype).requires_grad_(True)
+        for h, n in ((4, 97), (2, 113), (2, 113))
+    )
+    do = torch.randn(2, 4, 97, 16, generator=g, dtype=F64).to(dtype)
+    opts: dict[str, Any] = dict(alibi_slopes=torch.rand(2, 4, generator=g, dtype=F64))
+    if form == "key index":
+        opts.update(conventions=fl.FLASH_ATTN_2, mask=fl.Causal())
+    else:
+        opts.update(mask=fl.SlidingWindow(40, 30))
+
+    def run() -> list[Tensor]:
+        for t in (q, k, v):
+            t.grad = None
+        o = fl.flash_attention(q, k, v, block_q=32, block_k=24, **opts)
+        o.backward(do)
+        return [o.detach(), *(t.grad for t in (q, k, v))]  # type: ignore[misc]
+
+    in_pass = run()
+    assert native_calls["forward"] == native_calls["backward"] == 1
+    assert scored_calls == {"forward": 0, "backward": 0}, "ALiBi alone laid out a term"
+    monkeypatch.setattr(blocked, "_native_alibi", lambda pb: False)  # the laid-out term
+    laid_out = run()
+    assert scored_calls == {"forward": 1, "backward": 1}
+    for name, a, b in zip(("O", "dQ", "dK", "dV"), in_pass, laid_out, strict=True):
+        diff = (a - b).abs()
+        worst = tuple(int(i) for i in torch.nonzero(diff == diff.max())[0])
+        assert torch.equal(a, b), (
+            f"{name} ({form}, {dtype}) differs at {worst}: {a[worst]} vs {b[worst]}"
+        )
+
+
 def test_slabs_of_a_few_tiles_give_the_same_result(
     monkeypatch: pytest.MonkeyPatch, scored_calls: dict[str, int]
 ) -> None:

@@ -248,20 +248,24 @@ static inline void store_in(TIN *p, VT v) { storev(p, v); }
  * degree 6, relative error 2e-9 before rounding, degree 4 and 3.1e-6 in the half builds;
  * float64: Taylor to degree 13, 4e-18; each exactly 1 at f = 0) and
  * 2^n built in the exponent bits; x is clamped above at the largest finite exponent.
- * Below x = FL_EXP2_MIN (and for -inf) the result is exactly 0, so it is 0 or normal:
- * the step's exponents are differences from a row's maximum, and a probability below
- * 2^-125 (float64: 2^-1021) is below every rounding of the sums it enters (ℓ >= 1), where
- * a subnormal one costs a microcode assist in each product that reads it (measured: an
- * ALiBi forward at L = 4096, whose scores fall through that range along every row, ran
- * twice as long with them). NaN stays NaN. */
+ * Below x = FL_EXP2_MIN (-100; float64 -1000) the result is exactly 0. The step's exponents
+ * are differences from a row's maximum: such a probability is 76 bits (float64: 947) under
+ * the unit roundoff of the sums it enters (ℓ >= 1), and cutting it there keeps every value
+ * the step forms from P normal: a subnormal P, or a product P·V that underflows (2^-125·V
+ * for |V| < 1/2), costs a microcode assist each. Measured on an ALiBi forward at L = 4096
+ * (its scores fall through that range along every row; Intel Xeon): 340 ms with the
+ * subnormals, 96 with P cut at 2^-125 but the scaling below it still underflowing, 72 with
+ * that clamped, 61-65 with the cut at 2^-100, as fast as ALiBi with zero slopes. x is
+ * clamped below at FL_EXP2_MIN, so that no step of the computation underflows, and the
+ * result there replaced by 0. NaN stays NaN. */
 #if FL_DOUBLE
-#define FL_EXP2_MIN -1021.0
+#define FL_EXP2_MIN -1000.0
 #else
-#define FL_EXP2_MIN -125.0f
+#define FL_EXP2_MIN -100.0f
 #endif
 static inline VT vexp2(VT x) {
 #if FL_DOUBLE
-    const T lo = -1100.0, hi = 1023.0;
+    const T lo = FL_EXP2_MIN, hi = 1023.0;
     static const T c[] = {1.0, 0.6931471805599453, 0.24022650695910072, 0.05550410866482158,
                           0.009618129107628477, 0.0013333558146428443, 0.0001540353039338161,
                           1.5252733804059841e-05, 1.321548679014431e-06, 1.01780860092397e-07,
@@ -272,11 +276,11 @@ static inline VT vexp2(VT x) {
     /* the half builds round P to the input dtype (relative error 2^-9 or 2^-12) before
      * P V reads it: degree 4 (relative error 3.1e-6, 26 ulps of float32, in P and in the
      * row sums ℓ) is far below that rounding */
-    const T lo = -160.0f, hi = 127.0f;
+    const T lo = FL_EXP2_MIN, hi = 127.0f;
     static const T c[] = {1.0f, 0.69312197f, 0.24023719f, 0.055916935f, 0.009600403f};
     const int deg = 4;
 #else
-    const T lo = -160.0f, hi = 127.0f;
+    const T lo = FL_EXP2_MIN, hi = 127.0f;
     static const T c[] = {1.0f, 0.6931471824645996f, 0.24022646248340607f,
                           0.05550329014658928f, 0.009618519805371761f,
                           0.0013399859890341759f, 0.00015337577497120947f};
@@ -517,6 +521,8 @@ struct fl_args {
     const TIN *kp, *vp;         /* forward with `amx`: K and V in AMX's pair layout (fl_pack_amx) */
     T *mx;                      /* forward: each row's final running max m (S, H, Lq), natural
                                    units (-inf where a part saw no key), or NULL */
+    const T *al_slope;          /* ALiBi (alibi > 0): each row's slope (H, Lq) */
+    const long long *al_center; /* and the local key its distances are measured from (H, Lq) */
     long long heads, group, lq, lk, d, dv, work_stride;
     long long hq, iv_bstride; /* query heads per batch; the intervals' batch stride (0: shared) */
     long long rows;           /* rows of the schedule */
@@ -525,6 +531,8 @@ struct fl_args {
     long long stacked;        /* forward: a group's query heads as one block of rows */
     long long half;           /* 0, or the half dtype of k16, v16 (1: bfloat16, 2: float16) */
     long long amx;            /* forward, bfloat16 step: S and P V on AMX's tiles (kp, vp) */
+    long long alibi;          /* float builds: 0, or ALiBi's form (1: -slope · |c - j|, 2:
+                                 slope · (j - c), flash-attn 2's causal form; add_alibi) */
     double scale;
     long long scale_exact; /* scale is a power of two: exact as the matmul's alpha */
 };
@@ -556,6 +564,41 @@ static inline long long row_base(const struct fl_args *a, const struct rows *b) 
 static inline long long term_at(const long long *t, const struct rows *b, int r, long long k0) {
     long long rows = t[1] - t[0], cols = t[3] - t[2];
     return row_head(b, r) * rows * cols + (row_pos(b, r) - t[0]) * cols + (k0 - t[2]);
+}
+
+/* ALiBi's term at keys j0 .. j0 + n - 1 of a row (slope sl, center c): x[j] = -(sl · |c - j|)
+ * (form 1) or sl · (j - c) (form 2), each product rounded on its own as the PyTorch step's
+ * slopes · distance is: written to x, apart from the add that follows (fused into it, a
+ * product would skip that rounding; tests/test_native_scored.py holds the scores to the
+ * laid-out term's bit for bit). */
+static inline void alibi_terms(T sl, int c, int j0, int n, long long form, T *x) {
+    if (form == 1)
+        for (int j = 0; j < n; ++j) x[j] = -(sl * (T)abs(c - j0 - j));
+    else
+        for (int j = 0; j < n; ++j) x[j] = sl * (T)(j0 + j - c);
+}
+
+/* S += f · ALiBi's term on a block's rows and keys [k0, k0 + nc) (S's row stride ls): row
+ * i's slope and center (local keys) from al_slope, al_center; the term formed as the
+ * PyTorch step forms it (alibi_terms) and added as add_term adds a laid-out term (f = 1,
+ * or log2 e in the forward's base-2 units): the scores are bit for bit those of the term
+ * laid out, and none is. */
+static void add_alibi(const struct fl_args *a, const struct rows *b, long long k0, int nc, T *s,
+                      long long ls, T f) {
+    T x[256];
+    for (int r = 0; r < b->nr; ++r) {
+        long long i = row_head(b, r) * a->lq + row_pos(b, r);
+        T sl = a->al_slope[i], *row = s + (long long)r * ls;
+        int c = (int)(a->al_center[i] - k0); /* |c| <= Lq + Lk */
+        for (int j0 = 0; j0 < nc; j0 += 256) {
+            int n = nc - j0 < 256 ? nc - j0 : 256;
+            alibi_terms(sl, c, j0, n, a->alibi, x);
+            if (f == (T)1)
+                for (int j = 0; j < n; ++j) row[j0 + j] += x[j];
+            else
+                for (int j = 0; j < n; ++j) row[j0 + j] += f * x[j];
+        }
+    }
 }
 
 /* S += f · term on a block's rows and keys [k0, k0 + nc) of tile t (S's row stride ls):
@@ -1313,6 +1356,9 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
         scores(a, b, t[2] + lo, w, s, ls, a->scale * LOG2E, 0);
     }
     if (t[8]) add_term(t, b, t[2] + lo, w, s, ls, (T)LOG2E);
+#if !FL_HALF
+    if (a->alibi) add_alibi(a, b, t[2] + lo, w, s, ls, (T)LOG2E);
+#endif
     if (t[4]) mask_bytes(a, t, b, s, ls, lo, ca, cb, gap);
     T *alpha = s + (long long)nrs * ls; /* α per row */
     int moved = 0;                     /* did any row's max move? */
@@ -1598,6 +1644,9 @@ static long long backward_block(const struct fl_args *a, const long long *t, con
      * when it is a power of two, so that a forward run with that step is matched exactly */
     scores(a, b, t[2] + lo, w, s, ls, a->scale, !a->scale_exact);
     if (t[8]) add_term(t, b, t[2] + lo, w, s, ls, 1);
+#if !FL_HALF
+    if (a->alibi) add_alibi(a, b, t[2] + lo, w, s, ls, 1);
+#endif
     if (t[4]) mask_bytes(a, t, b, s, ls, lo, ca, cb, gap);
     long long base = row_base(a, b);
     const TIN *doh = a->dout + base * a->dv;

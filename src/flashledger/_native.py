@@ -48,6 +48,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,7 @@ import torch
 from . import _calibrate
 
 __all__ = [
+    "Alibi",
     "ForwardPass",
     "Kernels",
     "Schedule",
@@ -74,9 +76,9 @@ _off = threading.local()
 
 _POINTERS = (
     "q k kt v vt o lse dout lam dd dq dk dvo work iv_lo iv_hi k16 v16 q16 tiles row_start bounds "
-    "seen o16 bad kp vp mx"
+    "seen o16 bad kp vp mx al_slope al_center"
 )
-_SIZES = "heads group lq lk d dv work_stride hq iv_bstride rows chunk splits stacked half amx"
+_SIZES = "heads group lq lk d dv work_stride hq iv_bstride rows chunk splits stacked half amx alibi"
 _HALF = {torch.bfloat16: 1, torch.float16: 2}
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16", torch.float16: "f16"}
 _HALF_GEMMS = {"bf16": "gemm_bf16bf16f32_", "f16": "gemm_f16f16f32_"}
@@ -464,6 +466,7 @@ class Kernels:
         scale: float,
         heads_per_batch: int,
         intervals: tuple[torch.Tensor, torch.Tensor] | None,
+        alibi: Alibi | None,
         work_per_thread: int,
         sizes: dict[str, int],
         **tensors: torch.Tensor,
@@ -482,7 +485,17 @@ class Kernels:
         assert all(t.dtype == acc for n, t in tensors.items() if n != "dout")
         work = _pool.take("work", self.max_threads() * work_per_thread, acc)
         args, buffers = _static_args(
-            q, k, v, sched, group, scale, heads_per_batch, intervals, work_per_thread, sizes
+            q,
+            k,
+            v,
+            sched,
+            group,
+            scale,
+            heads_per_batch,
+            intervals,
+            work_per_thread,
+            sizes,
+            alibi=alibi,
         )
         args.q, args.k, args.kt, args.v, args.vt, args.work = (
             t.data_ptr() for t in (q, k, kt, v, vt, work)
@@ -518,6 +531,7 @@ class Kernels:
         out_dtype: torch.dtype | None = None,
         o_finite: list[bool] | None = None,
         row_max: list[torch.Tensor] | None = None,
+        alibi: Alibi | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward pass of ``sched`` (rows: query tiles) in one native call.
 
@@ -535,7 +549,8 @@ class Kernels:
         ``o`` ``(H, Lq, d_v)``, ``lse`` ``(H, Lq)``; ``q16``, ``out_dtype``, ``o_finite`` and
         ``row_max`` as ``ForwardPass.run``'s. ``ForwardPass`` holds the same call for
         repeating it. A tile of ``sched`` may carry an additive term of its scores
-        (``Schedule.add``; float32/float64, not stacked, keys not in place).
+        (``Schedule.add``; float32/float64, not stacked, keys not in place); ``alibi``
+        (``Alibi``; float32/float64) adds ALiBi's to every tile's.
         """
         fp = ForwardPass(
             self,
@@ -551,6 +566,7 @@ class Kernels:
             splits=splits,
             stacked=stacked,
             keys_in_place=keys_in_place,
+            alibi=alibi,
         )
         o, lse = fp.run(
             q,
@@ -602,14 +618,16 @@ class Kernels:
         heads_per_batch: int,
         intervals: tuple[torch.Tensor, torch.Tensor] | None = None,
         splits: int = 1,
+        alibi: Alibi | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The backward pass of ``sched`` (rows: key tiles) in one native call: ``(dq,
         dk, dv)`` ``(H, Lq, d)``, ``(Hk, Lk, d)``, ``(Hk, Lk, d_v)``. ``dout`` ``(H, Lq,
         d_v)``; ``lam`` (the LSE, +inf on empty rows) and ``dd`` (D) ``(H, Lq)``; work
         items are (K/V head, one of ``splits`` parts of the key tiles). Half inputs (q, k,
         v, dout in bfloat16/float16: the half step) give float32 gradients. Tiles may carry
-        an additive term of their scores and where dS goes (``Schedule.add``). Rows of dK
-        and dV of key tiles the schedule leaves out are not written."""
+        an additive term of their scores and where dS goes (``Schedule.add``); ``alibi``
+        adds ALiBi's to every tile's scores (as ``forward``). Rows of dK and dV of key tiles
+        the schedule leaves out are not written."""
         heads, lq, d = q.shape
         hk, lk, dv = v.shape
         acc = torch.float32 if q.dtype in _HALF else q.dtype
@@ -630,6 +648,7 @@ class Kernels:
             scale=scale,
             heads_per_batch=heads_per_batch,
             intervals=intervals,
+            alibi=alibi,
             work_per_thread=work,
             sizes=dict(chunk=0, splits=splits, stacked=0),
             dout=dout,
@@ -727,13 +746,18 @@ def _static_args(
     work_per_thread: int,
     sizes: dict[str, int],
     half: int = 0,
+    alibi: Alibi | None = None,
 ) -> tuple[_Args, list[Any]]:
-    """A pass's ``_Args`` with every size set and the addresses of its schedule and interval
-    mask (the operands' are the caller's to set), and the buffers those point into, alive
-    as long as the arguments are used: ``[tiles, row_start, bounds, seen, iv_lo, iv_hi]``."""
+    """A pass's ``_Args`` with every size set and the addresses of its schedule, interval
+    mask and ALiBi rows (the operands' are the caller's to set), and the buffers those point
+    into, alive as long as the arguments are used: ``[tiles, row_start, bounds, seen, iv_lo,
+    iv_hi, slopes, centers]``."""
     iv_lo = iv_hi = None
     if intervals is not None:
         iv_lo, iv_hi = (t.to(torch.int64).contiguous() for t in intervals)  # (B|1, Lq)
+    slopes = centers = None
+    if alibi is not None:
+        slopes, centers = _alibi_rows(alibi, q)
     arrays = sched._arrays()
     tiles, row_start, bounds, seen = (a.buffer_info()[0] for a in arrays)
     args = _Args(
@@ -756,9 +780,36 @@ def _static_args(
         scale=scale,
         scale_exact=int(math.frexp(scale)[0] == 0.5),
         half=half,
+        alibi=0 if alibi is None else alibi.form,
+        al_slope=None if slopes is None else slopes.data_ptr(),
+        al_center=None if centers is None else centers.data_ptr(),
         **sizes,
     )
-    return args, [*arrays, iv_lo, iv_hi]
+    return args, [*arrays, iv_lo, iv_hi, slopes, centers]
+
+
+@dataclass(frozen=True)
+class Alibi:
+    """ALiBi's term as a pass computes it (``add_alibi`` in ``_native.c``): row ``i`` of
+    ``(H, Lq)`` adds ``-slope[i] · |center[i] - j|`` (``form`` 1) or ``slope[i] · (j -
+    center[i])`` (form 2, flash-attn 2's causal form) at local key ``j``; ``slope`` in the
+    pass's float dtype, ``center`` int64 (both broadcastable to ``(H, Lq)``)."""
+
+    slope: torch.Tensor
+    center: torch.Tensor
+    form: int
+
+
+def _alibi_rows(alibi: Alibi, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``alibi``'s slopes and centers as contiguous ``(H, Lq)`` rows of a pass on ``q``."""
+    if alibi.form not in (1, 2):
+        raise ValueError(f"ALiBi's form is 1 or 2, got {alibi.form}")
+    if q.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"ALiBi is added by float32/float64 passes, not {q.dtype}")
+    rows = q.shape[:2]  # (H, Lq)
+    slope = alibi.slope.to(q.dtype).expand(rows).contiguous()
+    center = alibi.center.to(torch.int64).expand(rows).contiguous()
+    return slope, center
 
 
 class ForwardPass:
@@ -789,6 +840,7 @@ class ForwardPass:
         stacked: bool,
         keys_in_place: bool,
         keep_scratch: bool = False,
+        alibi: Alibi | None = None,
     ) -> None:
         self.kern, self.in_place, self.keep_scratch = kern, keys_in_place, keep_scratch
         # a float32 q reading a half K/V cache in place (widened as it is read); the half step
@@ -828,7 +880,7 @@ class ForwardPass:
         self.lt = kern.padded(q.dtype, k.shape[1])  # the row stride of Kᵀ
         sizes = dict(chunk=chunk, splits=splits, stacked=int(stacked))
         self._args, self._buffers = _static_args(
-            q, k, v, sched, group, scale, heads_per_batch, intervals, work, sizes, half
+            q, k, v, sched, group, scale, heads_per_batch, intervals, work, sizes, half, alibi
         )
         self._args.amx = int(self.amx)
         self._n_tiles = len(self._buffers[3])

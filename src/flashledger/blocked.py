@@ -621,6 +621,38 @@ def _native_step(pb: Problem, loop_order: str, observed: bool) -> _native.Kernel
     return None if kern is None or _half_step(pb, kern) else kern
 
 
+def _native_alibi(pb: Problem) -> bool:
+    """True when the scores are ``scale · q kᵀ`` plus ALiBi alone (no softcap, bias or
+    score_mod): the native passes compute ALiBi's term themselves (``_alibi_args``), tile
+    by tile, with no term laid out."""
+    sm = pb.smod
+    return sm.slopes is not None and sm.softcap is None and sm.bias is None and sm.user is None
+
+
+def _alibi_args(pb: Problem) -> _native.Alibi | None:
+    """ALiBi as the native passes compute it (``_native.Alibi``), or None: each row's slope
+    and the local key its distances run from, as ``ScoreMod.tile`` reads them."""
+    if not _native_alibi(pb):
+        return None
+    b, hq, hkv, g, lq = pb.shape[:5]
+    geo, slopes = pb.geo, pb.smod.slopes
+    assert slopes is not None
+    slope = slopes.expand(b, hkv, g, lq, 1).reshape(b * hq, lq)  # (B·Hq, Lq)
+    if pb.smod.alibi_key_index:  # + slope · (j - first key)
+        center, form = geo.k_lo, 2  # (Bg, Lq) global
+    else:  # - slope · |i + offset - j|
+        center, form = geo.rows()[None, :] + geo.off_br, 1  # (Bg, Lq) global
+    center = center - geo.k_offset  # local keys
+    center = center.expand(b, lq)[:, None, :].expand(b, hq, lq).reshape(b * hq, lq)
+    return _native.Alibi(slope, center, form)
+
+
+def _scores_in_pass(pb: Problem) -> bool:
+    """True when a native pass forms the final scores itself, no term laid out per tile:
+    plain scores, or ALiBi alone (``_native_alibi``)."""
+    return _plain_scores(pb) or _native_alibi(pb)
+
+
 def _additive_scores(pb: Problem) -> bool:
     """True when the scores are ``scale · q kᵀ`` plus a term that does not depend on them:
     ALiBi, a bias and a score_mod that adds to the score (``_mods.adds_to_score``, probed
@@ -661,14 +693,14 @@ def _resolve_tiles(
     chose by measurement on this machine for this dtype (the half path's for half inputs
     on it) when it runs, else 512 x 512. A ``forward`` pass takes the forward's own
     measured tiles, unless a mask_mod's evaluations are kept for the backward (they are
-    kept per tile: both passes then share the tiles). With a term to add (ALiBi, a bias,
-    an additive score_mod) the native step's tiles are at least 512 x 512: the term is
-    evaluated once per tile in each pass, and on tiles of 256² the calls' own cost
-    outweighs what the smaller tiles gain (docs/perf.md)."""
+    kept per tile: both passes then share the tiles). With a term laid out per tile (a
+    bias, an additive score_mod; ``_scores_in_pass``) the native step's tiles are at least
+    512 x 512: the term is evaluated once per tile in each pass, and on tiles of 256² the
+    calls' own cost outweighs what the smaller tiles gain (docs/perf.md)."""
     if kern is None:
         dq, dk = DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K
     else:
-        plain = _plain_scores(pb)  # else the step adds a term (``_additive_scores``)
+        plain = _scores_in_pass(pb)  # else a term is laid out per tile
         own = forward and (pb.mask is None or not pb.mask.callers) and plain
         dq, dk = kern.tiles(pb.out_dtype if _half_step(pb, kern) else pb.dtype, forward=own)
         if not plain:
@@ -718,7 +750,13 @@ def _native_common(pb: Problem, ran: list[tuple[int, int, int, int, int]]) -> di
     iv = None
     if isinstance(pb.mask, IntervalBound) and any(t[0] == PARTIAL for t in ran):
         iv = pb.mask.local_intervals()  # (Bm, Lq) each
-    return dict(group=pb.shape[3], scale=pb.smod.scale, heads_per_batch=pb.shape[1], intervals=iv)
+    return dict(
+        group=pb.shape[3],
+        scale=pb.smod.scale,
+        heads_per_batch=pb.shape[1],
+        intervals=iv,
+        alibi=_alibi_args(pb),
+    )
 
 
 def _native_schedule(
@@ -872,7 +910,7 @@ def _forward_native(
     part: the pass rounds it and checks it as it writes it; see ``_forward``).
     """
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
-    if not _plain_scores(pb):
+    if not _scores_in_pass(pb):
         return _forward_native_scored(pb, kern, ledger, kind_of, book, block_q, block_k, row_max)
     qtiles, sched, ran, args = _native_forward_plan(pb, kern, book, kind_of, block_q, block_k)
     in_place = args["keys_in_place"]
@@ -955,7 +993,7 @@ def _backward_native(
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
     dt = pb.dtype
     heads = b * hq
-    if not _plain_scores(pb):
+    if not _scores_in_pass(pb):
         return _backward_native_scored(
             pb, kern, do5, lse_safe, d_eff, kind_of, book, block_q, block_k
         )
@@ -981,10 +1019,10 @@ def _backward_native(
 
 
 SLAB_BYTES = 64 << 20
-"""The most memory a native pass with a term to add (ALiBi, bias, score_mod) holds for the terms of
-its tiles (and their dS) at once: the pass runs in slabs of whole tile rows (query tiles
-in the forward, key tiles in the backward) whose run tiles' terms fit, at least one row
-each: memory linear in L."""
+"""The most memory a native pass with a term laid out per tile (a bias, a score_mod)
+holds for the terms of its tiles (and their dS) at once: the pass runs in slabs of whole
+tile rows (query tiles in the forward, key tiles in the backward) whose run tiles' terms
+fit, at least one row each: memory linear in L."""
 
 
 ROW_BYTES = 256 << 20
@@ -1000,7 +1038,7 @@ def _with_terms_that_fit(
     one tile row of them, with their dS, would take more than ``ROW_BYTES``: the forward's
     (``block_q`` x Lk) or the backward's (``block_k`` x Lq), so that both passes decide
     alike (the backward rebuilds P on the step its forward ran on)."""
-    if kern is None or _plain_scores(pb):
+    if kern is None or _scores_in_pass(pb):
         return kern
     b, hq, _, _, lq, lk = pb.shape[:6]
     row = max(min(block_q, lq) * lk, min(block_k, lk) * lq)
@@ -1068,8 +1106,7 @@ class _ScoreTerms:
             make = torch.zeros if kind == PARTIAL else torch.empty
             ds = make(b * hq, q1 - q0, k1 - k0, dtype=pb.dtype, device=pb.geo.device)
             self.kept.append((ctx.user, ds, (q0, q1, k0, k1)))
-        term = out.expand(b, hkv, g, q1 - q0, k1 - k0)  # a term alone may broadcast
-        return term.reshape(b * hq, q1 - q0, k1 - k0).contiguous(), ds
+        return out.reshape(b * hq, q1 - q0, k1 - k0).contiguous(), ds  # (B·Hq, r, c)
 
     def vjp(self) -> None:
         """The captured tensors' gradients and the bias's from each kept tile's dS (the
