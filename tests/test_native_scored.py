@@ -161,7 +161,7 @@ def test_alibi_and_a_bias_ride_on_the_native_step(
     """ALiBi and a learnable bias (no score_mod) are a term the native step adds: against
     dense attention with the same scores, GQA 97 x 113, ragged causal tiles. The bias
     sends some scores 60-110 below their row's maximum, where the probabilities fall
-    through float32's subnormal range (the step's exponential gives 0 below 2^-125)."""
+    through float32's subnormal range (the step's exponential gives 0 below 2^-100)."""
     g = torch.Generator().manual_seed(5)
     b, hq, hk, lq, lk = 2, 4, 2, 97, 113
     q, k, v = (
@@ -182,15 +182,26 @@ def test_alibi_and_a_bias_ride_on_the_native_step(
     got = (o.detach(), q.grad, k.grad, v.grad, bias.grad)
     x = [t.detach().to(F64).requires_grad_(True) for t in (q, k, v, bias)]
     qi, ki = torch.arange(lq).view(lq, 1), torch.arange(lk).view(1, lk)
-    alibi = -slopes.to(F64).view(1, hq, 1, 1) * (qi - ki).abs()  # (1, Hq, Lq, Lk)
+    # ALiBi's distance runs from the bottom-right diagonal, i + Lk - Lq (the causal mask's
+    # own alignment is top-left): a shift per row that the LSE sees and O does not
+    alibi = -slopes.to(F64).view(1, hq, 1, 1) * (qi + lk - lq - ki).abs()  # (1, Hq, Lq, Lk)
     kk, vv = (t.repeat_interleave(hq // hk, dim=1) for t in x[1:3])
     s = x[0] @ kk.mT * 16**-0.5 + alibi + x[3]
-    want_o, _ = naive_attention_scores(s, vv, (qi >= ki).view(1, 1, lq, lk))
+    want_o, want_lse = naive_attention_scores(s, vv, (qi >= ki).view(1, 1, lq, lk))
     want_o.backward(do.to(F64))
     want = (want_o.detach(), *(t.grad for t in x))
     tol = 1e-11 if dtype == F64 else 2e-5
     for name, a, w in zip(("O", "dQ", "dK", "dV", "dbias"), got, want, strict=True):
         assert_close(a.to(F64), w, rtol=tol, name=f"{name} ({dtype})")
+    fwd = fl.blocked_forward(
+        *(t.detach() for t in (q, k, v)),
+        mask=fl.Causal(),
+        alibi_slopes=slopes,
+        bias=bias.detach(),
+        block_q=32,
+        block_k=24,
+    )
+    assert_close(fwd.lse.to(F64), want_lse.detach(), rtol=tol, name=f"LSE ({dtype})")
 
 
 @pytest.mark.parametrize("form", ["distance", "key index"])
