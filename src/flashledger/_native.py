@@ -1,8 +1,9 @@
 """The native step: one C call runs one whole pass (forward or backward) of the loop.
 
 The blocked loop (schedule, skipping, masks, ledger) stays in Python; with
-tracing off, on CPU, for plain scores without dropout (float32, float64, and
-bfloat16/float16 below), the
+tracing off, on CPU, for scores without a softcap or dropout (float32 and float64:
+plain, ALiBi, a bias, an additive score_mod; plain scores in bfloat16/float16 too,
+below), the
 schedule it builds (which tiles run, in which order, which are partial, with
 their visibility) goes to ``_native.c``, which runs the pass's arithmetic
 (scores, online update or gradient rebuild, matmuls) in one parallel region:

@@ -62,7 +62,8 @@ Exponentials: ``bq·bk`` per tile run, plus ``bq`` rescale factors per forward
 tile run.
 
 Tracing off is the same loop with no records and the same counters. On CPU,
-for float32/float64 plain scores without dropout, the pass's schedule (the
+for float32/float64 scores without a softcap or dropout (plain, ALiBi, a bias, an
+additive score_mod), the pass's schedule (the
 tiles that run, in order, with their kinds) then runs as one native call
 (``_native``: scores, online update or gradient rebuild, matmuls, work items
 handed out to threads, each tile in a per-thread buffer): the same math, its
@@ -607,8 +608,8 @@ def _workspace(pb: Problem, block_q: int, block_k: int) -> _Workspace:
 
 def _native_step(pb: Problem, loop_order: str, observed: bool) -> _native.Kernels | None:
     """The native step when it applies (nothing observes the steps, FA2 order, CPU,
-    float32/float64 accumulation, plain scores, no dropout) and is available; else None
-    (the PyTorch step runs)."""
+    float32/float64 accumulation, no dropout, plain scores or ``_additive_scores``) and is
+    available; else None (the PyTorch step runs)."""
     if observed or loop_order != "fa2" or pb.geo.device.type != "cpu" or pb.has_dropout:
         return None
     if pb.dtype not in (torch.float32, torch.float64):
