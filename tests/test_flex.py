@@ -763,6 +763,35 @@ def test_block_mask_kinds_per_head_rule_inside_tiles_of_several_blocks(assert_cl
         assert_close(o, want.o, rtol=FWD, name=f"per-head blocks, tiles {tiles}")
 
 
+def test_a_block_mask_s_grid_and_counts_are_derived_once_and_follow_its_changes(
+    monkeypatch, assert_close
+):
+    """A BlockMask used call after call has its grid and its tiles' counts derived once (it
+    is made once and used every step); an in-place change of its blocks, or a new tensor
+    set on it, is seen by the next call, which then equals a fresh BlockMask's result."""
+    q, k, v, _ = _inputs(1, 2, 2, 256, 256)
+    num = torch.tensor([[[1, 2]]], dtype=torch.int32)
+    idx = torch.tensor([[[[1, 0], [0, 1]]]], dtype=torch.int32)
+    bm = flex_mod.BlockMask.from_kv_blocks(num.clone(), idx, BLOCK_SIZE=128)
+    made = []
+    real = _maskmod.block_grid
+    monkeypatch.setattr(_maskmod, "block_grid", lambda *a, **kw: made.append(1) or real(*a, **kw))
+    first = fl.flex_attention(q, k, v, block_mask=bm, block_q=64, block_k=64)
+    again = fl.flex_attention(q, k, v, block_mask=bm, block_q=64, block_k=64)
+    assert len(made) == 1, f"the grid was derived {len(made)} times for two calls"
+    assert torch.equal(first, again)
+    bm.kv_num_blocks[0, 0, 1] = 1  # in place: block row 1 now lists block 0 only
+    changed = fl.flex_attention(q, k, v, block_mask=bm, block_q=64, block_k=64)
+    fresh = flex_mod.BlockMask.from_kv_blocks(bm.kv_num_blocks.clone(), idx.clone(), BLOCK_SIZE=128)
+    want = fl.flex_attention(q, k, v, block_mask=fresh, block_q=64, block_k=64)
+    assert len(made) == 3, "an in-place change of the blocks was not seen"
+    assert_close(changed, want, rtol=FWD, name="after an in-place change")
+    assert not torch.equal(changed, first), "the change made no difference to check"
+    bm.kv_num_blocks = num.clone()  # a new tensor: back to the first blocks
+    assert torch.equal(fl.flex_attention(q, k, v, block_mask=bm, block_q=64, block_k=64), first)
+    assert len(made) == 4
+
+
 def test_block_mask_errors():
     q, k, v, _ = _inputs(2, 2, 2, 64, 64)
     bm = flex_mod.create_block_mask(causal, 2, None, 64, 64, device="cpu")

@@ -36,6 +36,7 @@ are positions in the packed sequence.
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -94,6 +95,29 @@ def block_grid(bm: BlockMask, device: torch.device | str = "cpu") -> torch.Tenso
         cols = torch.where(listed, idx, width)  # unlisted slots land in a spare column
         grid.scatter_(-1, cols, kind)
     return grid[..., :tk]
+
+
+_DERIVED: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], dict[Any, Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _derived(bm: BlockMask) -> dict[Any, Any]:
+    """What was derived from ``bm``'s blocks before (its grid, its tiles' counts), kept
+    with the ``BlockMask`` (made once, used every step) while those blocks are as they were:
+    the same tensors, their version counters unchanged (an in-place change, or a new
+    tensor set as an attribute, starts afresh)."""
+    tensors = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
+    state = (
+        tuple(bm.seq_lengths),
+        tuple(bm.BLOCK_SIZE),
+        *((None,) if t is None else (id(t), t._version, t.data_ptr()) for t in tensors),
+    )
+    kept = _DERIVED.get(bm)
+    if kept is None or kept[0] != state:
+        kept = (state, {})
+        _DERIVED[bm] = kept
+    return kept[1]
 
 
 def padded_as_flex(
@@ -239,8 +263,11 @@ class BlockMaskBound(MaskModBound):
                 f"the BlockMask has batch x heads {bb} x {hb}; the inputs need 1 or "
                 f"{geo.batch} batch entries and 1 or {geo.heads} heads"
             )
-        self.grid = block_grid(bm, geo.device)  # (Bb, Hb, Tq, Tk)
-        self._counted: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self._derived = _derived(bm)  # shared by every call with this BlockMask
+        key = ("grid", str(geo.device))
+        if key not in self._derived:
+            self._derived[key] = block_grid(bm, geo.device)
+        self.grid = self._derived[key]  # (Bb, Hb, Tq, Tk), read only
 
     def _with_blocks(
         self, inside: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor
@@ -316,10 +343,13 @@ class BlockMaskBound(MaskModBound):
     def _counts(self, block_q: int, block_k: int) -> tuple[torch.Tensor, ...]:
         """Per tile ``(Tq, Tk)``, the blocks it touches that are: not empty for some batch
         entry and head; not full for some; full for some; empty for some (computed once
-        per tile size: the bounds and the classes both start from them)."""
-        if (block_q, block_k) not in self._counted:
-            self._counted[block_q, block_k] = self._count(block_q, block_k)
-        return self._counted[block_q, block_k]
+        per tile size and geometry for the BlockMask: the bounds and the classes both start
+        from them)."""
+        g = self.geo
+        key = ("counts", str(g.device), g.lq, g.lk, g.q_offset, g.k_offset, block_q, block_k)
+        if key not in self._derived:
+            self._derived[key] = self._count(block_q, block_k)
+        return self._derived[key]  # type: ignore[no-any-return]
 
     def _count(self, block_q: int, block_k: int) -> tuple[torch.Tensor, ...]:
         g = self.geo
