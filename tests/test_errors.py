@@ -501,6 +501,35 @@ def test_backward_rejects_an_lse_that_no_forward_gives(bad):
         )
 
 
+def test_the_score_bound_reads_a_bias_s_finite_values_only():
+    """The bound that judges a saved LSE takes a bias's largest finite magnitude, whatever
+    the bias holds (-inf as a mask, NaN, all negative, nothing finite), and a backward with
+    such a bias accepts the forward's own LSE and refuses one past the bound."""
+    from flashledger._problem import _largest_finite_magnitude
+
+    inf, nan = math.inf, math.nan
+    cases = [[1.0, -3.0, 2.0], [-inf, 2.0, -5.0], [nan, 1.0], [inf, -inf], [], [-0.0], [-7.0, -2.0]]
+    for values in cases:
+        x = torch.tensor(values, dtype=torch.float64)
+        finite = x[torch.isfinite(x)]
+        want = float(finite.abs().amax()) if finite.numel() else 0.0
+        got = _largest_finite_magnitude(x)
+        assert got == want and math.copysign(1.0, got) == 1.0, f"{values}: {got!r}, want {want!r}"
+    q, k, v = _qkv()
+    bias = torch.randn(q.shape[-2], k.shape[-2], dtype=q.dtype) * 3
+    bias[:, 5] = -math.inf  # a key no row sees
+    fwd = fl.blocked_forward(q, k, v, bias=bias)
+    do = torch.randn_like(fwd.o)
+    fl.blocked_backward(q, k, v, fwd.o, fwd.lse, do, bias=bias)
+    lse = fwd.lse.clone()
+    lse[0, 0] = 1e6
+    _raises(
+        lambda: fl.blocked_backward(q, k, v, fwd.o, lse, do, bias=bias),
+        ValueError,
+        "cannot be the log-sum-exp",
+    )
+
+
 @pytest.mark.parametrize("preset", [fl.SEED, fl.FLASH_ATTN_2, fl.SDPA_CPU], ids=lambda c: c.name)
 def test_backward_takes_any_lse_convention_on_rows_that_see_no_key(preset):
     q, k, v = _qkv(lq=6, lk=4)
