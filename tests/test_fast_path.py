@@ -55,6 +55,8 @@ def _case(name: str, gen: torch.Generator) -> tuple[tuple[torch.Tensor, ...], di
         opts.update(dropout_p=0.2, seed=11, mask=fl.Causal())
     elif name == "softcap+alibi":
         opts.update(softcap=2.5, alibi_slopes=fl.alibi_slopes(hq, dtype=f64))
+    elif name == "softcap+window":  # a softcap alone: capped in the native passes
+        opts.update(softcap=1.5, mask=fl.SlidingWindow(90, 20))
     elif name == "bias":
         opts["bias"] = _randn(gen, 1, hq, lq, lk)
     elif name == "alibi+varlen":  # per-sequence slopes, bottom-right causal in each
@@ -86,7 +88,7 @@ def _case(name: str, gen: torch.Generator) -> tuple[tuple[torch.Tensor, ...], di
 
 NATIVE_CASES = {  # the cases whose tile step runs natively (no softcap, no dropout)
     "plain", "causal-br", "window+padding", "gqa+dense", "scale-not-power-of-two",
-    "d!=dv+scale", "alibi+varlen", "bias", "varlen", "conventions",
+    "d!=dv+scale", "alibi+varlen", "bias", "softcap+window", "varlen", "conventions",
 }  # fmt: skip
 
 CASES = [
@@ -98,6 +100,7 @@ CASES = [
     "d!=dv+scale",
     "dropout",
     "softcap+alibi",
+    "softcap+window",
     "alibi+varlen",
     "bias",
     "varlen",

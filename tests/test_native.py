@@ -54,13 +54,16 @@ def test_switches_turn_the_native_step_off(native_calls, monkeypatch, gen):
         _both(q, k, v, do, block_q=32, block_k=32)
     _both(q, k, v, do, block_q=32, block_k=32, trace=True)  # traced: the PyTorch step
     _both(q, k, v, do, block_q=32, block_k=32, dropout_p=0.1)  # dropout: the PyTorch step
-    _both(q, k, v, do, block_q=32, block_k=32, softcap=3.0)  # softcap: the PyTorch step
+    slopes = fl.alibi_slopes(2, dtype=f64)  # a softcap with ALiBi: the PyTorch step
+    _both(q, k, v, do, block_q=32, block_k=32, softcap=3.0, alibi_slopes=slopes)
     assert calls == {"forward": 1, "backward": 1}
+    _both(q, k, v, do, block_q=32, block_k=32, softcap=3.0)  # a softcap alone: native
+    assert calls == {"forward": 2, "backward": 2}
     monkeypatch.setenv("FLASHLEDGER_NATIVE", "0")
     assert _native.kernels() is None
     assert _native.native_status() == "native tile step: off (FLASHLEDGER_NATIVE=0)"
     _both(q, k, v, do, block_q=32, block_k=32)
-    assert calls == {"forward": 1, "backward": 1}
+    assert calls == {"forward": 2, "backward": 2}
 
 
 def test_a_failed_build_falls_back_to_the_pytorch_step(monkeypatch, tmp_path, gen, assert_close):

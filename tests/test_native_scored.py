@@ -7,6 +7,7 @@ detection of what adds a term (``_mods.adds_to_score``) and of what does not."""
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -329,3 +330,85 @@ def test_a_score_mod_that_writes_into_the_score_keeps_the_pytorch_step(
         want = fl.flash_attention(q, k, v, mask=fl.Causal(), score_mod=out_of_place)
     assert scored_calls["forward"] == 1
     assert_close(got, want, rtol=1e-12, name="O")
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_the_softcap_s_tanh_is_within_a_few_units_in_the_last_place(native, dtype) -> None:
+    """The step's tanh (a Taylor series below 1/2, 1 - 2 / (e^2x + 1) above) against
+    mpmath: within 2.5 units in the last place, densely around the switch at 1/2, over
+    magnitudes 1e-30 to 1e3 and both signs; ±inf give ±1, NaN stays NaN, ±0 stay ±0."""
+    mpmath = pytest.importorskip("mpmath")
+    g = torch.Generator().manual_seed(11)
+    near = torch.linspace(0.45, 0.6, 4001, dtype=F64)  # the switch between the two forms
+    wide = torch.randn(4000, generator=g, dtype=F64) * 10.0 ** torch.randint(
+        -30, 4, (4000,), generator=g
+    )
+    x = torch.cat([near, -near, wide]).to(dtype)
+    got = native.tanh(x)
+    mpmath.mp.dps = 40
+    want = torch.tensor([float(mpmath.tanh(mpmath.mpf(float(v)))) for v in x.tolist()], dtype=F64)
+    w = want.to(dtype).abs()
+    ulp = (w.nextafter(torch.tensor(math.inf, dtype=dtype)) - w).to(F64)
+    err = (got.to(F64) - want).abs() / ulp
+    worst = int(err.argmax())
+    assert float(err.max()) <= 2.5, (
+        f"tanh({x[worst].item()!r}) = {got[worst].item()!r}, want {want[worst].item()!r}: "
+        f"{err[worst].item():.2f} units in the last place"
+    )
+    special = torch.tensor([math.inf, -math.inf, math.nan, 0.0, -0.0], dtype=dtype)
+    out = native.tanh(special)
+    assert out[:2].tolist() == [1.0, -1.0] and math.isnan(out[2].item())
+    assert out[3].item() == 0.0 and math.copysign(1.0, out[4].item()) == -1.0
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_a_softcap_alone_runs_in_the_native_passes(
+    case: str,
+    dtype: torch.dtype,
+    native_calls: dict[str, int],
+    scored_calls: dict[str, int],
+    assert_close: Any,
+) -> None:
+    """A softcap with nothing else on the scores caps them in the native passes (and its
+    gradient's 1 - tanh² in the backward): equal to the PyTorch step (float64 to rounding,
+    float32 to 2e-5) on every mask case, GQA 97 x 113, with large scores so that the cap
+    bites, and to the dense float64 oracle (O, LSE, gradients) to 1e-11."""
+    g = torch.Generator().manual_seed(13)
+    q, k, v = (
+        (s * torch.randn(2, h, n, 16, generator=g, dtype=F64)).to(dtype).requires_grad_(True)
+        for s, h, n in ((3.0, 4, 97), (3.0, 2, 113), (1.0, 2, 113))
+    )
+    do = torch.randn(2, 4, 97, 16, generator=g, dtype=F64).to(dtype)
+
+    def run(native_step: bool) -> list[Tensor]:
+        for t in (q, k, v):
+            t.grad = None
+        with contextlib.nullcontext() if native_step else _native.disabled():
+            o = fl.flash_attention(q, k, v, softcap=5.0, **CASES[case])
+            o.backward(do)
+        return [o.detach(), *(t.grad for t in (q, k, v))]  # type: ignore[misc]
+
+    got = run(True)
+    assert native_calls["forward"] == native_calls["backward"] == 1
+    assert scored_calls == {"forward": 0, "backward": 0}
+    want = run(False)
+    rtol = 1e-12 if dtype == F64 else 2e-5
+    for name, a, b in zip(("O", "dQ", "dK", "dV"), got, want, strict=True):
+        assert_close(a, b, rtol=rtol, name=f"{name} ({case}, {dtype}) vs the PyTorch step")
+    if dtype != F64 or case != "causal, ragged tiles":
+        return
+    x = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    kk, vv = (t.repeat_interleave(2, dim=1) for t in x[1:])
+    s = 5.0 * torch.tanh(x[0] @ kk.mT * 16**-0.5 / 5.0)
+    qi, ki = torch.arange(97).view(97, 1), torch.arange(113).view(1, 113)
+    want_o, want_lse = naive_attention_scores(s, vv, (qi >= ki).view(1, 1, 97, 113))
+    want_o.backward(do)
+    for name, a, b in zip(
+        ("O", "dQ", "dK", "dV"), got, [want_o, *(t.grad for t in x)], strict=True
+    ):
+        assert_close(a, b.detach(), rtol=1e-11, name=f"{name} vs the dense oracle")
+    fwd = fl.blocked_forward(
+        *(t.detach() for t in (q, k, v)), softcap=5.0, mask=fl.Causal(), block_q=7, block_k=5
+    )
+    assert_close(fwd.lse, want_lse.detach(), rtol=1e-11, name="LSE vs the dense oracle")

@@ -302,6 +302,32 @@ static inline VT vexp2(VT x) {
 
 static inline T exp2s(T x) { return vexp2(splat(x))[0]; }
 
+/* tanh(x), vectorised (a softcap's): below |x| = 1/2 its Taylor series in x² (float64 to
+ * x^33, float32 to x^15: the next term under a unit in the last place there), x · (1 -
+ * x²/3 + 2x⁴/15 - ...); above, 1 - 2 / (e^{2|x|} + 1) with vexp2, the sign put back. Within
+ * 2.4 units in the last place of tanh in both dtypes (measured against long double's
+ * tanhl on 1.5 million points from 2^-30 to 128); tanh(±inf) = ±1, NaN stays NaN. */
+static inline VT vtanh(VT x) {
+#if FL_DOUBLE
+    static const T c[] = {1.0, -0.3333333333333333, 0.13333333333333333, -0.05396825396825397,
+                          0.021869488536155203, -0.008863235529902197, 0.003592128036572481,
+                          -0.0014558343870513183, 0.000590027440945586, -0.00023912911424355248,
+                          9.691537956929451e-05, -3.927832388331683e-05, 1.5918905069328964e-05,
+                          -6.451689215655431e-06, 2.6147711512907546e-06, -1.0597268320104654e-06,
+                          4.294911078273806e-07};
+    const int deg = 16;
+#else
+    static const T c[] = {1.0f, -0.33333334f, 0.13333334f, -0.053968254f, 0.021869488f,
+                          -0.008863236f, 0.003592128f, -0.0014558344f};
+    const int deg = 7;
+#endif
+    VT a = vsel((VI)(x < splat(0)), -x, x), z = x * x, p = splat(c[deg]);
+    for (int i = deg - 1; i >= 0; --i) p = p * z + c[i];
+    VT e = vexp2(a * (T)(2 * LOG2E)), big = splat(1) - splat(2) / (e + splat(1));
+    big = vsel((VI)(x < splat(0)), -big, big);
+    return vsel((VI)(a < splat((T)0.5)), x * p, big);
+}
+
 /* The step's matmuls: C (m x n, column-major, ldc) = alpha · A B + beta · C, beta 0 or 1,
  * A (m x k) column-major (lda), B read as B(kk, j) = b[kk · sbk + j · sbn]. Every call site
  * lays its operands out so that A needs no packing (its m index is contiguous) and B is
@@ -535,6 +561,7 @@ struct fl_args {
                                  slope · (j - c), flash-attn 2's causal form; add_alibi) */
     double scale;
     long long scale_exact; /* scale is a power of two: exact as the matmul's alpha */
+    double softcap;        /* float builds: 0, or c of a softcap, s = c · tanh(s / c) */
 };
 #define FL_TILE 10
 /* below this many FLOPs a pass runs on the calling thread only */
@@ -597,6 +624,28 @@ static void add_alibi(const struct fl_args *a, const struct rows *b, long long k
                 for (int j = 0; j < n; ++j) row[j0 + j] += x[j];
             else
                 for (int j = 0; j < n; ++j) row[j0 + j] += f * x[j];
+        }
+    }
+}
+
+/* A softcap on a block's scores S (nr rows of nc, row stride ls; natural units, as the
+ * PyTorch step forms them): t = tanh(s / c), then s = (c · t) · f (f = log2 e in the
+ * forward's base-2 units, 1 in the backward, which keeps t in tb, same layout, for the
+ * gradient's 1 - t²). */
+static void softcap_rows(int nr, int nc, T *s, long long ls, T c, T f, T *tb) {
+    VT cv = splat(c), fv = splat(f);
+    for (int r = 0; r < nr; ++r) {
+        T *row = s + (long long)r * ls, *trow = tb ? tb + (long long)r * ls : NULL;
+        int j = 0;
+        for (; j + W <= nc; j += W) {
+            VT t = vtanh(loadv(row + j) / cv), x = t * cv;
+            if (trow) storev(trow + j, t);
+            storev(row + j, f == (T)1 ? x : x * fv);
+        }
+        for (; j < nc; ++j) {
+            T t = vtanh(splat(row[j] / c))[0], x = t * c;
+            if (trow) trow[j] = t;
+            row[j] = f == (T)1 ? x : x * f;
         }
     }
 }
@@ -1333,7 +1382,8 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
 #if !FL_HALF
     long long ko = (kh * a->lk + t[2] + lo) * a->d; /* K_j's first row, keys in place */
     const T *qr = b->q ? b->q : a->q + row_base(a, b) * a->d;
-    T alpha2 = (T)(a->scale * LOG2E);
+    /* base-2 units on the products, or with a softcap natural ones (softcap_rows converts) */
+    T alpha2 = (T)(a->softcap > 0 ? a->scale : a->scale * LOG2E);
 #if !FL_DOUBLE
 #if FL_BF16_PAIRS
     if (ks->on && a->half == 1 && a->q16 && a->d % (2 * W) == 0) /* bfloat16 q and cache */
@@ -1353,8 +1403,14 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
 #endif
     {
         (void)ks;
-        scores(a, b, t[2] + lo, w, s, ls, a->scale * LOG2E, 0);
+        if (a->softcap > 0) /* the scores the backward forms, then capped */
+            scores(a, b, t[2] + lo, w, s, ls, a->scale, !a->scale_exact);
+        else
+            scores(a, b, t[2] + lo, w, s, ls, a->scale * LOG2E, 0);
     }
+#if !FL_HALF
+    if (a->softcap > 0) softcap_rows(nr, w, s, ls, (T)a->softcap, (T)LOG2E, NULL);
+#endif
     if (t[8]) add_term(t, b, t[2] + lo, w, s, ls, (T)LOG2E);
 #if !FL_HALF
     if (a->alibi) add_alibi(a, b, t[2] + lo, w, s, ls, (T)LOG2E);
@@ -1622,8 +1678,9 @@ int SUF(fl_all_finite)(const T *x, long long n) {
 /* The gradient of a block of rows (at most FL_PARTIAL_ROWS of a partial tile, or any number
  * of a full one) of head h against tile t: dK_jᵀ, dV_jᵀ (d x bk, d_v x bk, the tile's
  * columns) accumulate in dkt, dvt; dQ in dq (rows of the block, (·, d)). s: 2 · nr ·
- * padded(bk) scratch (S, dP), in the half builds followed by P and dS in the input dtype
- * (nr · padded(bk) each, 64-byte aligned). Returns the visible dots of a partial tile. */
+ * padded(bk) scratch (S, dP; with a softcap 3, its t after them), in the half builds
+ * followed by P and dS in the input dtype (nr · padded(bk) each, 64-byte aligned). Returns
+ * the visible dots of a partial tile. */
 static long long backward_block(const struct fl_args *a, const long long *t, const struct rows *b,
                                 T *dkt, T *dvt, T *dq, T *s) {
     int nr = b->nr, id = (int)a->d, idv = (int)a->dv, nc = (int)(t[3] - t[2]), lo = 0, hi = nc;
@@ -1643,6 +1700,13 @@ static long long backward_block(const struct fl_args *a, const long long *t, con
     /* the scores the PyTorch step (and the reference) form: the scale on the matmul only
      * when it is a power of two, so that a forward run with that step is matched exactly */
     scores(a, b, t[2] + lo, w, s, ls, a->scale, !a->scale_exact);
+    T *tb = NULL; /* a softcap's t = tanh(s / c), for dS's 1 - t² */
+#if !FL_HALF
+    if (a->softcap > 0) {
+        tb = dp + (long long)nr * ls;
+        softcap_rows(nr, w, s, ls, (T)a->softcap, 1, tb);
+    }
+#endif
     if (t[8]) add_term(t, b, t[2] + lo, w, s, ls, 1);
 #if !FL_HALF
     if (a->alibi) add_alibi(a, b, t[2] + lo, w, s, ls, 1);
@@ -1663,13 +1727,19 @@ static long long backward_block(const struct fl_args *a, const long long *t, con
         int c0 = t[4] ? ca[r] : 0, c1 = t[4] ? cb[r] : w, j = c0;
         zero_outside(po, c0, c1, w); /* P = dS = 0 where the row cannot see */
         zero_outside(so, c0, c1, w);
+        const T *tr = tb ? tb + (long long)r * ls : NULL;
         for (; j + W <= c1; j += W) { /* dS from P before its rounding */
             VT p = vexp2((loadv(pr + j) - sh) * l2e), ds = p * (loadv(dr + j) - dv_);
+            if (tr) { /* through the softcap: dS · (1 - t²) (the scale rides on the matmuls) */
+                VT tt = loadv(tr + j);
+                ds = ds * (splat(1) - tt * tt);
+            }
             store_in(po + j, p);
             store_in(so + j, ds);
         }
         for (; j < c1; ++j) {
             T p = exp2s((pr[j] - lam[r]) * (T)LOG2E), ds = p * (dr[j] - dd[r]);
+            if (tr) ds = ds * (1 - tr[j] * tr[j]);
             po[j] = to_in(p);
             so[j] = to_in(ds);
         }
@@ -1940,6 +2010,14 @@ int SUF(fl_scatter_add)(T *dst, long long n_dst, const T *grad, const struct fl_
         }
     }
     return 0;
+}
+
+/* out = tanh(x), n values, as a softcap computes it (vtanh; the tail one value at a time
+ * through the same code): on its own, for the tests of its accuracy. */
+void SUF(fl_tanh)(const T *x, T *out, long long n) {
+    long long i = 0;
+    for (; i + W <= n; i += W) storev(out + i, vtanh(loadv(x + i)));
+    for (; i < n; ++i) out[i] = vtanh(splat(x[i]))[0];
 }
 #else
 /* -- the rounding to the input dtype, on its own (tests) ------------------------------------ */

@@ -1,9 +1,9 @@
 """The native step: one C call runs one whole pass (forward or backward) of the loop.
 
 The blocked loop (schedule, skipping, masks, ledger) stays in Python; with
-tracing off, on CPU, for scores without a softcap or dropout (float32 and float64:
-plain, ALiBi, a bias, an additive score_mod; plain scores in bfloat16/float16 too,
-below), the
+tracing off, on CPU, for scores without dropout (float32 and float64: plain,
+ALiBi or a softcap alone, a bias, an additive score_mod; plain scores in
+bfloat16/float16 too, below), the
 schedule it builds (which tiles run, in which order, which are partial, with
 their visibility) goes to ``_native.c``, which runs the pass's arithmetic
 (scores, online update or gradient rebuild, matmuls) in one parallel region:
@@ -94,6 +94,7 @@ class _Args(ctypes.Structure):
         + [(name, ctypes.c_longlong) for name in _SIZES.split()]
         + [("scale", ctypes.c_double)]
         + [("scale_exact", ctypes.c_longlong)]
+        + [("softcap", ctypes.c_double)]
     )
 
 
@@ -260,6 +261,8 @@ class Kernels:
                 getattr(lib, f"fl_fma_peak_{suffix}").argtypes = [ll]
                 getattr(lib, f"fl_fma_peak_{suffix}").restype = d
                 getattr(lib, f"fl_fma_flops_per_rep_{suffix}").restype = d
+                getattr(lib, f"fl_tanh_{suffix}").argtypes = [vp, vp, ll]
+                getattr(lib, f"fl_tanh_{suffix}").restype = None
             else:
                 getattr(lib, f"fl_round_{suffix}").argtypes = [vp, vp, ll]
                 getattr(lib, f"fl_round_{suffix}").restype = None
@@ -326,6 +329,15 @@ class Kernels:
         x = x.contiguous()
         out = torch.empty(x.shape, dtype=dtype)
         self.fn("fl_round", _suffix(dtype))(x.data_ptr(), out.data_ptr(), x.numel())
+        return out
+
+    def tanh(self, x: torch.Tensor) -> torch.Tensor:
+        """``tanh`` of a float32/float64 ``x`` as the step's softcap computes it (tests)."""
+        if x.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"tanh of float32 or float64 values, not {x.dtype}")
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        self.fn("fl_tanh", _suffix(x.dtype))(x.data_ptr(), out.data_ptr(), x.numel())
         return out
 
     def use_own_gemm(self, on: bool) -> bool:
@@ -468,6 +480,7 @@ class Kernels:
         heads_per_batch: int,
         intervals: tuple[torch.Tensor, torch.Tensor] | None,
         alibi: Alibi | None,
+        softcap: float | None,
         work_per_thread: int,
         sizes: dict[str, int],
         **tensors: torch.Tensor,
@@ -497,6 +510,7 @@ class Kernels:
             work_per_thread,
             sizes,
             alibi=alibi,
+            softcap=softcap,
         )
         args.q, args.k, args.kt, args.v, args.vt, args.work = (
             t.data_ptr() for t in (q, k, kt, v, vt, work)
@@ -533,6 +547,7 @@ class Kernels:
         o_finite: list[bool] | None = None,
         row_max: list[torch.Tensor] | None = None,
         alibi: Alibi | None = None,
+        softcap: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward pass of ``sched`` (rows: query tiles) in one native call.
 
@@ -551,7 +566,8 @@ class Kernels:
         ``row_max`` as ``ForwardPass.run``'s. ``ForwardPass`` holds the same call for
         repeating it. A tile of ``sched`` may carry an additive term of its scores
         (``Schedule.add``; float32/float64, not stacked, keys not in place); ``alibi``
-        (``Alibi``; float32/float64) adds ALiBi's to every tile's.
+        (``Alibi``; float32/float64) adds ALiBi's to every tile's; ``softcap`` (c > 0,
+        float32/float64) caps the scores, ``c · tanh(s / c)``, before any term.
         """
         fp = ForwardPass(
             self,
@@ -568,6 +584,7 @@ class Kernels:
             stacked=stacked,
             keys_in_place=keys_in_place,
             alibi=alibi,
+            softcap=softcap,
         )
         o, lse = fp.run(
             q,
@@ -620,6 +637,7 @@ class Kernels:
         intervals: tuple[torch.Tensor, torch.Tensor] | None = None,
         splits: int = 1,
         alibi: Alibi | None = None,
+        softcap: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The backward pass of ``sched`` (rows: key tiles) in one native call: ``(dq,
         dk, dv)`` ``(H, Lq, d)``, ``(Hk, Lk, d)``, ``(Hk, Lk, d_v)``. ``dout`` ``(H, Lq,
@@ -627,8 +645,8 @@ class Kernels:
         items are (K/V head, one of ``splits`` parts of the key tiles). Half inputs (q, k,
         v, dout in bfloat16/float16: the half step) give float32 gradients. Tiles may carry
         an additive term of their scores and where dS goes (``Schedule.add``); ``alibi``
-        adds ALiBi's to every tile's scores (as ``forward``). Rows of dK and dV of key tiles
-        the schedule leaves out are not written."""
+        adds ALiBi's to every tile's scores and ``softcap`` caps them (as ``forward``). Rows
+        of dK and dV of key tiles the schedule leaves out are not written."""
         heads, lq, d = q.shape
         hk, lk, dv = v.shape
         acc = torch.float32 if q.dtype in _HALF else q.dtype
@@ -637,7 +655,7 @@ class Kernels:
         dv_ = torch.empty(hk, lk, dv, dtype=acc)  # (Hk, Lk, d_v)
         bq, bk = sched.widest()
         lb = self.padded(q.dtype, max(bk, 1))
-        work = (d + dv) * lb + 2 * bq * lb  # dK_jᵀ, dV_jᵀ; S, dP
+        work = (d + dv) * lb + (3 if softcap else 2) * bq * lb  # dK_jᵀ, dV_jᵀ; S, dP (, t)
         if q.dtype in _HALF:
             work += 2 * _units(bq * lb, q.dtype, acc)  # P, dS in the input dtype
         self._run_backward(
@@ -650,6 +668,7 @@ class Kernels:
             heads_per_batch=heads_per_batch,
             intervals=intervals,
             alibi=alibi,
+            softcap=softcap,
             work_per_thread=work,
             sizes=dict(chunk=0, splits=splits, stacked=0),
             dout=dout,
@@ -748,6 +767,7 @@ def _static_args(
     sizes: dict[str, int],
     half: int = 0,
     alibi: Alibi | None = None,
+    softcap: float | None = None,
 ) -> tuple[_Args, list[Any]]:
     """A pass's ``_Args`` with every size set and the addresses of its schedule, interval
     mask and ALiBi rows (the operands' are the caller's to set), and the buffers those point
@@ -759,6 +779,10 @@ def _static_args(
     slopes = centers = None
     if alibi is not None:
         slopes, centers = _alibi_rows(alibi, q)
+    if softcap is not None and not (softcap > 0 and q.dtype in (torch.float32, torch.float64)):
+        raise ValueError(
+            f"a softcap is applied by float32/float64 passes, c > 0; got {softcap!r}, {q.dtype}"
+        )
     arrays = sched._arrays()
     tiles, row_start, bounds, seen = (a.buffer_info()[0] for a in arrays)
     args = _Args(
@@ -782,6 +806,7 @@ def _static_args(
         scale_exact=int(math.frexp(scale)[0] == 0.5),
         half=half,
         alibi=0 if alibi is None else alibi.form,
+        softcap=0.0 if softcap is None else float(softcap),
         al_slope=None if slopes is None else slopes.data_ptr(),
         al_center=None if centers is None else centers.data_ptr(),
         **sizes,
@@ -842,6 +867,7 @@ class ForwardPass:
         keys_in_place: bool,
         keep_scratch: bool = False,
         alibi: Alibi | None = None,
+        softcap: float | None = None,
     ) -> None:
         self.kern, self.in_place, self.keep_scratch = kern, keys_in_place, keep_scratch
         # a float32 q reading a half K/V cache in place (widened as it is read); the half step
@@ -881,7 +907,19 @@ class ForwardPass:
         self.lt = kern.padded(q.dtype, k.shape[1])  # the row stride of Kᵀ
         sizes = dict(chunk=chunk, splits=splits, stacked=int(stacked))
         self._args, self._buffers = _static_args(
-            q, k, v, sched, group, scale, heads_per_batch, intervals, work, sizes, half, alibi
+            q,
+            k,
+            v,
+            sched,
+            group,
+            scale,
+            heads_per_batch,
+            intervals,
+            work,
+            sizes,
+            half,
+            alibi,
+            softcap,
         )
         self._args.amx = int(self.amx)
         self._n_tiles = len(self._buffers[3])

@@ -62,8 +62,8 @@ Exponentials: ``bq·bk`` per tile run, plus ``bq`` rescale factors per forward
 tile run.
 
 Tracing off is the same loop with no records and the same counters. On CPU,
-for float32/float64 scores without a softcap or dropout (plain, ALiBi, a bias, an
-additive score_mod), the pass's schedule (the
+for float32/float64 scores without dropout (plain, ALiBi or a softcap alone, a bias,
+an additive score_mod), the pass's schedule (the
 tiles that run, in order, with their kinds) then runs as one native call
 (``_native``: scores, online update or gradient rebuild, matmuls, work items
 handed out to threads, each tile in a per-thread buffer): the same math, its
@@ -608,15 +608,15 @@ def _workspace(pb: Problem, block_q: int, block_k: int) -> _Workspace:
 
 def _native_step(pb: Problem, loop_order: str, observed: bool) -> _native.Kernels | None:
     """The native step when it applies (nothing observes the steps, FA2 order, CPU,
-    float32/float64 accumulation, no dropout, plain scores or ``_additive_scores``) and is
-    available; else None (the PyTorch step runs)."""
+    float32/float64 accumulation, no dropout, plain scores, ``_additive_scores`` or
+    ``_native_softcap``) and is available; else None (the PyTorch step runs)."""
     if observed or loop_order != "fa2" or pb.geo.device.type != "cpu" or pb.has_dropout:
         return None
     if pb.dtype not in (torch.float32, torch.float64):
         return None
     if _plain_scores(pb):
         return _native.kernels()
-    if not _additive_scores(pb):
+    if not (_additive_scores(pb) or _native_softcap(pb)):
         return None
     kern = _native.kernels()
     return None if kern is None or _half_step(pb, kern) else kern
@@ -648,10 +648,18 @@ def _alibi_args(pb: Problem) -> _native.Alibi | None:
     return _native.Alibi(slope, center, form)
 
 
+def _native_softcap(pb: Problem) -> bool:
+    """True when the scores are a softcap of ``scale · q kᵀ`` alone (no ALiBi, bias or
+    score_mod): the native passes cap them themselves (``c · tanh(s / c)``, and in the
+    backward the gradient's ``1 - tanh²``)."""
+    sm = pb.smod
+    return sm.softcap is not None and sm.slopes is None and sm.bias is None and sm.user is None
+
+
 def _scores_in_pass(pb: Problem) -> bool:
     """True when a native pass forms the final scores itself, no term laid out per tile:
-    plain scores, or ALiBi alone (``_native_alibi``)."""
-    return _plain_scores(pb) or _native_alibi(pb)
+    plain scores, ALiBi alone (``_native_alibi``) or a softcap alone (``_native_softcap``)."""
+    return _plain_scores(pb) or _native_alibi(pb) or _native_softcap(pb)
 
 
 def _additive_scores(pb: Problem) -> bool:
@@ -757,6 +765,7 @@ def _native_common(pb: Problem, ran: list[tuple[int, int, int, int, int]]) -> di
         heads_per_batch=pb.shape[1],
         intervals=iv,
         alibi=_alibi_args(pb),
+        softcap=pb.smod.softcap if _native_softcap(pb) else None,
     )
 
 

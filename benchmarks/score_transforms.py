@@ -1,15 +1,18 @@
-"""ALiBi and an additive bias on the native step, against the plain call and the PyTorch step.
+"""Score transforms on the native step (ALiBi, a softcap, an additive bias), against the
+plain call and the PyTorch step.
 
-The native step adds ALiBi's and a bias's term to its scores (``blocked._ScoreTerms``);
-this times forward + backward (causal, float32 by default) of
+The native step computes ALiBi's term and a softcap in its passes and adds a bias's term
+laid out per tile (``blocked._ScoreTerms``); this times forward + backward (causal, float32
+by default) of
 
 - the plain call (``mask=fl.Causal()``), the baseline of every ratio;
 - ALiBi (``alibi_slopes=fl.alibi_slopes(H)``) on the native step and on the PyTorch step;
+- a softcap (``softcap=30``, Gemma 2's attention cap) on both steps;
 - a dense learnable bias ``(1, H, L, L)`` (its gradient too) on both steps,
 
 in interleaved rounds (each round's ratio against the same round's plain call; medians).
 
-    python benchmarks/alibi_bias.py --length 4096 --rounds 5
+    python benchmarks/score_transforms.py --length 4096 --rounds 5
 """
 
 from __future__ import annotations
@@ -35,9 +38,12 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--no-bias", action="store_true", help="skip the dense bias (L² memory)")
+    parser.add_argument("--softcap", type=float, default=30.0, help="the softcap's c (> 0)")
     args = parser.parse_args()
     if args.length < 1 or args.heads < 1 or args.dim < 1 or args.rounds < 1:
         parser.error("--length, --heads, --dim and --rounds must be positive integers")
+    if not args.softcap > 0:
+        parser.error(f"--softcap must be positive, got {args.softcap}")
     dt = getattr(torch, args.dtype)
     n, h, d = args.length, args.heads, args.dim
     gen = torch.Generator().manual_seed(0)
@@ -65,6 +71,8 @@ def main() -> None:
         "plain": fwd_bwd(),
         "ALiBi, native step": fwd_bwd(alibi_slopes=slopes),
         "ALiBi, PyTorch step": on_pytorch_step(fwd_bwd(alibi_slopes=slopes)),
+        "softcap, native step": fwd_bwd(softcap=args.softcap),
+        "softcap, PyTorch step": on_pytorch_step(fwd_bwd(softcap=args.softcap)),
     }
     if not args.no_bias:
         bias = torch.randn(1, h, n, n, generator=gen, dtype=dt).requires_grad_()
@@ -79,7 +87,7 @@ def main() -> None:
             run()
             times[name].append(time.perf_counter() - t0)
     print(
-        f"ALiBi and bias, forward + backward, causal: L={n} H={h} d={d} {args.dtype}, "
+        f"score transforms, forward + backward, causal: L={n} H={h} d={d} {args.dtype}, "
         f"{args.rounds} rounds; {_calibrate.cpu_model() or platform.machine()}, "
         f"{torch.get_num_threads()} threads"
     )
