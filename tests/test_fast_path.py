@@ -88,7 +88,8 @@ def _case(name: str, gen: torch.Generator) -> tuple[tuple[torch.Tensor, ...], di
 
 NATIVE_CASES = {  # the cases whose tile step runs natively (no softcap, no dropout)
     "plain", "causal-br", "window+padding", "gqa+dense", "scale-not-power-of-two",
-    "d!=dv+scale", "alibi+varlen", "bias", "softcap+window", "varlen", "conventions",
+    "d!=dv+scale", "softcap+alibi", "alibi+varlen", "bias", "softcap+window", "varlen",
+    "conventions",
 }  # fmt: skip
 
 CASES = [

@@ -54,10 +54,13 @@ def test_switches_turn_the_native_step_off(native_calls, monkeypatch, gen):
         _both(q, k, v, do, block_q=32, block_k=32)
     _both(q, k, v, do, block_q=32, block_k=32, trace=True)  # traced: the PyTorch step
     _both(q, k, v, do, block_q=32, block_k=32, dropout_p=0.1)  # dropout: the PyTorch step
-    slopes = fl.alibi_slopes(2, dtype=f64)  # a softcap with ALiBi: the PyTorch step
-    _both(q, k, v, do, block_q=32, block_k=32, softcap=3.0, alibi_slopes=slopes)
+
+    def doubled(s, b, h, q_idx, kv_idx):  # a score_mod that does not add a term
+        return 2 * s
+
+    _both(q, k, v, do, block_q=32, block_k=32, score_mod=doubled)  # the PyTorch step
     assert calls == {"forward": 1, "backward": 1}
-    _both(q, k, v, do, block_q=32, block_k=32, softcap=3.0)  # a softcap alone: native
+    _both(q, k, v, do, block_q=32, block_k=32, softcap=3.0)  # a softcap: native
     assert calls == {"forward": 2, "backward": 2}
     monkeypatch.setenv("FLASHLEDGER_NATIVE", "0")
     assert _native.kernels() is None

@@ -412,3 +412,74 @@ def test_a_softcap_alone_runs_in_the_native_passes(
         *(t.detach() for t in (q, k, v)), softcap=5.0, mask=fl.Causal(), block_q=7, block_k=5
     )
     assert_close(fwd.lse, want_lse.detach(), rtol=1e-11, name="LSE vs the dense oracle")
+
+
+@pytest.mark.parametrize("terms", ["ALiBi", "ALiBi, bias and a table"])
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_a_softcap_with_terms_after_it_runs_natively(
+    terms: str,
+    dtype: torch.dtype,
+    native_calls: dict[str, int],
+    scored_calls: dict[str, int],
+    assert_close: Any,
+) -> None:
+    """A softcap, then ALiBi (computed in the pass) or ALiBi, a learnable bias and a
+    score_mod's learnable table (laid out per tile), in the PyTorch step's order: the native
+    passes cap the scores and add the terms, and hand the terms dS of the final scores
+    (before the cap's derivative). Against the PyTorch step (float64 1e-12, float32 2e-5),
+    every gradient; against the dense float64 oracle (O, LSE, gradients) to 1e-11."""
+    g = torch.Generator().manual_seed(17)
+    b, hq, hk, lq, lk = 2, 4, 2, 97, 113
+    q, k, v = (
+        (s * torch.randn(b, h, n, 16, generator=g, dtype=F64)).to(dtype).requires_grad_(True)
+        for s, h, n in ((3.0, hq, lq), (3.0, hk, lk), (1.0, hk, lk))
+    )
+    do = torch.randn(b, hq, lq, 16, generator=g, dtype=F64).to(dtype)
+    slopes = fl.alibi_slopes(hq, dtype=dtype)
+    bias = (0.5 * torch.randn(1, hq, lq, lk, generator=g, dtype=F64)).to(dtype).requires_grad_()
+    table = torch.nn.Parameter((0.3 * torch.randn(hq, lq + lk + 1, generator=g)).to(dtype))
+    opts: dict[str, Any] = dict(softcap=4.0, alibi_slopes=slopes, mask=fl.Causal())
+    learn = [q, k, v]
+    if terms != "ALiBi":
+        opts.update(bias=bias, score_mod=_rel(table, lk))
+        learn += [bias, table]
+
+    def run(native_step: bool) -> list[Tensor]:
+        for t in learn:
+            t.grad = None
+        with contextlib.nullcontext() if native_step else _native.disabled():
+            o = fl.flash_attention(q, k, v, block_q=32, block_k=24, **opts)
+            o.backward(do)
+        return [o.detach(), *(t.grad for t in learn)]  # type: ignore[misc]
+
+    got = run(True)
+    assert native_calls["forward"] == native_calls["backward"] == 1
+    laid_out = 0 if terms == "ALiBi" else 1
+    assert scored_calls == {"forward": laid_out, "backward": laid_out}
+    want = run(False)
+    names = ("O", "dQ", "dK", "dV", "dbias", "d table")
+    rtol = 1e-12 if dtype == F64 else 2e-5
+    for name, a, w in zip(names, got, want, strict=False):
+        assert_close(a, w, rtol=rtol, name=f"{name} ({terms}, {dtype}) vs the PyTorch step")
+    if dtype != F64:
+        return
+    x = [t.detach().requires_grad_(True) for t in learn]
+    kk, vv = (t.repeat_interleave(hq // hk, dim=1) for t in x[1:3])
+    qi, ki = torch.arange(lq).view(lq, 1), torch.arange(lk).view(1, lk)
+    s = 4.0 * torch.tanh(x[0] @ kk.mT * 16**-0.5 / 4.0)
+    s = s - slopes.view(1, hq, 1, 1) * (qi + lk - lq - ki).abs()  # bottom-right ALiBi
+    if terms != "ALiBi":
+        s = s + x[3] + x[4][torch.arange(hq).view(1, hq, 1, 1), qi - ki + lk]
+    want_o, want_lse = naive_attention_scores(s, vv, (qi >= ki).view(1, 1, lq, lk))
+    want_o.backward(do)
+    oracle = [want_o.detach(), *(t.grad for t in x)]
+    for name, a, w in zip(names, got, oracle, strict=False):
+        assert_close(a, w, rtol=1e-11, name=f"{name} ({terms}) vs the dense oracle")
+    with torch.no_grad():  # the score_mod's table requires grad; blocked_forward has no graph
+        fwd = fl.blocked_forward(
+            *(t.detach() for t in (q, k, v)),
+            block_q=32,
+            block_k=24,
+            **{n: (t.detach() if isinstance(t, Tensor) else t) for n, t in opts.items()},
+        )
+    assert_close(fwd.lse, want_lse.detach(), rtol=1e-11, name=f"LSE ({terms}) vs the oracle")

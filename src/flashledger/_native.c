@@ -1728,8 +1728,15 @@ static long long backward_block(const struct fl_args *a, const long long *t, con
         zero_outside(po, c0, c1, w); /* P = dS = 0 where the row cannot see */
         zero_outside(so, c0, c1, w);
         const T *tr = tb ? tb + (long long)r * ls : NULL;
+        /* dS of the final scores goes to the tile's ds (the gradient of its term: a
+         * score_mod's captured tensors, a bias), before a softcap's derivative */
+        T *dsr = NULL;
+#if !FL_HALF
+        if (t[9]) dsr = (T *)(size_t)t[9] + term_at(t, b, r, t[2] + lo);
+#endif
         for (; j + W <= c1; j += W) { /* dS from P before its rounding */
             VT p = vexp2((loadv(pr + j) - sh) * l2e), ds = p * (loadv(dr + j) - dv_);
+            if (dsr) storev(dsr + j, ds);
             if (tr) { /* through the softcap: dS · (1 - t²) (the scale rides on the matmuls) */
                 VT tt = loadv(tr + j);
                 ds = ds * (splat(1) - tt * tt);
@@ -1739,15 +1746,11 @@ static long long backward_block(const struct fl_args *a, const long long *t, con
         }
         for (; j < c1; ++j) {
             T p = exp2s((pr[j] - lam[r]) * (T)LOG2E), ds = p * (dr[j] - dd[r]);
+            if (dsr) dsr[j] = ds;
             if (tr) ds = ds * (1 - tr[j] * tr[j]);
             po[j] = to_in(p);
             so[j] = to_in(ds);
         }
-#if !FL_HALF
-        if (t[9]) /* dS of the final scores, for the score_mod's captured tensors */
-            memcpy((T *)(size_t)t[9] + term_at(t, b, r, t[2] + lo) + c0, so + c0,
-                   (size_t)(c1 - c0) * sizeof(T));
-#endif
     }
     const TIN *kh = a->k + ((b->h0 / a->group) * a->lk + t[2] + lo) * a->d;
     /* dV_jᵀ (d_v x w) += dOᵀ P;  dK_jᵀ (d x w) += scale Qᵀ dS;  dQ (nr x d) += scale dS K_j */

@@ -2,7 +2,7 @@
 
 The blocked loop (schedule, skipping, masks, ledger) stays in Python; with
 tracing off, on CPU, for scores without dropout (float32 and float64: plain,
-ALiBi or a softcap alone, a bias, an additive score_mod; plain scores in
+a softcap, ALiBi, a bias, an additive score_mod; plain scores in
 bfloat16/float16 too, below), the
 schedule it builds (which tiles run, in which order, which are partial, with
 their visibility) goes to ``_native.c``, which runs the pass's arithmetic

@@ -62,7 +62,7 @@ Exponentials: ``bq·bk`` per tile run, plus ``bq`` rescale factors per forward
 tile run.
 
 Tracing off is the same loop with no records and the same counters. On CPU,
-for float32/float64 scores without dropout (plain, ALiBi or a softcap alone, a bias,
+for float32/float64 scores without dropout (plain, a softcap, ALiBi, a bias,
 an additive score_mod), the pass's schedule (the
 tiles that run, in order, with their kinds) then runs as one native call
 (``_native``: scores, online update or gradient rebuild, matmuls, work items
@@ -608,26 +608,26 @@ def _workspace(pb: Problem, block_q: int, block_k: int) -> _Workspace:
 
 def _native_step(pb: Problem, loop_order: str, observed: bool) -> _native.Kernels | None:
     """The native step when it applies (nothing observes the steps, FA2 order, CPU,
-    float32/float64 accumulation, no dropout, plain scores, ``_additive_scores`` or
-    ``_native_softcap``) and is available; else None (the PyTorch step runs)."""
+    float32/float64 accumulation, no dropout, plain scores or ``_additive_scores``) and is
+    available; else None (the PyTorch step runs)."""
     if observed or loop_order != "fa2" or pb.geo.device.type != "cpu" or pb.has_dropout:
         return None
     if pb.dtype not in (torch.float32, torch.float64):
         return None
     if _plain_scores(pb):
         return _native.kernels()
-    if not (_additive_scores(pb) or _native_softcap(pb)):
+    if not _additive_scores(pb):
         return None
     kern = _native.kernels()
     return None if kern is None or _half_step(pb, kern) else kern
 
 
 def _native_alibi(pb: Problem) -> bool:
-    """True when the scores are ``scale · q kᵀ`` plus ALiBi alone (no softcap, bias or
-    score_mod): the native passes compute ALiBi's term themselves (``_alibi_args``), tile
-    by tile, with no term laid out."""
+    """True when ALiBi is the scores' only term (no bias or score_mod; a softcap before it
+    or not): the native passes compute ALiBi's term themselves (``_alibi_args``), tile by
+    tile, with no term laid out."""
     sm = pb.smod
-    return sm.slopes is not None and sm.softcap is None and sm.bias is None and sm.user is None
+    return sm.slopes is not None and sm.bias is None and sm.user is None
 
 
 def _alibi_args(pb: Problem) -> _native.Alibi | None:
@@ -648,30 +648,23 @@ def _alibi_args(pb: Problem) -> _native.Alibi | None:
     return _native.Alibi(slope, center, form)
 
 
-def _native_softcap(pb: Problem) -> bool:
-    """True when the scores are a softcap of ``scale · q kᵀ`` alone (no ALiBi, bias or
-    score_mod): the native passes cap them themselves (``c · tanh(s / c)``, and in the
-    backward the gradient's ``1 - tanh²``)."""
-    sm = pb.smod
-    return sm.softcap is not None and sm.slopes is None and sm.bias is None and sm.user is None
-
-
 def _scores_in_pass(pb: Problem) -> bool:
     """True when a native pass forms the final scores itself, no term laid out per tile:
-    plain scores, ALiBi alone (``_native_alibi``) or a softcap alone (``_native_softcap``)."""
-    return _plain_scores(pb) or _native_alibi(pb) or _native_softcap(pb)
+    no bias and no score_mod (plain scores; a softcap, which the passes apply first, as
+    ``ScoreMod.tile`` does, and ALiBi, ``_native_alibi``, either or both)."""
+    sm = pb.smod
+    return sm.bias is None and sm.user is None and (sm.slopes is None or _native_alibi(pb))
 
 
 def _additive_scores(pb: Problem) -> bool:
-    """True when the scores are ``scale · q kᵀ`` plus a term that does not depend on them:
-    ALiBi, a bias and a score_mod that adds to the score (``_mods.adds_to_score``, probed
-    once on the problem's first rows and keys), any of them, and no softcap: the native
-    step adds the term itself (``_ScoreTerms``)."""
+    """True when the scores are ``scale · q kᵀ``, capped or not (a softcap comes first),
+    plus terms that do not depend on them: ALiBi, a bias and a score_mod that adds to the
+    score (``_mods.adds_to_score``, probed once on the problem's first rows and keys), any
+    of them: the native passes cap the scores and add the terms themselves (ALiBi alone
+    computed in the pass, any other term laid out per tile: ``_ScoreTerms``)."""
     sm = pb.smod
-    if sm.softcap is not None:
-        return False
     if sm.user is None:
-        return sm.slopes is not None or sm.bias is not None
+        return True
     rows = pb.geo.rows()  # (Lq,) global
     keys = torch.arange(pb.shape[5], device=pb.geo.device) + pb.geo.k_offset  # (Lk,)
     return sm.user.probe_additive(rows, keys)
@@ -765,7 +758,7 @@ def _native_common(pb: Problem, ran: list[tuple[int, int, int, int, int]]) -> di
         heads_per_batch=pb.shape[1],
         intervals=iv,
         alibi=_alibi_args(pb),
-        softcap=pb.smod.softcap if _native_softcap(pb) else None,
+        softcap=pb.smod.softcap,
     )
 
 
