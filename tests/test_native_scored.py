@@ -240,7 +240,7 @@ def test_alibi_alone_is_computed_in_the_native_pass(
     in_pass = run()
     assert native_calls["forward"] == native_calls["backward"] == 1
     assert scored_calls == {"forward": 0, "backward": 0}, "ALiBi alone laid out a term"
-    monkeypatch.setattr(blocked, "_native_alibi", lambda pb: False)  # the laid-out term
+    monkeypatch.setattr(blocked, "_scores_in_pass", lambda pb: False)  # the laid-out term
     laid_out = run()
     assert scored_calls == {"forward": 1, "backward": 1}
     for name, a, b in zip(("O", "dQ", "dK", "dV"), in_pass, laid_out, strict=True):

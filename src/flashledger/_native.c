@@ -593,6 +593,15 @@ static inline long long term_at(const long long *t, const struct rows *b, int r,
     return row_head(b, r) * rows * cols + (row_pos(b, r) - t[0]) * cols + (k0 - t[2]);
 }
 
+/* row += f · x over n values: how a term is added to the scores (f = 1, or log2 e in the
+ * forward's base-2 units), laid out (add_term) or formed in the pass (add_alibi) alike. */
+static inline void add_row(T *row, const T *x, int n, T f) {
+    if (f == (T)1)
+        for (int j = 0; j < n; ++j) row[j] += x[j];
+    else
+        for (int j = 0; j < n; ++j) row[j] += f * x[j];
+}
+
 /* ALiBi's term at keys j0 .. j0 + n - 1 of a row (slope sl, center c): x[j] = -(sl · |c - j|)
  * (form 1) or sl · (j - c) (form 2), each product rounded on its own as the PyTorch step's
  * slopes · distance is: written to x, apart from the add that follows (fused into it, a
@@ -607,9 +616,8 @@ static inline void alibi_terms(T sl, int c, int j0, int n, long long form, T *x)
 
 /* S += f · ALiBi's term on a block's rows and keys [k0, k0 + nc) (S's row stride ls): row
  * i's slope and center (local keys) from al_slope, al_center; the term formed as the
- * PyTorch step forms it (alibi_terms) and added as add_term adds a laid-out term (f = 1,
- * or log2 e in the forward's base-2 units): the scores are bit for bit those of the term
- * laid out, and none is. */
+ * PyTorch step forms it (alibi_terms) and added by add_row, as add_term adds a laid-out
+ * term: the scores are bit for bit those of the term laid out, and none is. */
 static void add_alibi(const struct fl_args *a, const struct rows *b, long long k0, int nc, T *s,
                       long long ls, T f) {
     T x[256];
@@ -620,10 +628,7 @@ static void add_alibi(const struct fl_args *a, const struct rows *b, long long k
         for (int j0 = 0; j0 < nc; j0 += 256) {
             int n = nc - j0 < 256 ? nc - j0 : 256;
             alibi_terms(sl, c, j0, n, a->alibi, x);
-            if (f == (T)1)
-                for (int j = 0; j < n; ++j) row[j0 + j] += x[j];
-            else
-                for (int j = 0; j < n; ++j) row[j0 + j] += f * x[j];
+            add_row(row + j0, x, n, f);
         }
     }
 }
@@ -656,14 +661,7 @@ static void softcap_rows(int nr, int nc, T *s, long long ls, T c, T f, T *tb) {
 static void add_term(const long long *t, const struct rows *b, long long k0, int nc, T *s,
                      long long ls, T f) {
     const T *term = (const T *)(size_t)t[8];
-    for (int r = 0; r < b->nr; ++r) {
-        const T *x = term + term_at(t, b, r, k0);
-        T *row = s + (long long)r * ls;
-        if (f == (T)1)
-            for (int j = 0; j < nc; ++j) row[j] += x[j];
-        else
-            for (int j = 0; j < nc; ++j) row[j] += f * x[j];
-    }
+    for (int r = 0; r < b->nr; ++r) add_row(s + (long long)r * ls, term + term_at(t, b, r, k0), nc, f);
 }
 
 /* S = factor · Q Kᵀ for a block of rows and keys [k0, k0 + nc), the factor riding on the

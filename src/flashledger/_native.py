@@ -776,13 +776,15 @@ def _static_args(
     iv_lo = iv_hi = None
     if intervals is not None:
         iv_lo, iv_hi = (t.to(torch.int64).contiguous() for t in intervals)  # (B|1, Lq)
+    if (alibi is not None or softcap is not None) and q.dtype not in (torch.float32, torch.float64):
+        raise ValueError(
+            f"ALiBi and a softcap are applied by float32/float64 passes, not {q.dtype}"
+        )
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"a softcap's c is positive, got {softcap!r}")
     slopes = centers = None
     if alibi is not None:
         slopes, centers = _alibi_rows(alibi, q)
-    if softcap is not None and not (softcap > 0 and q.dtype in (torch.float32, torch.float64)):
-        raise ValueError(
-            f"a softcap is applied by float32/float64 passes, c > 0; got {softcap!r}, {q.dtype}"
-        )
     arrays = sched._arrays()
     tiles, row_start, bounds, seen = (a.buffer_info()[0] for a in arrays)
     args = _Args(
@@ -830,8 +832,6 @@ def _alibi_rows(alibi: Alibi, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     """``alibi``'s slopes and centers as contiguous ``(H, Lq)`` rows of a pass on ``q``."""
     if alibi.form not in (1, 2):
         raise ValueError(f"ALiBi's form is 1 or 2, got {alibi.form}")
-    if q.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"ALiBi is added by float32/float64 passes, not {q.dtype}")
     rows = q.shape[:2]  # (H, Lq)
     slope = alibi.slope.to(q.dtype).expand(rows).contiguous()
     center = alibi.center.to(torch.int64).expand(rows).contiguous()

@@ -622,18 +622,11 @@ def _native_step(pb: Problem, loop_order: str, observed: bool) -> _native.Kernel
     return None if kern is None or _half_step(pb, kern) else kern
 
 
-def _native_alibi(pb: Problem) -> bool:
-    """True when ALiBi is the scores' only term (no bias or score_mod; a softcap before it
-    or not): the native passes compute ALiBi's term themselves (``_alibi_args``), tile by
-    tile, with no term laid out."""
-    sm = pb.smod
-    return sm.slopes is not None and sm.bias is None and sm.user is None
-
-
 def _alibi_args(pb: Problem) -> _native.Alibi | None:
-    """ALiBi as the native passes compute it (``_native.Alibi``), or None: each row's slope
+    """ALiBi as the native passes compute it (``_native.Alibi``), or None (no ALiBi, or
+    ALiBi laid out per tile with the other terms: ``_scores_in_pass``): each row's slope
     and the local key its distances run from, as ``ScoreMod.tile`` reads them."""
-    if not _native_alibi(pb):
+    if pb.smod.slopes is None or not _scores_in_pass(pb):
         return None
     b, hq, hkv, g, lq = pb.shape[:5]
     geo, slopes = pb.geo, pb.smod.slopes
@@ -651,9 +644,8 @@ def _alibi_args(pb: Problem) -> _native.Alibi | None:
 def _scores_in_pass(pb: Problem) -> bool:
     """True when a native pass forms the final scores itself, no term laid out per tile:
     no bias and no score_mod (plain scores; a softcap, which the passes apply first, as
-    ``ScoreMod.tile`` does, and ALiBi, ``_native_alibi``, either or both)."""
-    sm = pb.smod
-    return sm.bias is None and sm.user is None and (sm.slopes is None or _native_alibi(pb))
+    ``ScoreMod.tile`` does, and ALiBi, ``_alibi_args``, either or both)."""
+    return pb.smod.bias is None and pb.smod.user is None
 
 
 def _additive_scores(pb: Problem) -> bool:
@@ -1135,9 +1127,9 @@ def _forward_native_scored(
     block_k: int,
     row_max: list[torch.Tensor] | None,
 ) -> tuple[torch.Tensor, torch.Tensor, Ledger]:
-    """The forward on the native step with a score_mod that adds a term to the scores
-    (``_additive_user``): in slabs of query tiles, the term of each tile that runs
-    evaluated (``_ScoreTerms``) and added by the pass to its scores."""
+    """The forward on the native step with a term laid out per tile (a bias, an additive
+    score_mod, ALiBi with either: ``_additive_scores``): in slabs of query tiles, the term
+    of each tile that runs evaluated (``_ScoreTerms``) and added by the pass to its scores."""
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
     heads = b * hq
     qtiles, ktiles = _tiles(lq, block_q), _tiles(lk, block_k)
