@@ -53,6 +53,15 @@ def all_finite(x: torch.Tensor, *, allow_neg_inf: bool = False) -> bool:
     return bool(torch.isfinite(x).all())
 
 
+def value_range(x: torch.Tensor) -> tuple[float, float]:
+    """``(min, max)`` of ``x`` in one pass (``aminmax``; NaN when ``x`` holds one); ``(0,
+    0)`` when it is empty."""
+    if x.numel() == 0:
+        return 0.0, 0.0
+    lo, hi = torch.aminmax(x.detach())
+    return float(lo), float(hi)
+
+
 def check_finite(name: str, x: torch.Tensor, *, allow_neg_inf: bool = False) -> None:
     """Raise ``ValueError`` naming the first offending element of ``x``."""
     if all_finite(x, allow_neg_inf=allow_neg_inf):

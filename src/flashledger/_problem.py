@@ -15,7 +15,14 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from ._checks import all_finite, check_finite, check_float_tensor, check_qkv, check_qkv_finite
+from ._checks import (
+    all_finite,
+    check_finite,
+    check_float_tensor,
+    check_qkv,
+    check_qkv_finite,
+    value_range,
+)
 from ._mods import ScoreModFn
 from .conventions import Conventions, get_conventions
 from .dropout import dropout_keep
@@ -191,7 +198,7 @@ class Problem:
             rows = self.mask.rows_with_keys()  # (Bm, Hm, Lq)
             vis = rows.unsqueeze(2) if rows.shape[1] == 1 else self._split_heads(rows)
         bias = self.smod.bias
-        if bias is not None and not all_finite(bias):  # -inf entries hide keys too
+        if bias is not None and not self._bias_finite():  # -inf entries hide keys too
             lq, lk = self.shape[4], self.shape[5]
             seen = torch.isfinite(
                 self.smod.bias_tile(0, lq, 0, lk)
@@ -200,6 +207,12 @@ class Problem:
                 seen = seen & self.mask_tile(0, lq, 0, lk)
             vis = seen.expand(*seen.shape[:3], lq, lk).any(dim=-1)  # (B|1, Hkv|1, G|1, Lq)
         return vis
+
+    def _bias_finite(self) -> bool:
+        """Whether every value of the bias is finite (from its ``(min, max)``, found when it
+        was checked: no pass over it here)."""
+        lo, hi = self.smod.bias_range or value_range(self.smod.bias)  # type: ignore[arg-type]
+        return -math.inf < lo and hi < math.inf
 
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
         """``(Bm, Hq, ...)`` -> ``(Bm, Hkv, G, ...)``."""
@@ -226,7 +239,10 @@ class Problem:
                 self.geo.lq_total + self.geo.lk_total
             )
         if sm.bias is not None:
-            bound += _largest_finite_magnitude(sm.bias.detach())
+            if self._bias_finite():
+                bound += max(abs(x) for x in sm.bias_range)  # type: ignore[union-attr]
+            else:
+                bound += _largest_finite_magnitude(sm.bias.detach())
         return bound
 
     def _user_index(self, bad: torch.Tensor) -> tuple[int, ...]:
@@ -403,10 +419,14 @@ def check_option_values(
     softcap: Any,
     alibi_slopes: Any,
     bias: Any,
-) -> None:
+    bias_range: tuple[float, float] | None = None,
+) -> tuple[float, float] | None:
     """The options that do not depend on the shapes: raise naming the option and what is allowed.
 
-    ``scale`` is the value after its default (``None`` is not allowed here).
+    ``scale`` is the value after its default (``None`` is not allowed here). Returns the
+    bias's ``(min, max)`` (None without one; ``bias_range``: already known, as the
+    autograd backward knows the forward's, autograd having checked that the bias is
+    unchanged), found in the one pass that checks its values.
     """
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite number (default 1/sqrt(d)), got {scale!r}")
@@ -431,9 +451,14 @@ def check_option_values(
     if alibi_slopes is not None:
         check_float_tensor("alibi_slopes", alibi_slopes)
         check_finite("alibi_slopes", alibi_slopes)
-    if bias is not None:
-        check_float_tensor("bias", bias)
+    if bias is None:
+        return None
+    check_float_tensor("bias", bias)
+    if bias_range is None:
+        bias_range = value_range(bias)
+    if not bias_range[1] < math.inf:  # NaN or +inf somewhere: name the first
         check_finite("bias", bias, allow_neg_inf=True)
+    return bias_range
 
 
 def build_problem(
@@ -457,10 +482,13 @@ def build_problem(
     score_mod: ScoreModFn | None = None,
     placement: Placement | None = None,
     acc_dtype: torch.dtype | None = None,
+    bias_range: tuple[float, float] | None = None,
 ) -> Problem:
     """Validate every input and option and lay the problem out for a loop. The values of
     q, k, v are checked when a result is not finite (a NaN or inf no visible score reads
-    changes nothing), not here: that check reads every input once more.
+    changes nothing), not here: that check reads every input once more. ``bias_range``: the
+    bias's ``(min, max)`` when the caller already found it for this bias, unchanged since
+    (the autograd backward: the forward's), so that its values are not read again.
 
     A call of a few rows whose options hold no tensor (a decode step: every layer of a
     model repeats its shapes) reuses the frame of an earlier call with the same shapes,
@@ -494,6 +522,7 @@ def build_problem(
             score_mod=score_mod,
             placement=placement,
             acc_dtype=acc_dtype,
+            bias_range=bias_range,
         )
         if key is not None:
             _FRAMES.put(key, frame)
@@ -630,6 +659,7 @@ def _frame_of(
     score_mod: ScoreModFn | None = None,
     placement: Placement | None = None,
     acc_dtype: torch.dtype | None = None,
+    bias_range: tuple[float, float] | None = None,
 ) -> _Frame:
     """Validate every input and option (not the values of q, k, v) and build the call's
     frame: conventions, geometry, bound mask, score transform."""
@@ -650,13 +680,14 @@ def _frame_of(
     # -- options --
     if scale is None:
         scale = 1.0 / math.sqrt(d)
-    check_option_values(
+    bias_range = check_option_values(
         scale=scale,
         dropout_p=dropout_p,
         seed=seed,
         softcap=softcap,
         alibi_slopes=alibi_slopes,
         bias=bias,
+        bias_range=bias_range,
     )
     if score_mod is not None and not callable(score_mod):
         raise TypeError(
@@ -776,6 +807,7 @@ def _frame_of(
         softcap=None if softcap is None else float(softcap),
         alibi_slopes=alibi_slopes,
         bias=bias,
+        bias_range=bias_range,
         dtype=acc_dtype,
         alibi_key_index=conv.alibi_causal == "key_index" and causal_in_fa_terms(m, geo),
         score_mod=score_mod,

@@ -104,6 +104,7 @@ class _FlashAttention(torch.autograd.Function):
         ctx.opts, ctx.sink = {n: x for n, x in opts.items() if n != _ROW_MAX}, sink
         # the bound mask (tile classes, kept partial tiles) and score_mod, for the backward
         ctx.bound = (pb.mask, pb.smod.user)
+        ctx.bias_range = pb.smod.bias_range  # autograd checks that the bias stays unchanged
         return res.o, res.lse
 
     @staticmethod
@@ -132,7 +133,7 @@ class _FlashAttention(torch.autograd.Function):
             )
             return dq, dk, dv, dbias if ctx.needs_input_grad[3] else None, None, None
         problem, loop = _split(opts)
-        pb = build_problem(q, k, v, bias=bias, **problem)
+        pb = build_problem(q, k, v, bias=bias, bias_range=ctx.bias_range, **problem)
         pb.mask, pb.smod.user = ctx.bound  # the same geometry: the forward's serve as they are
         res = _backward_problem(pb, o, lse, do, dlse if use_dlse else None, bias=bias, **loop)
         if ctx.sink is not None:

@@ -104,6 +104,7 @@ import torch
 
 from . import _native, online
 from ._checks import check_size
+from ._memory import empty_like_huge
 from ._mods import adds_to_score, find_captured
 from ._options import AttentionOptions, check_options
 from ._problem import Placement, Problem, build_problem
@@ -1076,14 +1077,14 @@ class _ScoreTerms:
     ``graphs`` (the backward) a score_mod's call keeps its graph and is checked to add to
     the score (``_mods.adds_to_score``); with ``ds`` each tile gets a buffer for dS of the
     final scores, from which ``vjp`` adds the captured tensors' gradients and the bias's
-    (into ``dbias5``)."""
+    (``dbias``, a ``_BiasGrad``)."""
 
     def __init__(self, pb: Problem, *, graphs: bool = False, ds: bool = False) -> None:
         self.pb, self.graphs, self.want_ds = pb, graphs, ds
         self.kept: list[tuple[Any, torch.Tensor, tuple[int, int, int, int]]] = []
         self.zero = torch.zeros((), dtype=pb.dtype, device=pb.geo.device)
         bias = pb.smod.bias
-        self.dbias5 = None if bias is None or not ds else torch.zeros_like(bias)
+        self.dbias = None if bias is None or not ds else _BiasGrad(bias, pb)
 
     def term_of(self, kind: int, q0: int, q1: int, k0: int, k1: int) -> tuple[Any, Any]:
         pb = self.pb
@@ -1112,8 +1113,8 @@ class _ScoreTerms:
         for ctx, ds, (q0, q1, k0, k1) in self.kept:
             if user is not None and ctx is not None:
                 user.vjp_captured(ctx, ds.view(b, hq, *ds.shape[1:]))
-            if self.dbias5 is not None:
-                _add_bias_grad(self.dbias5, ds.view(b, hkv, g, *ds.shape[1:]), pb, q0, q1, k0, k1)
+            if self.dbias is not None:
+                self.dbias.add(ds.view(b, hkv, g, *ds.shape[1:]), q0, q1, k0, k1)
         self.kept.clear()
 
 
@@ -1209,7 +1210,7 @@ def _backward_native_scored(
         dq.view(b, hkv, g, lq, d),
         dk.view(b, hkv, 1, lk, d),
         dv_.view(b, hkv, 1, lk, dv),
-        terms.dbias5,
+        None if terms.dbias is None else terms.dbias.done(qtiles, ktiles),
     )
 
 
@@ -1573,7 +1574,7 @@ def _backward(
     dk = torch.empty(b, hkv, 1, lk, d, dtype=dt, device=dev)  # (B, Hkv, 1, Lk, d)
     dv_ = torch.empty(b, hkv, 1, lk, dv, dtype=dt, device=dev)  # (B, Hkv, 1, Lk, d_v)
     bias5 = pb.smod.bias
-    dbias5 = None if bias5 is None else torch.zeros_like(bias5)
+    dbias = None if bias5 is None else _BiasGrad(bias5, pb)
     steps = 0
     for j, (k0, k1) in enumerate(ktiles):
         bk = k1 - k0
@@ -1603,8 +1604,8 @@ def _backward(
                 ds_in = pb.smod.grad_user(_unflat(pb, ds), ctx)
                 if ds_in.data_ptr() != ds.data_ptr():  # (an additive score_mod passes ds on)
                     ds.copy_(ds_in.reshape(ds.shape))
-            if dbias5 is not None:
-                _add_bias_grad(dbias5, _unflat(pb, ds), pb, q0, q1, k0, k1)
+            if dbias is not None:
+                dbias.add(_unflat(pb, ds), q0, q1, k0, k1)
             if keep is not None:
                 p.mul_(keep3).mul_(pb.keep_scale)  # the dropped P that weighted V
             if not fold:  # gradient of q kᵀ through the softcap (else the scale is in alpha)
@@ -1660,19 +1661,67 @@ def _backward(
     for (q0, q1), dqt_i in zip(qtiles, dqt_t):
         dq[..., q0:q1, :] = _unflat(pb, dqt_i.mT)
     book.flush()
-    return dq, dk, dv_, dbias5, D, ledger
+    return dq, dk, dv_, None if dbias is None else dbias.done(qtiles, ktiles), D, ledger
 
 
-def _add_bias_grad(
-    dbias5: torch.Tensor, ds: torch.Tensor, pb: Problem, q0: int, q1: int, k0: int, k1: int
-) -> None:
-    """Add a tile's ``dS`` into the (broadcast-shaped) bias gradient."""
-    dims = [ax for ax in range(5) if dbias5.shape[ax] == 1 and ds.shape[ax] != 1]
-    contrib = ds.sum(dim=dims, keepdim=True) if dims else ds
-    geo = pb.geo
-    rq = slice(geo.q_offset + q0, geo.q_offset + q1) if dbias5.shape[-2] != 1 else slice(None)
-    rk = slice(geo.k_offset + k0, geo.k_offset + k1) if dbias5.shape[-1] != 1 else slice(None)
-    dbias5[..., rq, rk] += contrib
+class _BiasGrad:
+    """The bias's gradient ``grad`` (the bias's 5-D shape, ``(B|1, Hkv|1, G|1, Lq|1,
+    Lk|1)``) from each tile's dS (``add``), finished by ``done``.
+
+    Where the bias has a row and a key axis, a tile's dS lands on a region of its own: the
+    first dS of a region is written there (``copy_``, not added to zeros), and ``done``
+    zeroes only the regions no tile reached (the tiles a mask skips, the rows and keys
+    outside this call), so that an ``L x L`` gradient is not first filled with zeros and
+    then read back for every addition; its pages are huge where the OS lends them
+    (``_memory``: a fresh buffer's page faults cost more than writing it). A bias broadcast
+    over rows or keys sums the tiles' dS into zeros."""
+
+    def __init__(self, bias5: torch.Tensor, pb: Problem) -> None:
+        self.pb = pb
+        self.regions = bias5.shape[-2] != 1 and bias5.shape[-1] != 1
+        self.grad = empty_like_huge(bias5) if self.regions else torch.zeros_like(bias5)
+        self.written: set[tuple[int, int, int, int]] = set()  # local (q0, q1, k0, k1)
+
+    def add(self, ds: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> None:
+        """Add tile ``[q0, q1) x [k0, k1)``'s ``ds`` ``(B, Hkv, G, r, c)``."""
+        grad, geo = self.grad, self.pb.geo
+        dims = [ax for ax in range(5) if grad.shape[ax] == 1 and ds.shape[ax] != 1]
+        contrib = ds.sum(dim=dims, keepdim=True) if dims else ds
+        rq = slice(geo.q_offset + q0, geo.q_offset + q1) if grad.shape[-2] != 1 else slice(None)
+        rk = slice(geo.k_offset + k0, geo.k_offset + k1) if grad.shape[-1] != 1 else slice(None)
+        region = grad[..., rq, rk]
+        tile = (q0, q1, k0, k1)
+        if self.regions and tile not in self.written:
+            region.copy_(contrib)
+            self.written.add(tile)
+        else:
+            region += contrib
+
+    def done(
+        self, qtiles: Sequence[tuple[int, int]], ktiles: Sequence[tuple[int, int]]
+    ) -> torch.Tensor:
+        """The gradient, with zeros where no tile of the grid ``qtiles x ktiles`` (this
+        call's, local) wrote."""
+        grad = self.grad
+        if not self.regions:
+            return grad
+        geo = self.pb.geo
+        qa, qb = geo.q_offset, geo.q_offset + geo.lq
+        ka, kb = geo.k_offset, geo.k_offset + geo.lk
+        grad[..., :qa, :].zero_()  # rows and keys outside this call
+        grad[..., qb:, :].zero_()
+        grad[..., qa:qb, :ka].zero_()
+        grad[..., qa:qb, kb:].zero_()
+        for q0, q1 in qtiles:  # each row of tiles: its runs of tiles not written, at once
+            run: int | None = None
+            for k0, k1 in [*ktiles, (geo.lk, geo.lk)]:
+                hole = k0 < geo.lk and (q0, q1, k0, k1) not in self.written
+                if hole and run is None:
+                    run = k0
+                elif not hole and run is not None:
+                    grad[..., qa + q0 : qa + q1, ka + run : ka + k0].zero_()
+                    run = None
+        return grad
 
 
 def blocked_backward(

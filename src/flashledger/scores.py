@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._checks import value_range
 from ._mods import ScoreModFn, TileVJP, UserScore
 from .masks import Geometry
 
@@ -88,6 +89,7 @@ class ScoreMod:
     bias: torch.Tensor | None = None  # (B|1, Hkv|1, G|1, Lq_total|1, Lk_total|1)
     alibi_key_index: bool = False  # flash-attn 2's causal form: + slope · (j - first key)
     user: UserScore | None = None  # a FlexAttention score_mod
+    bias_range: tuple[float, float] | None = None  # the bias's (min, max), when known
 
     @staticmethod
     def build(
@@ -100,6 +102,7 @@ class ScoreMod:
         alibi_slopes: torch.Tensor | None,
         bias: torch.Tensor | None,
         dtype: torch.dtype,
+        bias_range: tuple[float, float] | None = None,
         alibi_key_index: bool = False,
         score_mod: ScoreModFn | None = None,
         batch: int = 1,
@@ -116,6 +119,8 @@ class ScoreMod:
         b5 = None
         if bias is not None:
             b = bias.to(device=geo.device, dtype=dtype)
+            if b is not bias or bias_range is None:  # converted: rounded values, found again
+                bias_range = value_range(b)
             while b.ndim < 4:
                 b = b.unsqueeze(0)
             b5 = to5d(b, hkv, g)
@@ -124,7 +129,7 @@ class ScoreMod:
             user = UserScore.bind(
                 score_mod, batch=batch, heads=hkv * g, dtype=dtype, device=geo.device
             )
-        return ScoreMod(scale, geo, hkv, g, softcap, slopes, b5, alibi_key_index, user)
+        return ScoreMod(scale, geo, hkv, g, softcap, slopes, b5, alibi_key_index, user, bias_range)
 
     def tile(
         self,
