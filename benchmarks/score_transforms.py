@@ -13,6 +13,7 @@ by default) of
 in interleaved rounds (each round's ratio against the same round's plain call; medians).
 
     python benchmarks/score_transforms.py --length 4096 --rounds 5
+    python benchmarks/score_transforms.py --cases bias --rounds 7   # the bias alone
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import torch
 import flashledger as fl
 from flashledger import _calibrate, _native
 
+CASES = ("ALiBi", "softcap", "bias")
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -39,6 +42,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--no-bias", action="store_true", help="skip the dense bias (L² memory)")
     parser.add_argument("--softcap", type=float, default=30.0, help="the softcap's c (> 0)")
+    parser.add_argument(
+        "--cases",
+        nargs="*",
+        choices=CASES,
+        default=list(CASES),
+        help="cases to time beside the plain call (default: all)",
+    )
     args = parser.parse_args()
     if args.length < 1 or args.heads < 1 or args.dim < 1 or args.rounds < 1:
         parser.error("--length, --heads, --dim and --rounds must be positive integers")
@@ -67,14 +77,15 @@ def main() -> None:
 
         return off
 
-    cases = {
-        "plain": fwd_bwd(),
-        "ALiBi, native step": fwd_bwd(alibi_slopes=slopes),
-        "ALiBi, PyTorch step": on_pytorch_step(fwd_bwd(alibi_slopes=slopes)),
-        "softcap, native step": fwd_bwd(softcap=args.softcap),
-        "softcap, PyTorch step": on_pytorch_step(fwd_bwd(softcap=args.softcap)),
-    }
-    if not args.no_bias:
+    cases = {"plain": fwd_bwd()}
+    wanted = set(args.cases) - ({"bias"} if args.no_bias else set())
+    if "ALiBi" in wanted:
+        cases["ALiBi, native step"] = fwd_bwd(alibi_slopes=slopes)
+        cases["ALiBi, PyTorch step"] = on_pytorch_step(fwd_bwd(alibi_slopes=slopes))
+    if "softcap" in wanted:
+        cases["softcap, native step"] = fwd_bwd(softcap=args.softcap)
+        cases["softcap, PyTorch step"] = on_pytorch_step(fwd_bwd(softcap=args.softcap))
+    if "bias" in wanted:
         bias = torch.randn(1, h, n, n, generator=gen, dtype=dt).requires_grad_()
         cases["bias, native step"] = fwd_bwd(bias=bias)
         cases["bias, PyTorch step"] = on_pytorch_step(fwd_bwd(bias=bias))

@@ -236,3 +236,19 @@ def test_huge_pages_leave_values_and_small_buffers_alone() -> None:
         assert out.shape == x.shape and out.dtype == x.dtype and out.stride() == x.stride()
         out.fill_(2.5)
         assert bool((out == 2.5).all())
+
+
+def test_a_tile_off_the_grid_is_refused_not_left_unwritten() -> None:
+    """``_BiasGrad.done`` zeroes the grid's tiles that no dS reached; a dS written on a
+    tile that is not one of the grid's would leave part of a region unwritten: refused."""
+    q = k = v = torch.zeros(1, 1, 8, 4, dtype=F64)
+    pb = _problem.build_problem(q, k, v, bias=torch.zeros(1, 1, 8, 8, dtype=F64))
+    assert pb.smod.bias is not None
+    grad = blocked._BiasGrad(pb.smod.bias, pb)
+    grad.add(torch.ones(1, 1, 1, 4, 4, dtype=F64), 0, 4, 0, 4)
+    tiles = [(0, 4), (4, 8)]
+    out = grad.done(tiles, tiles)
+    assert float(out.sum()) == 16.0 and bool((out[..., 4:, :] == 0).all())
+    grad.add(torch.ones(1, 1, 1, 2, 4, dtype=F64), 4, 6, 0, 4)  # half a tile of the grid
+    with pytest.raises(RuntimeError, match="other than the loop's grid"):
+        grad.done(tiles, tiles)

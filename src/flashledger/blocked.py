@@ -1701,10 +1701,17 @@ class _BiasGrad:
         self, qtiles: Sequence[tuple[int, int]], ktiles: Sequence[tuple[int, int]]
     ) -> torch.Tensor:
         """The gradient, with zeros where no tile of the grid ``qtiles x ktiles`` (this
-        call's, local) wrote."""
+        call's, local) wrote. Raises ``RuntimeError`` if a tile written was not one of the
+        grid's (its regions would then not tell what is left unwritten)."""
         grad = self.grad
         if not self.regions:
             return grad
+        grid = {(q0, q1, k0, k1) for q0, q1 in qtiles for k0, k1 in ktiles}
+        if not self.written <= grid:
+            raise RuntimeError(
+                "the bias gradient was written on tiles other than the loop's grid: "
+                f"{sorted(self.written - grid)[:3]}"
+            )
         geo = self.pb.geo
         qa, qb = geo.q_offset, geo.q_offset + geo.lq
         ka, kb = geo.k_offset, geo.k_offset + geo.lk
@@ -1715,7 +1722,7 @@ class _BiasGrad:
         for q0, q1 in qtiles:  # each row of tiles: its runs of tiles not written, at once
             run: int | None = None
             for k0, k1 in [*ktiles, (geo.lk, geo.lk)]:
-                hole = k0 < geo.lk and (q0, q1, k0, k1) not in self.written
+                hole = k1 > k0 and (q0, q1, k0, k1) not in self.written
                 if hole and run is None:
                     run = k0
                 elif not hole and run is not None:
