@@ -252,3 +252,42 @@ def test_a_tile_off_the_grid_is_refused_not_left_unwritten() -> None:
     grad.add(torch.ones(1, 1, 1, 2, 4, dtype=F64), 4, 6, 0, 4)  # half a tile of the grid
     with pytest.raises(RuntimeError, match="other than the loop's grid"):
         grad.done(tiles, tiles)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "keys strided", "rows broadcast"])
+def test_a_bias_alone_is_read_where_it_lies(
+    layout: str, monkeypatch: pytest.MonkeyPatch, scored_calls: dict[str, int], assert_close: Any
+) -> None:
+    """The native passes read a bias that is the whole term (no ALiBi, no score_mod) where
+    it lies, with no term laid out per tile (``ScoreMod.tile`` never called), when its keys
+    are contiguous; a bias strided along its keys, or with ALiBi beside it, is laid out per
+    tile. Either way the result is the dense oracle's."""
+    g = torch.Generator().manual_seed(15)
+    q = torch.randn(2, 4, 97, 8, generator=g, dtype=F64).requires_grad_(True)
+    k, v = (torch.randn(2, 2, 113, 8, generator=g, dtype=F64).requires_grad_(True) for _ in "kv")
+    shape = (2, 4, 1, 113) if layout == "rows broadcast" else (2, 4, 97, 113)
+    raw = torch.randn(*shape, generator=g, dtype=F64)
+    bias = (raw.mT.contiguous().mT if layout == "keys strided" else raw).requires_grad_(True)
+    do = torch.randn(2, 4, 97, 8, generator=g, dtype=F64)
+    laid_out = {"n": 0}
+    real = scores.ScoreMod.tile
+
+    def counted(self: Any, *a: Any, **kw: Any) -> Any:
+        laid_out["n"] += 1
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(scores.ScoreMod, "tile", counted)
+    o = fl.flash_attention(q, k, v, mask=fl.Causal(), bias=bias, block_q=32, block_k=24)
+    o.backward(do)
+    assert scored_calls == {"forward": 1, "backward": 1}
+    assert (laid_out["n"] == 0) == (layout != "keys strided")
+    visible = torch.arange(97).view(-1, 1) >= torch.arange(113).view(1, -1)
+    want = _oracle_bias_grad(q, k, v, bias.expand(2, 4, 97, 113), do, visible.view(1, 1, 97, 113))
+    if layout == "rows broadcast":
+        want = want.sum(dim=2, keepdim=True)
+    assert bias.grad is not None
+    assert_close(bias.grad, want, rtol=1e-11, name=f"dbias ({layout})")
+    laid_out["n"] = 0
+    with torch.no_grad():
+        fl.flash_attention(q, k, v, mask=fl.Causal(), bias=bias, alibi_slopes=fl.alibi_slopes(4))
+    assert laid_out["n"] > 0, "ALiBi beside a bias: the term laid out per tile"

@@ -512,12 +512,14 @@ void SUF(fl_transpose)(const TIN *src, TIN *dst, long long n, long long rows, lo
 /* One pass's arguments. Layouts (row-major, contiguous), H = B·Hq query heads, head h
  * reading K/V head h / group. A pass runs a schedule: rows (the forward's query tiles, the
  * backward's key tiles), each a list of tiles, FL_TILE fields per tile (q0, q1, k0, k1,
- * partial, vis, vis_sn, vis_sg, term, ds): a partial tile's visibility is its uint8 bytes (rows x
- * cols) for head h at vis + (h / group) · vis_sn + (h % group) · vis_sg (strides 0 where the
- * mask broadcasts), or, with vis 0, the pass's intervals (iv_lo, iv_hi). A tile's term
- * (or 0) is an additive term of its scores (a score_mod's, natural units), T values
- * (H, rows, cols) contiguous; its ds (backward, or 0) where dS of the final scores goes,
- * the same layout (the pass writes the positions it computes). */
+ * partial, vis, vis_sn, vis_sg, term, ds, term_rs, term_heads): a partial tile's visibility is
+ * its uint8 bytes (rows x cols) for head h at vis + (h / group) · vis_sn + (h % group) · vis_sg
+ * (strides 0 where the mask broadcasts), or, with vis 0, the pass's intervals (iv_lo, iv_hi).
+ * A tile's term (or 0) is an additive term of its scores (a score_mod's, natural units), T
+ * values (H, rows, cols) contiguous, or, with term_heads (an address of H offsets) not 0, read
+ * where they lie: head h's row i (of the tile's rows) at term + term_heads[h] + i · term_rs,
+ * its keys contiguous (a bias, no copy per tile); its ds (backward, or 0) where dS of the
+ * final scores goes, (H, rows, cols) contiguous (the pass writes the positions it computes). */
 struct fl_args {
     const TIN *q, *k, *kt, *v, *vt; /* (H, Lq, d), (Hk, Lk, d), (Hk, d, Lk), (Hk, Lk, d_v),
                                        (Hk, d_v, Lk), in the input dtype */
@@ -563,7 +565,7 @@ struct fl_args {
     long long scale_exact; /* scale is a power of two: exact as the matmul's alpha */
     double softcap;        /* float builds: 0, or c of a softcap, s = c · tanh(s / c) */
 };
-#define FL_TILE 10
+#define FL_TILE 12
 /* below this many FLOPs a pass runs on the calling thread only */
 #define FL_SERIAL_FLOPS 4e6
 
@@ -587,10 +589,17 @@ static inline long long row_base(const struct fl_args *a, const struct rows *b) 
     return b->h0 * a->lq + b->r0;
 }
 
-/* Offset of block row r, key k0, in tile t's term (or ds) layout (H, rows, cols). */
-static inline long long term_at(const long long *t, const struct rows *b, int r, long long k0) {
+/* Offset of block row r, key k0, in tile t's ds layout (H, rows, cols). */
+static inline long long ds_at(const long long *t, const struct rows *b, int r, long long k0) {
     long long rows = t[1] - t[0], cols = t[3] - t[2];
     return row_head(b, r) * rows * cols + (row_pos(b, r) - t[0]) * cols + (k0 - t[2]);
+}
+
+/* Offset of block row r, key k0, in tile t's term: laid out as ds, or where it lies. */
+static inline long long term_at(const long long *t, const struct rows *b, int r, long long k0) {
+    if (!t[11]) return ds_at(t, b, r, k0);
+    const long long *heads = (const long long *)(size_t)t[11];
+    return heads[row_head(b, r)] + (row_pos(b, r) - t[0]) * t[10] + (k0 - t[2]);
 }
 
 /* row += f · x over n values: how a term is added to the scores (f = 1, or log2 e in the
@@ -1730,7 +1739,7 @@ static long long backward_block(const struct fl_args *a, const long long *t, con
          * score_mod's captured tensors, a bias), before a softcap's derivative */
         T *dsr = NULL;
 #if !FL_HALF
-        if (t[9]) dsr = (T *)(size_t)t[9] + term_at(t, b, r, t[2] + lo);
+        if (t[9]) dsr = (T *)(size_t)t[9] + ds_at(t, b, r, t[2] + lo);
 #endif
         for (; j + W <= c1; j += W) { /* dS from P before its rounding */
             VT p = vexp2((loadv(pr + j) - sh) * l2e), ds = p * (loadv(dr + j) - dv_);

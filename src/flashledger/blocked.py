@@ -1077,7 +1077,8 @@ class _ScoreTerms:
     ``graphs`` (the backward) a score_mod's call keeps its graph and is checked to add to
     the score (``_mods.adds_to_score``); with ``ds`` each tile gets a buffer for dS of the
     final scores, from which ``vjp`` adds the captured tensors' gradients and the bias's
-    (``dbias``, a ``_BiasGrad``)."""
+    (``dbias``, a ``_BiasGrad``). A bias alone (no ALiBi, no score_mod) is its own term: the
+    pass reads it where it lies (``_native.TermView``), with no copy per tile."""
 
     def __init__(self, pb: Problem, *, graphs: bool = False, ds: bool = False) -> None:
         self.pb, self.graphs, self.want_ds = pb, graphs, ds
@@ -1085,10 +1086,40 @@ class _ScoreTerms:
         self.zero = torch.zeros((), dtype=pb.dtype, device=pb.geo.device)
         bias = pb.smod.bias
         self.dbias = None if bias is None or not ds else _BiasGrad(bias, pb)
+        self.view = self._bias_view(pb)
+
+    @staticmethod
+    def _bias_view(pb: Problem) -> tuple[int, torch.Tensor] | None:
+        """How a pass reads the bias where it lies, when the term is the bias alone (no
+        ALiBi, no score_mod; in the pass's dtype, keys contiguous): its row stride and each
+        query head's offset ``(B·Hq,)``, in elements; None otherwise."""
+        sm, dt = pb.smod, pb.dtype
+        bias = sm.bias  # (B|1, Hkv|1, G|1, Lq|1, Lk)
+        if bias is None or sm.slopes is not None or sm.user is not None or bias.dtype != dt:
+            return None
+        if bias.shape[-1] == 1 or bias.stride(-1) != 1 or bias.device.type != "cpu":
+            return None
+        b, hq, _, g = pb.shape[:4]
+        h = torch.arange(b * hq)  # (B·Hq,) query heads as the pass numbers them
+        parts = (h // hq, h % hq // g, h % g)  # batch entry, K/V head, member of the group
+        heads = sum(
+            (p * bias.stride(ax) for ax, p in enumerate(parts) if bias.shape[ax] != 1),
+            torch.zeros_like(h),
+        )
+        return (0 if bias.shape[-2] == 1 else bias.stride(-2)), heads
 
     def term_of(self, kind: int, q0: int, q1: int, k0: int, k1: int) -> tuple[Any, Any]:
         pb = self.pb
         b, hq, hkv, g = pb.shape[:4]
+        if self.view is not None:  # the bias alone: read by the pass where it lies
+            bias, geo = pb.smod.bias, pb.geo
+            assert bias is not None
+            row_stride, heads = self.view
+            first = (geo.q_offset + q0) * row_stride + geo.k_offset + k0  # elements
+            term = _native.TermView(
+                bias, bias.data_ptr() + first * bias.element_size(), row_stride, heads
+            )
+            return term, self._ds(kind, None, q0, q1, k0, k1)
         zero = self.zero.expand(b, hkv, g, q1 - q0, k1 - k0)  # (B, Hkv, G, r, c), no memory
         out, ctx = pb.smod.tile(zero, q0, q1, k0, k1, grad=self.graphs, inplace=False, scaled=True)
         if ctx.user is not None and not adds_to_score(ctx.user):
@@ -1097,12 +1128,19 @@ class _ScoreTerms:
                 f"queries {q0}-{q1 - 1} x keys {k0}-{k1 - 1}: it must compute each position "
                 "alike (pointwise, as FlexAttention requires)"
             )
-        ds = None
-        if self.want_ds:  # the pass writes the positions it computes: zeros where masked
-            make = torch.zeros if kind == PARTIAL else torch.empty
-            ds = make(b * hq, q1 - q0, k1 - k0, dtype=pb.dtype, device=pb.geo.device)
-            self.kept.append((ctx.user, ds, (q0, q1, k0, k1)))
+        ds = self._ds(kind, ctx.user, q0, q1, k0, k1)
         return out.reshape(b * hq, q1 - q0, k1 - k0).contiguous(), ds  # (B·Hq, r, c)
+
+    def _ds(self, kind: int, user: Any, q0: int, q1: int, k0: int, k1: int) -> Any:
+        """The tile's buffer for dS (None without ``ds``), kept with the score_mod's graph
+        for ``vjp``; the pass writes the positions it computes (zeros where masked)."""
+        if not self.want_ds:
+            return None
+        pb = self.pb
+        make = torch.zeros if kind == PARTIAL else torch.empty
+        ds = make(pb.shape[0] * pb.shape[1], q1 - q0, k1 - k0, dtype=pb.dtype, device=pb.geo.device)
+        self.kept.append((user, ds, (q0, q1, k0, k1)))
+        return ds  # (B·Hq, r, c)
 
     def vjp(self) -> None:
         """The captured tensors' gradients and the bias's from each kept tile's dS (the
