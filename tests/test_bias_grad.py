@@ -260,7 +260,8 @@ def test_a_bias_alone_is_read_where_it_lies(
 ) -> None:
     """The native passes read a bias that is the whole term (no ALiBi, no score_mod) where
     it lies, with no term laid out per tile (``ScoreMod.tile`` never called), when its keys
-    are contiguous; a bias strided along its keys, or with ALiBi beside it, is laid out per
+    are contiguous, and write its dS into the gradient itself where every head has values
+    of its own; a bias strided along its keys, or with ALiBi beside it, is laid out per
     tile. Either way the result is the dense oracle's."""
     g = torch.Generator().manual_seed(15)
     q = torch.randn(2, 4, 97, 8, generator=g, dtype=F64).requires_grad_(True)
@@ -277,10 +278,22 @@ def test_a_bias_alone_is_read_where_it_lies(
         return real(self, *a, **kw)
 
     monkeypatch.setattr(scores.ScoreMod, "tile", counted)
+    direct = {"n": 0}
+    real_direct = blocked._BiasGrad.direct
+
+    def counted_direct(self: Any, *a: Any) -> Any:
+        got = real_direct(self, *a)
+        direct["n"] += got is not None
+        return got
+
+    monkeypatch.setattr(blocked._BiasGrad, "direct", counted_direct)
     o = fl.flash_attention(q, k, v, mask=fl.Causal(), bias=bias, block_q=32, block_k=24)
     o.backward(do)
     assert scored_calls == {"forward": 1, "backward": 1}
     assert (laid_out["n"] == 0) == (layout != "keys strided")
+    # dS written by the pass into the gradient itself: a bias with rows, keys and heads of
+    # its own, read in place (its gradient laid out like it)
+    assert (direct["n"] > 0) == (layout == "contiguous")
     visible = torch.arange(97).view(-1, 1) >= torch.arange(113).view(1, -1)
     want = _oracle_bias_grad(q, k, v, bias.expand(2, 4, 97, 113), do, visible.view(1, 1, 97, 113))
     if layout == "rows broadcast":

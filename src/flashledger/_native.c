@@ -512,14 +512,16 @@ void SUF(fl_transpose)(const TIN *src, TIN *dst, long long n, long long rows, lo
 /* One pass's arguments. Layouts (row-major, contiguous), H = B·Hq query heads, head h
  * reading K/V head h / group. A pass runs a schedule: rows (the forward's query tiles, the
  * backward's key tiles), each a list of tiles, FL_TILE fields per tile (q0, q1, k0, k1,
- * partial, vis, vis_sn, vis_sg, term, ds, term_rs, term_heads): a partial tile's visibility is
- * its uint8 bytes (rows x cols) for head h at vis + (h / group) · vis_sn + (h % group) · vis_sg
- * (strides 0 where the mask broadcasts), or, with vis 0, the pass's intervals (iv_lo, iv_hi).
+ * partial, vis, vis_sn, vis_sg, term, ds, term_rs, term_heads, ds_rs, ds_heads): a partial
+ * tile's visibility is its uint8 bytes (rows x cols) for head h at vis + (h / group) · vis_sn
+ * + (h % group) · vis_sg (strides 0 where the mask broadcasts), or, with vis 0, the pass's
+ * intervals (iv_lo, iv_hi).
  * A tile's term (or 0) is an additive term of its scores (a score_mod's, natural units), T
  * values (H, rows, cols) contiguous, or, with term_heads (an address of H offsets) not 0, read
  * where they lie: head h's row i (of the tile's rows) at term + term_heads[h] + i · term_rs,
  * its keys contiguous (a bias, no copy per tile); its ds (backward, or 0) where dS of the
- * final scores goes, (H, rows, cols) contiguous (the pass writes the positions it computes). */
+ * final scores goes, (H, rows, cols) contiguous, or with ds_heads not 0 where it lies as a
+ * term does (a bias's gradient; the pass writes the positions it computes). */
 struct fl_args {
     const TIN *q, *k, *kt, *v, *vt; /* (H, Lq, d), (Hk, Lk, d), (Hk, d, Lk), (Hk, Lk, d_v),
                                        (Hk, d_v, Lk), in the input dtype */
@@ -565,7 +567,7 @@ struct fl_args {
     long long scale_exact; /* scale is a power of two: exact as the matmul's alpha */
     double softcap;        /* float builds: 0, or c of a softcap, s = c · tanh(s / c) */
 };
-#define FL_TILE 12
+#define FL_TILE 14
 /* below this many FLOPs a pass runs on the calling thread only */
 #define FL_SERIAL_FLOPS 4e6
 
@@ -589,17 +591,20 @@ static inline long long row_base(const struct fl_args *a, const struct rows *b) 
     return b->h0 * a->lq + b->r0;
 }
 
-/* Offset of block row r, key k0, in tile t's ds layout (H, rows, cols). */
-static inline long long ds_at(const long long *t, const struct rows *b, int r, long long k0) {
-    long long rows = t[1] - t[0], cols = t[3] - t[2];
-    return row_head(b, r) * rows * cols + (row_pos(b, r) - t[0]) * cols + (k0 - t[2]);
+/* Offset of block row r, key k0, in values of tile t: laid out (H, rows, cols), or, with
+ * heads (the address of H offsets) not 0, where they lie, rows rs apart. */
+static inline long long tile_at(const long long *t, const struct rows *b, int r, long long k0,
+                                long long rs, long long heads) {
+    long long i = row_pos(b, r) - t[0], j = k0 - t[2];
+    if (heads) return ((const long long *)(size_t)heads)[row_head(b, r)] + i * rs + j;
+    return (row_head(b, r) * (t[1] - t[0]) + i) * (t[3] - t[2]) + j;
 }
-
-/* Offset of block row r, key k0, in tile t's term: laid out as ds, or where it lies. */
+/* ... in tile t's term (fields term_rs, term_heads) and its ds (ds_rs, ds_heads) */
 static inline long long term_at(const long long *t, const struct rows *b, int r, long long k0) {
-    if (!t[11]) return ds_at(t, b, r, k0);
-    const long long *heads = (const long long *)(size_t)t[11];
-    return heads[row_head(b, r)] + (row_pos(b, r) - t[0]) * t[10] + (k0 - t[2]);
+    return tile_at(t, b, r, k0, t[10], t[11]);
+}
+static inline long long ds_at(const long long *t, const struct rows *b, int r, long long k0) {
+    return tile_at(t, b, r, k0, t[12], t[13]);
 }
 
 /* row += f · x over n values: how a term is added to the scores (f = 1, or log2 e in the

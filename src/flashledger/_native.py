@@ -141,9 +141,10 @@ def _gather_args(
 
 @dataclass(frozen=True)
 class TermView:
-    """A tile's additive term read by the pass where it lies (``Schedule.add``): head ``h``'s
-    row ``i`` of the tile at element ``heads[h] + i · row_stride`` after ``address`` (a
-    byte address in ``base``, the tile's first row and key), its keys contiguous."""
+    """A tile's additive term, or its dS, read or written by the pass where it lies
+    (``Schedule.add``): head ``h``'s row ``i`` of the tile at element ``heads[h] + i ·
+    row_stride`` after ``address`` (a byte address in ``base``, the tile's first row and
+    key), its keys contiguous."""
 
     base: torch.Tensor  # the tensor holding the values (kept alive with the schedule)
     address: int  # data address of the tile's (row 0, key 0) element of head offset 0
@@ -163,8 +164,8 @@ class Schedule:
     the step as it reads the intervals or bytes, all heads). A tile may carry ``term``, an
     additive term of its scores (a score_mod's, natural units), and (backward) ``ds``,
     where the pass writes dS of the final scores: each ``(H, rows, cols)`` contiguous in
-    the pass's float dtype, kept alive with the schedule; or the term as a ``TermView``,
-    read by the pass where it lies (a bias: no copy per tile).
+    the pass's float dtype, kept alive with the schedule; or either as a ``TermView``, read
+    or written by the pass where it lies (a bias, its gradient: no copy per tile).
     """
 
     def __init__(self) -> None:
@@ -184,15 +185,19 @@ class Schedule:
         vis: tuple[int, int, int] | None,
         alive: torch.Tensor | None = None,
         term: torch.Tensor | TermView | None = None,
-        ds: torch.Tensor | None = None,
+        ds: torch.Tensor | TermView | None = None,
     ) -> None:
         ptr, sn, sg = vis if vis is not None else (0, 0, 0)
         at = [0, 0]
-        view = (0, 0)
+        views = [0, 0, 0, 0]
         if isinstance(term, TermView):
-            at[0], view = term.address, (term.row_stride, term.heads.data_ptr())
+            at[0], views[0:2] = term.address, (term.row_stride, term.heads.data_ptr())
             self._alive += (term.base, term.heads)
             term = None
+        if isinstance(ds, TermView):
+            at[1], views[2:4] = ds.address, (ds.row_stride, ds.heads.data_ptr())
+            self._alive += (ds.base, ds.heads)
+            ds = None
         for n, x in enumerate((term, ds)):
             if x is not None:
                 shape = (q1 - q0, k1 - k0)
@@ -203,7 +208,7 @@ class Schedule:
                 at[n] = x.data_ptr()
                 self._alive.append(x)
         self.terms += at[0] != 0
-        self._tiles.append((q0, q1, k0, k1, int(vis is not None), ptr, sn, sg, *at, *view))
+        self._tiles.append((q0, q1, k0, k1, int(vis is not None), ptr, sn, sg, *at, *views))
         if alive is not None:
             self._alive.append(alive)
 
@@ -226,12 +231,12 @@ class Schedule:
         return max(b - a for a, b in itertools.pairwise(self._row_start)) if self.rows else 0
 
     def _arrays(self) -> list[array.array[int]]:
-        """The schedule as C arrays of int64: tiles (n x 12), row starts (rows + 1),
+        """The schedule as C arrays of int64: tiles (n x 14), row starts (rows + 1),
         bounds (rows x 2) and ``seen`` (n, zeros); plain buffers, no tensors (a decode
         step's schedule is a few numbers, and four small tensors cost more than its C work)."""
         n = max(1, len(self._tiles))
         return [
-            array.array("q", itertools.chain.from_iterable(self._tiles or [(0,) * 12])),
+            array.array("q", itertools.chain.from_iterable(self._tiles or [(0,) * 14])),
             array.array("q", self._row_start),
             array.array("q", self._bounds or [0, 0]),
             array.array("q", bytes(8 * n)),

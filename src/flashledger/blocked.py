@@ -1133,9 +1133,15 @@ class _ScoreTerms:
 
     def _ds(self, kind: int, user: Any, q0: int, q1: int, k0: int, k1: int) -> Any:
         """The tile's buffer for dS (None without ``ds``), kept with the score_mod's graph
-        for ``vjp``; the pass writes the positions it computes (zeros where masked)."""
+        for ``vjp``; the pass writes the positions it computes (zeros where masked). With
+        the bias alone as the term, the bias's gradient itself where it can take dS as it
+        is (``_BiasGrad.direct``): nothing kept, nothing copied."""
         if not self.want_ds:
             return None
+        if user is None and self.view is not None and self.dbias is not None:
+            direct = self.dbias.direct(kind, q0, q1, k0, k1)
+            if direct is not None:
+                return direct
         pb = self.pb
         make = torch.zeros if kind == PARTIAL else torch.empty
         ds = make(pb.shape[0] * pb.shape[1], q1 - q0, k1 - k0, dtype=pb.dtype, device=pb.geo.device)
@@ -1719,6 +1725,36 @@ class _BiasGrad:
         self.regions = bias5.shape[-2] != 1 and bias5.shape[-1] != 1
         self.grad = empty_like_huge(bias5) if self.regions else torch.zeros_like(bias5)
         self.written: set[tuple[int, int, int, int]] = set()  # local (q0, q1, k0, k1)
+        self.heads = self._heads()
+
+    def _heads(self) -> torch.Tensor | None:
+        """Each query head's offset in the gradient ``(B·Hq,)``, in elements, where every
+        head has values of its own (no axis of B, Hkv, G broadcast) and the keys are
+        contiguous, so that a pass may write each tile's dS into it (``direct``); else None."""
+        grad, (b, hq, hkv, g) = self.grad, self.pb.shape[:4]
+        if not self.regions or tuple(grad.shape[:3]) != (b, hkv, g) or grad.stride(-1) != 1:
+            return None
+        h = torch.arange(b * hq)  # (B·Hq,) query heads as the pass numbers them
+        bi, kv, gi = h // hq, h % hq // g, h % g  # batch entry, K/V head, member of the group
+        return bi * grad.stride(0) + kv * grad.stride(1) + gi * grad.stride(2)
+
+    def direct(self, kind: int, q0: int, q1: int, k0: int, k1: int) -> _native.TermView | None:
+        """Where a native pass writes the tile's dS straight into the gradient (the tile's
+        region, zeroed first when the tile is partial: the pass writes the positions it
+        computes), the region then counted as written; None where it cannot (``_heads``) or
+        the region has a dS already (a second one adds)."""
+        tile = (q0, q1, k0, k1)
+        if self.heads is None or tile in self.written:
+            return None
+        grad, geo = self.grad, self.pb.geo
+        r0, c0 = geo.q_offset + q0, geo.k_offset + k0
+        if kind == PARTIAL:
+            grad[..., r0 : geo.q_offset + q1, c0 : geo.k_offset + k1].zero_()
+        self.written.add(tile)
+        first = r0 * grad.stride(-2) + c0  # elements
+        return _native.TermView(
+            grad, grad.data_ptr() + first * grad.element_size(), grad.stride(-2), self.heads
+        )
 
     def add(self, ds: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> None:
         """Add tile ``[q0, q1) x [k0, k1)``'s ``ds`` ``(B, Hkv, G, r, c)``."""
