@@ -189,17 +189,12 @@ class Schedule:
     ) -> None:
         ptr, sn, sg = vis if vis is not None else (0, 0, 0)
         at = [0, 0]
-        views = [0, 0, 0, 0]
-        if isinstance(term, TermView):
-            at[0], views[0:2] = term.address, (term.row_stride, term.heads.data_ptr())
-            self._alive += (term.base, term.heads)
-            term = None
-        if isinstance(ds, TermView):
-            at[1], views[2:4] = ds.address, (ds.row_stride, ds.heads.data_ptr())
-            self._alive += (ds.base, ds.heads)
-            ds = None
+        views = [0, 0, 0, 0]  # (row stride, head offsets' address) of the term's, of ds's
         for n, x in enumerate((term, ds)):
-            if x is not None:
+            if isinstance(x, TermView):
+                at[n], views[2 * n : 2 * n + 2] = x.address, (x.row_stride, x.heads.data_ptr())
+                self._alive += (x.base, x.heads)
+            elif x is not None:
                 shape = (q1 - q0, k1 - k0)
                 if x.ndim != 3 or tuple(x.shape[1:]) != shape or not x.is_contiguous():
                     raise ValueError(

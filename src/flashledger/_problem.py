@@ -239,10 +239,7 @@ class Problem:
                 self.geo.lq_total + self.geo.lk_total
             )
         if sm.bias is not None:
-            if self._bias_finite():
-                bound += max(abs(x) for x in sm.bias_range)  # type: ignore[union-attr]
-            else:
-                bound += _largest_finite_magnitude(sm.bias.detach())
+            bound += _largest_finite_magnitude(sm.bias, sm.bias_range)
         return bound
 
     def _user_index(self, bad: torch.Tensor) -> tuple[int, ...]:
@@ -348,16 +345,14 @@ class Problem:
         return "" if self.dtype == torch.float64 else ", or compute in float64"
 
 
-def _largest_finite_magnitude(x: torch.Tensor) -> float:
-    """The largest ``|x|`` over the finite values of ``x`` (0 when there are none): one
-    pass (``aminmax``, no temporary) when every value is finite, as a dense bias usually
-    is; else a copy with NaN and infinities as 0 (a boolean index of a (1, H, L, L) bias
-    costs seconds at L = 4096)."""
-    if not x.numel():
-        return 0.0
-    lo, hi = (float(v) for v in torch.aminmax(x))
+def _largest_finite_magnitude(x: torch.Tensor, known: tuple[float, float] | None = None) -> float:
+    """The largest ``|x|`` over the finite values of ``x`` (0 when there are none): from
+    its ``(min, max)`` (``known``, or one ``aminmax`` pass) when every value is finite, as
+    a dense bias usually is; else a copy with NaN and infinities as 0 (a boolean index of
+    a (1, H, L, L) bias costs seconds at L = 4096)."""
+    lo, hi = known or value_range(x)
     if not (math.isfinite(lo) and math.isfinite(hi)):
-        lo, hi = (float(v) for v in torch.aminmax(x.nan_to_num(0.0, 0.0, 0.0)))
+        lo, hi = value_range(x.detach().nan_to_num(0.0, 0.0, 0.0))
     return max(abs(lo), abs(hi))
 
 

@@ -1099,14 +1099,7 @@ class _ScoreTerms:
             return None
         if bias.shape[-1] == 1 or bias.stride(-1) != 1 or bias.device.type != "cpu":
             return None
-        b, hq, _, g = pb.shape[:4]
-        h = torch.arange(b * hq)  # (B·Hq,) query heads as the pass numbers them
-        parts = (h // hq, h % hq // g, h % g)  # batch entry, K/V head, member of the group
-        heads = sum(
-            (p * bias.stride(ax) for ax, p in enumerate(parts) if bias.shape[ax] != 1),
-            torch.zeros_like(h),
-        )
-        return (0 if bias.shape[-2] == 1 else bias.stride(-2)), heads
+        return (0 if bias.shape[-2] == 1 else bias.stride(-2)), _head_offsets(bias, pb)
 
     def term_of(self, kind: int, q0: int, q1: int, k0: int, k1: int) -> tuple[Any, Any]:
         pb = self.pb
@@ -1115,10 +1108,7 @@ class _ScoreTerms:
             bias, geo = pb.smod.bias, pb.geo
             assert bias is not None
             row_stride, heads = self.view
-            first = (geo.q_offset + q0) * row_stride + geo.k_offset + k0  # elements
-            term = _native.TermView(
-                bias, bias.data_ptr() + first * bias.element_size(), row_stride, heads
-            )
+            term = _in_place(bias, row_stride, heads, geo.q_offset + q0, geo.k_offset + k0)
             return term, self._ds(kind, None, q0, q1, k0, k1)
         zero = self.zero.expand(b, hkv, g, q1 - q0, k1 - k0)  # (B, Hkv, G, r, c), no memory
         out, ctx = pb.smod.tile(zero, q0, q1, k0, k1, grad=self.graphs, inplace=False, scaled=True)
@@ -1708,6 +1698,26 @@ def _backward(
     return dq, dk, dv_, None if dbias is None else dbias.done(qtiles, ktiles), D, ledger
 
 
+def _head_offsets(x: torch.Tensor, pb: Problem) -> torch.Tensor:
+    """Each query head's element offset ``(B·Hq,)``, as the native passes number the heads,
+    in ``x`` ``(B|1, Hkv|1, G|1, ...)`` (a bias or its gradient; 0 along a broadcast axis)."""
+    b, hq, _, g = pb.shape[:4]
+    h = torch.arange(b * hq)  # (B·Hq,)
+    parts = (h // hq, h % hq // g, h % g)  # batch entry, K/V head, member of the group
+    return sum(
+        (p * x.stride(ax) for ax, p in enumerate(parts) if x.shape[ax] != 1), torch.zeros_like(h)
+    )
+
+
+def _in_place(
+    x: torch.Tensor, row_stride: int, heads: torch.Tensor, r0: int, c0: int
+) -> _native.TermView:
+    """A tile of ``x`` (a bias, its gradient) from global row ``r0``, key ``c0`` as a pass
+    reads or writes it where it lies (``_native.TermView``)."""
+    first = r0 * row_stride + c0  # elements
+    return _native.TermView(x, x.data_ptr() + first * x.element_size(), row_stride, heads)
+
+
 class _BiasGrad:
     """The bias's gradient ``grad`` (the bias's 5-D shape, ``(B|1, Hkv|1, G|1, Lq|1,
     Lk|1)``) from each tile's dS (``add``), finished by ``done``.
@@ -1731,12 +1741,10 @@ class _BiasGrad:
         """Each query head's offset in the gradient ``(B·Hq,)``, in elements, where every
         head has values of its own (no axis of B, Hkv, G broadcast) and the keys are
         contiguous, so that a pass may write each tile's dS into it (``direct``); else None."""
-        grad, (b, hq, hkv, g) = self.grad, self.pb.shape[:4]
+        grad, (b, _, hkv, g) = self.grad, self.pb.shape[:4]
         if not self.regions or tuple(grad.shape[:3]) != (b, hkv, g) or grad.stride(-1) != 1:
             return None
-        h = torch.arange(b * hq)  # (B·Hq,) query heads as the pass numbers them
-        bi, kv, gi = h // hq, h % hq // g, h % g  # batch entry, K/V head, member of the group
-        return bi * grad.stride(0) + kv * grad.stride(1) + gi * grad.stride(2)
+        return _head_offsets(grad, self.pb)
 
     def direct(self, kind: int, q0: int, q1: int, k0: int, k1: int) -> _native.TermView | None:
         """Where a native pass writes the tile's dS straight into the gradient (the tile's
@@ -1751,10 +1759,7 @@ class _BiasGrad:
         if kind == PARTIAL:
             grad[..., r0 : geo.q_offset + q1, c0 : geo.k_offset + k1].zero_()
         self.written.add(tile)
-        first = r0 * grad.stride(-2) + c0  # elements
-        return _native.TermView(
-            grad, grad.data_ptr() + first * grad.element_size(), grad.stride(-2), self.heads
-        )
+        return _in_place(grad, grad.stride(-2), self.heads, r0, c0)
 
     def add(self, ds: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> None:
         """Add tile ``[q0, q1) x [k0, k1)``'s ``ds`` ``(B, Hkv, G, r, c)``."""
