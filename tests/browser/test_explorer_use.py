@@ -15,6 +15,8 @@ from urllib.parse import urlencode
 import pytest
 from playwright.sync_api import expect
 
+from flashledger.web.compute import MEASURE_MIN_RUNS
+
 pytestmark = pytest.mark.browser
 expect.set_options(timeout=20_000)
 
@@ -286,7 +288,8 @@ def test_timing_cards_say_how_they_were_measured(visit_at: Any) -> None:
     rows = page.locator("#measure-table tbody tr[data-run]")
     expect(rows).to_have_count(4)
     runs = rows.locator('[data-col="runs"]').all_inner_texts()
-    assert all(int(r) >= 5 for r in runs), f"runs shown: {runs}"
+    # up to the 9 asked for; past the time budget (a busy machine) never below the minimum
+    assert all(MEASURE_MIN_RUNS <= int(r) <= 9 for r in runs), f"runs shown: {runs}"
     expect(page.locator("#measure-sub")).to_contain_text("warm-up")
     for row in rows.all():
         lo, med, hi = (
