@@ -261,7 +261,19 @@ def test_slabs_of_a_few_tiles_give_the_same_result(
     opts = dict(mask=fl.Causal(), block_q=16, block_k=16)
     whole = _run(sm, [table], F64, native=True, **opts)
     monkeypatch.setattr(blocked, "SLAB_BYTES", 1)  # one tile per slab
+    kern = _native.kernels()
+    assert kern is not None
+    real = type(kern).transposed
+    transposed: list[tuple[int, ...]] = []
+
+    def counted(self: Any, x: Tensor, buf: Tensor) -> Tensor:
+        transposed.append(tuple(x.shape))
+        return real(self, x, buf)
+
+    monkeypatch.setattr(type(kern), "transposed", counted)
     sliced = _run(sm, [table], F64, native=True, **opts)
+    # Kᵀ laid out once for the forward's slabs, Kᵀ and Vᵀ once for the backward's
+    assert len(transposed) == 3, transposed
     assert torch.equal(whole[0], sliced[0])
     for name, a, b in zip(("dQ", "dK", "dV", "d table"), whole[1:], sliced[1:], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13, msg=lambda m, n=name: f"{n}: {m}")

@@ -301,7 +301,11 @@ class BlockMaskBound(MaskModBound):
         gr = (rows + g.q_offset) // self.block_q  # (N, s) block rows
         gc = (keys + g.k_offset) // self.block_k  # (N, s) block columns
         if bool((gr == gr[:, :1]).all()) and bool((gc == gc[:, :1]).all()):
-            # each sub-block inside one block: its first position's kind is every one's
+            # each sub-block inside one block: its first position's kind is every one's;
+            # where every one's block is partial (for every batch entry and head, as the
+            # sub-blocks the bounds leave open mostly are), the mask_mod alone decides
+            if bool((self.grid[:, :, gr[:, 0], gc[:, 0]] == PARTIAL).all()):
+                return inside
             return self._with_blocks(inside, rows[:, :1, None], keys[:, None, :1])
         return self._with_blocks(inside, rows[:, :, None], keys[:, None, :])  # (B', H', N, s, s)
 

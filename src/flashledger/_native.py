@@ -479,6 +479,21 @@ class Kernels:
         self.fn("fl_transpose", _suffix(x.dtype))(x.data_ptr(), out.data_ptr(), n, rows, cols, ld)
         return out[..., :rows]
 
+    def transposed_k(self, k: torch.Tensor) -> torch.Tensor:
+        """Kᵀ as the passes read it (S = Q Kᵀ): ``(Hk, d, Lk)``, a view with rows
+        ``padded(Lk)`` apart, in the buffer the forward gave back (``k`` ``(Hk, Lk, d)``,
+        contiguous)."""
+        lt = self.padded(k.dtype, k.shape[1])  # the row stride of Kᵀ
+        return self.transposed(k, _pool.take("kv_t", k.shape[0] * k.shape[2] * lt, k.dtype))
+
+    def transposed_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(Kᵀ, Vᵀ)`` as the backward reads them (for S = Q Kᵀ and dP = dO Vᵀ): ``(Hk, d,
+        Lk)`` and ``(Hk, d_v, Lk)`` views, rows ``padded(Lk)`` apart; both go when the
+        caller lets them, before autograd's own copies of the gradients."""
+        lt = self.padded(v.dtype, v.shape[1])  # the row stride of Vᵀ, as Kᵀ's
+        vt = self.transposed(v, torch.empty(v.shape[0] * v.shape[2] * lt, dtype=v.dtype))
+        return self.transposed_k(k), vt
+
     def max_threads(self) -> int:
         """OpenMP threads a parallel region started from this thread uses: PyTorch's
         (``torch.get_num_threads()``), set on the calling thread when it differs."""
@@ -502,16 +517,12 @@ class Kernels:
         softcap: float | None,
         work_per_thread: int,
         sizes: dict[str, int],
+        kv_t: tuple[torch.Tensor, torch.Tensor] | None = None,
         **tensors: torch.Tensor,
     ) -> list[int]:
-        """Lay out the backward's operands, run it in one native call; returns ``seen``."""
-        # the backward reads Kᵀ (for S = Q Kᵀ) and Vᵀ (for dP = dO Vᵀ); it takes the Kᵀ
-        # buffer the forward gave back and lets both go when done, before autograd's own
-        # copies of the gradients
-        lt = self.padded(q.dtype, k.shape[1])  # the row stride of Kᵀ and Vᵀ
-        kt_buf = _pool.take("kv_t", k.shape[0] * k.shape[2] * lt, q.dtype)
-        kt = self.transposed(k, kt_buf)  # Kᵀ (Hk, d, Lk), rows lt apart
-        vt = self.transposed(v, torch.empty(v.shape[0] * v.shape[2] * lt, dtype=v.dtype))
+        """Lay out the backward's operands, run it in one native call; returns ``seen``.
+        ``kv_t``: ``transposed_kv(k, v)`` made once for several calls (else made here)."""
+        kt, vt = self.transposed_kv(k, v) if kv_t is None else kv_t
         acc = torch.float32 if q.dtype in _HALF else q.dtype  # sums and results
         assert all(t.is_contiguous() for t in (q, k, v, *tensors.values()))
         assert kt.dtype == vt.dtype == tensors["dout"].dtype == q.dtype == k.dtype == v.dtype
@@ -567,6 +578,7 @@ class Kernels:
         row_max: list[torch.Tensor] | None = None,
         alibi: Alibi | None = None,
         softcap: float | None = None,
+        kt: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward pass of ``sched`` (rows: query tiles) in one native call.
 
@@ -586,7 +598,9 @@ class Kernels:
         repeating it. A tile of ``sched`` may carry an additive term of its scores
         (``Schedule.add``; float32/float64, not stacked, keys not in place); ``alibi``
         (``Alibi``; float32/float64) adds ALiBi's to every tile's; ``softcap`` (c > 0,
-        float32/float64) caps the scores, ``c · tanh(s / c)``, before any term.
+        float32/float64) caps the scores, ``c · tanh(s / c)``, before any term. ``kt``:
+        Kᵀ as ``transposed_k`` gives it, made once for a forward run in several calls
+        (float32/float64, keys not in place; else laid out here).
         """
         fp = ForwardPass(
             self,
@@ -614,6 +628,7 @@ class Kernels:
             out_dtype=out_dtype,
             o_finite=o_finite,
             row_max=row_max,
+            kt=kt,
         )
         del sched._alive[:]  # the partial tiles' bytes, read by the call
         return o, lse
@@ -657,6 +672,7 @@ class Kernels:
         splits: int = 1,
         alibi: Alibi | None = None,
         softcap: float | None = None,
+        kv_t: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The backward pass of ``sched`` (rows: key tiles) in one native call: ``(dq,
         dk, dv)`` ``(H, Lq, d)``, ``(Hk, Lk, d)``, ``(Hk, Lk, d_v)``. ``dout`` ``(H, Lq,
@@ -665,7 +681,8 @@ class Kernels:
         v, dout in bfloat16/float16: the half step) give float32 gradients. Tiles may carry
         an additive term of their scores and where dS goes (``Schedule.add``); ``alibi``
         adds ALiBi's to every tile's scores and ``softcap`` caps them (as ``forward``). Rows
-        of dK and dV of key tiles the schedule leaves out are not written."""
+        of dK and dV of key tiles the schedule leaves out are not written. ``kv_t``: Kᵀ and
+        Vᵀ from ``transposed_kv``, for a backward run in several calls."""
         heads, lq, d = q.shape
         hk, lk, dv = v.shape
         acc = torch.float32 if q.dtype in _HALF else q.dtype
@@ -690,6 +707,7 @@ class Kernels:
             softcap=softcap,
             work_per_thread=work,
             sizes=dict(chunk=0, splits=splits, stacked=0),
+            kv_t=kv_t,
             dout=dout,
             lam=lam,
             dd=dd,
@@ -961,6 +979,7 @@ class ForwardPass:
         out_dtype: torch.dtype | None = None,
         o_finite: list[bool] | None = None,
         row_max: list[torch.Tensor] | None = None,
+        kt: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each part's ``(o (S, H, Lq, d_v), lse (S, H, Lq))``, as ``Kernels.forward``; with
         ``merge``, the parts merged as ``Kernels.merge_splits`` merges them: ``(o (H, Lq,
@@ -975,8 +994,12 @@ class ForwardPass:
         it wrote them (one part only; else nothing is appended). ``row_max``: a list the pass
         appends each row's largest score to (the running max ``m`` it ended with, natural
         units, -inf for a row that saw no key; shaped as the returned ``lse``: the parts'
-        largest when merged)."""
+        largest when merged). ``kt``: Kᵀ laid out before (``Kernels.forward``)."""
         self._check(q, k, v, rows)
+        if kt is not None and (
+            self.in_place or self.amx or kt.shape != (k.shape[0], k.shape[2], k.shape[1])
+        ):
+            raise ValueError("kt is Kᵀ (Hk, d, Lk) from transposed_k, for a pass that lays it out")
         if q16 is not None and self.half == 1:
             self._check_q16(q16, torch.bfloat16)
         splits, heads, lq, dv = self.o_shape
@@ -997,7 +1020,7 @@ class ForwardPass:
         mx = None if row_max is None else torch.empty(at, dtype=self.acc)  # (S, H, Lq)
         if self._sched.terms and (self.half or self.amx or self.in_place or q.dtype in _HALF):
             raise ValueError("a tile's term is read by a float32/float64 pass with Kᵀ laid out")
-        self._launch(q, k, v, o, lse, q16=q16, o16=o16, bad=bad, mx=mx)
+        self._launch(q, k, v, o, lse, q16=q16, o16=o16, bad=bad, mx=mx, kt=kt)
         if o_finite is not None and bad is not None and not bad.value:
             o_finite.append(True)
         if row_max is not None and mx is not None:
@@ -1095,9 +1118,11 @@ class ForwardPass:
         o16: torch.Tensor | None = None,
         bad: ctypes.c_longlong | None = None,
         mx: torch.Tensor | None = None,
+        kt: torch.Tensor | None = None,
     ) -> None:
         """The C call on checked operands and results (``q`` None: its rows from ``q16``;
-        ``mx``: where each row's final running max goes, shaped as ``lse``)."""
+        ``mx``: where each row's final running max goes, shaped as ``lse``; ``kt``: Kᵀ laid
+        out before)."""
         args = _Args.from_buffer_copy(self._args)
         seen = array.array("q", bytes(8 * self._n_tiles))
         args.seen = seen.buffer_info()[0]
@@ -1113,6 +1138,8 @@ class ForwardPass:
             self.kern.fn("fl_pack_amx", "bf16")(
                 k.data_ptr(), v.data_ptr(), args.kp, args.vp, hk, lk, d, dv
             )
+        elif kt is not None:
+            args.kt = kt.data_ptr()
         else:
             kt_buf = _pool.take("kv_t", k.shape[0] * k.shape[2] * self.lt, k.dtype)
             args.kt = self.kern.transposed(k, kt_buf).data_ptr()  # Kᵀ (Hk, d, Lk)

@@ -17,6 +17,7 @@ import torch
 
 from ._checks import (
     all_finite,
+    any_of,
     check_finite,
     check_float_tensor,
     check_qkv,
@@ -205,7 +206,7 @@ class Problem:
             )  # (B|1, Hkv|1, G|1, Lq|1, Lk|1)
             if self.mask is not None:
                 seen = seen & self.mask_tile(0, lq, 0, lk)
-            vis = seen.expand(*seen.shape[:3], lq, lk).any(dim=-1)  # (B|1, Hkv|1, G|1, Lq)
+            vis = any_of(seen.expand(*seen.shape[:3], lq, lk), -1)  # (B|1, Hkv|1, G|1, Lq)
         return vis
 
     def _bias_finite(self) -> bool:

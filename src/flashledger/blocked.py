@@ -1174,7 +1174,9 @@ def _forward_native_scored(
     m_all = None if row_max is None else torch.empty(heads, lq, dtype=pb.dtype)
     threads, rows = kern.max_threads(), min(block_q, lq)
     terms = _ScoreTerms(pb)
-    for s0, s1 in _slabs(pb, qtiles, ktiles, kind_of, forward=True, buffers=1):
+    slabs = _slabs(pb, qtiles, ktiles, kind_of, forward=True, buffers=1)
+    kt = kern.transposed_k(k) if len(slabs) > 1 else None  # Kᵀ once for every slab
+    for s0, s1 in slabs:
         slab = qtiles[s0:s1]
         sched, ran = _native_schedule(
             pb, book, slab, ktiles, kind_of, forward=True, first=s0, term_of=terms.term_of
@@ -1183,7 +1185,7 @@ def _forward_native_scored(
         chunk = _rows_per_item(heads * len(slab), rows, threads)
         got: list[torch.Tensor] | None = None if row_max is None else []
         o_s, lse_s = kern.forward(
-            q, k, v, sched, merge=True, row_max=got, chunk=chunk, **_native_common(pb, ran)
+            q, k, v, sched, merge=True, row_max=got, chunk=chunk, kt=kt, **_native_common(pb, ran)
         )  # (B·Hq, Lq, d_v), (B·Hq, Lq): the slab's rows written
         o[:, r0:r1], lse[:, r0:r1] = o_s[:, r0:r1], lse_s[:, r0:r1]
         if m_all is not None and got:
@@ -1226,6 +1228,7 @@ def _backward_native_scored(
     grads = (user is not None and bool(user.captured)) or pb.smod.bias is not None
     terms = _ScoreTerms(pb, graphs=True, ds=grads)
     slabs = _slabs(pb, ktiles, qtiles, kind_of, forward=False, buffers=2 if grads else 1)
+    kv_t = kern.transposed_kv(k, v) if len(slabs) > 1 else None  # once for every slab
     for s0, s1 in slabs:
         slab = ktiles[s0:s1]
         sched, ran = _native_schedule(
@@ -1234,7 +1237,7 @@ def _backward_native_scored(
         c0, c1 = slab[0][0], slab[-1][1]
         splits = _backward_splits(len(slab), kern, b * hkv)
         dq_s, dk_s, dv_s = kern.backward(
-            q, k, v, do, lam, dd, sched, splits=splits, **_native_common(pb, ran)
+            q, k, v, do, lam, dd, sched, splits=splits, kv_t=kv_t, **_native_common(pb, ran)
         )
         dq += dq_s
         dk[:, c0:c1], dv_[:, c0:c1] = dk_s[:, c0:c1], dv_s[:, c0:c1]
