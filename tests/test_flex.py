@@ -836,7 +836,7 @@ def test_bad_mods_are_named():
             return (qi - kv).to(F64)
 
         fl.blocked_forward(q, k, v, mask=fl.MaskMod(floaty))
-    with pytest.raises(ValueError, match=r"score_mod .to_int. returned a torch\.int64 tensor"):
+    with pytest.raises(ValueError, match=r"score_mod .to_int. returned a torch\.int32 tensor"):
 
         def to_int(s, b, h, qi, kv):
             return qi - kv

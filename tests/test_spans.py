@@ -22,7 +22,7 @@ from torch.nn.attention.flex_attention import and_masks, noop_mask, or_masks
 import flashledger as fl
 from flashledger import _maskmod
 from flashledger import masks as masks_mod
-from flashledger._mods import TileCaller
+from flashledger._mods import INDEX_DTYPE, TileCaller
 from flashledger._spans import span_classes
 from flashledger.masks import EMPTY, FULL, PARTIAL, Geometry
 
@@ -36,10 +36,12 @@ def _tiles(n: int, block: int, offset: int) -> tuple[Tensor, Tensor]:
 
 
 def _exact(fn: Expr, batch: int, heads: int, rows: Tensor, keys: Tensor) -> Tensor:
-    """The mask on every position ``(B, H, r, c)`` (global rows and keys), broadcast."""
-    b = torch.arange(batch).view(-1, 1, 1, 1)
-    h = torch.arange(heads).view(1, -1, 1, 1)
-    out = fn(b, h, rows.view(1, 1, -1, 1), keys.view(1, 1, 1, -1))
+    """The mask on every position ``(B, H, r, c)`` (global rows and keys), broadcast, on
+    the indices' dtype the library passes (int32)."""
+    dt = INDEX_DTYPE
+    b = torch.arange(batch, dtype=dt).view(-1, 1, 1, 1)
+    h = torch.arange(heads, dtype=dt).view(1, -1, 1, 1)
+    out = fn(b, h, rows.to(dt).view(1, 1, -1, 1), keys.to(dt).view(1, 1, 1, -1))
     return torch.as_tensor(out).expand(batch, heads, rows.numel(), keys.numel())
 
 
@@ -339,6 +341,10 @@ def narrows(b, h, q, k):
     return (q * 2**40).int() > k  # int32 wraps
 
 
+def wraps_in_int32(b, h, q, k):
+    return q * 2**25 > k * 2**25 + 1  # int64 would not wrap; int32 indices do from q = 64
+
+
 def two_varying(b, h, q, k):
     dense = torch.rand(120, 120) > 0.5
     return dense[q, k]
@@ -357,7 +363,7 @@ def test_python_control_flow_on_a_span_leaves_the_spans():
 
 @pytest.mark.parametrize(
     "fn",
-    [reduction, bit_and, shape_read, two_varying, wraps_around, narrows],
+    [reduction, bit_and, shape_read, two_varying, wraps_around, narrows, wraps_in_int32],
     ids=lambda f: f.__name__,
 )
 def test_a_mask_mod_the_spans_cannot_bound_is_evaluated_in_full(fn):
@@ -589,3 +595,23 @@ def test_a_document_table_changed_in_place_is_bounded_anew():
         exact = tile_classes_from_dense(flex_visible(doc_mask, 1, 1, 133, 133), 32, 64)
         got = fl.MaskMod(doc_mask).tile_classes(133, 133, 32, 64)
         assert torch.equal(got, exact), lengths
+
+
+def test_mask_mods_and_score_mods_get_int32_indices():
+    """Every call of a user callable gets int32 indices (Flex's compiled convention): tile
+    by tile, sub-blocks, the score_mod on its tiles and the captured-tensor probe."""
+    seen: set[torch.dtype] = set()
+
+    def mask(b, h, q, k):  # (its span bounds run on Spans, int64 inside: not indices)
+        seen.update(x.dtype for x in (b, h, q, k) if isinstance(x, torch.Tensor))
+        return (DOC[q] == DOC[k]) & (q >= k)
+
+    def bias(s, b, h, q, k):
+        seen.update(x.dtype for x in (b, h, q, k) if isinstance(x, torch.Tensor))
+        return s + 0.01 * (q - k)
+
+    q = torch.randn(1, 2, 97, 8, dtype=torch.float64)
+    with torch.no_grad():
+        fl.blocked_forward(q, q, q, mask=fl.MaskMod(mask), score_mod=bias, block_q=16, block_k=32)
+    fl.MaskMod(mask).tile_classes(97, 97, 64, 64)  # sub-blocks of 16
+    assert seen == {torch.int32}, seen

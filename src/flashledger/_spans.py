@@ -83,8 +83,13 @@ def _no_nan(*xs: Any) -> None:
             raise _Unknown("a bound is NaN")
 
 
-_INT_SAFE = 1 << 62  # integer bounds stay below this: no sum of two wraps around
-_INT_FACTOR = 1 << 31  # nor a product of two below this
+_INT_SAFE = 1 << 31
+"""Integer bounds stay below this in magnitude. The mask_mod runs on int32 indices
+(``_mods.INDEX_DTYPE``, Flex's compiled convention) while its spans are int64: while every
+integer value at every position lies within int32's range, int32 arithmetic is int64's,
+exactly, so the classes the spans decide are those the evaluation would find. Past it the
+int32 computation may wrap around (not monotone), and the spans give up."""
+_INT_FACTOR = 1 << 31  # a product's operands stay below this (no int64 product wraps)
 
 
 def _ints_below(limit: int, *xs: Any) -> None:
@@ -94,7 +99,7 @@ def _ints_below(limit: int, *xs: Any) -> None:
     for x in xs:
         if isinstance(x, torch.Tensor):
             big = not x.is_floating_point() and x.dtype != torch.bool
-            if big and bool((x.abs() >= limit).any()):
+            if big and bool(((x >= limit) | (x <= -limit)).any()):  # (abs wraps at the min)
                 raise _Unknown("integer bounds that may wrap around")
         elif isinstance(x, int) and abs(x) >= limit:
             raise _Unknown("integer bounds that may wrap around")
@@ -203,7 +208,7 @@ def _minmax(fn: Callable[..., torch.Tensor]) -> Callable[..., Span]:
 def _clamp(a: Any, min: Any = None, max: Any = None) -> Span:
     if not isinstance(a, Span) or not all(x is None or _const(x) for x in (min, max)):
         raise _Unknown("clamp of a constant, or to bounds that vary by position")
-    return Span(torch.clamp(a.lo, min, max), torch.clamp(a.hi, min, max))
+    return _checked(torch.clamp(a.lo, min, max), torch.clamp(a.hi, min, max))
 
 
 # -- comparisons and truth values --------------------------------------------------------
@@ -420,7 +425,7 @@ def _getitem(t: Any, index: Any) -> Span | Tri:
         hi = _range_query(high_t, i.lo, i.hi, torch.maximum)
     if boolean:
         return Tri(hi > 0, lo == 0)
-    return Span(lo, hi)
+    return _checked(lo, hi)
 
 
 # -- new tensors ---------------------------------------------------------------------------
