@@ -1,5 +1,5 @@
-"""Score transforms on the native step (ALiBi, a softcap, an additive bias), against the
-plain call and the PyTorch step.
+"""Score transforms on the native step (ALiBi, a softcap, an additive bias) and a dense
+boolean mask, against the plain call and the PyTorch step.
 
 The native step computes ALiBi's term and a softcap in its passes and adds a bias's term
 laid out per tile (``blocked._ScoreTerms``); this times forward + backward (causal, float32
@@ -8,7 +8,9 @@ by default) of
 - the plain call (``mask=fl.Causal()``), the baseline of every ratio;
 - ALiBi (``alibi_slopes=fl.alibi_slopes(H)``) on the native step and on the PyTorch step;
 - a softcap (``softcap=30``, Gemma 2's attention cap) on both steps;
-- a dense learnable bias ``(1, H, L, L)`` (its gradient too) on both steps,
+- a dense learnable bias ``(1, H, L, L)`` (its gradient too) on both steps;
+- the causal mask given as a dense ``(L, L)`` bool tensor (the same visible keys as the
+  plain call: what the dense form costs, its tile classes found from the tensor),
 
 in interleaved rounds (each round's ratio against the same round's plain call; medians).
 
@@ -30,7 +32,7 @@ import torch
 import flashledger as fl
 from flashledger import _calibrate, _native
 
-CASES = ("ALiBi", "softcap", "bias")
+CASES = ("ALiBi", "softcap", "bias", "dense mask")
 
 
 def main() -> None:
@@ -65,7 +67,7 @@ def main() -> None:
         wrt = [q, k, v] + ([opts["bias"]] if "bias" in opts else [])
 
         def run() -> None:
-            o = fl.flash_attention(q, k, v, mask=fl.Causal(), **opts)
+            o = fl.flash_attention(q, k, v, **{"mask": fl.Causal(), **opts})
             torch.autograd.grad(o, wrt, do)
 
         return run
@@ -89,6 +91,9 @@ def main() -> None:
         bias = torch.randn(1, h, n, n, generator=gen, dtype=dt).requires_grad_()
         cases["bias, native step"] = fwd_bwd(bias=bias)
         cases["bias, PyTorch step"] = on_pytorch_step(fwd_bwd(bias=bias))
+    if "dense mask" in wanted:
+        dense = torch.ones(n, n, dtype=torch.bool).tril()  # causal, as a tensor
+        cases["dense mask, native"] = fwd_bwd(mask=dense)
     for run in cases.values():  # warm-up (and the native step's build)
         run()
     times: dict[str, list[float]] = {name: [] for name in cases}

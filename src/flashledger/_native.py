@@ -486,6 +486,11 @@ class Kernels:
         lt = self.padded(k.dtype, k.shape[1])  # the row stride of Kᵀ
         return self.transposed(k, _pool.take("kv_t", k.shape[0] * k.shape[2] * lt, k.dtype))
 
+    def give_back_kt(self, kt: torch.Tensor) -> None:
+        """Hand the buffer of a ``transposed_k`` back for the next pass (a forward's Kᵀ
+        buffer becomes the backward's, as a single forward call's does)."""
+        _pool.give("kv_t", kt if kt._base is None else kt._base)
+
     def transposed_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(Kᵀ, Vᵀ)`` as the backward reads them (for S = Q Kᵀ and dP = dO Vᵀ): ``(Hk, d,
         Lk)`` and ``(Hk, d_v, Lk)`` views, rows ``padded(Lk)`` apart; both go when the

@@ -1191,6 +1191,8 @@ def _forward_native_scored(
         if m_all is not None and got:
             m_all[:, r0:r1] = got[0][:, r0:r1]
         _book_native(book, ran, sched.seen, d, dv, forward=True, outer=slab)
+    if kt is not None:
+        kern.give_back_kt(kt)
     book.flush()
     if row_max is not None and m_all is not None:
         row_max.append(m_all.view(b, hkv, g, lq))
