@@ -55,7 +55,8 @@ def flex_attention(
     query ``(B, Hq, L, E)``, key ``(B|1, Hkv, S, E)``, value ``(B|1, Hkv, S, Ev)``
     (``Hkv < Hq`` needs ``enable_gqa=True``; a key/value batch of 1 is broadcast
     when the block mask has the query's batch); ``score_mod(score, b, h, q_idx,
-    kv_idx)``; ``block_mask`` a ``BlockMask`` made for ``(L, S)``; ``scale``
+    kv_idx)`` (int32 indices, as Flex's compiled kernels pass them); ``block_mask`` a
+    ``BlockMask`` made for ``(L, S)``; ``scale``
     [``1/sqrt(E)``]. Returns ``o`` ``(B, Hq, L, Ev)`` in the query's dtype, and
     with ``return_lse=True`` also the LSE ``(B, Hq, L)`` (float64 for float64
     inputs, else float32). ``return_aux=AuxRequest(lse=..., max_scores=...)``

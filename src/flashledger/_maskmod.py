@@ -133,7 +133,8 @@ def padded_as_flex(
 
 
 class MaskMod(Mask):
-    """A FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True = attend) as a mask.
+    """A FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True = attend) as a mask,
+    called on broadcast int32 index tensors (as Flex's compiled kernels pass them).
 
     Or a torch ``BlockMask`` (from ``create_block_mask``): then its block
     structure gives the tile classes and its ``mask_mod`` decides inside
