@@ -34,6 +34,7 @@ never change a class.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -45,6 +46,11 @@ __all__ = ["Span", "Tri", "span_classes"]
 
 class _Unknown(Exception):
     """An operation the spans cannot bound: the caller evaluates every position."""
+
+
+class _PastInt32(_Unknown):
+    """An integer value that may leave int32's range, which the mask_mod's int32 indices
+    would wrap around (as in compiled FlexAttention; eager Flex's int64 would not)."""
 
 
 def _const(x: Any) -> bool:
@@ -109,7 +115,11 @@ def _checked(lo: torch.Tensor, hi: torch.Tensor) -> Span:
     """A span, after checking that integer bounds are far from wrapping around and that
     floating-point ones are not NaN."""
     _no_nan(lo, hi)
-    _ints_below(_INT_SAFE, lo, hi)
+    _ints_below(1 << 62, lo, hi)  # no int64 wrap in the bounds themselves
+    try:
+        _ints_below(_INT_SAFE, lo, hi)
+    except _Unknown as exc:
+        raise _PastInt32(str(exc)) from None
     return Span(lo, hi)
 
 
@@ -425,7 +435,9 @@ def _getitem(t: Any, index: Any) -> Span | Tri:
         hi = _range_query(high_t, i.lo, i.hi, torch.maximum)
     if boolean:
         return Tri(hi > 0, lo == 0)
-    return _checked(lo, hi)
+    _no_nan(lo, hi)
+    _ints_below(_INT_SAFE, lo, hi)  # a captured tensor's own values: no wrap to speak of
+    return Span(lo, hi)
 
 
 # -- new tensors ---------------------------------------------------------------------------
@@ -697,6 +709,16 @@ def span_classes(
         grid = (1, 1, tq, tk)
         if torch.broadcast_shapes(out.t.shape, out.f.shape, grid) != grid:
             return None
+    except _PastInt32:  # evaluated in full; the wrap is worth a word
+        name = getattr(mask_mod, "__name__", type(mask_mod).__name__)
+        warnings.warn(
+            f"mask_mod {name!r} computes integers that may leave int32's range: its indices "
+            "are int32 (as compiled FlexAttention passes them), so such values wrap around "
+            "where eager Flex's int64 indices would not; convert with .long() before such "
+            "arithmetic if it is meant",
+            stacklevel=2,
+        )
+        return None
     except Exception:  # _Unknown, or the mask_mod's own error on a span: evaluate instead
         return None
     return out.t.expand(grid)[0, 0], out.f.expand(grid)[0, 0]
