@@ -12,8 +12,10 @@ row of that query tile (``(1, 1, Tq, 1)``), ``kv_idx`` the same per key tile
 (``(1, 1, 1, Tk)``), ``b`` and ``h`` the whole range of batch entries and heads.
 Each operation on spans returns bounds that hold for every position of every tile
 (interval arithmetic, computed by the same torch operation on the endpoints, so
-that dtype promotion and rounding are the real computation's: a correctly
-rounded operation is monotone), and a comparison returns a ``Tri``: per tile,
+that rounding is the real computation's: a correctly rounded operation is
+monotone; the endpoints are int64 where the real indices are int32, and every
+integer bound is kept within int32's range, where the two agree exactly, see
+``_INT_SAFE``), and a comparison returns a ``Tri``: per tile,
 whether the mask *may* be true somewhere and whether it *may* be false. A tile
 that cannot be true is empty; one that cannot be false is full; the others are
 evaluated position by position, as before (they are the partial tiles, whose
