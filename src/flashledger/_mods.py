@@ -84,8 +84,8 @@ Kind = Literal["mask_mod", "score_mod"]
 INDEX_DTYPE = torch.int32
 """The dtype of the indices a mask_mod or score_mod receives: int32, as FlexAttention's
 compiled kernels give them (its eager path gives int64; every length flashledger takes
-fits, ``MAX_SIZE``). A callable's index arithmetic (``q_idx - kv_idx + n``) runs about four
-times faster on int32 tensors than on int64 ones on CPU (docs/perf.md)."""
+fits, ``MAX_SIZE``). A callable's index arithmetic (``q_idx - kv_idx + n``) runs two to
+four times faster on int32 tensors than on int64 ones on CPU (docs/perf.md)."""
 
 
 def index_grid(
