@@ -152,15 +152,16 @@ def any_of(x: torch.Tensor, dim: int | tuple[int, ...] | None = None) -> torch.T
     """``x.any(dim)`` for a bool tensor, as the maximum of its bytes: PyTorch's boolean
     reductions on CPU run element by element (over 10x slower than ``amax`` on the same
     bytes, measured with torch 2.13; see docs/internals.md)."""
-    if x.numel() == 0:
-        return x.any() if dim is None else x.any(dim)  # type: ignore[arg-type]
-    u8 = x.view(torch.uint8)
-    return (u8.amax() if dim is None else u8.amax(dim)).view(torch.bool)
+    return _of_bytes(x, dim, torch.amax, torch.any)
 
 
 def all_of(x: torch.Tensor, dim: int | tuple[int, ...] | None = None) -> torch.Tensor:
     """``x.all(dim)`` for a bool tensor, as the minimum of its bytes (see ``any_of``)."""
-    if x.numel() == 0:
-        return x.all() if dim is None else x.all(dim)  # type: ignore[arg-type]
+    return _of_bytes(x, dim, torch.amin, torch.all)
+
+
+def _of_bytes(x: torch.Tensor, dim: Any, on_bytes: Any, on_bools: Any) -> torch.Tensor:
+    if x.numel() == 0:  # (amax/amin refuse an empty reduction)
+        return on_bools(x) if dim is None else on_bools(x, dim)  # type: ignore[no-any-return]
     u8 = x.view(torch.uint8)
-    return (u8.amin() if dim is None else u8.amin(dim)).view(torch.bool)
+    return (on_bytes(u8) if dim is None else on_bytes(u8, dim)).view(torch.bool)  # type: ignore[no-any-return]
