@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import mmap
 import os
 import subprocess
 import sys
@@ -339,6 +340,42 @@ def test_scratch_kept_is_bounded_whatever_the_threads(native, gen, assert_close)
     for o in outs:
         assert_close(o, ref.o, rtol=TOL, name="O from a concurrent pass")
     assert set(_native._pool.bufs) == {("work", f64), ("kv_t", f64)}, set(_native._pool.bufs)
+
+
+def test_large_scratch_is_its_own_base_on_huge_page_boundaries(native, gen, assert_close):
+    """Scratch of a 2 MiB page or more is a base tensor of the asked dtype and size, starting
+    on a 2 MiB boundary where the system maps anonymous memory (Linux), and writable; a
+    smaller one is plain. A forward + backward at a length whose Kᵀ crosses the threshold
+    gives its buffers back under the input dtype (a view's base, not the mapping's bytes),
+    and the next pass reuses them; results are unaffected."""
+    big = _native.scratch(_native.HUGE_PAGE // 4 + 3, torch.float32)
+    assert big._base is None and big.dtype == torch.float32
+    assert big.numel() == _native.HUGE_PAGE // 4 + 3
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        assert big.data_ptr() % _native.HUGE_PAGE == 0, hex(big.data_ptr())
+    big.fill_(2.5)
+    assert big.sum().item() == 2.5 * big.numel()
+    small = _native.scratch(1000, f64)
+    assert small._base is None and small.numel() == 1000 and small.dtype == f64
+    _native.release_scratch()
+    # Kᵀ: H 2 x d 64 x padded(4200) float64 = 4.3 MB, above HUGE_PAGE
+    q, k, v, do = (torch.randn(1, 2, 4200, 64, dtype=f64, generator=gen) for _ in range(4))
+    fwd = fl.blocked_forward(q, k, v, mask=fl.Causal(), block_q=512, block_k=512)
+    kept = _native._pool.bufs.get(("kv_t", f64))
+    assert kept is not None and kept._base is None, set(_native._pool.bufs)
+    assert kept.numel() * kept.element_size() >= _native.HUGE_PAGE
+    again = fl.blocked_forward(q, k, v, mask=fl.Causal(), block_q=512, block_k=512)
+    assert _native._pool.bufs.get(("kv_t", f64)) is kept, "reallocated"
+    assert torch.equal(again.o, fwd.o) and torch.equal(again.lse, fwd.lse)
+    ref = fl.reference_forward(q, k, v, mask=fl.Causal())
+    assert_close(fwd.o, ref.o, rtol=TOL, name="O on huge-page scratch")
+    bwd = fl.blocked_backward(
+        q, k, v, fwd.o, fwd.lse, do, mask=fl.Causal(), block_q=512, block_k=512
+    )
+    want = fl.reference_backward(q, k, v, ref.o, ref.lse, do, mask=fl.Causal())
+    for name in ("dq", "dk", "dv"):
+        assert_close(getattr(bwd, name), getattr(want, name), rtol=TOL, name=name)
+    assert _native.release_scratch() > 0 and not _native._pool.bufs
 
 
 @contextlib.contextmanager

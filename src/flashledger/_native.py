@@ -40,6 +40,7 @@ import ctypes
 import hashlib
 import itertools
 import math
+import mmap
 import os
 import platform
 import shutil
@@ -496,7 +497,7 @@ class Kernels:
         Lk)`` and ``(Hk, d_v, Lk)`` views, rows ``padded(Lk)`` apart; both go when the
         caller lets them, before autograd's own copies of the gradients."""
         lt = self.padded(v.dtype, v.shape[1])  # the row stride of Vᵀ, as Kᵀ's
-        vt = self.transposed(v, torch.empty(v.shape[0] * v.shape[2] * lt, dtype=v.dtype))
+        vt = self.transposed(v, scratch(v.shape[0] * v.shape[2] * lt, v.dtype))
         return self.transposed_k(k), vt
 
     def max_threads(self) -> int:
@@ -1181,6 +1182,37 @@ class ForwardPass:
 
 SCRATCH_KEEP_BYTES = 64 << 20  # the largest scratch buffer kept between passes
 SPARE_BYTES = 1 << 20  # the largest one a repeated pass keeps for itself (``keep_scratch``)
+HUGE_PAGE = 2 << 20  # a transparent huge page (x86-64); scratch this large is laid out on them
+
+
+def scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised flat buffer of ``numel`` elements for the step's large scratch (Kᵀ,
+    Vᵀ, the tile buffers), on transparent huge pages where the system gives them.
+
+    A tile's QKᵀ reads Kᵀ's ``d`` rows ``padded(Lk)`` apart: at Lk = 4096 each of the 64
+    rows lies on a page of its own, more pages per microkernel block than the first-level
+    data TLB holds. On 2 MiB pages the rows of a tile share one or two. Measured (Intel Xeon
+    family 6 model 167, float32, L 4096, one process alternating the two layouts, 12
+    rounds): the forward 3-5 % faster, forward + backward 0.5-7 %. Below ``HUGE_PAGE``, or
+    where anonymous mappings or ``MADV_HUGEPAGE`` are missing (not Linux), or when
+    transparent huge pages are off (the advice is then ignored), a plain ``torch.empty``.
+    The buffer is its own base tensor (memory freed with it); only its whole 2 MiB spans
+    are advised, so its resident size stays its own.
+    """
+    size = torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * size
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if nbytes < HUGE_PAGE or advice is None or not hasattr(mmap, "MAP_ANONYMOUS"):
+        return torch.empty(numel, dtype=dtype)
+    try:
+        region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:
+        return torch.empty(numel, dtype=dtype)
+    start = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    off = -start % HUGE_PAGE  # the first 2 MiB boundary (page-aligned: a multiple of size)
+    with contextlib.suppress(OSError):  # no huge pages here: the buffer works on small ones
+        region.madvise(advice, off, nbytes // HUGE_PAGE * HUGE_PAGE)
+    return torch.frombuffer(region, dtype=dtype, count=numel, offset=off)
 
 
 class _ScratchPool:
@@ -1204,7 +1236,7 @@ class _ScratchPool:
             buf = self.bufs.pop((slot, dtype), None)
         if buf is None or buf.numel() < numel:
             buf = None  # free the smaller one first
-            buf = torch.empty(numel, dtype=dtype)
+            buf = scratch(numel, dtype)
         return buf
 
     def give(self, slot: str, buf: torch.Tensor) -> None:
