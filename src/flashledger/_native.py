@@ -1200,8 +1200,7 @@ def scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
     its own base tensor (the mapping goes with it); only its whole 2 MiB spans are advised,
     so its resident size stays its own.
     """
-    size = torch.empty((), dtype=dtype).element_size()
-    nbytes = numel * size
+    nbytes = numel * dtype.itemsize
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if nbytes < HUGE_PAGE or advice is None or not hasattr(mmap, "MAP_ANONYMOUS"):
         return torch.empty(numel, dtype=dtype)
@@ -1210,7 +1209,7 @@ def scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
     except OSError:
         return torch.empty(numel, dtype=dtype)
     start = ctypes.addressof(ctypes.c_char.from_buffer(region))
-    off = -start % HUGE_PAGE  # the first 2 MiB boundary (page-aligned: a multiple of size)
+    off = -start % HUGE_PAGE  # the first 2 MiB boundary (a whole number of pages)
     with contextlib.suppress(OSError):  # no huge pages here: the buffer works on small ones
         region.madvise(advice, off, nbytes // HUGE_PAGE * HUGE_PAGE)
     return torch.frombuffer(region, dtype=dtype, count=numel, offset=off)
