@@ -1147,8 +1147,8 @@ class ForwardPass:
         elif kt is not None:
             args.kt = kt.data_ptr()
         else:
-            kt_buf = _pool.take("kv_t", k.shape[0] * k.shape[2] * self.lt, k.dtype)
-            args.kt = self.kern.transposed(k, kt_buf).data_ptr()  # Kᵀ (Hk, d, Lk)
+            kt_buf = self.kern.transposed_k(k)  # Kᵀ (Hk, d, Lk), rows self.lt apart
+            args.kt = kt_buf.data_ptr()
         need = self.kern.max_threads() * self.work
         try:
             work = self._spare.pop()
@@ -1170,7 +1170,7 @@ class ForwardPass:
         else:
             _pool.give("work", work)
         if kt_buf is not None:
-            _pool.give("kv_t", kt_buf)
+            self.kern.give_back_kt(kt_buf)
         if self._n_tiles:
             self._sched.seen = seen.tolist()
 

@@ -113,13 +113,16 @@ def _ints_below(limit: int, *xs: Any) -> None:
             raise _Unknown("integer bounds that may wrap around")
 
 
-def _checked(lo: torch.Tensor, hi: torch.Tensor) -> Span:
+def _checked(lo: torch.Tensor, hi: torch.Tensor, *, computed: bool = True) -> Span:
     """A span, after checking that integer bounds are far from wrapping around and that
-    floating-point ones are not NaN."""
+    floating-point ones are not NaN. ``computed=False``: values read from a captured
+    tensor, not arithmetic on the indices: past int32's range they are merely unknown."""
     _no_nan(lo, hi)
     try:
         _ints_below(_INT_SAFE, lo, hi)
     except _Unknown:  # (the common case passes with one check)
+        if not computed:
+            raise
         _ints_below(1 << 62, lo, hi)  # near int64's own wrap: unknown, nothing to say
         raise _PastInt32("integer bounds past int32's range") from None
     return Span(lo, hi)
@@ -437,9 +440,7 @@ def _getitem(t: Any, index: Any) -> Span | Tri:
         hi = _range_query(high_t, i.lo, i.hi, torch.maximum)
     if boolean:
         return Tri(hi > 0, lo == 0)
-    _no_nan(lo, hi)
-    _ints_below(_INT_SAFE, lo, hi)  # a captured tensor's own values: no wrap to speak of
-    return Span(lo, hi)
+    return _checked(lo, hi, computed=False)  # a captured tensor's own values
 
 
 # -- new tensors ---------------------------------------------------------------------------
