@@ -391,8 +391,8 @@ def _gemms_kept(native: _native.Kernels) -> Any:
 
 @pytest.fixture(params=list(_calibrate.GEMMS))
 def gemm(request: Any, native: _native.Kernels) -> Any:
-    """The step's matmuls on each back end there is here: its own AVX-512 kernel,
-    PyTorch's BLAS, OpenBLAS."""
+    """The step's matmuls on each back end there is here: its own kernel (AVX-512
+    or AVX2), PyTorch's BLAS, OpenBLAS."""
     if request.param not in native.gemm_names():
         pytest.skip(f"no {request.param} back end here ({native.gemm_names()})")
     with _gemms_kept(native):

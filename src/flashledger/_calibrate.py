@@ -1,6 +1,6 @@
 """The native step's choices, made by measurement on the machine it runs on.
 
-Which matmul back end runs the step's tile products (its own AVX-512 kernel,
+Which matmul back end runs the step's tile products (its own AVX-512 or AVX2 kernel,
 PyTorch's BLAS, OpenBLAS from the ``scipy-openblas32`` package where it is
 installed) and which tiles the loop uses by default depend on the CPU: MKL
 runs float32 GEMM through its AVX2 code on AMD EPYC and its AVX-512 code on

@@ -36,11 +36,12 @@
  * afterwards in Python with the one merge.
  *
  * The matmuls run on one core each, from inside the items, on cache-resident blocks.
- * Where the compiler targets AVX-512 they can run on the step's own register-blocked
- * kernel (own_mm: 4 vectors x 6 columns of C in 24 registers, the last rows 3 x 8, 2 x 12
- * or 1 x 12; A read in place, B by broadcasts, every entry summed in order by fused
+ * Where the compiler targets AVX-512, or AVX2 with FMA, they can run on the step's own
+ * register-blocked kernel (own_mm; AVX-512: 4 vectors x 6 columns of C in 24 registers,
+ * the last rows 3 x 8, 2 x 12 or 1 x 12; AVX2: 2 x 6 in 12 of its 16, the last rows 1 x
+ * 12; A read in place, B by broadcasts, every entry summed in order by fused
  * multiply-adds); otherwise, or when switched off, on the BLAS gemm PyTorch itself uses
- * (sgemm_/dgemm_). Every operand is laid out so that the kernel needs no packing: A
+ * (sgemm_/dgemm_), or OpenBLAS's. Every operand is laid out so that the kernel needs no packing: A
  * contiguous along m, B read along rows or columns. Layouts (row-major, contiguous),
  * H = B·Hq query heads, head h reading K/V head h / G: q, dO, O (H, Lq, ·); k (Hk, Lk, d),
  * kt = Kᵀ (Hk, d, Lk), v (Hk, Lk, d_v), and in the backward vt = Vᵀ (Hk, d_v, Lk); dQ
@@ -155,8 +156,9 @@ static inline VT vround(VT x) { return (VT)_mm512_roundscale_ps((__m512)x, _MM_F
 static inline VT vscale(VT p, VT r) { return (VT)_mm512_scalef_ps((__m512)p, (__m512)r); }
 #endif
 #else
-/* round to nearest through the 1.5 · 2^(mantissa bits) trick; 2^r built in the exponent
- * bits, in two normal halves so that r down to the clamp's bound stays exact (then 0) */
+/* round to nearest through the 1.5 · 2^(mantissa bits) trick: t = x + magic holds round(x)
+ * in its low mantissa bits, so 2^round(x) is t's bits, rebased, shifted into the exponent
+ * (every r vexp2 forms, clamped to [FL_EXP2_MIN, hi], has a normal 2^r) */
 #if FL_DOUBLE
 #define FL_MAGIC 6755399441055744.0
 #define FL_SHIFT 52
@@ -166,13 +168,9 @@ static inline VT vscale(VT p, VT r) { return (VT)_mm512_scalef_ps((__m512)p, (__
 #define FL_SHIFT 23
 #define FL_BIAS 127
 #endif
-static inline VT vround(VT x) { return (x + (T)FL_MAGIC) - (T)FL_MAGIC; }
-static inline VT vscale(VT p, VT r) {
-    VI n = (VI)(r + (T)FL_MAGIC) - (VI)splat((T)FL_MAGIC); /* r as an integer */
-    VI h = n >> 1;                                         /* n = h + (n - h) */
-    VT a = (VT)((h + FL_BIAS) << FL_SHIFT), b = (VT)((n - h + FL_BIAS) << FL_SHIFT);
-    return p * a * b;
-}
+static inline VT vmagic(VT x) { return x + (T)FL_MAGIC; }
+static inline VT vround_of(VT t) { return t - (T)FL_MAGIC; }
+static inline VT vpow2_of(VT t) { return (VT)(((VI)t - (VI)splat((T)FL_MAGIC) + FL_BIAS) << FL_SHIFT); }
 #endif
 static inline VT loadv(const T *p) { VT v; memcpy(&v, p, sizeof v); return v; }
 static inline void storev(T *p, VT v) { memcpy(p, &v, sizeof v); }
@@ -293,11 +291,20 @@ static inline VT vexp2(VT x) {
 #else
     VT xc = vmin_keep(vmax_keep(x, splat(lo)), splat(hi));
 #endif
+#if defined(__AVX512F__)
     VT r = vround(xc), f = xc - r;
+#else
+    VT t = vmagic(xc), r = vround_of(t), f = xc - r;
+#endif
     VT p = splat(c[deg]);
     for (int i = deg - 1; i >= 0; --i) p = p * f + c[i];
     /* p · 2^r, and 0 below FL_EXP2_MIN (a NaN compares false and stays) */
-    return vsel((VI)(x < splat(FL_EXP2_MIN)), splat(0), vscale(p, r));
+#if defined(__AVX512F__)
+    VT y = vscale(p, r);
+#else
+    VT y = p * vpow2_of(t);
+#endif
+    return vsel((VI)(x < splat(FL_EXP2_MIN)), splat(0), y);
 }
 
 static inline T exp2s(T x) { return vexp2(splat(x))[0]; }
@@ -331,18 +338,24 @@ static inline VT vtanh(VT x) {
 /* The step's matmuls: C (m x n, column-major, ldc) = alpha · A B + beta · C, beta 0 or 1,
  * A (m x k) column-major (lda), B read as B(kk, j) = b[kk · sbk + j · sbn]. Every call site
  * lays its operands out so that A needs no packing (its m index is contiguous) and B is
- * read by broadcasts. With AVX-512 the step's own register-blocked kernel runs it (one
- * core: the calls are made from inside the OpenMP loops); otherwise, or when switched off
- * (fl_set_own_gemm), the BLAS gemm; half inputs always on the BLAS's mixed gemm. */
-#if defined(__AVX512F__) && !FL_HALF
+ * read by broadcasts. With AVX-512, or AVX2 and FMA, the step's own register-blocked
+ * kernel runs it (one core: the calls are made from inside the OpenMP loops); otherwise,
+ * or when switched off (fl_set_own_gemm), the BLAS gemm; half inputs always on the BLAS's
+ * mixed gemm. */
+#if (defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && VBYTES == 32)) && !FL_HALF
 #define FL_OWN 1
 /* x broadcast from memory: a load µop alone (no shuffle on the port an FMA needs, as a
  * register broadcast costs on Intel, nor the add of `zero + x`) */
-#if FL_DOUBLE
+#if defined(__AVX512F__) && FL_DOUBLE
 static inline VT bcast(const T *p) { return (VT)_mm512_set1_pd(*p); }
-#else
+#elif defined(__AVX512F__)
 static inline VT bcast(const T *p) { return (VT)_mm512_set1_ps(*p); }
+#elif FL_DOUBLE
+static inline VT bcast(const T *p) { return (VT)_mm256_broadcast_sd(p); }
+#else
+static inline VT bcast(const T *p) { return (VT)_mm256_broadcast_ss(p); }
 #endif
+#if defined(__AVX512F__)
 #if FL_DOUBLE
 typedef __mmask8 MT;
 static inline VT loadm(MT k, const T *p) { return (VT)_mm512_maskz_loadu_pd(k, p); }
@@ -351,6 +364,22 @@ static inline void storem(T *p, MT k, VT v) { _mm512_mask_storeu_pd(p, k, (__m51
 typedef __mmask16 MT;
 static inline VT loadm(MT k, const T *p) { return (VT)_mm512_maskz_loadu_ps(k, p); }
 static inline void storem(T *p, MT k, VT v) { _mm512_mask_storeu_ps(p, k, (__m512)v); }
+#endif
+/* the first x lanes */
+static inline MT lanes(int x) { return x >= W ? (MT)-1 : (MT)((1u << x) - 1); }
+#else
+/* AVX2: no mask registers; a lane mask is a vector of all-ones / zero integers, read by
+ * vmaskmov (only a tail's last vector of rows goes through it) */
+typedef VI MT;
+#if FL_DOUBLE
+static inline VT loadm(MT k, const T *p) { return (VT)_mm256_maskload_pd(p, (__m256i)k); }
+static inline void storem(T *p, MT k, VT v) { _mm256_maskstore_pd(p, (__m256i)k, (__m256d)v); }
+static inline MT lanes(int x) { return (MT){0, 1, 2, 3} < (TI)x; }
+#else
+static inline VT loadm(MT k, const T *p) { return (VT)_mm256_maskload_ps(p, (__m256i)k); }
+static inline void storem(T *p, MT k, VT v) { _mm256_maskstore_ps(p, (__m256i)k, (__m256)v); }
+static inline MT lanes(int x) { return (MT){0, 1, 2, 3, 4, 5, 6, 7} < (TI)x; }
+#endif
 #endif
 /* One block of C: MV vectors of rows (vector r under mask mk[r]: a tail's last vector
  * partly; `full`: no masks) x NB columns in MV·NB registers, each entry summed over kk in
@@ -364,6 +393,17 @@ static inline void storem(T *p, MT k, VT v) { _mm512_mask_storeu_ps(p, k, (__m51
  * instead of 76-77; its PV (k = 512) the same within the noise (one thread, 15 interleaved
  * rounds, Intel Xeon family 6 model 167). */
 #define FL_UNROLL _Pragma("GCC unroll 32")
+/* the unmasked loop over kk unrolled twice on AVX2 (16 registers: 12 accumulators, two of
+ * A, a broadcast): a forward tile's QKᵀ (k = 64) and PV (k = 1024) ran at 84 / 89 % of
+ * the register FMA peak instead of 80 / 86 (one thread, AMD EPYC family 25 model 1). Not
+ * measured on AVX-512, which keeps the loop as it was. */
+#ifndef FL_KK
+#if defined(__AVX512F__)
+#define FL_KK
+#else
+#define FL_KK _Pragma("GCC unroll 2")
+#endif
+#endif
 #define FL_MM_BLOCK(MV, NB)                                                                  \
     static void mm_block_##MV##_##NB(int k, T alpha, const T *A, long long lda,              \
                                      const T *B, long long sbk, long long sbn, int accum,    \
@@ -372,7 +412,7 @@ static inline void storem(T *p, MT k, VT v) { _mm512_mask_storeu_ps(p, k, (__m51
         FL_UNROLL for (int c = 0; c < NB; ++c)                                               \
             FL_UNROLL for (int r = 0; r < MV; ++r) acc[c][r] = zero;                         \
         if (full)                                                                            \
-            for (int kk = 0; kk < k; ++kk) {                                                 \
+            FL_KK for (int kk = 0; kk < k; ++kk) {                                           \
                 VT av[MV];                                                                   \
                 FL_UNROLL for (int r = 0; r < MV; ++r) av[r] = loadv(A + kk * lda + r * W);  \
                 FL_UNROLL for (int c = 0; c < NB; ++c) {                                     \
@@ -406,44 +446,57 @@ static inline void storem(T *p, MT k, VT v) { _mm512_mask_storeu_ps(p, k, (__m51
                     storem(p, mk[r], accum ? loadm(mk[r], p) + x : x);                       \
                 }                                                                            \
     }
-/* the shapes: 4 vectors x 6 columns, and for the last rows of C 3 x 8, 2 x 12, 1 x 12
- * (24 accumulators where the rows allow), each with its narrower column tails */
-#define FL_COLS_6(MV) \
-    FL_MM_BLOCK(MV, 1) FL_MM_BLOCK(MV, 2) FL_MM_BLOCK(MV, 3) FL_MM_BLOCK(MV, 4) \
-    FL_MM_BLOCK(MV, 5) FL_MM_BLOCK(MV, 6)
+#define FL_COLS_4(MV) \
+    FL_MM_BLOCK(MV, 1) FL_MM_BLOCK(MV, 2) FL_MM_BLOCK(MV, 3) FL_MM_BLOCK(MV, 4)
+#define FL_COLS_6(MV) FL_COLS_4(MV) FL_MM_BLOCK(MV, 5) FL_MM_BLOCK(MV, 6)
 #define FL_COLS_8(MV) FL_COLS_6(MV) FL_MM_BLOCK(MV, 7) FL_MM_BLOCK(MV, 8)
 #define FL_COLS_12(MV) \
     FL_COLS_8(MV) FL_MM_BLOCK(MV, 9) FL_MM_BLOCK(MV, 10) FL_MM_BLOCK(MV, 11) FL_MM_BLOCK(MV, 12)
+typedef void (*mm_block_fn)(int, T, const T *, long long, const T *, long long, long long, int,
+                            T *, long long, const MT *, int);
+#define FL_TABLE_4(MV) 0, mm_block_##MV##_1, mm_block_##MV##_2, mm_block_##MV##_3, \
+    mm_block_##MV##_4
+#define FL_TABLE_6(MV) FL_TABLE_4(MV), mm_block_##MV##_5, mm_block_##MV##_6
+#define FL_TABLE_8(MV) FL_TABLE_6(MV), mm_block_##MV##_7, mm_block_##MV##_8
+#define FL_TABLE_12(MV) FL_TABLE_8(MV), mm_block_##MV##_9, mm_block_##MV##_10, \
+    mm_block_##MV##_11, mm_block_##MV##_12
+#if defined(__AVX512F__)
+/* AVX-512, 32 registers: 4 vectors x 6 columns, and for the last rows of C 3 x 8, 2 x 12,
+ * 1 x 12 (24 accumulators where the rows allow), each with its narrower column tails */
 FL_COLS_6(4)
 FL_COLS_8(3)
 FL_COLS_12(2)
 FL_COLS_12(1)
-typedef void (*mm_block_fn)(int, T, const T *, long long, const T *, long long, long long, int,
-                            T *, long long, const MT *, int);
-#define FL_TABLE_6(MV) 0, mm_block_##MV##_1, mm_block_##MV##_2, mm_block_##MV##_3, \
-    mm_block_##MV##_4, mm_block_##MV##_5, mm_block_##MV##_6
-#define FL_TABLE_8(MV) FL_TABLE_6(MV), mm_block_##MV##_7, mm_block_##MV##_8
-#define FL_TABLE_12(MV) FL_TABLE_8(MV), mm_block_##MV##_9, mm_block_##MV##_10, \
-    mm_block_##MV##_11, mm_block_##MV##_12
 static const mm_block_fn blocks_1[13] = {FL_TABLE_12(1)}, blocks_2[13] = {FL_TABLE_12(2)},
                          blocks_3[9] = {FL_TABLE_8(3)}, blocks_4[7] = {FL_TABLE_6(4)};
 static const mm_block_fn *const mm_blocks[5] = {0, blocks_1, blocks_2, blocks_3, blocks_4};
 static const int mm_cols[5] = {0, 12, 12, 8, 6};
+/* vectors of rows in the next block, of `left`: 4 at a time, the last 1-3 (5 as 3 + 2) in
+ * a block of their own */
+static inline int mm_vectors(int left) { return left == 5 ? 3 : left < 4 ? left : 4; }
+#else
+/* AVX2, 16 registers: 2 vectors x 6 columns (12 accumulators, 2 vectors of A, one
+ * broadcast), the last vector of rows 1 x 12. (3 x 4, one load fewer per step, needs all
+ * 16 registers: GCC spills, and it ran at half the rate.) */
+FL_COLS_6(2)
+FL_COLS_12(1)
+static const mm_block_fn blocks_1[13] = {FL_TABLE_12(1)}, blocks_2[7] = {FL_TABLE_6(2)};
+static const mm_block_fn *const mm_blocks[3] = {0, blocks_1, blocks_2};
+static const int mm_cols[3] = {0, 12, 6};
+static inline int mm_vectors(int left) { return left < 2 ? left : 2; }
+#endif
 
 static void own_mm(int m, int n, int k, T alpha, const T *A, long long lda, const T *B,
                    long long sbk, long long sbn, int accum, T *C, long long ldc) {
-    /* C's rows in blocks of 4 vectors; the last 1-3 vectors (5 as 3 + 2) in a block of
-     * their own, with more columns. A block of A's rows runs over all of n. (Passes over
-     * k of 64-256 at a time, to keep the block in L1 when k is 512, measured no faster on
-     * either vendor: the L2 keeps up.) */
+    /* C's rows in blocks of mm_vectors vectors, with more columns for a narrower last
+     * block. A block of A's rows runs over all of n. (Passes over k of 64-256 at a time,
+     * to keep the block in L1 when k is 512, measured no faster on either vendor: the L2
+     * keeps up.) */
     for (int i0 = 0; i0 < m;) {
-        int left = (m - i0 + W - 1) / W, mv = left == 5 ? 3 : left < 4 ? left : 4;
+        int mv = mm_vectors((m - i0 + W - 1) / W);
         int rows = m - i0 < mv * W ? m - i0 : mv * W, nr = mm_cols[mv];
         MT mk[4];
-        for (int r = 0; r < mv; ++r) {
-            int x = rows - r * W;
-            mk[r] = x >= W ? (MT)-1 : (MT)((1u << x) - 1);
-        }
+        for (int r = 0; r < mv; ++r) mk[r] = lanes(rows - r * W);
         for (int j0 = 0; j0 < n; j0 += nr) {
             int nb = n - j0 < nr ? n - j0 : nr;
             mm_blocks[mv][nb](k, alpha, A + i0, lda, B + j0 * sbn, sbk, sbn, accum,
@@ -461,6 +514,8 @@ static int use_own = FL_OWN;
 #define FL_MAX_SPLITS 64 /* key splits of a forward pass, at most (the caller asks 16) */
 /* 1: the step's own kernel (where built), 0: the BLAS gemm. Returns the setting in force. */
 int SUF(fl_set_own_gemm)(int on) { return use_own = FL_OWN && on; }
+/* 1 where the own kernel was built (AVX-512, or AVX2 with FMA; not the half builds) */
+int SUF(fl_own_built)(void) { return FL_OWN; }
 
 static void mm(int m, int n, int k, T alpha, const TIN *A, long long lda, const TIN *B,
                long long sbk, long long sbn, T beta, T *C, long long ldc) {

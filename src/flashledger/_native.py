@@ -10,8 +10,8 @@ their visibility) goes to ``_native.c``, which runs the pass's arithmetic
 work items (query tile, head, rows; or K/V head, key tiles) handed out to threads
 as they free up, each tile in a per-thread buffer. Same math as the PyTorch step,
 its own rounding. The matmuls run on the back end the calibration measured
-fastest on this machine (``_calibrate``): the step's own AVX-512 kernel (where
-the compiler targets AVX-512), the BLAS gemm PyTorch uses, or OpenBLAS;
+fastest on this machine (``_calibrate``): the step's own kernel (where
+the compiler targets AVX-512, or AVX2 with FMA), the BLAS gemm PyTorch uses, or OpenBLAS;
 ``FLASHLEDGER_GEMM`` forces one.
 
 bfloat16 and float16 inputs take one of two paths, chosen by measurement
@@ -295,6 +295,8 @@ class Kernels:
             getattr(lib, f"fl_pack_amx_{suffix}").restype = None
             getattr(lib, f"fl_amx_on_{suffix}").restype = i
         self.vector_bytes = int(lib.fl_vector_bytes_f32())
+        # the own matmul kernel: built for AVX-512, or AVX2 with FMA
+        self.own_built = bool(lib.fl_own_built_f32())
         # built with AMX's instructions, and the kernel lets this process use its tiles
         self.amx = bool(lib.fl_amx_on_bf16())
         self._gemm = {suffix: "blas" for suffix in ("f32", "f64")}
@@ -303,7 +305,7 @@ class Kernels:
 
     def gemm_names(self, dtype: torch.dtype = torch.float32) -> list[str]:
         """How the ``dtype`` step's matmuls can run here. float32/float64: ``own`` (built for
-        AVX-512), ``blas`` (PyTorch's), ``openblas`` (with the ``scipy-openblas32``
+        AVX-512, or AVX2 with FMA), ``blas`` (PyTorch's), ``openblas`` (with the ``scipy-openblas32``
         package). bfloat16/float16 (``HALF_PATHS``): ``half`` (in the dtype, on MKL's half
         gemm, where PyTorch's library exports it), for bfloat16 ``amx`` (the same, with the
         forward's products on AMX's tiles, where the CPU has them) and ``float32``
@@ -312,7 +314,7 @@ class Kernels:
             have = _suffix(dtype) in self._gemms["blas"]
             amx = have and self.amx and dtype == torch.bfloat16
             return [p for p in HALF_PATHS if p == "float32" or (have and p != "amx") or amx]
-        own = ["own"] if self.vector_bytes == 64 else []
+        own = ["own"] if self.own_built else []
         return own + [name for name in _calibrate.GEMMS if name in self._gemms]
 
     def set_gemm(self, dtype: torch.dtype, name: str) -> None:
@@ -361,8 +363,8 @@ class Kernels:
         return out
 
     def use_own_gemm(self, on: bool) -> bool:
-        """Run both dtypes' matmuls on the step's own AVX-512 kernel (``on``, where it was
-        built for AVX-512) or on PyTorch's BLAS gemm. Returns whether the own kernel runs."""
+        """Run both dtypes' matmuls on the step's own kernel (``on``, where it was built:
+        AVX-512, or AVX2 with FMA) or on PyTorch's BLAS gemm. Returns whether the own kernel runs."""
         for dt in (torch.float32, torch.float64):
             self.set_gemm(dt, "own" if on and "own" in self.gemm_names() else "blas")
         return self.own_gemm
