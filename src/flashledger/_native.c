@@ -170,7 +170,9 @@ static inline VT vscale(VT p, VT r) { return (VT)_mm512_scalef_ps((__m512)p, (__
 #endif
 static inline VT vmagic(VT x) { return x + (T)FL_MAGIC; }
 static inline VT vround_of(VT t) { return t - (T)FL_MAGIC; }
-static inline VT vpow2_of(VT t) { return (VT)(((VI)t - (VI)splat((T)FL_MAGIC) + FL_BIAS) << FL_SHIFT); }
+static inline VT vpow2_of(VT t) {
+    return (VT)(((VI)t - (VI)splat((T)FL_MAGIC) + FL_BIAS) << FL_SHIFT);
+}
 #endif
 static inline VT loadv(const T *p) { VT v; memcpy(&v, p, sizeof v); return v; }
 static inline void storev(T *p, VT v) { memcpy(p, &v, sizeof v); }

@@ -10,9 +10,9 @@ their visibility) goes to ``_native.c``, which runs the pass's arithmetic
 work items (query tile, head, rows; or K/V head, key tiles) handed out to threads
 as they free up, each tile in a per-thread buffer. Same math as the PyTorch step,
 its own rounding. The matmuls run on the back end the calibration measured
-fastest on this machine (``_calibrate``): the step's own kernel (where
-the compiler targets AVX-512, or AVX2 with FMA), the BLAS gemm PyTorch uses, or OpenBLAS;
-``FLASHLEDGER_GEMM`` forces one.
+fastest on this machine (``_calibrate``): the step's own kernel (where the
+compiler targets AVX-512, or AVX2 with FMA), the BLAS gemm PyTorch uses, or
+OpenBLAS; ``FLASHLEDGER_GEMM`` forces one.
 
 bfloat16 and float16 inputs take one of two paths, chosen by measurement
 (``_calibrate``): converted to float32 up front (the float32 step), or kept in
@@ -305,11 +305,11 @@ class Kernels:
 
     def gemm_names(self, dtype: torch.dtype = torch.float32) -> list[str]:
         """How the ``dtype`` step's matmuls can run here. float32/float64: ``own`` (built for
-        AVX-512, or AVX2 with FMA), ``blas`` (PyTorch's), ``openblas`` (with the ``scipy-openblas32``
-        package). bfloat16/float16 (``HALF_PATHS``): ``half`` (in the dtype, on MKL's half
-        gemm, where PyTorch's library exports it), for bfloat16 ``amx`` (the same, with the
-        forward's products on AMX's tiles, where the CPU has them) and ``float32``
-        (converted up front)."""
+        AVX-512, or AVX2 with FMA), ``blas`` (PyTorch's), ``openblas`` (with the
+        ``scipy-openblas32`` package). bfloat16/float16 (``HALF_PATHS``): ``half`` (in the
+        dtype, on MKL's half gemm, where PyTorch's library exports it), for bfloat16 ``amx``
+        (the same, with the forward's products on AMX's tiles, where the CPU has them) and
+        ``float32`` (converted up front)."""
         if dtype in _HALF:
             have = _suffix(dtype) in self._gemms["blas"]
             amx = have and self.amx and dtype == torch.bfloat16
@@ -364,7 +364,8 @@ class Kernels:
 
     def use_own_gemm(self, on: bool) -> bool:
         """Run both dtypes' matmuls on the step's own kernel (``on``, where it was built:
-        AVX-512, or AVX2 with FMA) or on PyTorch's BLAS gemm. Returns whether the own kernel runs."""
+        AVX-512, or AVX2 with FMA) or on PyTorch's BLAS gemm. Returns whether the own kernel
+        runs."""
         for dt in (torch.float32, torch.float64):
             self.set_gemm(dt, "own" if on and "own" in self.gemm_names() else "blas")
         return self.own_gemm
