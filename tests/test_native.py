@@ -454,6 +454,19 @@ def test_step_matmul_rejects_bad_operands(native):
         native.matmul(torch.zeros(3, 8)[:, ::2], b, c)
 
 
+def test_own_kernel_is_offered_wherever_the_cpu_has_avx2_and_fma(native):
+    """The step's own kernel is built for AVX-512 and for AVX2 with FMA (the library is
+    compiled for the CPU it runs on): wherever the CPU has AVX2 and FMA, ``own`` is a back
+    end, and it is the first one the calibration measures."""
+    isa = _calibrate.cpu_info()["isa"].split()
+    if not {"AVX2", "FMA"} <= set(isa):
+        pytest.skip(f"the CPU has neither AVX2 with FMA nor AVX-512 ({' '.join(isa)})")
+    assert native.own_built, f"no own kernel built on a CPU with {' '.join(isa)}"
+    for dt in (torch.float32, f64):
+        assert native.gemm_names(dt)[0] == "own", native.gemm_names(dt)
+    assert native.gemm_names(torch.bfloat16)[0] != "own"  # the half builds have none
+
+
 def test_step_matmul_rate_is_measured(native):
     assert native.matmul_rate(torch.float32, n=64, seconds=0.02) > 0
 
