@@ -41,8 +41,8 @@
  * the last rows 3 x 8, 2 x 12 or 1 x 12; AVX2: 2 x 6 in 12 of its 16, the last rows 1 x
  * 12; A read in place, B by broadcasts, every entry summed in order by fused
  * multiply-adds); otherwise, or when switched off, on the BLAS gemm PyTorch itself uses
- * (sgemm_/dgemm_), or OpenBLAS's. Every operand is laid out so that the kernel needs no packing: A
- * contiguous along m, B read along rows or columns. Layouts (row-major, contiguous),
+ * (sgemm_/dgemm_), or OpenBLAS's. Every operand is laid out so that the kernel needs no
+ * packing: A contiguous along m, B read along rows or columns. Layouts (row-major, contiguous),
  * H = B·Hq query heads, head h reading K/V head h / G: q, dO, O (H, Lq, ·); k (Hk, Lk, d),
  * kt = Kᵀ (Hk, d, Lk), v (Hk, Lk, d_v), and in the backward vt = Vᵀ (Hk, d_v, Lk); dQ
  * (H, Lq, d); λ, D (H, Lq); an item's acc (rows, d_v), dK_jᵀ, dV_jᵀ (·, bk).
@@ -399,12 +399,10 @@ static inline MT lanes(int x) { return (MT){0, 1, 2, 3, 4, 5, 6, 7} < (TI)x; }
  * A, a broadcast): a forward tile's QKᵀ (k = 64) and PV (k = 1024) ran at 84 / 89 % of
  * the register FMA peak instead of 80 / 86 (one thread, AMD EPYC family 25 model 1). Not
  * measured on AVX-512, which keeps the loop as it was. */
-#ifndef FL_KK
 #if defined(__AVX512F__)
 #define FL_KK
 #else
 #define FL_KK _Pragma("GCC unroll 2")
-#endif
 #endif
 #define FL_MM_BLOCK(MV, NB)                                                                  \
     static void mm_block_##MV##_##NB(int k, T alpha, const T *A, long long lda,              \
@@ -448,17 +446,16 @@ static inline MT lanes(int x) { return (MT){0, 1, 2, 3, 4, 5, 6, 7} < (TI)x; }
                     storem(p, mk[r], accum ? loadm(mk[r], p) + x : x);                       \
                 }                                                                            \
     }
-#define FL_COLS_4(MV) \
-    FL_MM_BLOCK(MV, 1) FL_MM_BLOCK(MV, 2) FL_MM_BLOCK(MV, 3) FL_MM_BLOCK(MV, 4)
-#define FL_COLS_6(MV) FL_COLS_4(MV) FL_MM_BLOCK(MV, 5) FL_MM_BLOCK(MV, 6)
+#define FL_COLS_6(MV) \
+    FL_MM_BLOCK(MV, 1) FL_MM_BLOCK(MV, 2) FL_MM_BLOCK(MV, 3) FL_MM_BLOCK(MV, 4) \
+    FL_MM_BLOCK(MV, 5) FL_MM_BLOCK(MV, 6)
 #define FL_COLS_8(MV) FL_COLS_6(MV) FL_MM_BLOCK(MV, 7) FL_MM_BLOCK(MV, 8)
 #define FL_COLS_12(MV) \
     FL_COLS_8(MV) FL_MM_BLOCK(MV, 9) FL_MM_BLOCK(MV, 10) FL_MM_BLOCK(MV, 11) FL_MM_BLOCK(MV, 12)
 typedef void (*mm_block_fn)(int, T, const T *, long long, const T *, long long, long long, int,
                             T *, long long, const MT *, int);
-#define FL_TABLE_4(MV) 0, mm_block_##MV##_1, mm_block_##MV##_2, mm_block_##MV##_3, \
-    mm_block_##MV##_4
-#define FL_TABLE_6(MV) FL_TABLE_4(MV), mm_block_##MV##_5, mm_block_##MV##_6
+#define FL_TABLE_6(MV) 0, mm_block_##MV##_1, mm_block_##MV##_2, mm_block_##MV##_3, \
+    mm_block_##MV##_4, mm_block_##MV##_5, mm_block_##MV##_6
 #define FL_TABLE_8(MV) FL_TABLE_6(MV), mm_block_##MV##_7, mm_block_##MV##_8
 #define FL_TABLE_12(MV) FL_TABLE_8(MV), mm_block_##MV##_9, mm_block_##MV##_10, \
     mm_block_##MV##_11, mm_block_##MV##_12
