@@ -498,7 +498,9 @@ def test_native_step_on_either_matmul_equals_the_oracle(
 @pytest.fixture
 def small_calibration(monkeypatch: pytest.MonkeyPatch) -> None:
     """A calibration on small passes (the machinery, not the speed, is under test), with
-    no back end forced from outside (``make test-backend`` sets FLASHLEDGER_GEMM)."""
+    no back end forced from outside (``make test-backend`` sets FLASHLEDGER_GEMM), on a
+    machine that reads as quiet (the tests beside it must not decide what is measured)."""
+    monkeypatch.setattr(_calibrate, "_cpu_ticks", lambda: None)
     monkeypatch.delenv("FLASHLEDGER_GEMM", raising=False)
     monkeypatch.delenv("FLASHLEDGER_HALF", raising=False)
     monkeypatch.setattr(_calibrate, "_L", 96)
@@ -547,6 +549,88 @@ def test_a_choice_no_longer_possible_is_measured_again(native, tmp_path, small_c
     cache.write_text("{not json")  # a damaged file is measured again too
     with _gemms_kept(native):
         assert _calibrate.choose(native, cache)[torch.float32].how == "calibrated"
+
+
+def test_others_share_is_the_busy_time_less_this_process_own(monkeypatch):
+    """Over an interval: the busy ticks of /proc/stat (all CPUs) less this process's CPU
+    time, over all ticks; nothing to say where /proc/stat cannot be read."""
+    hz = os.sysconf("SC_CLK_TCK")
+    ticks = iter([(100, 1000), (100 + 2 * hz, 1000 + 4 * hz)])  # 2 s busy of 4 s (2 CPUs, 2 s)
+    clock = iter([10.0, 10.5])  # half a second of it this process's own
+    monkeypatch.setattr(_calibrate, "_cpu_ticks", lambda: next(ticks))
+    monkeypatch.setattr(_calibrate.time, "process_time", lambda: next(clock))
+    with _calibrate.OthersShare() as others:
+        pass
+    assert others.share == pytest.approx(1.5 / 4)
+    monkeypatch.setattr(_calibrate, "_cpu_ticks", lambda: None)
+    monkeypatch.setattr(_calibrate.time, "process_time", lambda: 0.0)
+    with _calibrate.OthersShare() as others:
+        pass
+    assert others.share == 0.0
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="no /proc/stat here")
+def test_others_share_sees_busy_processes():
+    """With a busy process on every CPU, others take most of the machine."""
+    spin = [sys.executable, "-c", "while True: pass"]
+    procs = [subprocess.Popen(spin) for _ in range(os.cpu_count() or 1)]
+    try:
+        share = _calibrate.others_share(0.5)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert 0.5 < share <= 1.0, share
+
+
+def test_a_choice_made_on_a_busy_machine_is_measured_again_once_it_is_quiet(
+    native, tmp_path, monkeypatch, small_calibration
+):
+    """A choice measured while other processes took much of the CPU is saved with that
+    share, kept while the machine stays busy, measured again when it is quiet; a busier
+    measurement never replaces a quieter one."""
+    cache = tmp_path / "choices.json"
+    load = {"measuring": 0.6, "now": 0.5}
+
+    def exit_(self: _calibrate.OthersShare, *exc: object) -> None:
+        self.share = load["measuring"]
+
+    monkeypatch.setattr(_calibrate.OthersShare, "__exit__", exit_)
+    monkeypatch.setattr(_calibrate, "others_share", lambda seconds: load["now"])
+
+    def saved_busy() -> set[float]:
+        mine = json.loads(cache.read_text())["by_threads"][str(native.max_threads())]
+        return {c["busy"] for c in mine.values()}
+
+    with _gemms_kept(native):
+        got = _calibrate.choose(native, cache)
+        assert {c.how for c in got.values()} == {"calibrated"} and saved_busy() == {0.6}
+        assert (
+            got[torch.float32].busy_note() == "measured while other processes took 60% of the CPU"
+        )
+        assert _calibrate.choose(native, cache)[torch.float32].how == "cached"  # still busy
+        load.update(now=0.0, measuring=0.8)  # quiet to look at, busier while measuring
+        assert _calibrate.choose(native, cache)[torch.float32].how == "cached"
+        assert saved_busy() == {0.6}
+        load.update(measuring=0.02)
+        got = _calibrate.choose(native, cache)
+        assert {c.how for c in got.values()} == {"calibrated"} and saved_busy() == {0.02}
+        assert got[torch.float32].busy_note() == ""
+
+        def look(seconds: float) -> float:
+            raise AssertionError("a quiet choice is read back without looking at the machine")
+
+        monkeypatch.setattr(_calibrate, "others_share", look)
+        assert _calibrate.choose(native, cache)[torch.float32].how == "cached"
+        # a choice saved before the share was recorded: unknown, measured again when quiet
+        saved = json.loads(cache.read_text())
+        for mine in saved["by_threads"].values():
+            for c in mine.values():
+                c.pop("busy")
+        cache.write_text(json.dumps(saved))
+        monkeypatch.setattr(_calibrate, "others_share", lambda seconds: 0.0)
+        assert _calibrate.choose(native, cache)[torch.float32].how == "calibrated"
+        assert saved_busy() == {0.02}
 
 
 FLOATS = (torch.float32, torch.float64)

@@ -13,6 +13,11 @@ once, when the step is first used on a machine, under a file lock (concurrent
 processes wait for one measurement), and is cached beside the compiled
 library, keyed by CPU model, ISA flags, thread count and PyTorch version (the
 library's own key); afterwards the same machine always runs the same choice.
+Each choice records how much of the CPU other processes took while it was
+measured (``/proc/stat``): a choice made on a busy machine (a test run, a build
+beside it) is measured again by the first process that finds the machine quiet
+(about a quarter of a second to look), and a busy measurement never replaces a
+quieter one.
 ``FLASHLEDGER_GEMM`` (``own``, ``blas``, ``openblas``) forces the back end.
 
 bfloat16 and float16 inputs have two paths (``HALF_PATHS``): ``half`` keeps
@@ -48,15 +53,18 @@ if TYPE_CHECKING:
     from ._native import Kernels
 
 __all__ = [
+    "BUSY",
     "DTYPES",
     "GEMMS",
     "HALF_PATHS",
     "TILE_CANDIDATES",
     "Choice",
+    "OthersShare",
     "choose",
     "cpu_info",
     "cpu_model",
     "gemm_name",
+    "others_share",
 ]
 
 GEMMS = ("own", "blas", "openblas")
@@ -74,6 +82,10 @@ FALLBACK_TILES = (512, 512)
 """The default tiles where nothing was measured (the PyTorch step)."""
 
 _ROUNDS = 3
+BUSY = 0.1
+"""Above this share of all CPUs' time taken by other processes while a choice was measured,
+the machine was busy: the choice is measured again once it is quiet."""
+_LOOK_S = 0.25  # how long a cached busy choice looks at the machine before measuring again
 _L, _D = 1024, 64  # the measured problem: B = 1, H = 4 x threads heads, L x L, d = 64
 
 
@@ -92,6 +104,9 @@ class Choice:
     forward_block_k: int = 0
     """The default tiles of a forward pass (0: ``block_q``, ``block_k``, as before a
     forward's own were measured)."""
+    busy: float = 0.0
+    """The share of all CPUs' time other processes took while this was measured (0 where
+    ``/proc/stat`` cannot be read); above ``BUSY`` the rates are those of a busy machine."""
 
     @property
     def forward_tiles(self) -> tuple[int, int]:
@@ -106,6 +121,13 @@ class Choice:
         fwd = self.forward_tiles
         more = "" if fwd == (self.block_q, self.block_k) else f", forward {fwd[0]}x{fwd[1]}"
         return f"{gemm_name(self.gemm)}, tiles {self.block_q}x{self.block_k}{more} ({self.how})"
+
+    def busy_note(self) -> str:
+        """``""`` on a quiet machine, else e.g. ``"measured while other processes took 48% of
+        the CPU"``."""
+        if self.busy <= BUSY:
+            return ""
+        return f"measured while other processes took {self.busy:.0%} of the CPU"
 
 
 def gemm_name(gemm: str) -> str:
@@ -209,8 +231,9 @@ def choose(kern: Kernels, cache: Path) -> dict[torch.dtype, Choice]:
     with _lock, _file_lock(cache):
         saved = _read(cache)
         mine = saved.get("by_threads", {}).get(key)
-        if saved.get("candidates") == names and _usable(mine, names):  # else: measure again
-            how = "cached"
+        before = mine if saved.get("candidates") == names and _usable(mine, names) else None
+        if before is not None and (_busy_of(before) <= BUSY or others_share(_LOOK_S) > BUSY):
+            how = "cached"  # measured on a quiet machine, or the machine is still busy
         else:
             _local.on = True
             try:
@@ -218,17 +241,22 @@ def choose(kern: Kernels, cache: Path) -> dict[torch.dtype, Choice]:
                 for dt in DTYPES:
                     f = forced[_name(dt)]
                     cands = names[_name(dt)] if f is None else [f]
-                    if dt in _HALF:
-                        base = Choice(**mine["float32"])
-                        mine[_name(dt)] = asdict(_measure_half(kern, dt, cands, base))
-                    else:
-                        mine[_name(dt)] = asdict(_measure(kern, dt, cands))
+                    with OthersShare() as others:
+                        if dt in _HALF:
+                            base = Choice(**mine["float32"])
+                            c = _measure_half(kern, dt, cands, base)
+                        else:
+                            c = _measure(kern, dt, cands)
+                    mine[_name(dt)] = asdict(replace(c, busy=round(others.share, 3)))
             finally:
                 _local.on = False
-            saved.setdefault("by_threads", {})[key] = mine
-            saved.update(cpu=cpu_model(), torch=torch.__version__, candidates=names)
-            _write(cache, saved)
             how = "calibrated"
+            if before is not None and _busy_of(before) <= _busy_of(mine):
+                mine, how = before, "cached"  # the quieter measurement stands
+            else:
+                saved.setdefault("by_threads", {})[key] = mine
+                saved.update(cpu=cpu_model(), torch=torch.__version__, candidates=names)
+                _write(cache, saved)
     out = {}
     for dt in DTYPES:
         f = forced[_name(dt)]
@@ -239,6 +267,54 @@ def choose(kern: Kernels, cache: Path) -> dict[torch.dtype, Choice]:
 def _variable(dt: torch.dtype) -> str:
     """The environment variable that forces ``dt``'s choice."""
     return "FLASHLEDGER_HALF" if dt in _HALF else "FLASHLEDGER_GEMM"
+
+
+def _busy_of(mine: dict[str, dict[str, Any]]) -> float:
+    """The busiest the machine was while any dtype of a saved choice was measured (1.0,
+    unknown, for a choice saved before this was recorded: measured again when quiet)."""
+    return max(float(c.get("busy", 1.0)) for c in mine.values())
+
+
+def _cpu_ticks() -> tuple[int, int] | None:
+    """``(busy, total)`` clock ticks of all CPUs since boot (``/proc/stat``: busy is all but
+    idle and iowait, so a virtual machine's stolen time counts as busy); None where
+    unreadable."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        ticks = [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    except (OSError, ValueError):
+        return None
+    if fields[0] != "cpu" or len(ticks) < 5:
+        return None
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
+
+
+class OthersShare:
+    """A context that measures the share of all CPUs' time other processes took while it
+    was open: the busy ticks of ``/proc/stat`` less this process's own CPU time, over all
+    the ticks; ``share`` is 0.0 where ``/proc/stat`` cannot be read."""
+
+    share: float = 0.0
+
+    def __enter__(self) -> OthersShare:
+        self._ticks, self._own = _cpu_ticks(), time.process_time()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        ticks, own = _cpu_ticks(), time.process_time() - self._own
+        if ticks is None or self._ticks is None or ticks[1] <= self._ticks[1]:
+            return
+        hz = os.sysconf("SC_CLK_TCK")
+        busy, total = (ticks[0] - self._ticks[0]) / hz, (ticks[1] - self._ticks[1]) / hz
+        self.share = min(1.0, max(0.0, (busy - own) / total))
+
+
+def others_share(seconds: float) -> float:
+    """The share of all CPUs' time other processes take now, looked at for ``seconds``."""
+    with OthersShare() as others:
+        time.sleep(seconds)
+    return others.share
 
 
 def _usable(mine: Any, names: dict[str, list[str]]) -> bool:

@@ -1310,7 +1310,9 @@ def native_status() -> str:
         how = _calibrate.gemm_name(kern.gemm(dt))
         fwd = "" if (fq, fk) == (bq, bk) else f", forward {fq}x{fk}"
         tiles = "" if kern.gemm(dt) == "float32" else f", tiles {bq}x{bk}{fwd}"
-        parts.append(f"{str(dt)[6:]}: {how}{tiles}")
+        c = (kern.choices or {}).get(dt)
+        busy = f" ({note})" if c is not None and (note := c.busy_note()) else ""
+        parts.append(f"{str(dt)[6:]}: {how}{tiles}{busy}")
     return f"native tile step: on ({head}; {'; '.join(parts)}; {path})"
 
 
