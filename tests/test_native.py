@@ -631,6 +631,9 @@ def test_a_choice_made_on_a_busy_machine_is_measured_again_once_it_is_quiet(
         monkeypatch.setattr(_calibrate, "others_share", lambda seconds: 0.0)
         assert _calibrate.choose(native, cache)[torch.float32].how == "calibrated"
         assert saved_busy() == {0.02}
+        saved["by_threads"][str(native.max_threads())]["float32"]["busy"] = "x"  # damaged
+        cache.write_text(json.dumps(saved))
+        assert _calibrate.choose(native, cache)[torch.float32].how == "calibrated"
 
 
 FLOATS = (torch.float32, torch.float64)

@@ -272,7 +272,10 @@ def _variable(dt: torch.dtype) -> str:
 def _busy_of(mine: dict[str, dict[str, Any]]) -> float:
     """The busiest the machine was while any dtype of a saved choice was measured (1.0,
     unknown, for a choice saved before this was recorded: measured again when quiet)."""
-    return max(float(c.get("busy", 1.0)) for c in mine.values())
+    try:
+        return max(float(c.get("busy", 1.0)) for c in mine.values())
+    except (TypeError, ValueError):  # a damaged file: as unknown
+        return 1.0
 
 
 def _cpu_ticks() -> tuple[int, int] | None:
@@ -285,7 +288,7 @@ def _cpu_ticks() -> tuple[int, int] | None:
         ticks = [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal
     except (OSError, ValueError):
         return None
-    if fields[0] != "cpu" or len(ticks) < 5:
+    if not fields or fields[0] != "cpu" or len(ticks) < 5:
         return None
     return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
 
