@@ -13,9 +13,10 @@ NUMERIC_TESTS := tests/test_blocked.py tests/test_native.py tests/test_features.
 	tests/test_fast_path.py tests/test_properties.py tests/test_verify.py \
 	tests/test_verify_matrix.py tests/test_docs.py tests/test_decode_lane.py \
 	tests/test_kvcache.py tests/test_flex.py
-# the native step's matmul back ends here, and one other than its choice for float32
+# the native step's matmul back ends here, and one other than its choice for float32 (other
+# than its forward's too, where there is one)
 GEMMS = $(shell $(BIN)/python -c "from flashledger import _native as n; k = n.kernels(); print(' '.join(k.gemm_names()) if k else '')")
-OTHER_GEMM = $(shell $(BIN)/python -c "import torch; from flashledger import _native as n; k = n.kernels(); print(next((g for g in k.gemm_names() if g != k.gemm(torch.float32)), '') if k else '')")
+OTHER_GEMM = $(shell $(BIN)/python -c "import torch; from flashledger import _native as n; k = n.kernels(); c = [k.gemm(torch.float32), k.gemm(torch.float32, forward=True)] if k else []; o = [g for g in k.gemm_names() if g != c[0]] if k else []; print(next((g for g in o if g not in c), o[0] if o else ''))")
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)

@@ -380,13 +380,13 @@ def test_large_scratch_is_its_own_base_on_huge_page_boundaries(native, gen, asse
 
 @contextlib.contextmanager
 def _gemms_kept(native: _native.Kernels) -> Any:
-    """Put back each dtype's matmul back end afterwards."""
-    before = {dt: native.gemm(dt) for dt in _calibrate.DTYPES}
+    """Put back each dtype's matmul back end (and its forward's) afterwards."""
+    before = {dt: (native.gemm(dt), native.gemm(dt, forward=True)) for dt in _calibrate.DTYPES}
     try:
         yield
     finally:
-        for dt, name in before.items():
-            native.set_gemm(dt, name)
+        for dt, (name, fwd) in before.items():
+            native.set_gemm(dt, name, forward=None if fwd == name else fwd)
 
 
 @pytest.fixture(params=list(_calibrate.GEMMS))
@@ -509,8 +509,9 @@ def small_calibration(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_the_choice_is_measured_once_then_read_back(native, tmp_path, small_calibration):
     """Per dtype, every back end and tile candidate is measured, the fastest kept and
-    saved, and the forward's own tile candidates on it; the next time (another process:
-    the file) the same choice is read back."""
+    saved, then every back end's forward alone and the forward's own tile candidates on the
+    fastest; the next time (another process: the file) the same choice is read back, and
+    put in force."""
     cache = tmp_path / "choices.json"
     with _gemms_kept(native):
         first = _calibrate.choose(native, cache)
@@ -521,20 +522,69 @@ def test_the_choice_is_measured_once_then_read_back(native, tmp_path, small_cali
         assert again[dt] == replace(c, how="cached")
         want = {f"{g} 64x64" for g in native.gemm_names()} | {f"{c.gemm} 32x48"}
         want |= {f"forward {q}x{k}" for q, k in _calibrate.FORWARD_TILE_CANDIDATES}
+        fq, fk = _calibrate.FORWARD_GEMM_TILES
+        if len(native.gemm_names()) > 1:
+            want |= {f"forward {g} {fq}x{fk}" for g in native.gemm_names()}
         assert set(c.rates) == want and all(r > 0 for r in c.rates.values()), c.rates
         assert c.gemm in native.gemm_names() and (c.block_q, c.block_k) in ((64, 64), (32, 48))
         assert c.forward_tiles in _calibrate.FORWARD_TILE_CANDIDATES
-    # a choice saved before the forward's tiles were measured is measured again
-    saved = json.loads(cache.read_text())
-    for mine in saved["by_threads"].values():
-        for c in mine.values():
-            c.pop("forward_block_q"), c.pop("forward_block_k")
-    cache.write_text(json.dumps(saved))
-    with _gemms_kept(native):
-        assert _calibrate.choose(native, cache)[torch.float32].how == "calibrated"
+        # the forward's back end is the one whose forward passes were fastest
+        fwd_rates = {g: c.rates[f"forward {g} {fq}x{fk}"] for g in native.gemm_names()}
+        if len(fwd_rates) > 1:
+            assert fwd_rates[c.forward_gemm] == max(fwd_rates.values()), c.rates  # (rounded)
+        # the choice in force: a back end apart for the forward where it won there
+        with _gemms_kept(native):
+            native.set_gemm(dt, c.gemm, forward=c.forward_gemm)
+            assert native.gemm(dt) == c.gemm and native.gemm(dt, forward=True) == c.forward_gemm
+    # a choice saved before the forward's tiles, or its back end, were measured is measured
+    # again
+    for fields in (("forward_block_q", "forward_block_k"), ("forward_gemm",)):
+        saved = json.loads(cache.read_text())
+        for mine in saved["by_threads"].values():
+            for c in mine.values():
+                for f in fields:
+                    c.pop(f)
+        cache.write_text(json.dumps(saved))
+        with _gemms_kept(native):
+            assert _calibrate.choose(native, cache)[torch.float32].how == "calibrated", fields
     saved = json.loads(cache.read_text())
     assert saved["cpu"] == _calibrate.cpu_model() and saved["torch"] == torch.__version__
     assert set(saved["by_threads"]) == {str(native.max_threads())}
+
+
+def test_the_forward_runs_on_its_own_back_end_and_the_backward_on_the_other(native, gen):
+    """With a forward back end apart (``set_gemm(dt, name, forward=...)``), a forward pass
+    runs every product on it and a backward pass on ``name``: each equals, bit for bit, the
+    pass run with that back end for everything (the own kernel's products are the same
+    calls either way; a BLAS's run under the same thread count and shapes)."""
+    if "own" not in native.gemm_names():
+        pytest.skip(f"no own kernel here ({native.gemm_names()})")
+    other = next(g for g in native.gemm_names() if g != "own")
+    q, k, v, do = (torch.randn(1, 4, 300, 64, generator=gen) for _ in range(4))
+    opts = dict(block_q=128, block_k=256, mask=fl.Causal())
+
+    def run(name: str, forward: str | None = None) -> tuple[Any, Any]:
+        native.set_gemm(torch.float32, name, forward=forward)
+        f = fl.blocked_forward(q, k, v, **opts)
+        b = fl.blocked_backward(q, k, v, ref_o, ref_lse, do, **opts)
+        return f, b
+
+    with _gemms_kept(native):
+        native.set_gemm(torch.float32, other)
+        first = fl.blocked_forward(q, k, v, **opts)
+        ref_o, ref_lse = first.o, first.lse  # one forward's outputs for every backward
+        own_f, own_b = run("own")
+        mixed_f, mixed_b = run(other, forward="own")
+        assert torch.equal(mixed_f.o, own_f.o) and torch.equal(mixed_f.lse, own_f.lse)
+        assert native.gemm(torch.float32, forward=True) == "own"
+        mixed_f, mixed_b = run("own", forward=other)
+        assert torch.equal(mixed_b.dq, own_b.dq), "the backward left the own kernel"
+        assert torch.equal(mixed_b.dk, own_b.dk) and torch.equal(mixed_b.dv, own_b.dv)
+        assert native.gemm(torch.float32) == "own"
+        native.set_gemm(torch.float32, "own")  # one back end again: the forward's follows
+        assert native.gemm(torch.float32, forward=True) == "own"
+    with pytest.raises(ValueError, match="no matmul back end 'nonesuch'"):
+        native.set_gemm(torch.float32, "own", forward="nonesuch")
 
 
 def test_a_choice_no_longer_possible_is_measured_again(native, tmp_path, small_calibration):

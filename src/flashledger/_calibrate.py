@@ -8,7 +8,9 @@ Intel Xeon, so what wins on one loses on the other. So, per dtype, a short
 calibration (about a second) runs real forward + backward passes with each
 candidate, in interleaved rounds, and keeps the fastest (by each candidate's
 fastest round: on a shared machine other work only ever adds time, and a median
-lets a burst of it that falls on one candidate's rounds decide). It runs
+lets a burst of it that falls on one candidate's rounds decide); then forward
+passes alone choose the forward's back end and tiles (a forward, as inference
+runs it, can prefer another kernel: its products are Q Kᵀ and P V only). It runs
 once, when the step is first used on a machine, under a file lock (concurrent
 processes wait for one measurement), and is cached beside the compiled
 library, keyed by CPU model, ISA flags, thread count and PyTorch version (the
@@ -75,9 +77,11 @@ the forward's products on AMX's tiles, or as float32."""
 TILE_CANDIDATES = ((512, 512), (256, 256), (256, 512))
 """Default tiles measured, the first also the one each back end is measured at."""
 FORWARD_TILE_CANDIDATES = ((256, 256), (256, 512), (512, 512), (128, 512), (256, 1024))
-"""The forward's own tiles, measured on the chosen back end by forward passes alone (a
+"""The forward's own tiles, measured on the forward's back end by forward passes alone (a
 forward without a backward, as inference runs it, may prefer other tiles: wider key tiles
 spend less per tile on the running state)."""
+FORWARD_GEMM_TILES = (256, 512)
+"""The tiles every back end's forward is measured at, to choose the forward's back end."""
 FALLBACK_TILES = (512, 512)
 """The default tiles where nothing was measured (the PyTorch step)."""
 
@@ -107,6 +111,9 @@ class Choice:
     busy: float = 0.0
     """The share of all CPUs' time other processes took while this was measured (0 where
     ``/proc/stat`` cannot be read); above ``BUSY`` the rates are those of a busy machine."""
+    forward_gemm: str = ""
+    """float32/float64: the back end of a forward pass, measured by forward passes alone
+    (``""``: ``gemm``, as for the half paths and before it was measured)."""
 
     @property
     def forward_tiles(self) -> tuple[int, int]:
@@ -117,9 +124,12 @@ class Choice:
 
     def describe(self) -> str:
         """E.g. ``"own matmul kernel, tiles 512x512 (calibrated)"``, or with a forward's
-        own tiles ``"..., tiles 256x256, forward 256x512 (calibrated)"``."""
+        own tiles and back end ``"..., tiles 256x256, forward 256x512 on own matmul kernel
+        (calibrated)"``."""
         fwd = self.forward_tiles
-        more = "" if fwd == (self.block_q, self.block_k) else f", forward {fwd[0]}x{fwd[1]}"
+        on = "" if self.forward_gemm in ("", self.gemm) else f" on {gemm_name(self.forward_gemm)}"
+        same = fwd == (self.block_q, self.block_k) and not on
+        more = "" if same else f", forward {fwd[0]}x{fwd[1]}{on}"
         return f"{gemm_name(self.gemm)}, tiles {self.block_q}x{self.block_k}{more} ({self.how})"
 
     def busy_note(self) -> str:
@@ -322,11 +332,15 @@ def others_share(seconds: float) -> float:
 
 def _usable(mine: Any, names: dict[str, list[str]]) -> bool:
     """A cached choice for every dtype, well formed, on a back end available now, with its
-    forward's own tiles (a choice saved before they were measured is measured again)."""
+    forward's own tiles and (float32, float64) back end (a choice saved before they were
+    measured is measured again)."""
     try:
         choices = [Choice(**mine[_name(dt)]) for dt in DTYPES]
         return all(
-            c.gemm in names[_name(dt)] and c.forward_block_q > 0 and c.forward_block_k > 0
+            c.gemm in names[_name(dt)]
+            and c.forward_block_q > 0
+            and c.forward_block_k > 0
+            and (dt in _HALF or c.forward_gemm in names[_name(dt)])
             for c, dt in zip(choices, DTYPES)
         )
     except (TypeError, KeyError):
@@ -414,15 +428,53 @@ def _fastest_forward(
     return best, {f"forward {bq}x{bk}": r for (bq, bk), r in rates.items()}
 
 
-def _with_forward(kern: Kernels, dtype: torch.dtype, choice: Choice) -> Choice:
-    """``choice`` with its forward's own tiles measured (on its back end)."""
-    (fq, fk), rates = _fastest_forward(kern, dtype, choice.gemm)
-    return replace(choice, forward_block_q=fq, forward_block_k=fk, rates={**choice.rates, **rates})
+def _fastest_forward_gemm(
+    kern: Kernels, dtype: torch.dtype, names: list[str]
+) -> tuple[str, dict[str, float]]:
+    """The back end (of ``names``) of the fastest forward passes at ``FORWARD_GEMM_TILES``:
+    interleaved rounds, each candidate's fastest round; and each one's rate (GFLOP/s), keyed
+    ``"forward own 256x512"``."""
+    from .blocked import blocked_forward
+
+    q, k, v = _inputs(kern, dtype, 3)
+    flop = 4.0 * _L * _L * _D * q.shape[1]
+    bq, bk = FORWARD_GEMM_TILES
+
+    def run(gemm: str) -> Callable[[], None]:
+        def once() -> None:
+            kern.set_gemm(dtype, gemm)
+            blocked_forward(q, k, v, block_q=bq, block_k=bk)
+
+        return once
+
+    best, rates = _fastest_of({g: run(g) for g in names}, flop, _ROUNDS + 1)
+    return best, {f"forward {g} {bq}x{bk}": r for g, r in rates.items()}
+
+
+def _with_forward(kern: Kernels, dtype: torch.dtype, choice: Choice, names: list[str]) -> Choice:
+    """``choice`` with its forward's back end (of ``names``; float32/float64) and tiles
+    measured, and those in force."""
+    rates = dict(choice.rates)
+    fwd = choice.gemm
+    if dtype not in _HALF and len(names) > 1:
+        fwd, more = _fastest_forward_gemm(kern, dtype, names)
+        rates.update(more)
+    (fq, fk), more = _fastest_forward(kern, dtype, fwd)
+    rates.update(more)
+    if dtype not in _HALF:
+        kern.set_gemm(dtype, choice.gemm, forward=fwd)
+    return replace(
+        choice,
+        forward_block_q=fq,
+        forward_block_k=fk,
+        rates=rates,
+        forward_gemm="" if dtype in _HALF else fwd,
+    )
 
 
 def _measure(kern: Kernels, dtype: torch.dtype, names: list[str]) -> Choice:
     """float32/float64: every back end at the first tile candidate, then the tile
-    candidates on the fastest; then the forward's own tiles on it."""
+    candidates on the fastest; then the forward's own back end, and its tiles on that."""
     bq, bk = TILE_CANDIDATES[0]
     gemm = names[0]
     rates: dict[str, float] = {}
@@ -432,7 +484,7 @@ def _measure(kern: Kernels, dtype: torch.dtype, names: list[str]) -> Choice:
     rates.update(more)
     kern.set_gemm(dtype, gemm)
     choice = Choice(gemm=gemm, block_q=bq, block_k=bk, how="calibrated", rates=rates)
-    return _with_forward(kern, dtype, choice)
+    return _with_forward(kern, dtype, choice, names)
 
 
 def _measure_half(kern: Kernels, dtype: torch.dtype, paths: list[str], base: Choice) -> Choice:
@@ -442,7 +494,7 @@ def _measure_half(kern: Kernels, dtype: torch.dtype, paths: list[str], base: Cho
     possible (no half gemm here)."""
     if paths == ["float32"]:
         kern.set_gemm(dtype, "float32")
-        return replace(base, gemm="float32", how="calibrated", rates={})
+        return replace(base, gemm="float32", how="calibrated", rates={}, forward_gemm="")
     cands = [
         (p, *(TILE_CANDIDATES[0] if p != "float32" else (base.block_q, base.block_k)))
         for p in paths
@@ -450,12 +502,12 @@ def _measure_half(kern: Kernels, dtype: torch.dtype, paths: list[str], base: Cho
     (path, bq, bk), rates = _fastest(kern, dtype, cands)
     if path == "float32":  # float32's choice, forward tiles and all
         kern.set_gemm(dtype, path)
-        return replace(base, gemm="float32", how="calibrated", rates=rates)
+        return replace(base, gemm="float32", how="calibrated", rates=rates, forward_gemm="")
     (path, bq, bk), more = _fastest(kern, dtype, [(path, q, k) for q, k in TILE_CANDIDATES])
     rates.update(more)
     kern.set_gemm(dtype, path)
     choice = Choice(gemm=path, block_q=bq, block_k=bk, how="calibrated", rates=rates)
-    return _with_forward(kern, dtype, choice)
+    return _with_forward(kern, dtype, choice, [path])
 
 
 @contextlib.contextmanager

@@ -111,8 +111,11 @@ typedef void (*gemm_fn)(const char *, const char *, const int *, const int *, co
                         const T *, const TIN *, const int *, const TIN *, const int *,
                         const T *, T *, const int *);
 static gemm_fn GEMM;
+/* the forward pass's BLAS gemm, where it runs on another back end than the rest (NULL: GEMM) */
+static gemm_fn gemm_fwd;
 
 void SUF(fl_set_gemm)(void *fn) { GEMM = (gemm_fn)fn; }
+void SUF(fl_set_forward_gemm)(void *fn) { gemm_fwd = (gemm_fn)fn; }
 int SUF(fl_max_threads)(void) { return omp_get_max_threads(); }
 /* the calling thread's team size (OpenMP keeps one per thread: a thread Python starts
  * does not see torch.set_num_threads from the main thread) */
@@ -508,20 +511,31 @@ static void own_mm(int m, int n, int k, T alpha, const T *A, long long lda, cons
 #define FL_OWN 0
 #endif
 static int use_own = FL_OWN;
+/* the forward pass's: 1 own kernel, 0 BLAS (gemm_fwd), -1 as use_own and GEMM. The
+ * calibration measures the forward's back end apart: on AMD EPYC family 25 model 1 the own
+ * kernel ran a forward in 0.90 x SDPA's time where MKL took 1.00, and MKL forward +
+ * backward in 0.88 where the own kernel took 0.96 (float32, L = 8192 and 4096, 2 threads). */
+static int own_fwd = -1;
+/* set while this thread runs a forward work item (mm takes the forward's back end) */
+static _Thread_local int in_forward;
 /* m·n·k at or below which a product runs on the own kernel even with a BLAS chosen */
 #define FL_SMALL_MM (1LL << 18)
 #define FL_MAX_SPLITS 64 /* key splits of a forward pass, at most (the caller asks 16) */
 /* 1: the step's own kernel (where built), 0: the BLAS gemm. Returns the setting in force. */
 int SUF(fl_set_own_gemm)(int on) { return use_own = FL_OWN && on; }
+/* the forward pass's: 1 own, 0 BLAS (fl_set_forward_gemm's), -1 as the rest of the step */
+int SUF(fl_set_forward_own_gemm)(int on) { return own_fwd = on < 0 ? -1 : FL_OWN && on; }
 /* 1 where the own kernel was built (AVX-512, or AVX2 with FMA; not the half builds) */
 int SUF(fl_own_built)(void) { return FL_OWN; }
 
 static void mm(int m, int n, int k, T alpha, const TIN *A, long long lda, const TIN *B,
                long long sbk, long long sbn, T beta, T *C, long long ldc) {
+    int fwd = in_forward && own_fwd >= 0; /* the forward's own back end */
+    gemm_fn gemm = fwd && gemm_fwd ? gemm_fwd : GEMM;
 #if FL_OWN
     /* a small product (a decode step's, a partial tile's narrow span) costs a BLAS call
      * more to enter than to run: it takes the own kernel, whichever back end is chosen */
-    if (use_own || (long long)m * n * k <= FL_SMALL_MM) {
+    if ((fwd ? own_fwd : use_own) || (long long)m * n * k <= FL_SMALL_MM) {
         own_mm(m, n, k, alpha, A, lda, B, sbk, sbn, beta != 0, C, ldc);
         return;
     }
@@ -530,7 +544,7 @@ static void mm(int m, int n, int k, T alpha, const TIN *A, long long lda, const 
      * single column runs along kk whatever sbn says */
     int bn = sbk == 1 && (n == 1 || sbn >= k);
     int ia = (int)lda, ic = (int)ldc, ib = (int)(bn ? (n == 1 ? (k > 1 ? k : 1) : sbn) : sbk);
-    GEMM("N", bn ? "N" : "T", &m, &n, &k, &alpha, A, &ia, B, &ib, &beta, C, &ic);
+    gemm("N", bn ? "N" : "T", &m, &n, &k, &alpha, A, &ia, B, &ib, &beta, C, &ic);
 }
 
 /* The step's matmul on its own (tests, and the bench's rate): mm on the calling thread. */
@@ -1560,6 +1574,7 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
  * dtype (nr · padded(bk), 64-byte aligned). */
 static void forward_item(const struct fl_args *a, long long h0, long long r0, int nr, long long t0,
                          long long t1, long long split) {
+    in_forward = 1; /* the products below run on the forward's back end */
     long long dv = a->dv, bk = 0;
     for (long long ti = t0; ti < t1; ++ti) {
         long long w = a->tiles[ti * FL_TILE + 3] - a->tiles[ti * FL_TILE + 2];
@@ -1647,6 +1662,7 @@ static void forward_item(const struct fl_args *a, long long h0, long long r0, in
 #pragma omp atomic write
         *a->bad = 1;
     }
+    in_forward = 0;
 #if FL_AMX
     if (a->amx) _tile_release();
 #endif

@@ -254,6 +254,8 @@ class Kernels:
         ll, vp, i, d = ctypes.c_longlong, ctypes.c_void_p, ctypes.c_int, ctypes.c_double
         for suffix in _SUFFIX.values():
             getattr(lib, f"fl_set_gemm_{suffix}").argtypes = [vp]
+            getattr(lib, f"fl_set_forward_gemm_{suffix}").argtypes = [vp]
+            getattr(lib, f"fl_set_forward_own_gemm_{suffix}").argtypes = [i]
             if suffix in gemms["blas"]:
                 getattr(lib, f"fl_set_gemm_{suffix}")(gemms["blas"][suffix])
             for name in ("fl_forward", "fl_backward"):
@@ -300,6 +302,7 @@ class Kernels:
         # built with AMX's instructions, and the kernel lets this process use its tiles
         self.amx = bool(lib.fl_amx_on_bf16())
         self._gemm = {suffix: "blas" for suffix in ("f32", "f64")}
+        self._forward_gemm: dict[str, str] = {}  # float32/float64: the forward's, where apart
         # half inputs: converted to float32 until the calibration (or a setting) says else
         self._gemm.update({suffix: "float32" for suffix in _HALF_GEMMS})
 
@@ -317,26 +320,41 @@ class Kernels:
         own = ["own"] if self.own_built else []
         return own + [name for name in _calibrate.GEMMS if name in self._gemms]
 
-    def set_gemm(self, dtype: torch.dtype, name: str) -> None:
-        """Run the ``dtype`` step's matmuls on back end ``name`` (see ``gemm_names``)."""
+    def set_gemm(self, dtype: torch.dtype, name: str, *, forward: str | None = None) -> None:
+        """Run the ``dtype`` step's matmuls on back end ``name`` (see ``gemm_names``), those
+        of its forward passes on ``forward`` (float32/float64; default: ``name`` too)."""
         names = self.gemm_names(dtype)
-        if name not in names:
-            raise ValueError(f"no matmul back end {name!r} for {dtype} here; one of {names}")
+        for n in (name, forward):
+            if n is not None and n not in names:
+                raise ValueError(f"no matmul back end {n!r} for {dtype} here; one of {names}")
         suffix = _suffix(dtype)
+        if forward is not None and dtype in _HALF:
+            raise ValueError(f"{dtype} has no forward back end of its own; pass only a path")
         if dtype not in _HALF:
             if name != "own":
                 self.fn("fl_set_gemm", suffix)(self._gemms[name][suffix])
             self.fn("fl_set_own_gemm", suffix)(int(name == "own"))
+            if forward is not None and forward != name:  # the forward's apart
+                if forward != "own":
+                    self.fn("fl_set_forward_gemm", suffix)(self._gemms[forward][suffix])
+                self.fn("fl_set_forward_own_gemm", suffix)(int(forward == "own"))
+                self._forward_gemm[suffix] = forward
+            else:
+                self.fn("fl_set_forward_own_gemm", suffix)(-1)
+                self._forward_gemm.pop(suffix, None)
         self._gemm[suffix] = name
 
     def settings(self) -> tuple[str, ...]:
-        """The matmul back end in force for each dtype: with the thread count, what a
-        planned pass depends on besides its shapes (``ForwardPass``)."""
-        return tuple(self._gemm.values())
+        """The matmul back end in force for each dtype (and a forward's, where apart): with the
+        thread count, what a planned pass depends on besides its shapes (``ForwardPass``)."""
+        fwd = tuple(f"{s} forward {n}" for s, n in sorted(self._forward_gemm.items()))
+        return (*self._gemm.values(), *fwd)
 
-    def gemm(self, dtype: torch.dtype) -> str:
-        """The back end running the ``dtype`` step's matmuls now."""
-        return self._gemm[_suffix(dtype)]
+    def gemm(self, dtype: torch.dtype, *, forward: bool = False) -> str:
+        """The back end running the ``dtype`` step's matmuls now; ``forward``: those of a
+        forward pass."""
+        suffix = _suffix(dtype)
+        return self._forward_gemm.get(suffix, self._gemm[suffix]) if forward else self._gemm[suffix]
 
     def half_step(self, dtype: torch.dtype) -> bool:
         """True when ``dtype`` (bfloat16/float16) inputs run in their dtype (the ``half``
@@ -380,7 +398,7 @@ class Kernels:
         if self.choices is None and not _calibrate.calibrating():
             choices = _calibrate.choose(self, self._choices_file)
             for dt, c in choices.items():
-                self.set_gemm(dt, c.gemm)
+                self.set_gemm(dt, c.gemm, forward=c.forward_gemm or None)
             self.choices = choices
 
     def tiles(self, dtype: torch.dtype, *, forward: bool = False) -> tuple[int, int]:
@@ -1308,7 +1326,9 @@ def native_status() -> str:
         bq, bk = kern.tiles(dt)
         fq, fk = kern.tiles(dt, forward=True)
         how = _calibrate.gemm_name(kern.gemm(dt))
-        fwd = "" if (fq, fk) == (bq, bk) else f", forward {fq}x{fk}"
+        fg = kern.gemm(dt, forward=True)
+        on = "" if fg == kern.gemm(dt) else f" on {_calibrate.gemm_name(fg)}"
+        fwd = "" if (fq, fk) == (bq, bk) and not on else f", forward {fq}x{fk}{on}"
         tiles = "" if kern.gemm(dt) == "float32" else f", tiles {bq}x{bk}{fwd}"
         c = (kern.choices or {}).get(dt)
         busy = f" ({note})" if c is not None and (note := c.busy_note()) else ""
