@@ -472,13 +472,14 @@ def test_step_matmul_rate_is_measured(native):
 
 
 @pytest.mark.parametrize("d, dv", [(24, 40), (1, 1)])
-@pytest.mark.parametrize("kind", ["none", "causal", "dense"])
+@pytest.mark.parametrize("kind", ["none", "causal", "dense", "softcap"])
 def test_native_step_on_either_matmul_equals_the_oracle(
     native, gemm, outputs_close, kind, d, dv, gen
 ):
     """The step with its own kernel and with BLAS: lengths that break every tiling, GQA,
     a ragged last tile, head dims that leave kernel row tails (and single columns),
-    fully-masked rows."""
+    fully-masked rows; a softcap (its tanh's scratch lies between dP and the own kernel's
+    transposed Q and dO)."""
     b, hkv, g, lq, lk = 2, 2, 2, 113, 97
     q = torch.randn(b, hkv * g, lq, d, dtype=f64, generator=gen)
     k = torch.randn(b, hkv, lk, d, dtype=f64, generator=gen)
@@ -488,9 +489,10 @@ def test_native_step_on_either_matmul_equals_the_oracle(
     if kind == "dense":
         mask = torch.rand(b, hkv * g, lq, lk, generator=gen) < 0.5
         mask[..., :7, :] = False  # fully-masked rows
-    opts = dict(mask=mask, block_q=64, block_k=48)
-    ref = fl.reference_forward(q, k, v, mask=mask)
-    refb = fl.reference_backward(q, k, v, ref.o, ref.lse, do, mask=mask)
+    extra = {"softcap": 2.5} if kind == "softcap" else {}
+    opts = dict(mask=mask, block_q=64, block_k=48, **extra)
+    ref = fl.reference_forward(q, k, v, mask=mask, **extra)
+    refb = fl.reference_backward(q, k, v, ref.o, ref.lse, do, mask=mask, **extra)
     fwd, bwd = _both(q, k, v, do, **opts)
     outputs_close((fwd, bwd), (ref, refb), rtol=TOL, name=f"{gemm} matmuls, {kind}")
 

@@ -721,6 +721,8 @@ class Kernels:
         work = (d + dv) * lb + (3 if softcap else 2) * bq * lb  # dK_jᵀ, dV_jᵀ; S, dP (, t)
         if q.dtype in _HALF:
             work += 2 * _units(bq * lb, q.dtype, acc)  # P, dS in the input dtype
+        else:  # Qᵀ and dOᵀ of a block of rows, for the own kernel
+            work += _units((d + dv) * self.padded(q.dtype, max(bq, 1)) + 16, q.dtype, acc)
         self._run_backward(
             q,
             k,
