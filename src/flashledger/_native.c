@@ -1773,12 +1773,6 @@ int SUF(fl_all_finite)(const T *x, long long n) {
 
 /* -- backward ----------------------------------------------------------------------------- */
 
-/* The gradient of a block of rows (at most FL_PARTIAL_ROWS of a partial tile, or any number
- * of a full one) of head h against tile t: dK_jᵀ, dV_jᵀ (d x bk, d_v x bk, the tile's
- * columns) accumulate in dkt, dvt; dQ in dq (rows of the block, (·, d)). s: 2 · nr ·
- * padded(bk) scratch (S, dP; with a softcap 3, its t after them), in the half builds
- * followed by P and dS in the input dtype (nr · padded(bk) each, 64-byte aligned). Returns
- * the visible dots of a partial tile. */
 #if FL_OWN
 /* dst (cols x nr, row stride ld) = src (nr x cols, rows contiguous) transposed, in 8 x 8
  * squares (each read and written a few lines at a time) */
@@ -1792,6 +1786,13 @@ static void transpose_rows(const T *src, int nr, int cols, T *dst, long long ld)
 }
 #endif
 
+/* The gradient of a block of rows (at most FL_PARTIAL_ROWS of a partial tile, or any number
+ * of a full one) of head h against tile t: dK_jᵀ, dV_jᵀ (d x bk, d_v x bk, the tile's
+ * columns) accumulate in dkt, dvt; dQ in dq (rows of the block, (·, d)). s: 2 · nr ·
+ * padded(bk) scratch (S, dP; with a softcap 3, its t after them), in the half builds
+ * followed by P and dS in the input dtype (nr · padded(bk) each, 64-byte aligned), in the
+ * float builds on the own kernel by Qᵀ and dOᵀ of the block ((d + d_v) · padded(nr), 64-byte
+ * aligned). Returns the visible dots of a partial tile. */
 static long long backward_block(const struct fl_args *a, const long long *t, const struct rows *b,
                                 T *dkt, T *dvt, T *dq, T *s) {
     int nr = b->nr, id = (int)a->d, idv = (int)a->dv, nc = (int)(t[3] - t[2]), lo = 0, hi = nc;
