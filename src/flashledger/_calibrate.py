@@ -65,6 +65,7 @@ __all__ = [
     "choose",
     "cpu_info",
     "cpu_model",
+    "forward_note",
     "gemm_name",
     "others_share",
 ]
@@ -126,11 +127,9 @@ class Choice:
         """E.g. ``"own matmul kernel, tiles 512x512 (calibrated)"``, or with a forward's
         own tiles and back end ``"..., tiles 256x256, forward 256x512 on own matmul kernel
         (calibrated)"``."""
-        fwd = self.forward_tiles
-        on = "" if self.forward_gemm in ("", self.gemm) else f" on {gemm_name(self.forward_gemm)}"
-        same = fwd == (self.block_q, self.block_k) and not on
-        more = "" if same else f", forward {fwd[0]}x{fwd[1]}{on}"
-        return f"{gemm_name(self.gemm)}, tiles {self.block_q}x{self.block_k}{more} ({self.how})"
+        tiles = (self.block_q, self.block_k)
+        more = forward_note(tiles, self.forward_tiles, self.gemm, self.forward_gemm or self.gemm)
+        return f"{gemm_name(self.gemm)}, tiles {tiles[0]}x{tiles[1]}{more} ({self.how})"
 
     def busy_note(self) -> str:
         """``""`` on a quiet machine, else e.g. ``"measured while other processes took 48% of
@@ -138,6 +137,17 @@ class Choice:
         if self.busy <= BUSY:
             return ""
         return f"measured while other processes took {self.busy:.0%} of the CPU"
+
+
+def forward_note(
+    tiles: tuple[int, int], forward_tiles: tuple[int, int], gemm: str, forward_gemm: str
+) -> str:
+    """What a forward pass runs apart from the rest of the step: ``""`` where nothing, else
+    e.g. ``", forward 256x1024 on own matmul kernel"``."""
+    on = "" if forward_gemm == gemm else f" on {gemm_name(forward_gemm)}"
+    if forward_tiles == tiles and not on:
+        return ""
+    return f", forward {forward_tiles[0]}x{forward_tiles[1]}{on}"
 
 
 def gemm_name(gemm: str) -> str:
@@ -406,49 +416,24 @@ def _fastest(
 
 
 def _fastest_forward(
-    kern: Kernels, dtype: torch.dtype, gemm: str
-) -> tuple[tuple[int, int], dict[str, float]]:
-    """The fastest forward tiles (``FORWARD_TILE_CANDIDATES``) on back end ``gemm``: forward
-    passes alone, interleaved rounds, each candidate's fastest round; and each one's rate
-    (GFLOP/s), keyed ``"forward 256x512"``."""
+    kern: Kernels, dtype: torch.dtype, cands: list[tuple[str, int, int]]
+) -> tuple[tuple[str, int, int], dict[tuple[str, int, int], float]]:
+    """The fastest ``(back end, block_q, block_k)`` of ``cands`` for ``dtype`` inputs by
+    forward passes alone: interleaved rounds, each candidate's fastest round; and each
+    candidate's rate (GFLOP/s)."""
     from .blocked import blocked_forward
 
     q, k, v = _inputs(kern, dtype, 3)
     flop = 4.0 * _L * _L * _D * q.shape[1]
-    kern.set_gemm(dtype, gemm)
 
-    def run(bq: int, bk: int) -> Callable[[], None]:
-        def once() -> None:
-            blocked_forward(q, k, v, block_q=bq, block_k=bk)
-
-        return once
-
-    cands = {c: run(*c) for c in FORWARD_TILE_CANDIDATES}
-    best, rates = _fastest_of(cands, flop, _ROUNDS + 1)
-    return best, {f"forward {bq}x{bk}": r for (bq, bk), r in rates.items()}
-
-
-def _fastest_forward_gemm(
-    kern: Kernels, dtype: torch.dtype, names: list[str]
-) -> tuple[str, dict[str, float]]:
-    """The back end (of ``names``) of the fastest forward passes at ``FORWARD_GEMM_TILES``:
-    interleaved rounds, each candidate's fastest round; and each one's rate (GFLOP/s), keyed
-    ``"forward own 256x512"``."""
-    from .blocked import blocked_forward
-
-    q, k, v = _inputs(kern, dtype, 3)
-    flop = 4.0 * _L * _L * _D * q.shape[1]
-    bq, bk = FORWARD_GEMM_TILES
-
-    def run(gemm: str) -> Callable[[], None]:
+    def run(gemm: str, bq: int, bk: int) -> Callable[[], None]:
         def once() -> None:
             kern.set_gemm(dtype, gemm)
             blocked_forward(q, k, v, block_q=bq, block_k=bk)
 
         return once
 
-    best, rates = _fastest_of({g: run(g) for g in names}, flop, _ROUNDS + 1)
-    return best, {f"forward {g} {bq}x{bk}": r for g, r in rates.items()}
+    return _fastest_of({c: run(*c) for c in cands}, flop, _ROUNDS + 1)
 
 
 def _with_forward(kern: Kernels, dtype: torch.dtype, choice: Choice, names: list[str]) -> Choice:
@@ -456,11 +441,13 @@ def _with_forward(kern: Kernels, dtype: torch.dtype, choice: Choice, names: list
     measured, and those in force."""
     rates = dict(choice.rates)
     fwd = choice.gemm
-    if dtype not in _HALF and len(names) > 1:
-        fwd, more = _fastest_forward_gemm(kern, dtype, names)
-        rates.update(more)
-    (fq, fk), more = _fastest_forward(kern, dtype, fwd)
-    rates.update(more)
+    if dtype not in _HALF and len(names) > 1:  # every back end at FORWARD_GEMM_TILES
+        bq, bk = FORWARD_GEMM_TILES
+        (fwd, _, _), by = _fastest_forward(kern, dtype, [(g, bq, bk) for g in names])
+        rates.update({f"forward {g} {bq}x{bk}": r for (g, _, _), r in by.items()})
+    cands = [(fwd, bq, bk) for bq, bk in FORWARD_TILE_CANDIDATES]  # then the tiles on it
+    (_, fq, fk), by = _fastest_forward(kern, dtype, cands)
+    rates.update({f"forward {bq}x{bk}": r for (_, bq, bk), r in by.items()})
     if dtype not in _HALF:
         kern.set_gemm(dtype, choice.gemm, forward=fwd)
     return replace(

@@ -1867,8 +1867,10 @@ static long long backward_block(const struct fl_args *a, const long long *t, con
     }
     const TIN *kh = a->k + ((b->h0 / a->group) * a->lk + t[2] + lo) * a->d;
     /* dV_jᵀ (d_v x w) += dOᵀ P;  dK_jᵀ (d x w) += scale Qᵀ dS;  dQ (nr x d) += scale dS K_j */
-    const TIN *dob = doh, *qb = qh; /* B of the first two: dO, Q (row r at r · d_v, r · d) */
-    long long sbk = 0;              /* or their transposes (row r at r), of row stride sbk */
+    /* B of the first two: dO and Q, row r at r · d_v and r · d (column stride 1), or their
+     * transposes (row r at r, column stride sbn) */
+    const TIN *dob = doh, *qb = qh;
+    long long dsk = idv, qsk = id, sbn = 1;
 #if FL_OWN
     if (use_own && nr > 1) {
         /* the own kernel broadcasts B(kk, j) along kk: read down dO's and Q's columns, each
@@ -1879,21 +1881,17 @@ static long long backward_block(const struct fl_args *a, const long long *t, con
          * float32, one thread, AMD EPYC family 25 model 1), float64 at 75 % instead of 63;
          * a float32 backward pass at L = 4096 (2 threads, interleaved with the copy off) in
          * 1.02, 0.89 and 0.95 x the time in three runs, float64 in 0.99. */
-        sbk = padded(nr);
-        T *tr = (T *)carve(&more, (id + idv) * sbk + W, sizeof(T)), *dot = tr + id * sbk;
-        transpose_rows(qh, nr, id, tr, sbk);
-        transpose_rows(doh, nr, idv, dot, sbk);
-        qb = tr;
+        sbn = padded(nr);
+        T *qt = (T *)carve(&more, (id + idv) * sbn + W, sizeof(T)), *dot = qt + id * sbn;
+        transpose_rows(qh, nr, id, qt, sbn);
+        transpose_rows(doh, nr, idv, dot, sbn);
+        qb = qt;
         dob = dot;
+        dsk = qsk = 1;
     }
 #endif
-    if (sbk) {
-        mm(w, idv, nr, 1, ps, ls, dob, 1, sbk, 1, dvt + lo, ldt);
-        mm(w, id, nr, sc, dss, ls, qb, 1, sbk, 1, dkt + lo, ldt);
-    } else {
-        mm(w, idv, nr, 1, ps, ls, doh, idv, 1, 1, dvt + lo, ldt);
-        mm(w, id, nr, sc, dss, ls, qh, id, 1, 1, dkt + lo, ldt);
-    }
+    mm(w, idv, nr, 1, ps, ls, dob, dsk, sbn, 1, dvt + lo, ldt);
+    mm(w, id, nr, sc, dss, ls, qb, qsk, sbn, 1, dkt + lo, ldt);
     mm(id, nr, w, sc, kh, id, dss, 1, ls, 1, dq, id);
     return seen;
 }

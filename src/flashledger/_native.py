@@ -1328,9 +1328,9 @@ def native_status() -> str:
         bq, bk = kern.tiles(dt)
         fq, fk = kern.tiles(dt, forward=True)
         how = _calibrate.gemm_name(kern.gemm(dt))
-        fg = kern.gemm(dt, forward=True)
-        on = "" if fg == kern.gemm(dt) else f" on {_calibrate.gemm_name(fg)}"
-        fwd = "" if (fq, fk) == (bq, bk) and not on else f", forward {fq}x{fk}{on}"
+        fwd = _calibrate.forward_note(
+            (bq, bk), (fq, fk), kern.gemm(dt), kern.gemm(dt, forward=True)
+        )
         tiles = "" if kern.gemm(dt) == "float32" else f", tiles {bq}x{bk}{fwd}"
         c = (kern.choices or {}).get(dt)
         busy = f" ({note})" if c is not None and (note := c.busy_note()) else ""
