@@ -712,6 +712,7 @@ static inline void alibi_terms(T sl, int c, int j0, int n, long long form, T *x)
         for (int j = 0; j < n; ++j) x[j] = sl * (T)(j0 + j - c);
 }
 
+#if !FL_HALF /* ALiBi and the softcap run in the float builds only (fl_args) */
 /* S += f · ALiBi's term on a block's rows and keys [k0, k0 + nc) (S's row stride ls): row
  * i's slope and center (local keys) from al_slope, al_center; the term formed as the
  * PyTorch step forms it (alibi_terms) and added by add_row, as add_term adds a laid-out
@@ -752,6 +753,8 @@ static void softcap_rows(int nr, int nc, T *s, long long ls, T c, T f, T *tb) {
         }
     }
 }
+
+#endif
 
 /* S += f · term on a block's rows and keys [k0, k0 + nc) of tile t (S's row stride ls):
  * the score after an additive score_mod, as the PyTorch step adds it (f = 1), or in the

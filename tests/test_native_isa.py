@@ -1,0 +1,80 @@
+"""The native step's source compiles for every x86-64 instruction set it has code for.
+
+The step is built with ``-march=native``, so a machine compiles only its own branches of
+``_native.c``: an AMD EPYC with AVX2 never compiles the AVX-512, bfloat16-pair or AMX code,
+an Intel Xeon with AMX never compiles the AVX2 kernel. A change that breaks a branch the
+machine at hand skips would surface only when the next machine, of the other vendor,
+builds the step. Here each build (float32, float64, bfloat16, float16) is compiled for
+each instruction set, with the step's own flags and ``-Wall -Werror``; at ``-O0`` (the
+branches are the same, and a compile takes a second instead of three). What runs is
+tested on the machine that runs it (``test_native.py``); this only keeps every branch
+compiling.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from flashledger import _native
+
+# -march value -> (macros it must define, macros it must not): the branches of _native.c
+# it selects
+ISAS = {
+    "sapphirerapids": ({"__AVX512F__", "__AVX512BF16__", "__AMX_TILE__", "__AMX_BF16__"}, set()),
+    "cooperlake": ({"__AVX512F__", "__AVX512BF16__"}, {"__AMX_TILE__"}),  # as AMD Zen 4
+    "skylake-avx512": ({"__AVX512F__"}, {"__AVX512BF16__", "__AMX_TILE__"}),
+    "haswell": ({"__AVX2__", "__FMA__", "__F16C__"}, {"__AVX512F__"}),
+    "sandybridge": ({"__AVX__"}, {"__AVX2__", "__FMA__", "__F16C__"}),
+    "x86-64": ({"__SSE2__"}, {"__AVX__"}),
+}
+BUILDS = {"f32": (0, 0), "f64": (1, 0), "bf16": (0, 1), "f16": (0, 2)}
+
+
+def _compiler() -> str:
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    return cc
+
+
+def _macros(cc: str, march: str) -> set[str]:
+    """The macros ``cc -march=<march>`` predefines, or a skip where it has no such target."""
+    done = subprocess.run(
+        [cc, f"-march={march}", "-dM", "-E", "-x", "c", "/dev/null"],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode:
+        pytest.skip(f"{Path(cc).name} has no -march={march} (not an x86-64 compiler?)")
+    return {line.split()[1] for line in done.stdout.splitlines() if line.startswith("#define ")}
+
+
+def _flags(march: str) -> list[str]:
+    flags = [f for f in _native._FLAGS if f not in ("-march=native", "-O3")]
+    assert len(flags) == len(_native._FLAGS) - 2, _native._FLAGS  # both were there to replace
+    return [*flags, f"-march={march}", "-O0", "-Wall", "-Werror"]
+
+
+@pytest.mark.parametrize("march", list(ISAS))
+def test_every_build_compiles_for(march, tmp_path):
+    cc = _compiler()
+    have = _macros(cc, march)
+    want, lack = ISAS[march]
+    assert want <= have, f"-march={march} no longer defines {sorted(want - have)}"
+    assert not lack & have, f"-march={march} now defines {sorted(lack & have)}"
+
+    def compile_(name: str, double: int, half: int) -> subprocess.Popen[str]:
+        defs = [f"-DFL_DOUBLE={double}", f"-DFL_HALF={half}"]
+        out = str(tmp_path / f"{name}.o")
+        cmd = [cc, *_flags(march), *defs, "-c", str(_native._SOURCE), "-o", out]
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    procs = {name: compile_(name, *build) for name, build in BUILDS.items()}  # side by side
+    errors = {name: p.communicate()[1] for name, p in procs.items()}
+    failed = {name: errors[name].strip()[-2000:] for name, p in procs.items() if p.returncode}
+    assert not failed, f"-march={march}: " + "\n".join(f"{n}: {e}" for n, e in failed.items())
+    assert all((tmp_path / f"{name}.o").stat().st_size > 0 for name in BUILDS)
