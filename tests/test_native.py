@@ -522,18 +522,33 @@ def test_the_choice_is_measured_once_then_read_back(native, tmp_path, small_cali
         c = first[dt]
         assert c.how == "calibrated" and again[dt].how == "cached"
         assert again[dt] == replace(c, how="cached")
-        want = {f"{g} 64x64" for g in native.gemm_names()} | {f"{c.gemm} 32x48"}
-        want |= {f"forward {q}x{k}" for q, k in _calibrate.FORWARD_TILE_CANDIDATES}
+        names = native.gemm_names()
         fq, fk = _calibrate.FORWARD_GEMM_TILES
-        if len(native.gemm_names()) > 1:
-            want |= {f"forward {g} {fq}x{fk}" for g in native.gemm_names()}
+        # each stage's rates under keys of their own: the back ends (at the first tile
+        # candidate), the tiles on the winner, the forward's back ends, its tiles on that
+        stages = {
+            "gemm": {g: f"{g} 64x64" for g in names} if len(names) > 1 else {},
+            "tiles": {t: f"tiles {t}" for t in ("64x64", "32x48")},
+            "forward gemm": {g: f"forward {g} {fq}x{fk}" for g in names} if len(names) > 1 else {},
+            "forward tiles": {
+                f"{q}x{k}": f"forward {q}x{k}" for q, k in _calibrate.FORWARD_TILE_CANDIDATES
+            },
+        }
+        want = {key for keys in stages.values() for key in keys.values()}
         assert set(c.rates) == want and all(r > 0 for r in c.rates.values()), c.rates
-        assert c.gemm in native.gemm_names() and (c.block_q, c.block_k) in ((64, 64), (32, 48))
+        assert c.gemm in names and (c.block_q, c.block_k) in ((64, 64), (32, 48))
         assert c.forward_tiles in _calibrate.FORWARD_TILE_CANDIDATES
-        # the forward's back end is the one whose forward passes were fastest
-        fwd_rates = {g: c.rates[f"forward {g} {fq}x{fk}"] for g in native.gemm_names()}
-        if len(fwd_rates) > 1:
-            assert fwd_rates[c.forward_gemm] == max(fwd_rates.values()), c.rates  # (rounded)
+        # what was kept is what measured fastest in each stage (rates rounded: ties equal)
+        kept = {
+            "gemm": c.gemm,
+            "tiles": f"{c.block_q}x{c.block_k}",
+            "forward gemm": c.forward_gemm,
+            "forward tiles": f"{c.forward_block_q}x{c.forward_block_k}",
+        }
+        for stage, keys in stages.items():
+            if keys:
+                best = max(c.rates[key] for key in keys.values())
+                assert c.rates[keys[kept[stage]]] == best, (stage, kept[stage], c.rates)
         # the choice in force: a back end apart for the forward where it won there
         with _gemms_kept(native):
             native.set_gemm(dt, c.gemm, forward=c.forward_gemm)
@@ -549,9 +564,17 @@ def test_the_choice_is_measured_once_then_read_back(native, tmp_path, small_cali
         cache.write_text(json.dumps(saved))
         with _gemms_kept(native):
             assert _calibrate.choose(native, cache)[torch.float32].how == "calibrated", fields
+    # a cache of the earlier layout (the tile stage's rates under the back-end stage's
+    # keys, the winner's overwritten) is measured again
+    saved = json.loads(cache.read_text())
+    assert saved.pop("format") == _calibrate._FORMAT
+    cache.write_text(json.dumps(saved))
+    with _gemms_kept(native):
+        assert _calibrate.choose(native, cache)[torch.float32].how == "calibrated"
     saved = json.loads(cache.read_text())
     assert saved["cpu"] == _calibrate.cpu_model() and saved["torch"] == torch.__version__
     assert set(saved["by_threads"]) == {str(native.max_threads())}
+    assert saved["format"] == _calibrate._FORMAT
 
 
 def test_the_forward_runs_on_its_own_back_end_and_the_backward_on_the_other(native, gen):
@@ -698,7 +721,7 @@ def test_flashledger_gemm_forces_the_back_end(native, tmp_path, monkeypatch, sma
         got = {dt: c for dt, c in _calibrate.choose(native, cache).items() if dt in FLOATS}
         assert all(c.gemm == "blas" and c.how == "FLASHLEDGER_GEMM=blas" for c in got.values())
         fwd = {f"forward {q}x{k}" for q, k in _calibrate.FORWARD_TILE_CANDIDATES}
-        assert all(set(c.rates) == {"blas 64x64", "blas 32x48"} | fwd for c in got.values())
+        assert all(set(c.rates) == {"tiles 64x64", "tiles 32x48"} | fwd for c in got.values())
         monkeypatch.setenv("FLASHLEDGER_GEMM", "mkl")
         with pytest.warns(UserWarning, match="FLASHLEDGER_GEMM='mkl' is not one of"):
             got = _calibrate.choose(native, cache)
