@@ -712,7 +712,7 @@ static inline void alibi_terms(T sl, int c, int j0, int n, long long form, T *x)
         for (int j = 0; j < n; ++j) x[j] = sl * (T)(j0 + j - c);
 }
 
-#if !FL_HALF /* ALiBi and the softcap run in the float builds only (fl_args) */
+#if !FL_HALF /* ALiBi and the softcap: the float builds' only (fl_args.alibi, .softcap) */
 /* S += f · ALiBi's term on a block's rows and keys [k0, k0 + nc) (S's row stride ls): row
  * i's slope and center (local keys) from al_slope, al_center; the term formed as the
  * PyTorch step forms it (alibi_terms) and added by add_row, as add_term adds a laid-out
