@@ -396,56 +396,31 @@ def _fastest_of(
     return min(best, key=lambda c: best[c]), {c: round(flop / t / 1e9, 1) for c, t in best.items()}
 
 
+_Cand = tuple[str, int, int]  # (back end, block_q, block_k)
+
+
 def _fastest(
-    kern: Kernels, dtype: torch.dtype, cands: list[tuple[str, int, int]]
-) -> tuple[tuple[str, int, int], dict[str, float]]:
-    """The fastest ``(back end, block_q, block_k)`` of ``cands`` for ``dtype`` inputs:
-    forward + backward passes of every candidate, interleaved rounds, each candidate's
-    fastest round; and each candidate's rate (GFLOP/s) at it, keyed ``"own 512x512"``."""
+    kern: Kernels, dtype: torch.dtype, cands: list[_Cand], *, backward: bool = True
+) -> tuple[_Cand, dict[_Cand, float]]:
+    """The fastest of ``cands`` for ``dtype`` inputs: forward + backward passes of every
+    candidate (``backward=False``: forward passes alone, one round more), interleaved
+    rounds, each candidate's fastest round; and each candidate's rate (GFLOP/s) at it."""
     from .blocked import blocked_backward, blocked_forward  # the loop the step serves
 
     q, k, v, do = _inputs(kern, dtype, 4)
-    flop = 4.0 * _L * _L * _D * q.shape[1] * 3.5  # forward 4·L²·d·H, backward 2.5 x that
+    # forward 4·L²·d·H, backward 2.5 x that
+    flop = 4.0 * _L * _L * _D * q.shape[1] * (3.5 if backward else 1.0)
 
     def run(gemm: str, bq: int, bk: int) -> Callable[[], None]:
         def once() -> None:
             kern.set_gemm(dtype, gemm)
             f = blocked_forward(q, k, v, block_q=bq, block_k=bk)
-            blocked_backward(q, k, v, f.o, f.lse, do, block_q=bq, block_k=bk)
+            if backward:
+                blocked_backward(q, k, v, f.o, f.lse, do, block_q=bq, block_k=bk)
 
         return once
 
-    best, rates = _fastest_of({c: run(*c) for c in cands}, flop, _ROUNDS)
-    return best, {f"{g} {bq}x{bk}": r for (g, bq, bk), r in rates.items()}
-
-
-def _fastest_forward(
-    kern: Kernels, dtype: torch.dtype, cands: list[tuple[str, int, int]]
-) -> tuple[tuple[str, int, int], dict[tuple[str, int, int], float]]:
-    """The fastest ``(back end, block_q, block_k)`` of ``cands`` for ``dtype`` inputs by
-    forward passes alone: interleaved rounds, each candidate's fastest round; and each
-    candidate's rate (GFLOP/s)."""
-    from .blocked import blocked_forward
-
-    q, k, v = _inputs(kern, dtype, 3)
-    flop = 4.0 * _L * _L * _D * q.shape[1]
-
-    def run(gemm: str, bq: int, bk: int) -> Callable[[], None]:
-        def once() -> None:
-            kern.set_gemm(dtype, gemm)
-            blocked_forward(q, k, v, block_q=bq, block_k=bk)
-
-        return once
-
-    return _fastest_of({c: run(*c) for c in cands}, flop, _ROUNDS + 1)
-
-
-def _tile_rates(rates: dict[str, float]) -> dict[str, float]:
-    """The tile stage's rates (one back end, keyed ``"own 512x512"``) keyed ``"tiles
-    512x512"``: apart from the back-end stage's, measured in other rounds at the first tile
-    candidate (one key for both would keep only the later, and the rates in the cache could
-    then read as if the calibration had kept a slower back end)."""
-    return {f"tiles {key.split()[-1]}": r for key, r in rates.items()}
+    return _fastest_of({c: run(*c) for c in cands}, flop, _ROUNDS if backward else _ROUNDS + 1)
 
 
 def _with_forward(kern: Kernels, dtype: torch.dtype, choice: Choice, names: list[str]) -> Choice:
@@ -455,10 +430,10 @@ def _with_forward(kern: Kernels, dtype: torch.dtype, choice: Choice, names: list
     fwd = choice.gemm
     if dtype not in _HALF and len(names) > 1:  # every back end at FORWARD_GEMM_TILES
         bq, bk = FORWARD_GEMM_TILES
-        (fwd, _, _), by = _fastest_forward(kern, dtype, [(g, bq, bk) for g in names])
+        (fwd, _, _), by = _fastest(kern, dtype, [(g, bq, bk) for g in names], backward=False)
         rates.update({f"forward {g} {bq}x{bk}": r for (g, _, _), r in by.items()})
     cands = [(fwd, bq, bk) for bq, bk in FORWARD_TILE_CANDIDATES]  # then the tiles on it
-    (_, fq, fk), by = _fastest_forward(kern, dtype, cands)
+    (_, fq, fk), by = _fastest(kern, dtype, cands, backward=False)
     rates.update({f"forward {bq}x{bk}": r for (_, bq, bk), r in by.items()})
     if dtype not in _HALF:
         kern.set_gemm(dtype, choice.gemm, forward=fwd)
@@ -478,9 +453,12 @@ def _measure(kern: Kernels, dtype: torch.dtype, names: list[str]) -> Choice:
     gemm = names[0]
     rates: dict[str, float] = {}
     if len(names) > 1:
-        (gemm, _, _), rates = _fastest(kern, dtype, [(g, bq, bk) for g in names])
-    (gemm, bq, bk), more = _fastest(kern, dtype, [(gemm, bq, bk) for bq, bk in TILE_CANDIDATES])
-    rates.update(_tile_rates(more))
+        (gemm, _, _), by = _fastest(kern, dtype, [(g, bq, bk) for g in names])
+        rates = {f"{g} {bq}x{bk}": r for (g, bq, bk), r in by.items()}
+    # the tiles on the winner: keys of their own (the first candidate's would be the back-end
+    # stage's, measured in other rounds)
+    (gemm, bq, bk), by = _fastest(kern, dtype, [(gemm, bq, bk) for bq, bk in TILE_CANDIDATES])
+    rates.update({f"tiles {bq}x{bk}": r for (_, bq, bk), r in by.items()})
     kern.set_gemm(dtype, gemm)
     choice = Choice(gemm=gemm, block_q=bq, block_k=bk, how="calibrated", rates=rates)
     return _with_forward(kern, dtype, choice, names)
@@ -498,12 +476,13 @@ def _measure_half(kern: Kernels, dtype: torch.dtype, paths: list[str], base: Cho
         (p, *(TILE_CANDIDATES[0] if p != "float32" else (base.block_q, base.block_k)))
         for p in paths
     ]
-    (path, bq, bk), rates = _fastest(kern, dtype, cands)
+    (path, bq, bk), by = _fastest(kern, dtype, cands)
+    rates = {f"{p} {bq}x{bk}": r for (p, bq, bk), r in by.items()}
     if path == "float32":  # float32's choice, forward tiles and all
         kern.set_gemm(dtype, path)
         return replace(base, gemm="float32", how="calibrated", rates=rates, forward_gemm="")
-    (path, bq, bk), more = _fastest(kern, dtype, [(path, q, k) for q, k in TILE_CANDIDATES])
-    rates.update(_tile_rates(more))
+    (path, bq, bk), by = _fastest(kern, dtype, [(path, q, k) for q, k in TILE_CANDIDATES])
+    rates.update({f"tiles {bq}x{bk}": r for (_, bq, bk), r in by.items()})
     kern.set_gemm(dtype, path)
     choice = Choice(gemm=path, block_q=bq, block_k=bk, how="calibrated", rates=rates)
     return _with_forward(kern, dtype, choice, [path])
