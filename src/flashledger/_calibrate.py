@@ -5,7 +5,7 @@ PyTorch's BLAS, OpenBLAS from the ``scipy-openblas32`` package where it is
 installed) and which tiles the loop uses by default depend on the CPU: MKL
 runs float32 GEMM through its AVX2 code on AMD EPYC and its AVX-512 code on
 Intel Xeon, so what wins on one loses on the other. So, per dtype, a short
-calibration (about a second) runs real forward + backward passes with each
+calibration (about a second per stage) runs real forward + backward passes with each
 candidate, in interleaved rounds, and keeps the fastest (by each candidate's
 fastest round: on a shared machine other work only ever adds time, and a median
 lets a burst of it that falls on one candidate's rounds decide); then forward
@@ -90,9 +90,14 @@ _ROUNDS = 3
 BUSY = 0.1
 """Above this share of all CPUs' time taken by other processes while a choice was measured,
 the machine was busy: the choice is measured again once it is quiet."""
-_FORMAT = 2  # the cache's layout (2: the tile stage's rates apart, "tiles 512x512")
+_FORMAT = 3  # the cache's layout (2: the tile stage's rates apart, "tiles 512x512"; 3: the
+# problem at L = 2048, H = threads)
 _LOOK_S = 0.25  # how long a cached busy choice looks at the machine before measuring again
-_L, _D = 1024, 64  # the measured problem: B = 1, H = 4 x threads heads, L x L, d = 64
+# The measured problem: B = 1, H = threads, L x L, d = 64. As many flops as L = 1024 with
+# 4 x threads heads, on rows four times as long: the per-tile and per-head costs (the running
+# state, Kᵀ and Vᵀ laid out) weigh about as at L = 4096, so that the tiles' order matches
+# theirs there (at L = 1024 a 512-wide tile is half a row and 256 x 256 read level with it).
+_L, _D = 2048, 64
 
 
 @dataclass(frozen=True)
@@ -366,8 +371,8 @@ def _name(dt: torch.dtype) -> str:
 
 
 def _inputs(kern: Kernels, dtype: torch.dtype, n: int) -> list[torch.Tensor]:
-    """``n`` tensors ``(1, 4 x threads, L, d)`` of the measured problem, in ``dtype``."""
-    heads = 4 * kern.max_threads()
+    """``n`` tensors ``(1, threads, L, d)`` of the measured problem, in ``dtype``."""
+    heads = kern.max_threads()
     gen = torch.Generator().manual_seed(0)
     return [
         torch.randn(1, heads, _L, _D, generator=gen, dtype=torch.float64).to(dtype)
