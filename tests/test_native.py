@@ -553,6 +553,9 @@ def test_the_choice_is_measured_once_then_read_back(native, tmp_path, small_cali
         with _gemms_kept(native):
             native.set_gemm(dt, c.gemm, forward=c.forward_gemm)
             assert native.gemm(dt) == c.gemm and native.gemm(dt, forward=True) == c.forward_gemm
+    for dt in (torch.bfloat16, torch.float16):
+        assert again[dt] == replace(first[dt], how="cached")
+        _half_stages_kept(first[dt], first[torch.float32], native.gemm_names(dt))
     # a choice saved before the forward's tiles, or its back end, were measured is measured
     # again
     for fields in (("forward_block_q", "forward_block_k"), ("forward_gemm",)):
@@ -575,6 +578,54 @@ def test_the_choice_is_measured_once_then_read_back(native, tmp_path, small_cali
     assert saved["cpu"] == _calibrate.cpu_model() and saved["torch"] == torch.__version__
     assert set(saved["by_threads"]) == {str(native.max_threads())}
     assert saved["format"] == _calibrate._FORMAT
+
+
+def _half_stages_kept(c: _calibrate.Choice, base: _calibrate.Choice, paths: list[str]) -> None:
+    """A half dtype's choice ``c`` (float32's is ``base``) kept the fastest of each stage it
+    measured: every path in ``paths`` (``half`` at the first tile candidate, ``float32`` at
+    float32's tiles), then where a half path won, its tiles and its forward's tiles."""
+    assert c.gemm in paths
+    if paths == ["float32"]:  # no half gemm here: nothing measured
+        assert c.rates == {} and (c.block_q, c.block_k) == (base.block_q, base.block_k)
+        return
+    at = {p: "64x64" if p != "float32" else f"{base.block_q}x{base.block_k}" for p in paths}
+    stages = {"path": {p: f"{p} {at[p]}" for p in paths}}
+    kept = {"path": c.gemm}
+    if c.gemm != "float32":
+        stages["tiles"] = {t: f"tiles {t}" for t in ("64x64", "32x48")}
+        stages["forward tiles"] = {
+            f"{q}x{k}": f"forward {q}x{k}" for q, k in _calibrate.FORWARD_TILE_CANDIDATES
+        }
+        kept["tiles"] = f"{c.block_q}x{c.block_k}"
+        kept["forward tiles"] = f"{c.forward_block_q}x{c.forward_block_k}"
+    else:  # float32's choice, tiles and all
+        assert (c.block_q, c.block_k, c.forward_tiles) == (
+            base.block_q,
+            base.block_k,
+            base.forward_tiles,
+        )
+    want = {key for keys in stages.values() for key in keys.values()}
+    assert set(c.rates) == want and all(r > 0 for r in c.rates.values()), c.rates
+    for stage, keys in stages.items():
+        best = max(c.rates[key] for key in keys.values())
+        assert c.rates[keys[kept[stage]]] == best, (stage, kept[stage], c.rates)
+
+
+def test_a_forced_half_path_keeps_its_fastest_tiles(
+    native, tmp_path, small_calibration, monkeypatch
+):
+    """With ``FLASHLEDGER_HALF=half`` the half dtypes run in their dtype: the path is not
+    measured against float32, but its tiles and its forward's tiles are, and the fastest of
+    each kept (the forced setting named as how the choice was made)."""
+    if "half" not in native.gemm_names(torch.bfloat16):
+        pytest.skip("no half gemm in this PyTorch")
+    monkeypatch.setenv("FLASHLEDGER_HALF", "half")
+    with _gemms_kept(native):
+        got = _calibrate.choose(native, tmp_path / "choices.json")
+    for dt in (torch.bfloat16, torch.float16):
+        c = got[dt]
+        assert c.gemm == "half" and c.how == "FLASHLEDGER_HALF=half", c
+        _half_stages_kept(c, got[torch.float32], ["half"])
 
 
 def test_the_forward_runs_on_its_own_back_end_and_the_backward_on_the_other(native, gen):
