@@ -18,6 +18,7 @@ import sys
 import threading
 from dataclasses import replace
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -628,6 +629,77 @@ def test_a_forced_half_path_keeps_its_fastest_tiles(
         _half_stages_kept(c, got[torch.float32], ["half"])
 
 
+def test_each_dtype_is_measured_when_first_asked_for(native, tmp_path, small_calibration):
+    """The calibration measures the dtypes asked for (a half dtype's against float32's,
+    so float32's too) and leaves the others' saved choices as they are; a file written
+    with other candidates or another layout loses every entry, of every thread count."""
+    cache = tmp_path / "choices.json"
+
+    def saved() -> dict[str, Any]:
+        return json.loads(cache.read_text())["by_threads"][str(native.max_threads())]
+
+    with _gemms_kept(native):
+        got = _calibrate.choose(native, cache, [torch.float64])
+        assert set(got) == {torch.float64} and got[torch.float64].how == "calibrated"
+        assert set(saved()) == {"float64"}
+        f64 = saved()["float64"]
+        got = _calibrate.choose(native, cache, [torch.bfloat16])
+        assert set(got) == {torch.float32, torch.bfloat16}
+        assert {c.how for c in got.values()} == {"calibrated"}
+        assert set(saved()) == {"float32", "float64", "bfloat16"}
+        assert saved()["float64"] == f64  # untouched
+        got = _calibrate.choose(native, cache)
+        assert set(got) == set(_calibrate.DTYPES)
+        hows = {_calibrate._name(dt): c.how for dt, c in got.items()}
+        assert hows == {
+            "float32": "cached",
+            "float64": "cached",
+            "bfloat16": "cached",
+            "float16": "calibrated",
+        }
+        # an entry for another thread count, in a file of an earlier layout: all measured
+        # again, and the other thread count's entry dropped with the rest
+        data = json.loads(cache.read_text())
+        data["by_threads"]["99"] = data["by_threads"][str(native.max_threads())]
+        data["format"] = _calibrate._FORMAT - 1
+        cache.write_text(json.dumps(data))
+        got = _calibrate.choose(native, cache, [torch.float32])
+        assert got[torch.float32].how == "calibrated"
+        data = json.loads(cache.read_text())
+        assert set(data["by_threads"]) == {str(native.max_threads())}
+        assert set(saved()) == {"float32"} and data["format"] == _calibrate._FORMAT
+
+
+def test_the_step_chooses_a_dtype_when_it_first_runs_it(
+    native, tmp_path, small_calibration, monkeypatch
+):
+    """A process that runs float32 alone measures float32 alone: a dtype's choice is made
+    when its tiles, its back end or a pass of it are first asked for; a ``set_gemm``
+    made before that is not replaced by the choice made later (it is made first)."""
+    others = [g for g in native.gemm_names() if g != "blas"]
+    if not others:
+        pytest.skip(f"one matmul back end here ({native.gemm_names()})")
+    monkeypatch.setenv("FLASHLEDGER_GEMM", "blas")  # what float32/float64 choose
+    cache = tmp_path / "choices.json"
+    kern = _native.Kernels(native._lib, native._gemms, cache)  # the same library, no choices
+    with _gemms_kept(native):
+        assert kern.choices == {}
+        kern.tiles(torch.float32)
+        assert set(kern.choices) == {torch.float32}
+        saved = json.loads(cache.read_text())["by_threads"]
+        assert [set(mine) for mine in saved.values()] == [{"float32"}]
+        kern.set_gemm(torch.float64, others[0])  # chosen first (blas), then set
+        assert set(kern.choices) == {torch.float32, torch.float64}
+        q, k, v, do = (torch.randn(1, 2, 40, 8, dtype=torch.float16) for _ in range(4))
+        with mock.patch.object(_native, "_load", return_value=(kern, "")):
+            f = fl.blocked_forward(q, k, v, block_q=16, block_k=16)
+            fl.blocked_backward(q, k, v, f.o, f.lse, do, block_q=16, block_k=16)
+        assert set(kern.choices) == {torch.float32, torch.float64, torch.float16}
+        kern.choose()  # every dtype: bfloat16 the last
+        assert set(kern.choices) == set(_calibrate.DTYPES)
+        assert kern.gemm(torch.float64) == others[0] and kern.gemm(torch.float32) == "blas"
+
+
 def test_the_forward_runs_on_its_own_back_end_and_the_backward_on_the_other(native, gen):
     """With a forward back end apart (``set_gemm(dt, name, forward=...)``), a forward pass
     runs every product on it and a backward pass on ``name``: each equals, bit for bit, the
@@ -1206,6 +1278,7 @@ def test_a_forward_takes_its_own_measured_tiles(native, gen, monkeypatch):
     backward the forward + backward ones; with a mask_mod (whose evaluations are kept per
     tile for the backward) both run the latter; tiles given win everywhere."""
     dt = torch.float64
+    native.choose(dt)
     c = native.choices[dt]
     mine = replace(c, block_q=32, block_k=48, forward_block_q=64, forward_block_k=16)
     monkeypatch.setitem(native.choices, dt, mine)

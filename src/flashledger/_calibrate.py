@@ -10,11 +10,14 @@ candidate, in interleaved rounds, and keeps the fastest (by each candidate's
 fastest round: on a shared machine other work only ever adds time, and a median
 lets a burst of it that falls on one candidate's rounds decide); then forward
 passes alone choose the forward's back end and tiles (a forward, as inference
-runs it, can prefer another kernel: its products are Q Kᵀ and P V only). It runs
-once, when the step is first used on a machine, under a file lock (concurrent
-processes wait for one measurement), and is cached beside the compiled
-library, keyed by CPU model, ISA flags, thread count and PyTorch version (the
-library's own key); afterwards the same machine always runs the same choice.
+runs it, can prefer another kernel: its products are Q Kᵀ and P V only). Each
+dtype is measured once on a machine, when a process first runs it (a process
+that runs float32 alone measures float32 alone: about 2 s on a quiet 2-core
+machine, float64 about 4.5, each half dtype about half a second more), under a
+file lock (concurrent processes wait for one measurement), and cached beside
+the compiled library, keyed by CPU model, ISA flags, thread count and PyTorch
+version (the library's own key); afterwards the same machine always runs the
+same choice.
 Each choice records how much of the CPU other processes took while it was
 measured (``/proc/stat``): a choice made on a busy machine (a test run, a build
 beside it) is measured again by the first process that finds the machine quiet
@@ -44,7 +47,7 @@ import platform
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -229,11 +232,17 @@ with float32's choice)."""
 _HALF = (torch.bfloat16, torch.float16)
 
 
-def choose(kern: Kernels, cache: Path) -> dict[torch.dtype, Choice]:
-    """The choice for every dtype (``DTYPES``) at this thread count: read from ``cache`` (a
-    JSON file), or measured and saved there. ``FLASHLEDGER_GEMM`` forces float32's and
-    float64's back end, ``FLASHLEDGER_HALF`` bfloat16's and float16's path (then only the
-    tiles are measured, and saved apart)."""
+def choose(
+    kern: Kernels, cache: Path, dtypes: Sequence[torch.dtype] = DTYPES
+) -> dict[torch.dtype, Choice]:
+    """The choice for each of ``dtypes`` (and float32's where a half dtype is among them:
+    the half paths are measured against it) at this thread count: read from ``cache`` (a
+    JSON file), or measured and saved there, dtype by dtype (a process that runs float32
+    alone measures float32 alone). ``FLASHLEDGER_GEMM`` forces float32's and float64's back
+    end, ``FLASHLEDGER_HALF`` bfloat16's and float16's path (then only the tiles are
+    measured, and saved apart)."""
+    half = any(dt in _HALF for dt in dtypes)
+    want = [dt for dt in DTYPES if dt in dtypes or (half and dt == torch.float32)]
     names = {_name(dt): kern.gemm_names(dt) for dt in DTYPES}
     forced: dict[str, str | None] = {}
     warned = set()
@@ -242,7 +251,7 @@ def choose(kern: Kernels, cache: Path) -> dict[torch.dtype, Choice]:
         if f == "amx" and dt == torch.float16 and "half" in names[_name(dt)]:
             f = "half"  # AMX's path is bfloat16's; float16 keeps its dtype on the half gemm
         if f is not None and f not in names[_name(dt)]:
-            if variable not in warned:
+            if variable not in warned and dt in want:
                 warnings.warn(
                     f"{variable}={f!r} is not one of {', '.join(names[_name(dt)])} here; "
                     "choosing by measurement",
@@ -254,57 +263,57 @@ def choose(kern: Kernels, cache: Path) -> dict[torch.dtype, Choice]:
     # choices made under a forced setting are saved apart
     settings = {f"{_variable(dt)}={f}" for dt in DTYPES if (f := forced[_name(dt)]) is not None}
     key = " ".join([str(kern.max_threads()), *sorted(settings)])
+    out: dict[torch.dtype, Choice] = {}
     with _lock, _file_lock(cache):
         saved = _read(cache)
-        mine = saved.get("by_threads", {}).get(key)
-        fresh = saved.get("candidates") == names and saved.get("format") == _FORMAT
-        before = mine if fresh and _usable(mine, names) else None
-        if before is not None and (_busy_of(before) <= BUSY or others_share(_LOOK_S) > BUSY):
-            how = "cached"  # measured on a quiet machine, or the machine is still busy
-        else:
+        if saved.get("candidates") != names or saved.get("format") != _FORMAT:
+            saved = {}  # other back ends, or another layout or problem: measured again
+        by = saved.get("by_threads")
+        mine = by.get(key) if isinstance(by, dict) else None
+        mine = dict(mine) if isinstance(mine, dict) else {}
+        now: float | None = None  # the share others take now, looked at once if at all
+        changed = False
+        for dt in want:
+            before = _usable(mine.get(_name(dt)), dt, names[_name(dt)])
+            if before is not None and before.busy > BUSY and now is None:
+                now = others_share(_LOOK_S)
+            if before is not None and (before.busy <= BUSY or (now or 0.0) > BUSY):
+                # measured on a quiet machine, or the machine is still busy
+                out[dt] = replace(before, how="cached")
+                continue
+            f = forced[_name(dt)]
+            cands = names[_name(dt)] if f is None else [f]
             _local.on = True
             try:
-                mine = {}
-                for dt in DTYPES:
-                    f = forced[_name(dt)]
-                    cands = names[_name(dt)] if f is None else [f]
-                    with OthersShare() as others:
-                        if dt in _HALF:
-                            base = Choice(**mine["float32"])
-                            c = _measure_half(kern, dt, cands, base)
-                        else:
-                            c = _measure(kern, dt, cands)
-                    mine[_name(dt)] = asdict(replace(c, busy=round(others.share, 3)))
+                with OthersShare() as others:
+                    if dt in _HALF:
+                        c = _measure_half(kern, dt, cands, out[torch.float32])
+                    else:
+                        c = _measure(kern, dt, cands)
             finally:
                 _local.on = False
-            how = "calibrated"
-            if before is not None and _busy_of(before) <= _busy_of(mine):
-                mine, how = before, "cached"  # the quieter measurement stands
-            else:
-                saved.setdefault("by_threads", {})[key] = mine
-                saved.update(
-                    cpu=cpu_model(), torch=torch.__version__, candidates=names, format=_FORMAT
-                )
-                _write(cache, saved)
-    out = {}
-    for dt in DTYPES:
-        f = forced[_name(dt)]
-        out[dt] = Choice(**{**mine[_name(dt)], "how": how if f is None else f"{_variable(dt)}={f}"})
-    return out
+            c = replace(c, busy=round(others.share, 3))
+            if before is not None and before.busy <= c.busy:
+                out[dt] = replace(before, how="cached")  # the quieter measurement stands
+                continue
+            mine[_name(dt)] = asdict(c)
+            out[dt] = c
+            changed = True
+        if changed:
+            if not isinstance(saved.get("by_threads"), dict):
+                saved["by_threads"] = {}
+            saved["by_threads"][key] = mine
+            saved.update(cpu=cpu_model(), torch=torch.__version__, candidates=names, format=_FORMAT)
+            _write(cache, saved)
+    return {
+        dt: c if (f := forced[_name(dt)]) is None else replace(c, how=f"{_variable(dt)}={f}")
+        for dt, c in out.items()
+    }
 
 
 def _variable(dt: torch.dtype) -> str:
     """The environment variable that forces ``dt``'s choice."""
     return "FLASHLEDGER_HALF" if dt in _HALF else "FLASHLEDGER_GEMM"
-
-
-def _busy_of(mine: dict[str, dict[str, Any]]) -> float:
-    """The busiest the machine was while any dtype of a saved choice was measured (1.0,
-    unknown, for a choice saved before this was recorded: measured again when quiet)."""
-    try:
-        return max(float(c.get("busy", 1.0)) for c in mine.values())
-    except (TypeError, ValueError):  # a damaged file: as unknown
-        return 1.0
 
 
 def _cpu_ticks() -> tuple[int, int] | None:
@@ -349,21 +358,25 @@ def others_share(seconds: float) -> float:
     return others.share
 
 
-def _usable(mine: Any, names: dict[str, list[str]]) -> bool:
-    """A cached choice for every dtype, well formed, on a back end available now, with its
-    forward's own tiles and (float32, float64) back end (a choice saved before they were
-    measured is measured again)."""
+def _usable(saved: Any, dt: torch.dtype, names: list[str]) -> Choice | None:
+    """``dt``'s cached choice (a dict from the file), if well formed, on a back end (of
+    ``names``) available now, with its forward's own tiles and (float32, float64) back end
+    (a choice saved before they were measured is measured again); its ``busy`` 1.0,
+    unknown, where it was saved before that was recorded (measured again when quiet), or
+    damaged. None otherwise."""
     try:
-        choices = [Choice(**mine[_name(dt)]) for dt in DTYPES]
-        return all(
-            c.gemm in names[_name(dt)]
-            and c.forward_block_q > 0
-            and c.forward_block_k > 0
-            and (dt in _HALF or c.forward_gemm in names[_name(dt)])
-            for c, dt in zip(choices, DTYPES)
-        )
-    except (TypeError, KeyError):
-        return False
+        c = Choice(**saved)
+        busy = float(saved.get("busy", 1.0))
+    except (TypeError, ValueError):
+        return None
+    if not (
+        c.gemm in names
+        and c.forward_block_q > 0
+        and c.forward_block_k > 0
+        and (dt in _HALF or c.forward_gemm in names)
+    ):
+        return None
+    return replace(c, busy=busy if busy == busy else 1.0)
 
 
 def _name(dt: torch.dtype) -> str:

@@ -109,6 +109,8 @@ def forward(
     kern = _native.kernels()
     if kern is None:
         return None
+    if q.dtype not in kern.choices or k.dtype not in kern.choices:
+        kern.choose(q.dtype, k.dtype)  # before its settings key the plan
     frame = _frame_key(  # every option read, with its type (True is not taken for 1)
         q,
         k,

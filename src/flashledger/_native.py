@@ -250,7 +250,7 @@ class Kernels:
         self._gemms = gemms
         self._choices_file = choices
         self._padded: dict[tuple[torch.dtype, int], int] = {}
-        self.choices: dict[torch.dtype, _calibrate.Choice] | None = None
+        self.choices: dict[torch.dtype, _calibrate.Choice] = {}  # by dtype, as first used
         ll, vp, i, d = ctypes.c_longlong, ctypes.c_void_p, ctypes.c_int, ctypes.c_double
         for suffix in _SUFFIX.values():
             getattr(lib, f"fl_set_gemm_{suffix}").argtypes = [vp]
@@ -322,7 +322,13 @@ class Kernels:
 
     def set_gemm(self, dtype: torch.dtype, name: str, *, forward: str | None = None) -> None:
         """Run the ``dtype`` step's matmuls on back end ``name`` (see ``gemm_names``), those
-        of its forward passes on ``forward`` (float32/float64; default: ``name`` too)."""
+        of its forward passes on ``forward`` (float32/float64; default: ``name`` too). The
+        calibration's choice for ``dtype`` is made first (where it was not yet), so that it
+        does not replace this setting later."""
+        self.choose(dtype)
+        self._set_gemm(dtype, name, forward=forward)
+
+    def _set_gemm(self, dtype: torch.dtype, name: str, *, forward: str | None = None) -> None:
         names = self.gemm_names(dtype)
         for n in (name, forward):
             if n is not None and n not in names:
@@ -353,12 +359,14 @@ class Kernels:
     def gemm(self, dtype: torch.dtype, *, forward: bool = False) -> str:
         """The back end running the ``dtype`` step's matmuls now; ``forward``: those of a
         forward pass."""
+        self.choose(dtype)
         suffix = _suffix(dtype)
         return self._forward_gemm.get(suffix, self._gemm[suffix]) if forward else self._gemm[suffix]
 
     def half_step(self, dtype: torch.dtype) -> bool:
         """True when ``dtype`` (bfloat16/float16) inputs run in their dtype (the ``half``
         path), False when they are converted to float32 (or ``dtype`` is not half)."""
+        self.choose(dtype)
         return dtype in _HALF and self._gemm[_suffix(dtype)] in ("half", "amx")
 
     def round_to(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -393,13 +401,19 @@ class Kernels:
         """True when both dtypes (float32, float64) run on the own kernel."""
         return all(self._gemm[s] == "own" for s in ("f32", "f64"))
 
-    def choose(self) -> None:
-        """Make (or read back) the calibration's choices and put them in force."""
-        if self.choices is None and not _calibrate.calibrating():
-            choices = _calibrate.choose(self, self._choices_file)
-            for dt, c in choices.items():
-                self.set_gemm(dt, c.gemm, forward=c.forward_gemm or None)
-            self.choices = choices
+    def choose(self, *dtypes: torch.dtype) -> None:
+        """Make (or read back) the calibration's choices for ``dtypes`` (default: every dtype
+        of ``_calibrate.DTYPES``; float32's too for a half dtype) and put them in force. A
+        dtype is chosen once per process, when first used: a dtype already chosen keeps what
+        is in force (a ``set_gemm`` after its choice)."""
+        every = _calibrate.DTYPES
+        want = [dt for dt in (dtypes or every) if dt in every and dt not in self.choices]
+        if not want or _calibrate.calibrating():
+            return
+        for dt, c in _calibrate.choose(self, self._choices_file, want).items():
+            if dt not in self.choices:
+                self._set_gemm(dt, c.gemm, forward=c.forward_gemm or None)
+                self.choices[dt] = c
 
     def tiles(self, dtype: torch.dtype, *, forward: bool = False) -> tuple[int, int]:
         """The default ``(block_q, block_k)`` for ``dtype``: the calibration's (a half dtype
@@ -407,7 +421,8 @@ class Kernels:
         where the calibration measured them)."""
         if dtype in _HALF and not self.half_step(dtype):
             dtype = torch.float32
-        c = (self.choices or {}).get(dtype)
+        self.choose(dtype)
+        c = self.choices.get(dtype)
         if c is None:
             return _calibrate.FALLBACK_TILES
         return c.forward_tiles if forward else (c.block_q, c.block_k)
@@ -710,6 +725,7 @@ class Kernels:
         adds ALiBi's to every tile's scores and ``softcap`` caps them (as ``forward``). Rows
         of dK and dV of key tiles the schedule leaves out are not written. ``kv_t``: Kᵀ and
         Vᵀ from ``transposed_kv``, for a backward run in several calls."""
+        self.choose(q.dtype)  # the back end this dtype's calibration chose, in force
         heads, lq, d = q.shape
         hk, lk, dv = v.shape
         acc = torch.float32 if q.dtype in _HALF else q.dtype
@@ -935,6 +951,7 @@ class ForwardPass:
         alibi: Alibi | None = None,
         softcap: float | None = None,
     ) -> None:
+        kern.choose(q.dtype, k.dtype)  # the back ends the calibration chose, in force
         self.kern, self.in_place, self.keep_scratch = kern, keys_in_place, keep_scratch
         # a float32 q reading a half K/V cache in place (widened as it is read); the half step
         # itself has q, k, v all in the half dtype
@@ -1300,13 +1317,12 @@ def disabled() -> Iterator[None]:
 
 
 def kernels() -> Kernels | None:
-    """The native step, built, loaded and calibrated on first use; None where it cannot run."""
+    """The native step, built and loaded on first use (each dtype's matmul back end and
+    tiles chosen when that dtype is first run: ``Kernels.choose``); None where it cannot
+    run."""
     if getattr(_off, "depth", 0) or os.environ.get("FLASHLEDGER_NATIVE", "1") == "0":
         return None
-    kern = _load()[0]
-    if kern is not None and kern.choices is None:
-        kern.choose()
-    return kern
+    return _load()[0]
 
 
 def native_status() -> str:
@@ -1332,7 +1348,7 @@ def native_status() -> str:
             (bq, bk), (fq, fk), kern.gemm(dt), kern.gemm(dt, forward=True)
         )
         tiles = "" if kern.gemm(dt) == "float32" else f", tiles {bq}x{bk}{fwd}"
-        c = (kern.choices or {}).get(dt)
+        c = kern.choices.get(dt)
         busy = f" ({note})" if c is not None and (note := c.busy_note()) else ""
         parts.append(f"{str(dt)[6:]}: {how}{tiles}{busy}")
     return f"native tile step: on ({head}; {'; '.join(parts)}; {path})"

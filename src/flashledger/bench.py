@@ -519,7 +519,8 @@ def machine_info() -> dict[str, Any]:
     cpu = _calibrate.cpu_info()
     kern = _native.kernels()
     choices = {}
-    if kern is not None and kern.choices:
+    if kern is not None:
+        kern.choose()  # every dtype's, measured here where not yet
         choices = {str(dt)[6:]: asdict(c) for dt, c in kern.choices.items()}
     return {
         "cpu": cpu["model"],
