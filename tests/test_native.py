@@ -747,6 +747,13 @@ def test_a_choice_no_longer_possible_is_measured_again(native, tmp_path, small_c
     cache.write_text("{not json")  # a damaged file is measured again too
     with _gemms_kept(native):
         assert _calibrate.choose(native, cache)[torch.float32].how == "calibrated"
+    # and a damaged entry (a field of the wrong type) alone, the others read back
+    saved = json.loads(cache.read_text())
+    saved["by_threads"][str(native.max_threads())]["float32"]["forward_block_q"] = "x"
+    cache.write_text(json.dumps(saved))
+    with _gemms_kept(native):
+        got = _calibrate.choose(native, cache, [torch.float32, torch.float64])
+    assert got[torch.float32].how == "calibrated" and got[torch.float64].how == "cached"
 
 
 def test_others_share_is_the_busy_time_less_this_process_own(monkeypatch):

@@ -12,8 +12,8 @@ lets a burst of it that falls on one candidate's rounds decide); then forward
 passes alone choose the forward's back end and tiles (a forward, as inference
 runs it, can prefer another kernel: its products are Q Kᵀ and P V only). Each
 dtype is measured once on a machine, when a process first runs it (a process
-that runs float32 alone measures float32 alone: about 2 s on a quiet 2-core
-machine, float64 about 4.5, each half dtype about half a second more), under a
+that runs float32 alone measures float32 alone: about 2 s on a quiet 2-core AMD
+EPYC, float64 about 4.5, each half dtype about half a second more), under a
 file lock (concurrent processes wait for one measurement), and cached beside
 the compiled library, keyed by CPU model, ISA flags, thread count and PyTorch
 version (the library's own key); afterwards the same machine always runs the
@@ -359,24 +359,23 @@ def others_share(seconds: float) -> float:
 
 
 def _usable(saved: Any, dt: torch.dtype, names: list[str]) -> Choice | None:
-    """``dt``'s cached choice (a dict from the file), if well formed, on a back end (of
+    """``dt``'s cached choice (a dict from the file) if it is well formed, on a back end (of
     ``names``) available now, with its forward's own tiles and (float32, float64) back end
     (a choice saved before they were measured is measured again); its ``busy`` 1.0,
-    unknown, where it was saved before that was recorded (measured again when quiet), or
-    damaged. None otherwise."""
+    unknown, where it was saved before that was recorded (measured again when quiet).
+    None otherwise (a damaged entry is measured again)."""
     try:
         c = Choice(**saved)
         busy = float(saved.get("busy", 1.0))
+        ok = (
+            c.gemm in names
+            and c.forward_block_q > 0
+            and c.forward_block_k > 0
+            and (dt in _HALF or c.forward_gemm in names)
+        )
     except (TypeError, ValueError):
         return None
-    if not (
-        c.gemm in names
-        and c.forward_block_q > 0
-        and c.forward_block_k > 0
-        and (dt in _HALF or c.forward_gemm in names)
-    ):
-        return None
-    return replace(c, busy=busy if busy == busy else 1.0)
+    return replace(c, busy=busy if busy == busy else 1.0) if ok else None
 
 
 def _name(dt: torch.dtype) -> str:
