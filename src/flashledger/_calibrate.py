@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import math
 import os
 import platform
 import threading
@@ -375,7 +376,7 @@ def _usable(saved: Any, dt: torch.dtype, names: list[str]) -> Choice | None:
         )
     except (TypeError, ValueError):
         return None
-    return replace(c, busy=busy if busy == busy else 1.0) if ok else None
+    return replace(c, busy=1.0 if math.isnan(busy) else busy) if ok else None
 
 
 def _name(dt: torch.dtype) -> str:
@@ -472,10 +473,18 @@ def _measure(kern: Kernels, dtype: torch.dtype, names: list[str]) -> Choice:
     if len(names) > 1:
         (gemm, _, _), by = _fastest(kern, dtype, [(g, bq, bk) for g in names])
         rates = {f"{g} {bq}x{bk}": r for (g, bq, bk), r in by.items()}
-    # the tiles on the winner: keys of their own (the first candidate's would be the back-end
-    # stage's, measured in other rounds)
-    (gemm, bq, bk), by = _fastest(kern, dtype, [(gemm, bq, bk) for bq, bk in TILE_CANDIDATES])
-    rates.update({f"tiles {bq}x{bk}": r for (_, bq, bk), r in by.items()})
+    return _tiles_then_forward(kern, dtype, gemm, rates, names)
+
+
+def _tiles_then_forward(
+    kern: Kernels, dtype: torch.dtype, gemm: str, rates: dict[str, float], names: list[str]
+) -> Choice:
+    """The tile candidates on back end (or half path) ``gemm``, their rates added to
+    ``rates`` under keys of their own (the first candidate's would be the back-end stage's,
+    measured in other rounds), the fastest in force; then the forward's own back end (of
+    ``names``) and tiles (``_with_forward``)."""
+    (gemm, bq, bk), by = _fastest(kern, dtype, [(gemm, q, k) for q, k in TILE_CANDIDATES])
+    rates = {**rates, **{f"tiles {q}x{k}": r for (_, q, k), r in by.items()}}
     kern.set_gemm(dtype, gemm)
     choice = Choice(gemm=gemm, block_q=bq, block_k=bk, how="calibrated", rates=rates)
     return _with_forward(kern, dtype, choice, names)
@@ -498,11 +507,7 @@ def _measure_half(kern: Kernels, dtype: torch.dtype, paths: list[str], base: Cho
     if path == "float32":  # float32's choice, forward tiles and all
         kern.set_gemm(dtype, path)
         return replace(base, gemm="float32", how="calibrated", rates=rates, forward_gemm="")
-    (path, bq, bk), by = _fastest(kern, dtype, [(path, q, k) for q, k in TILE_CANDIDATES])
-    rates.update({f"tiles {bq}x{bk}": r for (_, bq, bk), r in by.items()})
-    kern.set_gemm(dtype, path)
-    choice = Choice(gemm=path, block_q=bq, block_k=bk, how="calibrated", rates=rates)
-    return _with_forward(kern, dtype, choice, [path])
+    return _tiles_then_forward(kern, dtype, path, rates, [path])
 
 
 @contextlib.contextmanager

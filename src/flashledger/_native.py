@@ -419,9 +419,9 @@ class Kernels:
         """The default ``(block_q, block_k)`` for ``dtype``: the calibration's (a half dtype
         converted to float32 takes float32's); ``forward``: those of a forward pass (its own
         where the calibration measured them)."""
+        self.choose(dtype)  # a half dtype's choice makes float32's too
         if dtype in _HALF and not self.half_step(dtype):
             dtype = torch.float32
-        self.choose(dtype)
         c = self.choices.get(dtype)
         if c is None:
             return _calibrate.FALLBACK_TILES
