@@ -343,6 +343,76 @@ def test_scratch_kept_is_bounded_whatever_the_threads(native, gen, assert_close)
     assert set(_native._pool.bufs) == {("work", f64), ("kv_t", f64)}, set(_native._pool.bufs)
 
 
+@pytest.mark.parametrize("dt", [torch.float32, f64])
+def test_k_laid_out_per_key_tile_reads_as_the_whole_length(native, monkeypatch, gen, dt):
+    """The passes lay Kᵀ (and the backward's Vᵀ) out per key tile where every tile of the
+    schedule lies in one (``Schedule.key_tile``), each tile's rows a short stride apart. On
+    the own kernel, whose sums do not depend on where their operands lie, every result
+    equals the one read from the layout of the whole key length bit for bit: a ragged last
+    tile, Lq != Lk, GQA, causal partial tiles, a dense mask with fully-masked rows, ALiBi."""
+    if not native.own_built:
+        pytest.skip("no own kernel here: a BLAS's sums may depend on the operands' layout")
+    b, hkv, g, lq, lk, d = 2, 2, 2, 150, 203, 24
+    q = torch.randn(b, hkv * g, lq, d, dtype=dt, generator=gen)
+    k, v = (torch.randn(b, hkv, lk, d, dtype=dt, generator=gen) for _ in range(2))
+    do = torch.randn(b, hkv * g, lq, d, dtype=dt, generator=gen)
+    dense = torch.rand(b, hkv * g, lq, lk, generator=gen) < 0.6
+    dense[..., :5, :] = False  # fully-masked rows
+    slopes = torch.rand(hkv * g, dtype=f64, generator=gen)
+    tiles: list[int] = []
+    key_tile = _native.Schedule.key_tile
+    with _gemms_kept(native):
+        native.set_gemm(dt, "own")
+        for name, opts in {
+            "none": {},
+            "causal": dict(mask=fl.Causal()),
+            "dense": dict(mask=dense),
+            "alibi": dict(alibi_slopes=slopes),
+        }.items():
+            monkeypatch.setattr(
+                _native.Schedule, "key_tile", lambda s, n: tiles.append(key_tile(s, n)) or tiles[-1]
+            )
+            tiles.clear()
+            got = _both(q, k, v, do, block_q=64, block_k=48, **opts)
+            assert tiles and set(tiles) == {48}, (name, tiles)  # 203 keys: 4 x 48 and 11
+            monkeypatch.setattr(_native.Schedule, "key_tile", lambda s, n: 0)
+            want = _both(q, k, v, do, block_q=64, block_k=48, **opts)
+            for x, y, what in zip(
+                (got[0].o, got[0].lse, got[1].dq, got[1].dk, got[1].dv),
+                (want[0].o, want[0].lse, want[1].dq, want[1].dk, want[1].dv),
+                ("O", "LSE", "dQ", "dK", "dV"),
+            ):
+                same = (x == y) | (x.isnan() & y.isnan())
+                assert bool(same.all()), f"{name} {dt} {what}: {int((~same).sum())} values differ"
+
+
+def test_a_key_tile_layout_is_taken_only_where_the_tiles_fit_it(native):
+    """``Schedule.key_tile``: the widest tile's keys when each tile lies in one aligned block
+    of them and there are two blocks or more, else 0; a pass given a Kᵀ laid out before
+    checks its layout against the tensor it transposes and the schedule's tiles."""
+    sched = _native.Schedule()
+    for k0 in range(0, 100, 32):
+        sched.add(0, 8, k0, min(k0 + 32, 100), None)
+    assert sched.key_tile(100) == 32 and sched.fits(32) and not sched.fits(24)
+    assert sched.key_tile(32) == 0  # one block: the whole length is that layout
+    sched.add(0, 8, 20, 40, None)  # a tile across the boundary at 32
+    assert sched.key_tile(100) == 0
+    assert _native.Schedule().key_tile(100) == 0
+    k = torch.randn(3, 100, 5)
+    ok = _native.Schedule()
+    for k0 in range(0, 100, 32):
+        ok.add(0, 8, k0, min(k0 + 32, 100), None)
+    assert _native._layout_tile(native.transposed_k(k, 32), k, ok) == 32
+    assert _native._layout_tile(native.transposed_k(k), k, ok) == 0
+    assert native.transposed_k(k, 32).shape == (3, 4, 5, 32)
+    assert native.transposed_k(k, 100).shape == (3, 5, 100)  # one tile: the whole length
+    assert torch.equal(native.transposed_k(k, 32)[:, 3, :, :4], k[:, 96:].mT)
+    assert torch.equal(native.transposed_k(k, 32)[:, 1], k[:, 32:64].mT)
+    for bad in (native.transposed_k(k, 16), torch.zeros(3, 5, 99), torch.zeros(3, 4, 5, 31)):
+        with pytest.raises(ValueError, match="transposed K or V"):
+            _native._layout_tile(bad, k, ok)
+
+
 def test_large_scratch_is_its_own_base_on_huge_page_boundaries(native, gen, assert_close):
     """Scratch of a 2 MiB page or more is a base tensor of the asked dtype and size, starting
     on a 2 MiB boundary where the system maps anonymous memory (Linux), and writable; a

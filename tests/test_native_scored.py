@@ -264,16 +264,17 @@ def test_slabs_of_a_few_tiles_give_the_same_result(
     kern = _native.kernels()
     assert kern is not None
     real = type(kern).transposed
-    transposed: list[tuple[int, ...]] = []
+    transposed: list[tuple[tuple[int, ...], int]] = []
 
-    def counted(self: Any, x: Tensor, buf: Tensor) -> Tensor:
-        transposed.append(tuple(x.shape))
-        return real(self, x, buf)
+    def counted(self: Any, x: Tensor, buf: Tensor, tile: int = 0) -> Tensor:
+        transposed.append((tuple(x.shape), tile))
+        return real(self, x, buf, tile)
 
     monkeypatch.setattr(type(kern), "transposed", counted)
     sliced = _run(sm, [table], F64, native=True, **opts)
-    # Kᵀ laid out once for the forward's slabs, Kᵀ and Vᵀ once for the backward's
-    assert len(transposed) == 3, transposed
+    # Kᵀ laid out once for the forward's slabs, Kᵀ and Vᵀ once for the backward's, each
+    # per key tile (16 keys)
+    assert len(transposed) == 3 and {t for _, t in transposed} == {16}, transposed
     assert torch.equal(whole[0], sliced[0])
     for name, a, b in zip(("dQ", "dK", "dV", "d table"), whole[1:], sliced[1:], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13, msg=lambda m, n=name: f"{n}: {m}")

@@ -81,11 +81,31 @@ _POINTERS = (
     "q k kt v vt o lse dout lam dd dq dk dvo work iv_lo iv_hi k16 v16 q16 tiles row_start bounds "
     "seen o16 bad kp vp mx al_slope al_center"
 )
-_SIZES = "heads group lq lk d dv work_stride hq iv_bstride rows chunk splits stacked half amx alibi"
+_SIZES = (
+    "heads group lq lk d dv work_stride hq iv_bstride rows chunk splits stacked half amx alibi "
+    "kt_tile"
+)
 _HALF = {torch.bfloat16: 1, torch.float16: 2}
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16", torch.float16: "f16"}
 _HALF_GEMMS = {"bf16": "gemm_bf16bf16f32_", "f16": "gemm_f16f16f32_"}
 HALF_PATHS = _calibrate.HALF_PATHS
+
+
+def _layout_tile(t: torch.Tensor, x: torch.Tensor, sched: Schedule) -> int:
+    """The tile of ``t``, the transpose of ``x`` ``(Hk, Lk, n)`` as ``Kernels.transposed``
+    lays it out: 0 for ``(Hk, n, Lk)``, else the ``tile`` of ``(Hk, tiles, n, tile)``, which
+    every tile of ``sched`` must lie within. Raises ValueError for any other tensor."""
+    hk, lk, n = x.shape
+    if t.dim() == 3 and tuple(t.shape) == (hk, n, lk):
+        return 0
+    tile = t.shape[-1] if t.dim() == 4 else 0
+    if 0 < tile < lk and tuple(t.shape) == (hk, -(-lk // tile), n, tile) and sched.fits(tile):
+        return tile
+    raise ValueError(
+        f"a transposed K or V {tuple(t.shape)} is not one Kernels.transposed lays out for "
+        f"{tuple(x.shape)}: ({hk}, {n}, {lk}), or ({hk}, tiles, {n}, tile) per tile of keys "
+        "that every tile of the schedule lies within"
+    )
 
 
 class _Args(ctypes.Structure):
@@ -222,6 +242,17 @@ class Schedule:
             return 0, 0
         return max(t[1] - t[0] for t in self._tiles), max(t[3] - t[2] for t in self._tiles)
 
+    def key_tile(self, lk: int) -> int:
+        """Keys per tile of the transposed K and V a pass lays out (``Kernels.transposed_k``):
+        the widest tile's keys when every tile lies within one aligned block of them and
+        there are two blocks or more (of ``lk`` keys); else 0, one layout of all the keys."""
+        bk = self.widest()[1]
+        return bk if 0 < bk < lk and self.fits(bk) else 0
+
+    def fits(self, tile: int) -> bool:
+        """Whether every tile's keys lie within one block ``[j·tile, (j + 1)·tile)``."""
+        return all(t[2] // tile == (t[3] - 1) // tile for t in self._tiles if t[3] > t[2])
+
     def longest_row(self) -> int:
         """The most tiles in one row."""
         return max(b - a for a, b in itertools.pairwise(self._row_start)) if self.rows else 0
@@ -262,7 +293,7 @@ class Kernels:
                 getattr(lib, f"{name}_{suffix}").argtypes = [vp]
                 getattr(lib, f"{name}_{suffix}").restype = None
             tr = getattr(lib, f"fl_transpose_{suffix}")
-            tr.argtypes = [vp, vp, ll, ll, ll, ll]
+            tr.argtypes = [vp, vp, ll, ll, ll, ll, ll]
             tr.restype = None
             getattr(lib, f"fl_padded_{suffix}").argtypes = [ll]
             getattr(lib, f"fl_padded_{suffix}").restype = ll
@@ -506,35 +537,48 @@ class Kernels:
             self._padded[key] = int(self.fn("fl_padded", _suffix(dtype))(x))
         return self._padded[key]
 
-    def transposed(self, x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
-        """``x.mT`` of a contiguous ``(n, rows, cols)`` (any float dtype the step runs) laid out with row
-        stride ``padded(rows)``, on the step's threads, in the flat scratch ``buf`` (at
-        least ``n · cols · padded(rows)`` elements). Returns ``(n, cols, rows)`` (a view)."""
+    def transposed(self, x: torch.Tensor, buf: torch.Tensor, tile: int = 0) -> torch.Tensor:
+        """``x.mT`` of a contiguous ``(n, rows, cols)`` (any float dtype the step runs), on the
+        step's threads, in the flat scratch ``buf`` (``transposed_numel`` elements at least).
+        ``tile`` 0: laid out with row stride ``padded(rows)``, returns ``(n, cols, rows)``;
+        else each ``tile`` rows apart, row stride ``padded(tile)``: returns ``(n, tiles, cols,
+        tile)`` (views; the last tile's columns past ``rows`` are not written)."""
         n, rows, cols = x.shape
-        ld = self.padded(x.dtype, rows)
-        out = buf[: n * cols * ld].view(n, cols, ld)
-        self.fn("fl_transpose", _suffix(x.dtype))(x.data_ptr(), out.data_ptr(), n, rows, cols, ld)
-        return out[..., :rows]
+        tile = tile if 0 < tile < rows else 0
+        tiles, ld = -(-rows // tile) if tile else 1, self.padded(x.dtype, tile or rows)
+        out = buf[: n * tiles * cols * ld].view(n, tiles, cols, ld)
+        self.fn("fl_transpose", _suffix(x.dtype))(
+            x.data_ptr(), out.data_ptr(), n, rows, cols, ld, tile
+        )
+        return out[..., :tile] if tile else out[:, 0, :, :rows]
 
-    def transposed_k(self, k: torch.Tensor) -> torch.Tensor:
-        """Kᵀ as the passes read it (S = Q Kᵀ): ``(Hk, d, Lk)``, a view with rows
-        ``padded(Lk)`` apart, in the buffer the forward gave back (``k`` ``(Hk, Lk, d)``,
-        contiguous)."""
-        lt = self.padded(k.dtype, k.shape[1])  # the row stride of Kᵀ
-        return self.transposed(k, _pool.take("kv_t", k.shape[0] * k.shape[2] * lt, k.dtype))
+    def transposed_numel(self, x: torch.Tensor, tile: int = 0) -> int:
+        """Elements of the buffer ``transposed(x, buf, tile)`` lays out."""
+        n, rows, cols = x.shape
+        tile = tile if 0 < tile < rows else 0
+        return n * (-(-rows // tile) if tile else 1) * cols * self.padded(x.dtype, tile or rows)
+
+    def transposed_k(self, k: torch.Tensor, tile: int = 0) -> torch.Tensor:
+        """Kᵀ as the passes read it (S = Q Kᵀ), in the buffer the forward gave back (``k``
+        ``(Hk, Lk, d)``, contiguous): ``(Hk, d, Lk)`` with rows ``padded(Lk)`` apart, or per
+        ``tile`` keys (``Schedule.key_tile``) ``(Hk, tiles, d, tile)``, views."""
+        buf = _pool.take("kv_t", self.transposed_numel(k, tile), k.dtype)
+        return self.transposed(k, buf, tile)
 
     def give_back_kt(self, kt: torch.Tensor) -> None:
         """Hand the buffer of a ``transposed_k`` back for the next pass (a forward's Kᵀ
         buffer becomes the backward's, as a single forward call's does)."""
         _pool.give("kv_t", kt if kt._base is None else kt._base)
 
-    def transposed_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def transposed_kv(
+        self, k: torch.Tensor, v: torch.Tensor, tile: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(Kᵀ, Vᵀ)`` as the backward reads them (for S = Q Kᵀ and dP = dO Vᵀ): ``(Hk, d,
-        Lk)`` and ``(Hk, d_v, Lk)`` views, rows ``padded(Lk)`` apart; both go when the
-        caller lets them, before autograd's own copies of the gradients."""
-        lt = self.padded(v.dtype, v.shape[1])  # the row stride of Vᵀ, as Kᵀ's
-        vt = self.transposed(v, scratch(v.shape[0] * v.shape[2] * lt, v.dtype))
-        return self.transposed_k(k), vt
+        Lk)`` and ``(Hk, d_v, Lk)`` views, rows ``padded(Lk)`` apart, or both per ``tile``
+        keys as ``transposed_k``'s; both go when the caller lets them, before autograd's own
+        copies of the gradients."""
+        vt = self.transposed(v, scratch(self.transposed_numel(v, tile), v.dtype), tile)
+        return self.transposed_k(k, tile), vt
 
     def max_threads(self) -> int:
         """OpenMP threads a parallel region started from this thread uses: PyTorch's
@@ -564,7 +608,10 @@ class Kernels:
     ) -> list[int]:
         """Lay out the backward's operands, run it in one native call; returns ``seen``.
         ``kv_t``: ``transposed_kv(k, v)`` made once for several calls (else made here)."""
-        kt, vt = self.transposed_kv(k, v) if kv_t is None else kv_t
+        tile = sched.key_tile(k.shape[1]) if kv_t is None else _layout_tile(kv_t[0], k, sched)
+        if kv_t is not None and _layout_tile(kv_t[1], v, sched) != tile:
+            raise ValueError("Kᵀ and Vᵀ are laid out per tiles of different widths")
+        kt, vt = self.transposed_kv(k, v, tile) if kv_t is None else kv_t
         acc = torch.float32 if q.dtype in _HALF else q.dtype  # sums and results
         assert all(t.is_contiguous() for t in (q, k, v, *tensors.values()))
         assert kt.dtype == vt.dtype == tensors["dout"].dtype == q.dtype == k.dtype == v.dtype
@@ -587,6 +634,7 @@ class Kernels:
         args.q, args.k, args.kt, args.v, args.vt, args.work = (
             t.data_ptr() for t in (q, k, kt, v, vt, work)
         )
+        args.kt_tile = tile
         for n, t in tensors.items():
             setattr(args, n, t.data_ptr())
         if sched.terms and q.dtype in _HALF:
@@ -985,9 +1033,10 @@ class ForwardPass:
             work += chunk * d + 64 // self.acc.itemsize
         self.work = work
         self.half = half
-        # both passes read Kᵀ (for S = Q Kᵀ); a forward with keys in place (decode) reads K
-        # as it is, in its own dtype; the Kᵀ buffer goes back to the pool for the next pass
-        self.lt = kern.padded(q.dtype, k.shape[1])  # the row stride of Kᵀ
+        # both passes read Kᵀ (for S = Q Kᵀ), per tile of keys where the schedule's tiles
+        # allow; a forward with keys in place (decode) reads K as it is, in its own dtype;
+        # the Kᵀ buffer goes back to the pool for the next pass
+        self.kt_tile = 0 if keys_in_place or self.amx else sched.key_tile(k.shape[1])
         sizes = dict(chunk=chunk, splits=splits, stacked=int(stacked))
         self._args, self._buffers = _static_args(
             q,
@@ -1042,10 +1091,10 @@ class ForwardPass:
         units, -inf for a row that saw no key; shaped as the returned ``lse``: the parts'
         largest when merged). ``kt``: Kᵀ laid out before (``Kernels.forward``)."""
         self._check(q, k, v, rows)
-        if kt is not None and (
-            self.in_place or self.amx or kt.shape != (k.shape[0], k.shape[2], k.shape[1])
-        ):
-            raise ValueError("kt is Kᵀ (Hk, d, Lk) from transposed_k, for a pass that lays it out")
+        if kt is not None and (self.in_place or self.amx):
+            raise ValueError("kt is Kᵀ from transposed_k, for a pass that lays it out")
+        if kt is not None:
+            _layout_tile(kt, k, self._sched)
         if q16 is not None and self.half == 1:
             self._check_q16(q16, torch.bfloat16)
         splits, heads, lq, dv = self.o_shape
@@ -1185,10 +1234,10 @@ class ForwardPass:
                 k.data_ptr(), v.data_ptr(), args.kp, args.vp, hk, lk, d, dv
             )
         elif kt is not None:
-            args.kt = kt.data_ptr()
+            args.kt, args.kt_tile = kt.data_ptr(), kt.shape[-1] if kt.dim() == 4 else 0
         else:
-            kt_buf = self.kern.transposed_k(k)  # Kᵀ (Hk, d, Lk), rows self.lt apart
-            args.kt = kt_buf.data_ptr()
+            kt_buf = self.kern.transposed_k(k, self.kt_tile)  # Kᵀ, per tile of keys or whole
+            args.kt, args.kt_tile = kt_buf.data_ptr(), self.kt_tile
         need = self.kern.max_threads() * self.work
         try:
             work = self._spare.pop()

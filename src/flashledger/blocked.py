@@ -1175,7 +1175,7 @@ def _forward_native_scored(
     threads, rows = kern.max_threads(), min(block_q, lq)
     terms = _ScoreTerms(pb)
     slabs = _slabs(pb, qtiles, ktiles, kind_of, forward=True, buffers=1)
-    kt = kern.transposed_k(k) if len(slabs) > 1 else None  # Kᵀ once for every slab
+    kt = kern.transposed_k(k, block_k) if len(slabs) > 1 else None  # Kᵀ once, every slab
     for s0, s1 in slabs:
         slab = qtiles[s0:s1]
         sched, ran = _native_schedule(
@@ -1230,7 +1230,7 @@ def _backward_native_scored(
     grads = (user is not None and bool(user.captured)) or pb.smod.bias is not None
     terms = _ScoreTerms(pb, graphs=True, ds=grads)
     slabs = _slabs(pb, ktiles, qtiles, kind_of, forward=False, buffers=2 if grads else 1)
-    kv_t = kern.transposed_kv(k, v) if len(slabs) > 1 else None  # once for every slab
+    kv_t = kern.transposed_kv(k, v, block_k) if len(slabs) > 1 else None  # once, every slab
     for s0, s1 in slabs:
         slab = ktiles[s0:s1]
         sched, ran = _native_schedule(
