@@ -779,8 +779,6 @@ static void add_term(const long long *t, const struct rows *b, long long k0, int
     for (int r = 0; r < b->nr; ++r) add_row(s + (long long)r * ls, term + term_at(t, b, r, k0), nc, f);
 }
 
-/* S = factor · Q Kᵀ for a block of rows and keys [k0, k0 + nc), the factor riding on the
- * matmul, or, with `after`, (Q Kᵀ) · factor as the reference rounds it. */
 /* Offset, in values, of key k of K/V head kh in a transposed layout of n rows (kt's d,
  * vt's d_v): (Hk, n, padded(Lk)), or with kt_tile per tile of kt_tile keys, (Hk, tiles, n,
  * padded(kt_tile)), each tile a matrix of its own. *ld: the row stride there. A tile's rows
@@ -799,6 +797,8 @@ static inline long long t_at(const struct fl_args *a, long long kh, long long n,
     return (kh * tiles + j) * n * *ld + (k - j * a->kt_tile);
 }
 
+/* S = factor · Q Kᵀ for a block of rows and keys [k0, k0 + nc), the factor riding on the
+ * matmul, or, with `after`, (Q Kᵀ) · factor as the reference rounds it. */
 static void scores(const struct fl_args *a, const struct rows *b, long long k0, int nc, T *s,
                    long long ls, double factor, int after) {
     const TIN *qh = a->q + row_base(a, b) * a->d;
