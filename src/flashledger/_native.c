@@ -1549,26 +1549,23 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
 #endif
     if (t[4]) mask_bytes(a, t, b, s, ls, lo, ca, cb, gap);
     T *alpha = s + (long long)nrs * ls; /* α per row */
-    int moved = 0;                     /* did any row's max move? */
     for (int r = 0; r < nr; ++r) {
         T *row = s + (long long)r * ls;
         int c0r = t[4] ? ca[r] : 0, c1r = t[4] ? cb[r] : w; /* the row's columns */
         T m_old = m[r], top = row_max(row + c0r, c1r - c0r, fs);
         T m_new = m_old > top ? m_old : top, m_sub = m_new == -INFINITY ? 0 : m_new;
         alpha[r] = m_old == m_sub ? 1 : exp2s(m_old - m_sub); /* 1: the max did not move */
-        moved |= alpha[r] != (T)1;
         TIN *prow = ps + (long long)r * ls;
         T sum = exp_row(row + c0r, prow + c0r, c1r - c0r, m_sub);
         zero_outside(prow, c0r, c1r, w); /* P = 0 where the row cannot see */
         m[r] = m_new;
         ell[r] = sum + alpha[r] * ell[r];
     }
-    if (moved)
-        for (int r = 0; r < nr; ++r) {
-            if (alpha[r] == (T)1) continue; /* its max did not move: acc · 1 is acc */
-            T *ar = acc + (long long)r * idv;
-            for (int c = 0; c < idv; ++c) ar[c] *= alpha[r];
-        }
+    for (int r = 0; r < nr; ++r) {
+        if (alpha[r] == (T)1) continue; /* its max did not move: acc · 1 is acc */
+        T *ar = acc + (long long)r * idv;
+        for (int c = 0; c < idv; ++c) ar[c] *= alpha[r];
+    }
     /* acc (nr x d_v) += P (nr x w) V_j (w x d_v), formed as accᵀ += V_jᵀ Pᵀ */
 #if FL_AMX
     if (a->amx) { /* P's columns around [0, w), and the rows past nr, are zeros */

@@ -544,8 +544,7 @@ class Kernels:
         else each ``tile`` rows apart, row stride ``padded(tile)``: returns ``(n, tiles, cols,
         tile)`` (views; the last tile's columns past ``rows`` are not written)."""
         n, rows, cols = x.shape
-        tile = tile if 0 < tile < rows else 0
-        tiles, ld = -(-rows // tile) if tile else 1, self.padded(x.dtype, tile or rows)
+        tile, tiles, ld = self._tiling(x, tile)
         out = buf[: n * tiles * cols * ld].view(n, tiles, cols, ld)
         self.fn("fl_transpose", _suffix(x.dtype))(
             x.data_ptr(), out.data_ptr(), n, rows, cols, ld, tile
@@ -554,9 +553,16 @@ class Kernels:
 
     def transposed_numel(self, x: torch.Tensor, tile: int = 0) -> int:
         """Elements of the buffer ``transposed(x, buf, tile)`` lays out."""
-        n, rows, cols = x.shape
+        n, _, cols = x.shape
+        _, tiles, ld = self._tiling(x, tile)
+        return n * tiles * cols * ld
+
+    def _tiling(self, x: torch.Tensor, tile: int) -> tuple[int, int, int]:
+        """``(tile, tiles, row stride)`` of ``x`` ``(n, rows, cols)`` transposed per ``tile``
+        rows: tile 0 (one tile of all the rows) where ``tile`` does not split them."""
+        rows = x.shape[1]
         tile = tile if 0 < tile < rows else 0
-        return n * (-(-rows // tile) if tile else 1) * cols * self.padded(x.dtype, tile or rows)
+        return tile, -(-rows // tile) if tile else 1, self.padded(x.dtype, tile or rows)
 
     def transposed_k(self, k: torch.Tensor, tile: int = 0) -> torch.Tensor:
         """Kᵀ as the passes read it (S = Q Kᵀ), in the buffer the forward gave back (``k``
@@ -608,10 +614,14 @@ class Kernels:
     ) -> list[int]:
         """Lay out the backward's operands, run it in one native call; returns ``seen``.
         ``kv_t``: ``transposed_kv(k, v)`` made once for several calls (else made here)."""
-        tile = sched.key_tile(k.shape[1]) if kv_t is None else _layout_tile(kv_t[0], k, sched)
-        if kv_t is not None and _layout_tile(kv_t[1], v, sched) != tile:
-            raise ValueError("Kᵀ and Vᵀ are laid out per tiles of different widths")
-        kt, vt = self.transposed_kv(k, v, tile) if kv_t is None else kv_t
+        if kv_t is None:
+            tile = sched.key_tile(k.shape[1])
+            kt, vt = self.transposed_kv(k, v, tile)
+        else:
+            kt, vt = kv_t
+            tile = _layout_tile(kt, k, sched)
+            if _layout_tile(vt, v, sched) != tile:
+                raise ValueError("Kᵀ and Vᵀ are laid out per tiles of different widths")
         acc = torch.float32 if q.dtype in _HALF else q.dtype  # sums and results
         assert all(t.is_contiguous() for t in (q, k, v, *tensors.values()))
         assert kt.dtype == vt.dtype == tensors["dout"].dtype == q.dtype == k.dtype == v.dtype
@@ -1093,8 +1103,7 @@ class ForwardPass:
         self._check(q, k, v, rows)
         if kt is not None and (self.in_place or self.amx):
             raise ValueError("kt is Kᵀ from transposed_k, for a pass that lays it out")
-        if kt is not None:
-            _layout_tile(kt, k, self._sched)
+        kt_tile = self.kt_tile if kt is None else _layout_tile(kt, k, self._sched)
         if q16 is not None and self.half == 1:
             self._check_q16(q16, torch.bfloat16)
         splits, heads, lq, dv = self.o_shape
@@ -1115,7 +1124,7 @@ class ForwardPass:
         mx = None if row_max is None else torch.empty(at, dtype=self.acc)  # (S, H, Lq)
         if self._sched.terms and (self.half or self.amx or self.in_place or q.dtype in _HALF):
             raise ValueError("a tile's term is read by a float32/float64 pass with Kᵀ laid out")
-        self._launch(q, k, v, o, lse, q16=q16, o16=o16, bad=bad, mx=mx, kt=kt)
+        self._launch(q, k, v, o, lse, q16=q16, o16=o16, bad=bad, mx=mx, kt=kt, kt_tile=kt_tile)
         if o_finite is not None and bad is not None and not bad.value:
             o_finite.append(True)
         if row_max is not None and mx is not None:
@@ -1214,10 +1223,11 @@ class ForwardPass:
         bad: ctypes.c_longlong | None = None,
         mx: torch.Tensor | None = None,
         kt: torch.Tensor | None = None,
+        kt_tile: int = 0,
     ) -> None:
         """The C call on checked operands and results (``q`` None: its rows from ``q16``;
         ``mx``: where each row's final running max goes, shaped as ``lse``; ``kt``: Kᵀ laid
-        out before)."""
+        out before, per ``kt_tile`` keys or (0) whole)."""
         args = _Args.from_buffer_copy(self._args)
         seen = array.array("q", bytes(8 * self._n_tiles))
         args.seen = seen.buffer_info()[0]
@@ -1234,7 +1244,7 @@ class ForwardPass:
                 k.data_ptr(), v.data_ptr(), args.kp, args.vp, hk, lk, d, dv
             )
         elif kt is not None:
-            args.kt, args.kt_tile = kt.data_ptr(), kt.shape[-1] if kt.dim() == 4 else 0
+            args.kt, args.kt_tile = kt.data_ptr(), kt_tile
         else:
             kt_buf = self.kern.transposed_k(k, self.kt_tile)  # Kᵀ, per tile of keys or whole
             args.kt, args.kt_tile = kt_buf.data_ptr(), self.kt_tile
