@@ -11,7 +11,7 @@ PORT    ?= 8000
 # the numerical tests: what a matmul back end or the PyTorch step can change
 NUMERIC_TESTS := tests/test_blocked.py tests/test_native.py tests/test_features.py \
 	tests/test_fast_path.py tests/test_properties.py tests/test_verify.py \
-	tests/test_verify_matrix.py tests/test_docs.py tests/test_decode_lane.py \
+	tests/test_verify_matrix.py tests/test_docs.py tests/test_lane.py \
 	tests/test_kvcache.py tests/test_flex.py
 # the native step's matmul back ends here, and one other than its choice for float32 (other
 # than its forward's too, where there is one)

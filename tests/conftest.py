@@ -31,7 +31,7 @@ import pytest
 import torch
 
 import flashledger as fl
-from flashledger import _decode, _native, blocked
+from flashledger import _lane, _native, blocked
 
 ALL_PRESETS = [fl.SEED, fl.FLASH_ATTN_2, fl.FLASH_ATTN_3, fl.FLEX_ATTENTION, fl.SDPA_CPU]
 
@@ -192,13 +192,13 @@ def _count_calls(
 @pytest.fixture
 def native_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Counts the passes that run with the native tile step (skips where it is not built):
-    the loop's, and the decode lane's (``_decode``)."""
+    the loop's, and the planned lane's (``_lane``)."""
     return _count_calls(
         monkeypatch,
         (
             (blocked, "_forward_native", "forward"),
             (blocked, "_backward_native", "backward"),
-            (_decode, "_run", "forward"),
+            (_lane, "_run", "forward"),
         ),
     )
 

@@ -983,7 +983,7 @@ class ForwardPass:
     sizes, schedule, work split and scratch size, set once from the shapes and dtypes of
     ``q``, ``k``, ``v`` (their values are not read). ``run(q, k, v)`` runs it on tensors
     of those sizes and dtypes (contiguous, laid out as the planned ones), as often as
-    asked: a decode step repeats its shapes on every layer and token (``_decode``), and
+    asked: a decode step repeats its shapes on every layer and token (``_lane``), and
     ``Kernels.forward`` builds one per call. Arguments as ``Kernels.forward``'s; the
     schedule's partial tiles' bytes must stay alive while the pass is run.
     ``keep_scratch``: keep a scratch buffer of at most ``SPARE_BYTES`` for the next run
@@ -1068,7 +1068,7 @@ class ForwardPass:
         self._sched = sched  # its partial tiles' bytes
         self._fn = kern.fn("fl_forward", _suffix(q.dtype))
         self._finite = kern.fn("fl_all_finite", _suffix(self.acc))
-        # a pass run again and again (``_decode``'s plans) keeps one small scratch buffer of
+        # a pass run again and again (``_lane``'s plans) keeps one small scratch buffer of
         # its own: taken and put back by one list operation each (atomic under the GIL)
         self._spare: list[torch.Tensor] = []
 
@@ -1154,7 +1154,7 @@ class ForwardPass:
         itself and ``o`` comes in that dtype (rounded as PyTorch's conversion rounds).
         With one part the pass checks the values as it writes them (and rounds them): a
         decode step's call costs no tensor operation besides its two results
-        (``_decode``)."""
+        (``_lane``)."""
         splits, heads, lq, dv = self.o_shape
         if q is None:
             if not self.half:

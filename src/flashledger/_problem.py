@@ -577,15 +577,16 @@ def _frame_key(
     placement: Any,
     acc_dtype: Any,
     *scalars: Any,
+    max_rows: int = _FRAME_ROWS,
 ) -> tuple[Any, ...] | None:
     """The frame cache's key of a call: shapes, dtypes and devices of q, k, v and the
     options (scalars with their types, so that ``True`` is not taken for ``1``); None
-    when the frame may not be kept: inputs that are not tensors, many rows, a mask other
-    than ``Causal``/``SlidingWindow`` (those are values; others may hold tensors), or an
-    unhashable option."""
+    when the frame may not be kept: inputs that are not tensors, more than ``max_rows``
+    query rows, a mask other than ``Causal``/``SlidingWindow`` (those are values; others
+    may hold tensors), or an unhashable option."""
     if not all(isinstance(x, torch.Tensor) for x in (q, k, v)):
         return None
-    if q.ndim < 2 or q.shape[-2] > _FRAME_ROWS:
+    if q.ndim < 2 or q.shape[-2] > max_rows:
         return None
     if mask is not None and type(mask) not in (Causal, SlidingWindow):
         return None

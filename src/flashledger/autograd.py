@@ -39,7 +39,7 @@ from typing import Any, Unpack
 
 import torch
 
-from . import _decode
+from . import _lane
 from ._backward_graph import graph_backward
 from ._mods import find_captured
 from ._options import AttentionOptions, check_options
@@ -72,8 +72,8 @@ class _FlashAttention(torch.autograd.Function):
         """``(o, lse)``; through autograd only when a gradient can flow (grad mode on and an
         input requires one, or a functorch transform is active): otherwise the forward alone,
         as autograd would run it, without a graph node (its bookkeeping is a large part of a
-        decode step), and with no ledger sink on the decode lane where it applies
-        (``_decode``: a few query rows, planned once per shape)."""
+        decode step), and with no ledger sink on the planned lane where it applies
+        (``_lane``: a call of at most ``LANE_ROWS`` query rows, planned once per shape)."""
         inputs = (q, k, v, bias, *captured)
         if (
             torch.is_grad_enabled()
@@ -81,7 +81,7 @@ class _FlashAttention(torch.autograd.Function):
         ) or torch._C._are_functorch_transforms_active():
             return super().apply(q, k, v, bias, opts, sink, *captured)  # type: ignore[no-any-return]
         if sink is None and bias is None and not captured and _ROW_MAX not in opts:
-            lane = _decode.forward(q, k, v, opts)
+            lane = _lane.forward(q, k, v, opts)
             if lane is not None:
                 return lane
         _, res = _forward(q, k, v, bias, opts, sink, captured)

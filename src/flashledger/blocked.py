@@ -836,8 +836,8 @@ def _native_forward_plan(
     group's query heads as one block of rows, and with a few rows against many keys K is
     read in place (a Kᵀ would cost as much traffic as the attention; a half cache is
     widened as it is read); when the items are still too few to balance, each row's key
-    tiles are split into parts (flash-decoding). ``_forward_native`` runs it; the decode
-    lane (``_decode``) keeps it for its plans."""
+    tiles are split into parts (flash-decoding). ``_forward_native`` runs it; the planned
+    lane (``_lane``) keeps it for its plans."""
     b, hq, hkv, g, lq, lk = pb.shape[:6]
     qtiles, ktiles = _tiles(lq, block_q), _tiles(lk, block_k)
     sched, ran = _native_schedule(pb, book, qtiles, ktiles, kind_of, forward=True)

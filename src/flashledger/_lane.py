@@ -1,30 +1,31 @@
-"""The decode lane: an unobserved forward of a few query rows against many keys, planned
-once per shape and run as one native call.
+"""The planned lane: an unobserved forward, planned once per call shape and run as one
+native call.
 
-A decode step repeats its shapes on every layer and every token, and its arithmetic is
-small (a few query rows per head against the cache). The general path decides the same
-things on every call: validation, the problem's layout, the tile sizes, the schedule,
-the work split, a ledger, the checks of the result; together several times the native
-pass of a short cache. Where nobody can observe the call (``_FlashAttention.apply``
-with no gradient to flow, no ledger sink, no trace), the lane keeps what the general
-path decides for a call's shapes, dtypes, devices, options, thread count and matmul
-back end, decided by the general path's own functions (``build_problem``,
-``_resolve_tiles``, ``_native_forward_plan``, ``_forward_operands``),
-as a ``_native.ForwardPass``, and runs that pass on each call's tensors. Its results
-are the general path's bit for bit (``tests/test_decode_lane.py``).
+A decode step repeats its shapes on every layer and every token, and so does a model's
+prefill of a prompt or an encoder's forward of a batch. The general path decides the
+same things on every call: validation, the problem's layout, the tile sizes, the
+schedule, the work split, a ledger, the checks of the result; together several times
+the native pass of a short cache, and a few hundred microseconds of a short prompt's.
+Where nobody can observe the call (``_FlashAttention.apply`` with no gradient to flow,
+no ledger sink, no trace), the lane keeps what the general path decides for a call's
+shapes, dtypes, devices, options, thread count and matmul back end, decided by the
+general path's own functions (``build_problem``, ``_resolve_tiles``,
+``_native_forward_plan``, ``_forward_operands``), as a ``_native.ForwardPass``, and
+runs that pass on each call's tensors. Its results are the general path's bit for bit
+(``tests/test_lane.py``).
 
-Around the pass a call runs no tensor operation but its two results' allocations
-(``ForwardPass.run_rows``): after a pass has streamed a long cache through the CPU's
-caches, each small operation costs several times its warm time, and a decode step's
-own arithmetic is a few hundred microseconds. With q, K and V in one half dtype the
-pass widens q's rows and rounds O itself; with one part it checks the values as it
-writes them.
+Around the pass a call runs no tensor operation but its two results' allocations and,
+where the pass lays Kᵀ out, that layout (``ForwardPass.run_rows``): after a pass has
+streamed a long cache through the CPU's caches, each small operation costs several
+times its warm time, and a decode step's own arithmetic is a few hundred microseconds.
+With q, K and V in one half dtype, read in place, the pass widens q's rows and rounds O
+itself; with one part it checks the values as it writes them.
 
-It takes only the calls the general path runs as one native pass with the keys read
-in place: no mask but ``Causal`` or ``SlidingWindow`` (values: their partial tiles'
-rows come from the geometry alone, as intervals), no bias, score_mod, softcap, ALiBi,
-dropout or varlen, one query tile, at most 64 query rows per K/V head, on CPU with the
-native step on.
+It takes the calls the general path runs as one native pass: no mask but ``Causal`` or
+``SlidingWindow`` (values: their partial tiles' rows come from the geometry alone, as
+intervals), under which every row sees a key; no bias, score_mod, softcap, ALiBi,
+dropout or varlen; at most ``LANE_ROWS`` query rows; q, K and V in the dtype the pass
+computes in, or a half cache read in place (decode); on CPU with the native step on.
 A result that is not finite goes back to the general path, which names the input or
 the row at fault.
 """
@@ -52,7 +53,13 @@ from .blocked import (
 )
 from .masks import Causal, IntervalBound, SlidingWindow
 
-__all__ = ["forward"]
+__all__ = ["LANE_ROWS", "forward"]
+
+# query rows of the longest call the lane plans: an unobserved float32 forward (B = 1,
+# H = 4, d = 64) took 0.50 x the general path's time at L = 64, 0.78 at 256, 0.91 at
+# 1024, 0.985 at 2048 and the same at 4096 (AMD EPYC family 25 model 1, one process
+# alternating the two), where a plan only holds memory
+LANE_ROWS = 2048
 
 # options the lane reads (any value) and those it takes only at their defaults
 _READ = frozenset(("mask", "scale", "conventions", "seed", "block_q", "block_k", "loop_order"))
@@ -120,6 +127,7 @@ def forward(
         None,
         None,
         *(opts.get(name) for name in _KEYED),
+        max_rows=LANE_ROWS,
     )
     if frame is None:
         return None
@@ -138,7 +146,8 @@ def _plan(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: dict[str, Any], kern: _native.Kernels
 ) -> _Plan | object:
     """What the general path decides for this call's shapes, as a plan; ``_NOT_TAKEN``
-    when it would not run them as one keys-in-place native pass."""
+    when it would not run them as one native pass, or a row sees no key (its result is
+    the conventions', which the general path gives)."""
     problem = {n: x for n, x in opts.items() if n not in ("block_q", "block_k", "loop_order")}
     try:
         _check_options(opts.get("block_q"), opts.get("block_k"), opts.get("loop_order", "fa2"))
@@ -152,14 +161,15 @@ def _plan(
     block_q, block_k = _resolve_tiles(
         pb, kern, opts.get("block_q"), opts.get("block_k"), forward=True
     )
-    if pb.shape[5] == 0:
+    if pb.shape[5] == 0 or (pb.mask is not None and not _every_row_sees_a_key(pb.mask)):
         return _NOT_TAKEN
     book = _Book(pb, _new_ledger(pb, "forward", block_q, block_k, "fa2").counters)
     kind_of = _kind_of(_classes(pb, block_q, block_k))
     _, sched, _, args = _native_forward_plan(pb, kern, book, kind_of, block_q, block_k)
-    if not args["keys_in_place"]:  # (one query tile, a few rows per K/V head)
-        return _NOT_TAKEN
-    qn, kn, vn = _forward_operands(pb, kern, True)
+    in_place = args["keys_in_place"]  # (one query tile, a few rows per K/V head)
+    if q.dtype in _native._HALF and not in_place:
+        return _NOT_TAKEN  # (the half step's O comes rounded from a merged pass: its path's)
+    qn, kn, vn = _forward_operands(pb, kern, in_place)
     run = _native.ForwardPass(kern, qn, kn, vn, sched, **args, keep_scratch=True)
     half_rows = run.half != 0 and q.dtype == kn.dtype == pb.out_dtype
     if not (half_rows or q.dtype == qn.dtype == kn.dtype == pb.out_dtype):
@@ -167,15 +177,21 @@ def _plan(
     return _Plan(run=run, half_rows=half_rows)
 
 
+def _every_row_sees_a_key(mask: IntervalBound) -> bool:
+    """Whether each row's interval of keys (``lo <= j <= hi``) holds one."""
+    lo, hi = mask.rows()  # (Bm, Lq) plain integers
+    return all(a <= b for lo_r, hi_r in zip(lo, hi) for a, b in zip(lo_r, hi_r))
+
+
 def _run(
     plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The planned pass on this call's tensors, laid out as ``_forward_operands`` lays
-    them; None when the result is not finite (a row that sees no key, an overflow, a NaN
-    input: the general path's to report or explain)."""
+    them; None when the result is not finite (an overflow, a NaN input: the general
+    path's to report or explain)."""
     qn = q if q.is_contiguous() else q.contiguous()  # (B·Hq, Lq, d) as laid out
-    kn = k if k.is_contiguous() else k.contiguous()
-    vn = v if v.is_contiguous() else v.contiguous()
+    kn = (k if k.is_contiguous() else k.contiguous()).view(-1, *k.shape[-2:])  # (B·Hk, Lk, d)
+    vn = (v if v.is_contiguous() else v.contiguous()).view(-1, *v.shape[-2:])
     rows = q.shape[:-1]  # the caller's (..., Lq)
     if plan.half_rows:  # q's rows and O in the cache's dtype: no conversion around the pass
         return plan.run.run_rows(None, kn, vn, rows, q16=qn)

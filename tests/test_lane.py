@@ -1,6 +1,6 @@
-"""The decode lane (``_decode``): an unobserved call of a few query rows, planned once per
-shape, gives the general path's results bit for bit, takes only the calls it may, and
-hands back every result it cannot vouch for.
+"""The planned lane (``_lane``): an unobserved call (a decode step, a short prefill),
+planned once per shape, gives the general path's results bit for bit, takes only the
+calls it may, and hands back every result it cannot vouch for.
 
 The general path runs the same call when a ledger sink is attached (a sink observes
 the call, so the lane leaves it alone): the two are compared with ``torch.equal``, the
@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flashledger as fl
-from flashledger import _decode, _native
+from flashledger import _lane, _native
 from flashledger.autograd import _FlashAttention
 from flashledger.conventions import SEED
 
@@ -28,13 +28,13 @@ f32, f64, bf16, f16 = torch.float32, torch.float64, torch.bfloat16, torch.float1
 def lane_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """One entry per call the lane ran (its pass), whatever came of it."""
     runs: list[int] = []
-    real = _decode._run
+    real = _lane._run
 
     def counted(*a: Any, **kw: Any) -> Any:
         runs.append(1)
         return real(*a, **kw)
 
-    monkeypatch.setattr(_decode, "_run", counted)
+    monkeypatch.setattr(_lane, "_run", counted)
     return runs
 
 
@@ -69,10 +69,11 @@ def _inputs(
 @given(
     b=st.sampled_from([1, 2]),
     heads=st.sampled_from([(1, 1), (4, 2), (8, 2), (6, 6)]),
-    lq=st.sampled_from([1, 2, 3, 8]),
+    lq=st.sampled_from([1, 2, 3, 8, 40, 97, 300]),
     lk=st.sampled_from([1, 7, 97, 113, 600, 2100]),
     dims=st.sampled_from([(8, 8), (64, 64), (12, 20)]),
     dt=st.sampled_from([f32, f64, bf16, f16]),
+    block_q=st.sampled_from([None, 64]),
     block_k=st.sampled_from([None, 32, 128]),
     layout=st.sampled_from(["4d", "3d", "transposed"]),
     mask=st.sampled_from(
@@ -81,12 +82,14 @@ def _inputs(
     seed=st.integers(0, 2**31 - 1),
 )
 def test_the_lane_gives_the_general_paths_bits(
-    native, lane_runs, b, heads, lq, lk, dims, dt, block_k, layout, mask, seed
+    native, lane_runs, b, heads, lq, lk, dims, dt, block_q, block_k, layout, mask, seed
 ):
-    """Any shape it takes (GQA, ragged last key tile, one key, 3-D inputs, a transposed
-    q as transformers passes it, every dtype with a half cache read in place, causal and
-    window masks with partial tiles and rows that see no key): o and lse equal the
-    general path's exactly, in its dtypes and shapes."""
+    """Any shape it takes (GQA, ragged last query and key tiles, one key, Lq != Lk, 3-D
+    inputs, a transposed q as transformers passes it, every dtype with a half cache read
+    in place, causal and window masks with partial tiles): o and lse equal the general
+    path's exactly, in its dtypes and shapes. A call where a row sees no key (bottom-right
+    masks with Lq > Lk), or of half inputs with more rows than a pass reads the cache in
+    place for, is the general path's."""
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = heads
     d, dv = dims
@@ -99,8 +102,10 @@ def test_the_lane_gives_the_general_paths_bits(
         q = q.transpose(1, 2).contiguous().transpose(1, 2)
     before = len(lane_runs)
     mask = fl.Causal("bottom_right") if mask == "causal" else mask
-    (o, lse), (o_ref, lse_ref) = _both(q, k, v, _opts(block_k=block_k, mask=mask))
-    taken = hq // hkv * lq <= 64
+    opts = _opts(block_q=block_q, block_k=block_k, mask=mask)
+    (o, lse), (o_ref, lse_ref) = _both(q, k, v, opts)
+    row_without_keys = mask is not None and mask.align == "bottom_right" and lq > lk
+    taken = not row_without_keys and (dt in (f32, f64) or hq // hkv * lq <= 64)
     assert len(lane_runs) - before == int(taken)
     assert o.dtype == o_ref.dtype == dt and o.shape == o_ref.shape == (*q.shape[:-1], dv)
     assert lse.dtype == lse_ref.dtype and lse.shape == lse_ref.shape == q.shape[:-1]
@@ -119,14 +124,31 @@ def test_a_decode_step_of_a_causal_cache_takes_the_lane(native, lane_runs, gen):
     assert len(lane_runs) == 4
 
 
+@pytest.mark.parametrize("dt", [f32, f64])
+def test_a_prefill_takes_the_lane_with_k_laid_out(native, lane_runs, gen, dt):
+    """A causal prefill (GQA, a ragged last query and key tile, q transposed as transformers
+    passes it) and the longest call the lane plans: a pass that lays Kᵀ out, planned once,
+    run on each call's own values, the general path's bits."""
+    for lq, mask, block_q in ((700, fl.Causal("bottom_right"), 256), (_lane.LANE_ROWS, None, None)):
+        before = len(lane_runs)
+        for scale in (1.0, -2.0):
+            q, k, v = _inputs(gen, 2, 8, 2, lq, lq, 32, 16, dt)
+            q = q.transpose(1, 2).contiguous().transpose(1, 2) * scale
+            (o, lse), (o_ref, lse_ref) = _both(q, k, v, _opts(mask=mask, block_q=block_q))
+            assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref), (lq, scale)
+        assert len(lane_runs) - before == 2
+        plans = [p for p in _lane._PLANS._frames.values() if isinstance(p, _lane._Plan)]
+        assert not plans[-1].run.in_place, "the plan reads Kᵀ laid out, not K in place"
+
+
 def test_repeated_calls_reuse_one_plan_and_read_their_own_tensors(native, lane_runs, gen):
     """A second call of the same shapes runs the kept plan on its own values."""
     q, k, v = _inputs(gen, 2, 8, 2, 1, 300, 16, 16, f32)
     opts = _opts(scale=0.3)
     (o1, _), _ = _both(q, k, v, opts)
-    plans = len(_decode._PLANS._frames)
+    plans = len(_lane._PLANS._frames)
     (o2, lse2), (o2_ref, lse2_ref) = _both(q * 2, k.flip(2), v, opts)
-    assert len(_decode._PLANS._frames) == plans, "the second call planned nothing"
+    assert len(_lane._PLANS._frames) == plans, "the second call planned nothing"
     assert len(lane_runs) == 2
     assert not torch.equal(o1, o2)
     assert torch.equal(o2, o2_ref) and torch.equal(lse2, lse2_ref)
@@ -157,16 +179,33 @@ def test_the_plan_follows_the_thread_count_and_the_matmul_back_end(native, lane_
 
 @pytest.mark.parametrize(
     "case",
-    ["mask", "softcap", "dropout", "alibi", "grad", "sink", "many rows", "fa1", "native off"],
+    [
+        "mask",
+        "softcap",
+        "dropout",
+        "alibi",
+        "grad",
+        "sink",
+        "many rows",
+        "half rows",
+        "no key",
+        "fa1",
+        "native off",
+    ],
 )
 def test_the_lane_leaves_every_other_call_to_the_general_path(native, lane_runs, gen, case):
     """Masks that hold tensors, score changes, dropout, gradients, an observer (a ledger
-    sink), a query tile too large to stack, the FA1 order or the native step switched
-    off: the general path runs the call (and its result stands)."""
-    q, k, v = _inputs(gen, 1, 4, 2, 1 if case != "many rows" else 40, 200, 8, 8, f64)
+    sink), more query rows than the lane plans, half inputs with too many rows to read
+    the cache in place, a row that sees no key (its result is the conventions'), the FA1
+    order or the native step switched off: the general path runs the call (and its
+    result stands, finite where a row sees a key)."""
+    lq = {"many rows": _lane.LANE_ROWS + 1, "half rows": 40, "no key": 300}.get(case, 1)
+    q, k, v = _inputs(gen, 1, 4, 2, lq, 200, 8, 8, bf16 if case == "half rows" else f64)
     opts = _opts()
     sink = None
-    if case == "mask":
+    if case == "no key":  # rows 0-99 see no key
+        opts["mask"] = fl.Causal("bottom_right")
+    elif case == "mask":
         opts["mask"] = fl.KeyPadding([150])
     elif case == "softcap":
         opts["softcap"] = 5.0
@@ -186,7 +225,7 @@ def test_the_lane_leaves_every_other_call_to_the_general_path(native, lane_runs,
     else:
         o, _ = _FlashAttention.apply(q, k, v, None, opts, sink)
     assert not lane_runs, case
-    assert bool(torch.isfinite(o).all())
+    assert bool(torch.isfinite(o[..., 100:, :] if case == "no key" else o).all())
 
 
 @pytest.mark.parametrize("dt", [f32, bf16])
