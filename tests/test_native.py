@@ -413,6 +413,27 @@ def test_a_key_tile_layout_is_taken_only_where_the_tiles_fit_it(native):
             _native._layout_tile(bad, k, ok)
 
 
+@pytest.mark.parametrize("dt", [torch.float32, f64, torch.bfloat16, torch.float16])
+def test_a_transpose_copies_every_value_across_the_register_blocks_and_their_edges(native, gen, dt):
+    """``transposed``: every value where ``x.mT`` has it, per tile of rows or whole, for
+    shapes that cut the 8 x 8 (float64 4 x 4) register blocks anywhere: rows and columns
+    below, at and past a block, ragged last tiles, several matrices. The buffer starts as
+    NaN, so a value left unwritten shows."""
+    for n, rows, cols in ((1, 1, 1), (2, 7, 3), (3, 9, 8), (1, 63, 12), (2, 65, 17), (1, 130, 64)):
+        x = torch.randn(n, rows, cols, generator=gen, dtype=f64).to(dt)
+        for tile in (0, 4, 32, 100):
+            buf = torch.full((native.transposed_numel(x, tile),), float("nan"), dtype=dt)
+            out = native.transposed(x, buf, tile)
+            if 0 < tile < rows:
+                tiles = -(-rows // tile)
+                assert out.shape == (n, tiles, cols, tile)
+                whole = out.permute(0, 1, 3, 2).reshape(n, tiles * tile, cols)[:, :rows]
+            else:
+                assert out.shape == (n, cols, rows)
+                whole = out.mT
+            assert torch.equal(whole, x), (n, rows, cols, tile)
+
+
 def test_large_scratch_is_its_own_base_on_huge_page_boundaries(native, gen, assert_close):
     """Scratch of a 2 MiB page or more is a base tensor of the asked dtype and size, starting
     on a 2 MiB boundary where the system maps anonymous memory (Linux), and writable; a
