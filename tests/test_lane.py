@@ -130,15 +130,17 @@ def test_a_prefill_takes_the_lane_with_k_laid_out(native, lane_runs, gen, dt):
     passes it) and the longest call the lane plans: a pass that lays Kᵀ out, planned once,
     run on each call's own values, the general path's bits."""
     for lq, mask, block_q in ((700, fl.Causal("bottom_right"), 256), (_lane.LANE_ROWS, None, None)):
-        before = len(lane_runs)
+        before, kept = len(lane_runs), []
         for scale in (1.0, -2.0):
             q, k, v = _inputs(gen, 2, 8, 2, lq, lq, 32, 16, dt)
             q = q.transpose(1, 2).contiguous().transpose(1, 2) * scale
             (o, lse), (o_ref, lse_ref) = _both(q, k, v, _opts(mask=mask, block_q=block_q))
             assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref), (lq, scale)
+            kept.append(next(reversed(_lane._PLANS._frames.values())))  # the one just run
         assert len(lane_runs) - before == 2
-        plans = [p for p in _lane._PLANS._frames.values() if isinstance(p, _lane._Plan)]
-        assert not plans[-1].run.in_place, "the plan reads Kᵀ laid out, not K in place"
+        assert kept[1] is kept[0], "the second call planned again"
+        assert isinstance(kept[0], _lane._Plan)
+        assert not kept[0].run.in_place, "the plan reads Kᵀ laid out, not K in place"
 
 
 def test_repeated_calls_reuse_one_plan_and_read_their_own_tensors(native, lane_runs, gen):
