@@ -143,6 +143,32 @@ def test_a_prefill_takes_the_lane_with_k_laid_out(native, lane_runs, gen, dt):
         assert not kept[0].run.in_place, "the plan reads Kᵀ laid out, not K in place"
 
 
+@pytest.mark.parametrize("conventions", [SEED, fl.FLASH_ATTN_2])
+def test_a_training_steps_forward_takes_the_lane_and_its_gradients_stand(
+    native, lane_runs, gen, conventions
+):
+    """With a gradient to flow, the forward nobody observes runs on the lane (the backward
+    on the general path, the mask bound again): O, LSE and dq, dk, dv, through the LSE too
+    where the conventions differentiate it, equal those of the same step whose forward a
+    ledger sink observes, bit for bit; a forward that overflows is still explained."""
+    q0, k0, v0 = _inputs(gen, 2, 8, 2, 300, 340, 32, 16, f32)
+    do, dlse = torch.randn(2, 8, 300, 16, generator=gen), torch.randn(2, 8, 300, generator=gen)
+    opts = _opts(mask=fl.Causal("bottom_right"), block_q=128, conventions=conventions)
+    got = []
+    for sink in (None, lambda ledger: None):
+        q, k, v = (x.clone().requires_grad_() for x in (q0, k0, v0))
+        before = len(lane_runs)
+        o, lse = _FlashAttention.apply(q, k, v, None, opts, sink)
+        assert len(lane_runs) - before == int(sink is None)
+        torch.autograd.backward((o, lse), (do, dlse))
+        got.append((o.detach(), lse.detach(), q.grad, k.grad, v.grad))
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), *got, strict=True):
+        assert torch.equal(a, b), (name, float((a - b).abs().max()))
+    q, k, v = (x.clone().requires_grad_() for x in (q0 * 1e20, k0 * 1e20, v0))
+    with pytest.raises(ValueError, match=r"o\[\d, \d, \d+, :\]"):
+        fl.flash_attention(q, k, v, mask=fl.Causal("bottom_right"))
+
+
 def test_repeated_calls_reuse_one_plan_and_read_their_own_tensors(native, lane_runs, gen):
     """A second call of the same shapes runs the kept plan on its own values."""
     q, k, v = _inputs(gen, 2, 8, 2, 1, 300, 16, 16, f32)
@@ -186,7 +212,6 @@ def test_the_plan_follows_the_thread_count_and_the_matmul_back_end(native, lane_
         "softcap",
         "dropout",
         "alibi",
-        "grad",
         "sink",
         "many rows",
         "half rows",
@@ -196,11 +221,11 @@ def test_the_plan_follows_the_thread_count_and_the_matmul_back_end(native, lane_
     ],
 )
 def test_the_lane_leaves_every_other_call_to_the_general_path(native, lane_runs, gen, case):
-    """Masks that hold tensors, score changes, dropout, gradients, an observer (a ledger
-    sink), more query rows than the lane plans, half inputs with too many rows to read
-    the cache in place, a row that sees no key (its result is the conventions'), the FA1
-    order or the native step switched off: the general path runs the call (and its
-    result stands, finite where a row sees a key)."""
+    """Masks that hold tensors, score changes, dropout, an observer (a ledger sink), more
+    query rows than the lane plans, half inputs with too many rows to read the cache in
+    place, a row that sees no key (its result is the conventions'), the FA1 order or the
+    native step switched off: the general path runs the call (and its result stands,
+    finite where a row sees a key)."""
     lq = {"many rows": _lane.LANE_ROWS + 1, "half rows": 40, "no key": 300}.get(case, 1)
     q, k, v = _inputs(gen, 1, 4, 2, lq, 200, 8, 8, bf16 if case == "half rows" else f64)
     opts = _opts()
@@ -215,8 +240,6 @@ def test_the_lane_leaves_every_other_call_to_the_general_path(native, lane_runs,
         opts.update(dropout_p=0.1, seed=3)
     elif case == "alibi":
         opts["alibi_slopes"] = fl.alibi_slopes(4, dtype=f64)
-    elif case == "grad":
-        q.requires_grad_(True)
     elif case == "sink":
         sink = lambda ledger: None  # noqa: E731
     elif case == "fa1":

@@ -98,14 +98,23 @@ class _FlashAttention(torch.autograd.Function):
         sink: Callable[[Ledger], None] | None = None,
         *captured: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        pb, res = _forward(q, k, v, bias, opts, sink, captured)
+        lane = None
+        if sink is None and bias is None and not captured and _ROW_MAX not in opts:
+            lane = _lane.forward(q, k, v, opts)  # nothing observes the forward: its plan
+        if lane is not None:
+            o, lse = lane
+            # a value mask (Causal, SlidingWindow) or none: the backward binds it again
+            ctx.bound = ctx.bias_range = None
+        else:
+            pb, res = _forward(q, k, v, bias, opts, sink, captured)
+            o, lse = res.o, res.lse
+            # the bound mask (tile classes, kept partial tiles) and score_mod, for the backward
+            ctx.bound = (pb.mask, pb.smod.user)
+            ctx.bias_range = pb.smod.bias_range  # autograd checks that the bias stays unchanged
         ctx.set_materialize_grads(False)  # an unused LSE output costs no zero tensor and no pass
-        ctx.save_for_backward(q, k, v, bias, res.o, res.lse, *captured)
+        ctx.save_for_backward(q, k, v, bias, o, lse, *captured)
         ctx.opts, ctx.sink = {n: x for n, x in opts.items() if n != _ROW_MAX}, sink
-        # the bound mask (tile classes, kept partial tiles) and score_mod, for the backward
-        ctx.bound = (pb.mask, pb.smod.user)
-        ctx.bias_range = pb.smod.bias_range  # autograd checks that the bias stays unchanged
-        return res.o, res.lse
+        return o, lse
 
     @staticmethod
     def backward(  # type: ignore[override]
@@ -134,7 +143,8 @@ class _FlashAttention(torch.autograd.Function):
             return dq, dk, dv, dbias if ctx.needs_input_grad[3] else None, None, None
         problem, loop = _split(opts)
         pb = build_problem(q, k, v, bias=bias, bias_range=ctx.bias_range, **problem)
-        pb.mask, pb.smod.user = ctx.bound  # the same geometry: the forward's serve as they are
+        if ctx.bound is not None:  # the same geometry: the forward's serve as they are
+            pb.mask, pb.smod.user = ctx.bound
         res = _backward_problem(pb, o, lse, do, dlse if use_dlse else None, bias=bias, **loop)
         if ctx.sink is not None:
             ctx.sink(res.ledger)
