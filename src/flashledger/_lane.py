@@ -6,13 +6,13 @@ prefill of a prompt or an encoder's forward of a batch. The general path decides
 same things on every call: validation, the problem's layout, the tile sizes, the
 schedule, the work split, a ledger, the checks of the result; together several times
 the native pass of a short cache, and a few hundred microseconds of a short prompt's.
-Where nobody can observe the call (``_FlashAttention.apply`` with no gradient to flow,
-no ledger sink, no trace), the lane keeps what the general path decides for a call's
-shapes, dtypes, devices, options, thread count and matmul back end, decided by the
-general path's own functions (``build_problem``, ``_resolve_tiles``,
-``_native_forward_plan``, ``_forward_operands``), as a ``_native.ForwardPass``, and
-runs that pass on each call's tensors. Its results are the general path's bit for bit
-(``tests/test_lane.py``).
+Where nobody can observe the forward (no ledger sink, no trace: a call with no gradient
+to flow, or a training step's forward, whose backward runs the general path), the lane
+keeps what the general path decides for a call's shapes, dtypes, devices, options,
+thread count and matmul back end, decided by the general path's own functions
+(``build_problem``, ``_resolve_tiles``, ``_native_forward_plan``, ``_forward_operands``),
+as a ``_native.ForwardPass``, and runs that pass on each call's tensors. Its results
+are the general path's bit for bit (``tests/test_lane.py``).
 
 Around the pass a call runs no tensor operation but its two results' allocations and,
 where the pass lays Kᵀ out, that layout (``ForwardPass.run_rows``): after a pass has
