@@ -161,7 +161,8 @@ def _plan(
     block_q, block_k = _resolve_tiles(
         pb, kern, opts.get("block_q"), opts.get("block_k"), forward=True
     )
-    if pb.shape[5] == 0 or (pb.mask is not None and not _every_row_sees_a_key(pb.mask)):
+    rows = pb.rows_with_keys()  # None: every row sees a key
+    if pb.shape[5] == 0 or (rows is not None and not bool(rows.all())):
         return _NOT_TAKEN
     book = _Book(pb, _new_ledger(pb, "forward", block_q, block_k, "fa2").counters)
     kind_of = _kind_of(_classes(pb, block_q, block_k))
@@ -175,12 +176,6 @@ def _plan(
     if not (half_rows or q.dtype == qn.dtype == kn.dtype == pb.out_dtype):
         return _NOT_TAKEN  # (q, k and v share one dtype: one of the two always holds)
     return _Plan(run=run, half_rows=half_rows)
-
-
-def _every_row_sees_a_key(mask: IntervalBound) -> bool:
-    """Whether each row's interval of keys (``lo <= j <= hi``) holds one."""
-    lo, hi = mask.rows()  # (Bm, Lq) plain integers
-    return all(a <= b for lo_r, hi_r in zip(lo, hi) for a, b in zip(lo_r, hi_r))
 
 
 def _run(

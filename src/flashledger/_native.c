@@ -581,10 +581,6 @@ void SUF(fl_matmul_rate)(const TIN *ab, T *c, int n, int reps) {
     }
 }
 
-/* dst = src (n, rows, cols) transposed, the rows in tiles of `tile` (0: one tile of all of
- * them): dst (n, tiles, cols, ld), tile j of matrix b the transpose of its rows
- * [j·tile, (j + 1)·tile) with row stride ld >= tile (the last tile's rows may be fewer);
- * in blocks of 64 x 64 over the threads: the Kᵀ / Vᵀ a pass reads (t_at), laid out once. */
 /* The 8 x 8 (float64: 4 x 4) block at s (rows ss apart) transposed into d (rows ds apart),
  * in registers: loads, unpacks, shuffles and lane swaps, a copy of every value. */
 #if defined(__AVX__) && !FL_HALF
@@ -626,10 +622,28 @@ static inline void transpose_block(const TIN *s, long long ss, TIN *d, long long
 #define FL_TR 0
 #endif
 
+/* Rows [r0, r1) of src (cols values a row, contiguous) transposed into dst, row r's value c
+ * at dst[c · ld + r]: whole vector blocks in registers (transpose_block), the edges value
+ * by value, the same copy either way. */
+static inline void transpose_span(const TIN *src, long long cols, long long r0, long long r1,
+                                  TIN *dst, long long ld) {
+    long long rv = r0, cv = 0; /* the vector blocks: rows [r0, rv), cols [0, cv) */
+#if FL_TR
+    rv = r0 + (r1 - r0) / FL_TR * FL_TR;
+    cv = cols / FL_TR * FL_TR;
+    for (long long r = r0; r < rv; r += FL_TR)
+        for (long long c = 0; c < cv; c += FL_TR)
+            transpose_block(src + r * cols + c, cols, dst + c * ld + r, ld);
+#endif
+    for (long long c = 0; c < cols; ++c) /* the edges: rows [rv, r1), and cols [cv, cols) */
+        for (long long r = c < cv ? rv : r0; r < r1; ++r) dst[c * ld + r] = src[r * cols + c];
+}
+
 /* dst = each of the n (rows x cols) matrices of src transposed, per tile of `tile` rows
- * (0 or rows: one tile), each tile's (cols x tile) rows ld apart. Work items are (matrix,
- * tile, 64 rows); inside one, whole vector blocks in registers (transpose_block) and the
- * edges value by value: the same copy either way. Measured (AMD EPYC family 25 model 1, 2
+ * (0 or rows: one tile): dst (n, tiles, cols, ld), tile j of matrix b the transpose of its
+ * rows [j·tile, (j + 1)·tile), row stride ld >= tile (the last tile's rows may be fewer):
+ * the Kᵀ / Vᵀ a pass reads (t_at), laid out once. Work items are (matrix, tile, 64 rows),
+ * each a transpose_span. Measured (AMD EPYC family 25 model 1, 2
  * threads, K of 4 x L x 64 into a warm buffer, median of 50-200 calls): float32 at L = 4096
  * (per key tile of 512) 0.30 ms value by value, 0.15-0.18 with the blocks; at L = 512
  * 63 µs, 33-39; float64 at L = 4096 0.6 ms either way, within the noise (memory-bound). */
@@ -644,16 +658,7 @@ void SUF(fl_transpose)(const TIN *src, TIN *dst, long long n, long long rows, lo
         long long r0 = t0 + (w % rb) * 64, r1 = r0 + 64 < t1 ? r0 + 64 : t1;
         const TIN *sb = src + b * rows * cols;
         TIN *db = dst + bt * ld * cols - t0; /* column r of the tile at db[c · ld + r] */
-        long long rv = r0, cv = 0;           /* the vector blocks: rows [r0, rv), cols [0, cv) */
-#if FL_TR
-        rv = r0 + (r1 - r0) / FL_TR * FL_TR;
-        cv = cols / FL_TR * FL_TR;
-        for (long long r = r0; r < rv; r += FL_TR)
-            for (long long c = 0; c < cv; c += FL_TR)
-                transpose_block(sb + r * cols + c, cols, db + c * ld + r, ld);
-#endif
-        for (long long c = 0; c < cols; ++c) /* the edges: rows [rv, r1), and cols [cv, cols) */
-            for (long long r = c < cv ? rv : r0; r < r1; ++r) db[c * ld + r] = sb[r * cols + c];
+        transpose_span(sb, cols, r0, r1, db, ld);
     }
 }
 
@@ -1860,23 +1865,6 @@ int SUF(fl_all_finite)(const T *x, long long n) {
 
 /* -- backward ----------------------------------------------------------------------------- */
 
-#if FL_OWN
-/* dst (cols x nr, row stride ld) = src (nr x cols, rows contiguous) transposed, in 8 x 8
- * squares (each read and written a few lines at a time) */
-static void transpose_rows(const T *src, int nr, int cols, T *dst, long long ld) {
-    int rv = 0, cv = 0; /* the vector blocks: rows [0, rv), cols [0, cv) */
-#if FL_TR
-    rv = nr / FL_TR * FL_TR;
-    cv = cols / FL_TR * FL_TR;
-    for (int r = 0; r < rv; r += FL_TR)
-        for (int c = 0; c < cv; c += FL_TR)
-            transpose_block(src + (long long)r * cols + c, cols, dst + c * ld + r, ld);
-#endif
-    for (int c = 0; c < cols; ++c) /* the edges: rows [rv, nr), and cols [cv, cols) */
-        for (int r = c < cv ? rv : 0; r < nr; ++r) dst[c * ld + r] = src[(long long)r * cols + c];
-}
-#endif
-
 /* The gradient of a block of rows (at most FL_PARTIAL_ROWS of a partial tile, or any number
  * of a full one) of head h against tile t: dK_jᵀ, dV_jᵀ (d x bk, d_v x bk, the tile's
  * columns) accumulate in dkt, dvt; dQ in dq (rows of the block, (·, d)). s: 2 · nr ·
@@ -1974,8 +1962,8 @@ static long long backward_block(const struct fl_args *a, const long long *t, con
          * 1.02, 0.89 and 0.95 x the time in three runs, float64 in 0.99. */
         sbn = padded(nr);
         T *qt = (T *)carve(&more, (id + idv) * sbn + W, sizeof(T)), *dot = qt + id * sbn;
-        transpose_rows(qh, nr, id, qt, sbn);
-        transpose_rows(doh, nr, idv, dot, sbn);
+        transpose_span(qh, id, 0, nr, qt, sbn); /* Qᵀ, dOᵀ: (d x nr), (d_v x nr) */
+        transpose_span(doh, idv, 0, nr, dot, sbn);
         qb = qt;
         dob = dot;
         dsk = qsk = 1;

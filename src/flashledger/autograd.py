@@ -80,10 +80,9 @@ class _FlashAttention(torch.autograd.Function):
             and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
         ) or torch._C._are_functorch_transforms_active():
             return super().apply(q, k, v, bias, opts, sink, *captured)  # type: ignore[no-any-return]
-        if sink is None and bias is None and not captured and _ROW_MAX not in opts:
-            lane = _lane.forward(q, k, v, opts)
-            if lane is not None:
-                return lane
+        lane = _lane_forward(q, k, v, bias, opts, sink, captured)
+        if lane is not None:
+            return lane
         _, res = _forward(q, k, v, bias, opts, sink, captured)
         return res.o, res.lse
 
@@ -98,9 +97,7 @@ class _FlashAttention(torch.autograd.Function):
         sink: Callable[[Ledger], None] | None = None,
         *captured: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        lane = None
-        if sink is None and bias is None and not captured and _ROW_MAX not in opts:
-            lane = _lane.forward(q, k, v, opts)  # nothing observes the forward: its plan
+        lane = _lane_forward(q, k, v, bias, opts, sink, captured)
         if lane is not None:
             o, lse = lane
             # a value mask (Causal, SlidingWindow) or none: the backward binds it again
@@ -152,6 +149,23 @@ class _FlashAttention(torch.autograd.Function):
         found = _match(captured, res.captured_grads)
         dcaptured = [g if ctx.needs_input_grad[6 + n] else None for n, g in enumerate(found)]
         return res.dq, res.dk, res.dv, dbias, None, None, *dcaptured
+
+
+def _lane_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    opts: dict[str, Any],
+    sink: Callable[[Ledger], None] | None,
+    captured: Sequence[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(o, lse)`` from the planned lane (``_lane``) when nothing observes the forward (no
+    ledger sink, no bias or captured tensors, no row maxima asked for) and the lane takes
+    the call; else None (``_forward`` runs it)."""
+    if sink is not None or bias is not None or captured or _ROW_MAX in opts:
+        return None
+    return _lane.forward(q, k, v, opts)
 
 
 def _forward(
