@@ -83,7 +83,7 @@ def test_block_matches_the_command(
 # ----------------------------------------------------------------------------------------
 PY_FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 PY_SHOWN_ONLY = {
-    ("README.md", 1): "calls the reader's own kernel (my_attention)",
+    ("README.md", 2): "calls the reader's own kernel (my_attention)",
     ("internals.md", 0): "signatures, not code",
     ("ring.md", 0): "runs on every rank of a torchrun group (tests/test_ring_distributed.py)",
     ("verify.md", 0): "a signature, not code",

@@ -389,6 +389,35 @@ def test_the_native_step_runs_the_model(gen, native_calls, masks_seen):
     assert len(masks_seen) == 2
 
 
+def test_torch_func_gradients_of_a_model_and_per_sample_ones(gen, assert_close):
+    # functional_call + torch.func.grad (meta-learning, per-sample gradients) through the
+    # registered attention: the same gradients as backward(), and vmap(grad) gives each
+    # sequence's own (padding included: the mask is an option, mapped with the ids)
+    ours, _ = _pair("llama")
+    ids, att = _batch("llama", gen, side="left")
+    params = {n: p.detach() for n, p in ours.named_parameters()}
+
+    def loss(p: dict[str, torch.Tensor], ids: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        logits = torch.func.functional_call(ours, p, (), {"input_ids": ids, "attention_mask": att})
+        return logits.logits.square().mean()
+
+    got = torch.func.grad(loss)(params, ids, att)
+    ours.zero_grad()
+    loss(dict(ours.named_parameters()), ids, att).backward()
+    for n, p in ours.named_parameters():
+        assert_close(got[n], p.grad, rtol=1e-12, name=f"torch.func d {n}")
+    per = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(
+        params, ids[:, None], att[:, None]
+    )
+    for i in range(ids.shape[0]):
+        own = torch.func.grad(loss)(params, ids[i : i + 1], att[i : i + 1])
+        for n in (
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.1.self_attn.v_proj.weight",
+        ):
+            assert_close(per[n][i], own[n], rtol=1e-12, name=f"sample {i}: d {n}")
+
+
 @pytest.mark.parametrize("arch", DECODERS)
 def test_greedy_generation_equals_the_reference(arch, gen, masks_seen):
     ours, ref = _pair(arch)

@@ -28,6 +28,14 @@ its backward returns their gradients (summed over the tiles). The backward
 reuses the forward's bound mask and score_mod: a ``MaskMod`` is classified
 once per call, and the partial tiles' visibility it kept is not evaluated
 again. Second-order gradients with a score_mod are not supported (refused).
+
+Under ``torch.func`` transforms the op runs as ``_FuncAttention`` (``forward`` without
+``ctx``, ``setup_context``): ``grad``, ``vjp``, ``jacrev`` and ``vmap``, composed as
+``vmap(grad(f))`` for per-sample gradients. Its backward is ``_FuncAttentionBackward``,
+an op of its own, so that ``vmap`` maps it too; both ``vmap`` rules run one call per
+sample (``vmap(f)(x)[i]`` is ``f(x[i])`` bit for bit, whatever the options). First
+order only there, no forward mode; an option that holds a mapped tensor where the rule
+cannot slice it (a score_mod's closure, a mask object) is refused.
 """
 
 from __future__ import annotations
@@ -69,16 +77,18 @@ class _FlashAttention(torch.autograd.Function):
         sink: Callable[[Ledger], None] | None = None,
         *captured: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(o, lse)``; through autograd only when a gradient can flow (grad mode on and an
-        input requires one, or a functorch transform is active): otherwise the forward alone,
+        """``(o, lse)``; under a ``torch.func`` transform through ``_FuncAttention``; through
+        autograd only when a gradient can flow (grad mode on and an input requires one):
+        otherwise the forward alone,
         as autograd would run it, without a graph node (its bookkeeping is a large part of a
         decode step), and with no ledger sink on the planned lane where it applies
         (``_lane``: a call of at most ``LANE_ROWS`` query rows, planned once per shape)."""
+        if torch._C._are_functorch_transforms_active():
+            return _transformed(q, k, v, bias, opts, sink, captured)
         inputs = (q, k, v, bias, *captured)
-        if (
-            torch.is_grad_enabled()
-            and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
-        ) or torch._C._are_functorch_transforms_active():
+        if torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in inputs
+        ):
             return super().apply(q, k, v, bias, opts, sink, *captured)  # type: ignore[no-any-return]
         lane = _lane_forward(q, k, v, bias, opts, sink, captured)
         if lane is not None:
@@ -149,6 +159,223 @@ class _FlashAttention(torch.autograd.Function):
         found = _match(captured, res.captured_grads)
         dcaptured = [g if ctx.needs_input_grad[6 + n] else None for n, g in enumerate(found)]
         return res.dq, res.dk, res.dv, dbias, None, None, *dcaptured
+
+
+def _transformed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    opts: dict[str, Any],
+    sink: Callable[[Ledger], None] | None,
+    captured: Sequence[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op under a ``torch.func`` transform (``_FuncAttention``), or a ValueError for
+    what it cannot carry there."""
+    if captured:
+        raise ValueError(
+            f"flash_attention under torch.func transforms: the score_mod captures "
+            f"{len(captured)} tensor(s) that require grad, and a transform cannot reach a "
+            "tensor the op does not take as an input; pass such a term as bias= (a tensor "
+            "input, differentiated), or take the gradient with torch.autograd outside torch.func"
+        )
+    _check_unmapped(opts)
+    if _ROW_MAX in opts:
+        raise ValueError(
+            "flex_attention under torch.func transforms: return_aux (the rows' maxima) is not "
+            "supported there; call it without return_aux"
+        )
+    out: tuple[torch.Tensor, torch.Tensor] = _FuncAttention.apply(q, k, v, bias, opts, sink)
+    return out
+
+
+class _FuncAttention(torch.autograd.Function):
+    """The op as ``torch.func`` transforms need it: ``forward`` without ``ctx``,
+    ``setup_context``, and a ``vmap`` rule. ``grad``, ``vjp``, ``jacrev`` and ``vmap`` work,
+    and compose (``vmap(grad(f))``: per-sample gradients), because the backward is itself
+    an op with a ``vmap`` rule (``_FuncAttentionBackward``). Under ``vmap`` each sample runs
+    as its own call (``_per_sample``), so ``vmap(f)(x)[i]`` is ``f(x[i])`` bit for bit with
+    every option: a mask, a score_mod or dropout sees the sample's own batch and head
+    indices, as it would unmapped. Forward mode (``jvp``, ``jacfwd``, ``hessian``) is
+    refused."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        bias: torch.Tensor | None,
+        opts: dict[str, Any],
+        sink: Callable[[Ledger], None] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        lane = _lane_forward(q, k, v, bias, opts, sink, ())  # the backward binds its mask
+        if lane is not None:
+            return lane
+        _, res = _forward(q, k, v, bias, opts, sink, ())
+        return res.o, res.lse
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        q, k, v, bias, opts, sink = inputs
+        o, lse = output
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(q, k, v, bias, o, lse)
+        ctx.opts, ctx.sink = opts, sink
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, do: torch.Tensor | None, dlse: torch.Tensor | None
+    ) -> tuple[Any, ...]:
+        q, k, v, bias, o, lse = ctx.saved_tensors
+        use_dlse = get_conventions(ctx.opts["conventions"]).lse_differentiable and dlse is not None
+        if do is None and not use_dlse:
+            return None, None, None, None, None, None
+        do = torch.zeros_like(o) if do is None else do
+        dq, dk, dv, dbias = _FuncAttentionBackward.apply(
+            q, k, v, bias, o, lse, do, dlse if use_dlse else None, ctx.opts, ctx.sink
+        )
+        return dq, dk, dv, dbias if ctx.needs_input_grad[3] else None, None, None
+
+    @staticmethod
+    def vmap(
+        info: Any, in_dims: tuple[int | None, ...], *args: Any
+    ) -> tuple[tuple[torch.Tensor | None, ...], tuple[int | None, ...]]:
+        return _per_sample(_FuncAttention.apply, info.batch_size, in_dims, args, tensors=4)
+
+    @staticmethod
+    def jvp(ctx: Any, *grads: Any) -> Any:
+        raise RuntimeError(_NO_FORWARD_MODE)
+
+
+class _FuncAttentionBackward(torch.autograd.Function):
+    """``_FuncAttention``'s backward pass as an op of its own, so that ``vmap`` can map it
+    (per-sample gradients, ``jacrev``): ``(dq, dk, dv, dbias)`` from ``(q, k, v, bias, o,
+    lse, do, dlse)``, dbias None without a bias. Not differentiable again under the
+    transforms (second order goes through ``torch.autograd``, ``create_graph=True``)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        bias: torch.Tensor | None,
+        o: torch.Tensor,
+        lse: torch.Tensor,
+        do: torch.Tensor,
+        dlse: torch.Tensor | None,
+        opts: dict[str, Any],
+        sink: Callable[[Ledger], None] | None,
+    ) -> tuple[torch.Tensor | None, ...]:
+        problem, loop = _split(opts)
+        pb = build_problem(q, k, v, bias=bias, **problem)
+        if pb.smod.user is not None:
+            pb.smod.user.use_captured(())  # refused with captured tensors (_transformed)
+        res = _backward_problem(pb, o, lse, do.contiguous(), dlse, bias=bias, **loop)
+        if sink is not None:
+            sink(res.ledger)
+        return res.dq, res.dk, res.dv, res.dbias if bias is not None else None
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:  # type: ignore[override]
+        raise RuntimeError(
+            "flash_attention under torch.func transforms gives first-order gradients (grad, "
+            "vjp, jacrev, and vmap over them); a gradient of those gradients is taken with "
+            "torch.autograd.grad(..., create_graph=True) outside torch.func"
+        )
+
+    @staticmethod
+    def vmap(
+        info: Any, in_dims: tuple[int | None, ...], *args: Any
+    ) -> tuple[tuple[torch.Tensor | None, ...], tuple[int | None, ...]]:
+        return _per_sample(_FuncAttentionBackward.apply, info.batch_size, in_dims, args, tensors=8)
+
+    @staticmethod
+    def jvp(ctx: Any, *grads: Any) -> Any:
+        raise RuntimeError(_NO_FORWARD_MODE)
+
+
+_NO_FORWARD_MODE = (
+    "flash_attention has no forward-mode derivative (torch.func.jvp, jacfwd, hessian); use "
+    "reverse mode: torch.func.grad, vjp, jacrev"
+)
+
+
+def _per_sample(
+    fn: Callable[..., tuple[torch.Tensor | None, ...]],
+    n: int,
+    in_dims: tuple[int | None, ...],
+    args: tuple[Any, ...],
+    *,
+    tensors: int,
+) -> tuple[tuple[torch.Tensor | None, ...], tuple[int | None, ...]]:
+    """A vmap rule: ``fn`` once per sample of the mapped dimension (the first ``tensors``
+    arguments, and the tensors of the options dict after them, sliced where mapped; the
+    rest passed as they are), the outputs stacked along dimension 0."""
+    if n == 0:
+        raise ValueError("flash_attention under vmap: the mapped dimension is empty")
+    opts, opt_dims = args[tensors], in_dims[tensors]
+    if opt_dims is not None and not isinstance(opt_dims, dict):
+        raise ValueError("flash_attention under vmap: the options cannot be mapped as a whole")
+    dims: dict[str, int | None] = opt_dims or {}
+    mapped = {name: d for name, d in dims.items() if d is not None}
+
+    def sample(i: int) -> tuple[torch.Tensor | None, ...]:
+        xs = (x if d is None else x.select(d, i) for x, d in zip(args[:tensors], in_dims))
+        own = {name: x.select(mapped[name], i) if name in mapped else x for name, x in opts.items()}
+        return fn(*xs, own, *args[tensors + 1 :])
+
+    outs = [sample(i) for i in range(n)]
+    stacked: list[torch.Tensor | None] = []
+    for j in range(len(outs[0])):  # an output is None in every sample or in none
+        col = [x for out in outs if (x := out[j]) is not None]
+        stacked.append(torch.stack(col) if col else None)
+    return tuple(stacked), tuple(None if x is None else 0 for x in stacked)
+
+
+def _check_unmapped(opts: Mapping[str, Any]) -> None:
+    """Under vmap: a ValueError for an option that holds a mapped tensor where the vmap rule
+    cannot slice it (a tensor option itself is mapped as an input is)."""
+    for name, x in opts.items():
+        if not isinstance(x, torch.Tensor) and _holds_mapped(x):
+            raise ValueError(
+                f"flash_attention under vmap: the {name}= option holds a tensor that varies "
+                "along the mapped dimension (captured by a mask_mod or score_mod, or inside a "
+                "mask object), which the op cannot slice per sample; pass such a term as a "
+                "tensor option (bias=, mask= a boolean tensor, alibi_slopes=), which vmap maps"
+            )
+
+
+def _is_mapped(x: torch.Tensor) -> bool:
+    """Whether ``x`` is being mapped by an active ``vmap`` (a batched tensor, possibly under
+    other transforms' wrappers, e.g. ``grad``'s inside ``vmap(grad(f))``)."""
+    fc = torch._C._functorch
+    while True:
+        if fc.is_batchedtensor(x):
+            return True
+        if not fc.is_functorch_wrapped_tensor(x):
+            return False
+        x = fc.get_unwrapped(x)
+
+
+def _holds_mapped(x: Any, depth: int = 4) -> bool:
+    """Whether ``x`` holds a tensor being mapped by vmap: itself, or in a function's closure,
+    an object's attributes, a sequence's items (``depth`` levels down)."""
+    if isinstance(x, torch.Tensor):
+        return _is_mapped(x)
+    if depth == 0 or x is None or isinstance(x, (bool, int, float, str)):
+        return False
+    inner: list[Any] = []
+    if isinstance(x, (tuple, list)):
+        inner = list(x)
+    elif callable(x) and getattr(x, "__closure__", None):
+        inner = [c.cell_contents for c in x.__closure__ if c.cell_contents is not x]
+    if hasattr(x, "__dict__") and not isinstance(x, type):
+        inner += list(vars(x).values())
+    return any(_holds_mapped(y, depth - 1) for y in inner)
 
 
 def _lane_forward(
@@ -267,6 +494,8 @@ def _attend(
     bias = rest.pop("bias", None)
     rest.setdefault("conventions", SEED)
     rest.update(block_q=block_q, block_k=block_k, loop_order=loop_order)
+    if torch._C._are_functorch_transforms_active():
+        _check_unmapped(rest)  # before the score_mod is first called (find_captured)
     captured: tuple[torch.Tensor, ...] = ()
     score_mod = rest.get("score_mod")
     if score_mod is not None and torch.is_grad_enabled() and isinstance(q, torch.Tensor):

@@ -126,7 +126,7 @@ def attention_forward(
     b, _, lq, _ = query.shape
     lk = key.shape[2]
     planned, bias = _planned(attention_mask, module, is_causal, sliding_window, b, lq, lk)
-    mask: Mask | None = None
+    mask: Mask | torch.Tensor | None = None
     if planned is not None:
         if (planned.lq, planned.lk) != (lq, lk) or planned.batch not in (1, b):
             raise ValueError(

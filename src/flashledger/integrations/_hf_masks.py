@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 import torch
 
+from ..autograd import _is_mapped
 from ..masks import (
     Align,
     BoundMask,
@@ -87,7 +88,7 @@ class PlannedMask:
     builds masks ahead of the forward).
     """
 
-    mask: Mask | None
+    mask: Mask | torch.Tensor | None  # a boolean tensor under vmap (plan_mask)
     batch: int
     lq: int
     lk: int
@@ -112,6 +113,8 @@ class PlannedMask:
         out = torch.zeros(self.batch, 1, self.lq, self.lk, dtype=torch.bool)
         if self.mask is None:
             out[..., : self.keys] = True
+        elif isinstance(self.mask, torch.Tensor):
+            out[..., : self.keys] = self.mask[..., : self.keys]
         else:
             vis = self.mask.dense(self.lq, self.keys, batch=self.batch)
             out[..., : self.keys] = vis.reshape(-1, 1, self.lq, self.keys) if vis.ndim == 4 else vis
@@ -312,6 +315,11 @@ def plan_mask(
         assert vis is not None
         return vis
 
+    if attention_mask is not None and _is_mapped(attention_mask):
+        # under vmap each sample has its own padding, which a plan cannot read from the
+        # data: transformers' boolean mask, a tensor option the op's vmap rule slices
+        vis = dense(mask_function or mu.causal_mask_function, attention_mask)
+        return PlannedMask(vis, batch_size, lq, lk, lk, "dense", padded=True)
     # -- padding: the 2-D mask's columns of this call's keys --
     pad = None
     if attention_mask is not None:
