@@ -189,7 +189,24 @@ def _transformed(
     return out
 
 
-class _FuncAttention(torch.autograd.Function):
+class _PerSample(torch.autograd.Function):
+    """What the two ``torch.func`` ops share: a ``vmap`` rule of one call per sample
+    (``_per_sample``) over their first ``tensors`` arguments, and no forward mode."""
+
+    tensors = 0
+
+    @classmethod
+    def vmap(  # type: ignore[override]
+        cls, info: Any, in_dims: tuple[int | None, ...], *args: Any
+    ) -> tuple[tuple[torch.Tensor | None, ...], tuple[int | None, ...]]:
+        return _per_sample(cls.apply, info.batch_size, in_dims, args, tensors=cls.tensors)
+
+    @staticmethod
+    def jvp(ctx: Any, *grads: Any) -> Any:
+        raise RuntimeError(_NO_FORWARD_MODE)
+
+
+class _FuncAttention(_PerSample):
     """The op as ``torch.func`` transforms need it: ``forward`` without ``ctx``,
     ``setup_context``, and a ``vmap`` rule. ``grad``, ``vjp``, ``jacrev`` and ``vmap`` work,
     and compose (``vmap(grad(f))``: per-sample gradients), because the backward is itself
@@ -198,6 +215,8 @@ class _FuncAttention(torch.autograd.Function):
     every option: a mask, a score_mod or dropout sees the sample's own batch and head
     indices, as it would unmapped. Forward mode (``jvp``, ``jacfwd``, ``hessian``) is
     refused."""
+
+    tensors = 4  # q, k, v, bias
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -236,22 +255,14 @@ class _FuncAttention(torch.autograd.Function):
         )
         return dq, dk, dv, dbias if ctx.needs_input_grad[3] else None, None, None
 
-    @staticmethod
-    def vmap(
-        info: Any, in_dims: tuple[int | None, ...], *args: Any
-    ) -> tuple[tuple[torch.Tensor | None, ...], tuple[int | None, ...]]:
-        return _per_sample(_FuncAttention.apply, info.batch_size, in_dims, args, tensors=4)
 
-    @staticmethod
-    def jvp(ctx: Any, *grads: Any) -> Any:
-        raise RuntimeError(_NO_FORWARD_MODE)
-
-
-class _FuncAttentionBackward(torch.autograd.Function):
+class _FuncAttentionBackward(_PerSample):
     """``_FuncAttention``'s backward pass as an op of its own, so that ``vmap`` can map it
     (per-sample gradients, ``jacrev``): ``(dq, dk, dv, dbias)`` from ``(q, k, v, bias, o,
     lse, do, dlse)``, dbias None without a bias. Not differentiable again under the
     transforms (second order goes through ``torch.autograd``, ``create_graph=True``)."""
+
+    tensors = 8  # q, k, v, bias, o, lse, do, dlse
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -286,16 +297,6 @@ class _FuncAttentionBackward(torch.autograd.Function):
             "vjp, jacrev, and vmap over them); a gradient of those gradients is taken with "
             "torch.autograd.grad(..., create_graph=True) outside torch.func"
         )
-
-    @staticmethod
-    def vmap(
-        info: Any, in_dims: tuple[int | None, ...], *args: Any
-    ) -> tuple[tuple[torch.Tensor | None, ...], tuple[int | None, ...]]:
-        return _per_sample(_FuncAttentionBackward.apply, info.batch_size, in_dims, args, tensors=8)
-
-    @staticmethod
-    def jvp(ctx: Any, *grads: Any) -> Any:
-        raise RuntimeError(_NO_FORWARD_MODE)
 
 
 _NO_FORWARD_MODE = (
