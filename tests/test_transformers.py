@@ -418,6 +418,27 @@ def test_torch_func_gradients_of_a_model_and_per_sample_ones(gen, assert_close):
             assert_close(per[n][i], own[n], rtol=1e-12, name=f"sample {i}: d {n}")
 
 
+def test_a_compiled_model_runs_the_attention_as_eager(gen):
+    # torch.compile of the whole model (dynamo; the eager backend keeps the test short):
+    # the attention is opaque to it, the mask function runs where dynamo breaks the graph,
+    # and logits and gradients are those of the model run eagerly, bit for bit
+    ours, _ = _pair("llama")
+    ids, att = _batch("llama", gen, side="left")
+    torch._dynamo.reset()
+    compiled = torch.compile(ours, backend="eager")
+    grads = []
+    logits = []
+    for model in (compiled, ours):
+        ours.zero_grad()
+        out = model(input_ids=ids, attention_mask=att).logits
+        out.square().mean().backward()
+        logits.append(out.detach())
+        grads.append(ours.model.layers[1].self_attn.q_proj.weight.grad.clone())
+    real = att.bool()
+    assert torch.equal(logits[0][real], logits[1][real])
+    assert torch.equal(grads[0], grads[1])
+
+
 @pytest.mark.parametrize("arch", DECODERS)
 def test_greedy_generation_equals_the_reference(arch, gen, masks_seen):
     ours, ref = _pair(arch)

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 __all__ = ["flex_attention"]
 
 
+@torch.compiler.disable  # opaque to torch.compile, as flash_attention
 def flex_attention(
     query: torch.Tensor,
     key: torch.Tensor,

@@ -92,6 +92,7 @@ def _planned(
     return None, attention_mask
 
 
+@torch.compiler.disable  # opaque to torch.compile, as flash_attention
 def attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,

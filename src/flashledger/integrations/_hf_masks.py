@@ -315,7 +315,11 @@ def plan_mask(
         assert vis is not None
         return vis
 
-    if attention_mask is not None and _is_mapped(attention_mask):
+    if (
+        attention_mask is not None
+        and not torch.compiler.is_compiling()  # (dynamo cannot trace the check)
+        and _is_mapped(attention_mask)
+    ):
         # under vmap each sample has its own padding, which a plan cannot read from the
         # data: transformers' boolean mask, a tensor option the op's vmap rule slices
         vis = dense(mask_function or mu.causal_mask_function, attention_mask)

@@ -1,7 +1,8 @@
-"""``flash_attention`` under ``torch.func``: ``grad``, ``vjp``, ``jacrev``, ``vmap`` and their
-compositions (per-sample gradients), against ``torch.autograd`` on the same op and against
-one call per sample; bit for bit where both run the same passes. What the transforms
-cannot carry is refused with a message that says so."""
+"""``flash_attention`` under PyTorch's transforms. ``torch.func``: ``grad``, ``vjp``,
+``jacrev``, ``vmap`` and their compositions (per-sample gradients), against
+``torch.autograd`` on the same op and against one call per sample, bit for bit where both
+run the same passes; what the transforms cannot carry is refused with a message that says
+so. ``torch.compile``: the op is opaque to it and runs as it does eagerly."""
 
 from __future__ import annotations
 
@@ -252,3 +253,24 @@ def test_outside_the_transforms_the_op_is_unchanged() -> None:
     o = fl.flash_attention(leaf, k, v)
     assert type(o.grad_fn).__name__ == "_FlashAttentionBackward"
     assert torch.equal(vmap(lambda q: fl.flash_attention(q, k, v))(q[None])[0], o.detach())
+
+
+def test_torch_compile_runs_the_op_as_eager_around_a_graph_break() -> None:
+    # the op is opaque to dynamo (torch.compiler.disable on its apply): the code around it
+    # compiles, the op runs as it does eagerly, with the same bits forward and backward
+    q, k, v = _qkv(13, (2, 2), 1, 11, 9)
+    do = torch.randn(2, 2, 11, 3, generator=torch.Generator().manual_seed(14), dtype=F64)
+
+    def f(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return fl.flash_attention(q * 1.0, k, v, mask=fl.Causal(), block_q=4, block_k=4)  # type: ignore[return-value]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="eager")
+    got = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    want = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    o_got, o_want = compiled(*got), f(*want)
+    assert torch.equal(o_got, o_want)
+    o_got.backward(do)
+    o_want.backward(do)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert torch.equal(a.grad, b.grad), f"{name}: compiled differs from eager"
