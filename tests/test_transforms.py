@@ -184,6 +184,8 @@ def test_a_flex_score_mod_without_captured_gradients_maps_and_differentiates() -
         assert torch.equal(got[i], want)
 
 
+# torch's forward mode loads its jvp decompositions through torch.jit.script (deprecated)
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 def test_what_the_transforms_cannot_carry_is_refused_with_the_reason() -> None:
     q, k, v = _qkv(9, (2,), 2, 5, 5)
 
