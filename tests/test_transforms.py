@@ -248,6 +248,25 @@ def test_tensor_options_mapped_by_vmap_are_sliced_per_sample() -> None:
     assert torch.equal(got, want)
 
 
+def test_vmap_over_the_backward_of_a_graph_built_outside_torch_func() -> None:
+    # torch.func.vmap over torch.autograd.grad: the op's ordinary backward meets mapped
+    # gradients and hands them to the backward op, which vmap maps
+    q, k, v = _qkv(15, (2,), 1, 6, 8)
+    leaf = q.clone().requires_grad_(True)
+    o = fl.flash_attention(leaf, k, v, mask=fl.Causal(align="bottom_right"), block_q=4)
+    assert isinstance(o, torch.Tensor)
+    gs = torch.randn(4, *o.shape, generator=torch.Generator().manual_seed(16), dtype=F64)
+
+    def back(g: torch.Tensor) -> torch.Tensor:
+        return torch.autograd.grad(o, leaf, g, retain_graph=True)[0]
+
+    got = vmap(back)(gs)
+    assert torch.equal(got, torch.stack([back(g) for g in gs]))
+    # torch.autograd's own batched gradients run on the legacy vmap, which cannot map it
+    with pytest.raises(ValueError, match="legacy vmap"):
+        torch.autograd.grad(o, leaf, gs, is_grads_batched=True)
+
+
 def test_outside_the_transforms_the_op_is_unchanged() -> None:
     # the torch.func path is taken only while a transform is active
     q, k, v = _qkv(10, (2,), 2, 6, 6)

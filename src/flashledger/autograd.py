@@ -133,7 +133,29 @@ class _FlashAttention(torch.autograd.Function):
         none = (None,) * len(captured)
         if do is None and not use_dlse:  # neither output carries a gradient
             return None, None, None, None, None, None, *none
+        if any(
+            isinstance(g, torch.Tensor) and torch._C._functorch.is_legacy_batchedtensor(g)
+            for g in (do, dlse)
+        ):
+            raise ValueError(
+                "flash_attention: torch.autograd's batched gradients (is_grads_batched=True: "
+                "jacobian(..., vectorize=True), gradcheck's check_batched_grad) run on "
+                "PyTorch's legacy vmap, which cannot map this op; use torch.func "
+                "(jacrev, or vmap over vjp), which can"
+            )
         do = torch.zeros_like(o) if do is None else do.contiguous()
+        if torch._C._are_functorch_transforms_active() and not torch.is_grad_enabled():
+            # a graph built outside torch.func, its backward mapped by torch.func.vmap
+            # (vmap over torch.autograd.grad): the backward as an op vmap maps
+            if captured:
+                raise ValueError(
+                    "flash_attention: a backward mapped by torch.func.vmap with a score_mod "
+                    "that captures tensors requiring grad is not supported"
+                )
+            dq, dk, dv, dbias = _FuncAttentionBackward.apply(
+                q, k, v, bias, o, lse, do, dlse if use_dlse else None, opts, ctx.sink
+            )
+            return dq, dk, dv, dbias if ctx.needs_input_grad[3] else None, None, None
         if torch.is_grad_enabled():  # create_graph=True: gradients autograd can differentiate
             if opts.get("score_mod") is not None:
                 raise ValueError(
