@@ -77,12 +77,12 @@ class _FlashAttention(torch.autograd.Function):
         sink: Callable[[Ledger], None] | None = None,
         *captured: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(o, lse)``; under a ``torch.func`` transform through ``_FuncAttention``; through
-        autograd only when a gradient can flow (grad mode on and an input requires one):
-        otherwise the forward alone,
-        as autograd would run it, without a graph node (its bookkeeping is a large part of a
-        decode step), and with no ledger sink on the planned lane where it applies
-        (``_lane``: a call of at most ``LANE_ROWS`` query rows, planned once per shape)."""
+        """``(o, lse)``; under a ``torch.func`` transform through ``_FuncAttention``; else
+        through autograd only when a gradient can flow (grad mode on and an input requires
+        one): otherwise the forward alone, as autograd would run it, without a graph node
+        (its bookkeeping is a large part of a decode step), and with no ledger sink on the
+        planned lane where it applies (``_lane``: a call of at most ``LANE_ROWS`` query
+        rows, planned once per shape)."""
         if torch._C._are_functorch_transforms_active():
             return _transformed(q, k, v, bias, opts, sink, captured)
         inputs = (q, k, v, bias, *captured)
