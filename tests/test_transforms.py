@@ -206,6 +206,11 @@ def test_what_the_transforms_cannot_carry_is_refused_with_the_reason() -> None:
 
     with pytest.raises(ValueError, match="captures 1 tensor"):
         grad(lambda q: fl.flash_attention(q, k, v, score_mod=with_table).sum())(q)  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="captures 1 tensor"):  # plain vmap, grad mode on
+        vmap(lambda q: fl.flash_attention(q, k, v, score_mod=with_table))(q[None])
+    with torch.no_grad():  # where no gradient is wanted, the same call maps
+        mapped = vmap(lambda q: fl.flash_attention(q, k, v, score_mod=with_table))(q[None])
+        assert torch.equal(mapped[0], fl.flash_attention(q, k, v, score_mod=with_table))
 
     per_row = torch.randn(3, 5, 5, generator=torch.Generator().manual_seed(1), dtype=F64)
     with pytest.raises(ValueError, match="score_mod= option holds a tensor that varies"):

@@ -199,7 +199,8 @@ def _transformed(
             f"flash_attention under torch.func transforms: the score_mod captures "
             f"{len(captured)} tensor(s) that require grad, and a transform cannot reach a "
             "tensor the op does not take as an input; pass such a term as bias= (a tensor "
-            "input, differentiated), or take the gradient with torch.autograd outside torch.func"
+            "input, differentiated), take the gradient with torch.autograd outside "
+            "torch.func, or, where no gradient is wanted, call it under torch.no_grad()"
         )
     _check_unmapped(opts)
     if _ROW_MAX in opts:
