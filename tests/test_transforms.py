@@ -282,8 +282,8 @@ def test_outside_the_transforms_the_op_is_unchanged() -> None:
 
 
 def test_torch_compile_runs_the_op_as_eager_around_a_graph_break() -> None:
-    # the op is opaque to dynamo (torch.compiler.disable on its apply): the code around it
-    # compiles, the op runs as it does eagerly, with the same bits forward and backward
+    # the op is opaque to dynamo (torch.compiler.disable on the entry points): the code
+    # around it compiles, the op runs as it does eagerly, the same bits forward and backward
     q, k, v = _qkv(13, (2, 2), 1, 11, 9)
     do = torch.randn(2, 2, 11, 3, generator=torch.Generator().manual_seed(14), dtype=F64)
 
@@ -300,3 +300,19 @@ def test_torch_compile_runs_the_op_as_eager_around_a_graph_break() -> None:
     o_want.backward(do)
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         assert torch.equal(a.grad, b.grad), f"{name}: compiled differs from eager"
+
+
+def test_torch_compile_of_flex_and_a_decode_step() -> None:
+    q, k, v = _qkv(17, (1, 2), 2, 8, 8)
+
+    def flex(q: torch.Tensor) -> torch.Tensor:
+        return fl.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s - (i - j).abs()) * 2  # type: ignore[operator]
+
+    cache_k, cache_v = (torch.cat([x, torch.zeros_like(x)], dim=2) for x in (k, v))
+
+    def decode(q: torch.Tensor) -> torch.Tensor:
+        return fl.attention_with_kvcache(q, cache_k, cache_v, cache_seqlens=8).o + 1
+
+    for fn, x in ((flex, q), (decode, q[:, :, -1:])):
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(fn, backend="eager")(x), fn(x)), fn.__name__

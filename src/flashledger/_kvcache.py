@@ -235,6 +235,7 @@ def _check_layout(name: str, x: Any, ndim: int = 4) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------
 # the entry point
 # ----------------------------------------------------------------------------------------
+@torch.compiler.disable  # opaque to torch.compile, as flash_attention
 def attention_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,

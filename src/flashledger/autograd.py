@@ -472,7 +472,8 @@ def _match(
 
 # opaque to torch.compile: dynamo breaks the graph around each call and runs it eagerly
 # (tracing into it fails inside dynamo: the override of apply, the native step's ctypes
-# calls); so are flex_attention and the transformers integration's attention_forward
+# calls); so are flex_attention, attention_with_kvcache and the transformers
+# integration's attention_forward
 @torch.compiler.disable
 def flash_attention(
     q: torch.Tensor,
