@@ -51,7 +51,7 @@ from .blocked import (
     _plain_scores,
     _resolve_tiles,
 )
-from .masks import Causal, IntervalBound, SlidingWindow
+from .masks import IntervalBound
 
 __all__ = ["LANE_ROWS", "forward"]
 
@@ -101,9 +101,6 @@ def forward(
     the lane takes the call, else None (the general path runs it). ``opts`` as the op's."""
     if not (type(q) is type(k) is type(v) is torch.Tensor) or q.device.type != "cpu":
         return None
-    mask = opts.get("mask")
-    if mask is not None and type(mask) not in (Causal, SlidingWindow):
-        return None
     for name, value in opts.items():
         if name in _READ:
             continue
@@ -122,7 +119,7 @@ def forward(
         q,
         k,
         v,
-        mask,
+        opts.get("mask"),  # (a mask but Causal or SlidingWindow: None, the general path)
         opts.get("conventions"),
         None,
         None,

@@ -53,6 +53,7 @@ from ._mods import find_captured
 from ._options import AttentionOptions, check_options
 from ._problem import Problem, build_problem
 from .blocked import (
+    BackwardResult,
     ForwardResult,
     LoopOrder,
     _backward_problem,
@@ -170,13 +171,8 @@ class _FlashAttention(torch.autograd.Function):
                 q, k, v, o_g, lse_g, do, dlse if use_dlse else None, bias, opts
             )
             return dq, dk, dv, dbias if ctx.needs_input_grad[3] else None, None, None
-        problem, loop = _split(opts)
-        pb = build_problem(q, k, v, bias=bias, bias_range=ctx.bias_range, **problem)
-        if ctx.bound is not None:  # the same geometry: the forward's serve as they are
-            pb.mask, pb.smod.user = ctx.bound
-        res = _backward_problem(pb, o, lse, do, dlse if use_dlse else None, bias=bias, **loop)
-        if ctx.sink is not None:
-            ctx.sink(res.ledger)
+        dl, bound, rng = dlse if use_dlse else None, ctx.bound, ctx.bias_range
+        res = _backward(q, k, v, bias, o, lse, do, dl, opts, ctx.sink, bias_range=rng, bound=bound)
         dbias = res.dbias if bias is not None and ctx.needs_input_grad[3] else None
         found = _match(captured, res.captured_grads)
         dcaptured = [g if ctx.needs_input_grad[6 + n] else None for n, g in enumerate(found)]
@@ -300,13 +296,7 @@ class _FuncAttentionBackward(_PerSample):
         opts: dict[str, Any],
         sink: Callable[[Ledger], None] | None,
     ) -> tuple[torch.Tensor | None, ...]:
-        problem, loop = _split(opts)
-        pb = build_problem(q, k, v, bias=bias, **problem)
-        if pb.smod.user is not None:
-            pb.smod.user.use_captured(())  # refused with captured tensors (_transformed)
-        res = _backward_problem(pb, o, lse, do.contiguous(), dlse, bias=bias, **loop)
-        if sink is not None:
-            sink(res.ledger)
+        res = _backward(q, k, v, bias, o, lse, do, dlse, opts, sink)
         return res.dq, res.dk, res.dv, res.dbias if bias is not None else None
 
     @staticmethod
@@ -442,6 +432,37 @@ def _forward(
     if row_max is not None:
         row_max.append(res.row_max)
     return pb, res
+
+
+def _backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    do: torch.Tensor,
+    dlse: torch.Tensor | None,
+    opts: dict[str, Any],
+    sink: Callable[[Ledger], None] | None,
+    *,
+    bias_range: Any = None,
+    bound: tuple[Any, Any] | None = None,
+) -> BackwardResult:
+    """The op's first-order backward pass; its ledger goes to ``sink``. ``bound``: the
+    forward's bound mask and score_mod, which serve as they are (the same geometry); else
+    both are bound again from ``opts``, a score_mod with no captured tensors (the lane
+    takes none; under ``torch.func`` they are refused)."""
+    problem, loop = _split(opts)
+    pb = build_problem(q, k, v, bias=bias, bias_range=bias_range, **problem)
+    if bound is not None:
+        pb.mask, pb.smod.user = bound
+    elif pb.smod.user is not None:
+        pb.smod.user.use_captured(())
+    res = _backward_problem(pb, o, lse, do.contiguous(), dlse, bias=bias, **loop)
+    if sink is not None:
+        sink(res.ledger)
+    return res
 
 
 _LOOP = ("block_q", "block_k", "loop_order")
