@@ -132,6 +132,34 @@ def test_second_order_equals_pytorch_math_backend(causal, gen):
     _same(got[1], want[1], "Hessian-vector product")
 
 
+@pytest.mark.parametrize("entry", ["flash_attention", "flex_attention"])
+@pytest.mark.parametrize("causal", [False, True], ids=["plain", "causal"])
+def test_second_order_with_the_default_tiles(entry, causal, gen):
+    """No block_q / block_k given (the common call, and flex's only one): the graph backward
+    takes its default tiles, and agrees with SDPA's math backend; a Hessian too."""
+    xs = _inputs(gen, 1, 2, 2, 11, 11, d=4, dv=3)
+    vec = [torch.randn(x.shape, generator=gen, dtype=F64) for x in xs]
+
+    def ours(q, k, v):  # type: ignore[no-untyped-def]
+        if entry == "flex_attention":
+            causal_mod = lambda b, h, qi, ki: qi >= ki  # noqa: E731
+            bm = fl.create_block_mask(causal_mod, 1, 1, 11, 11) if causal else None
+            return fl.flex_attention(q, k, v, block_mask=bm)
+        return fl.flash_attention(q, k, v, mask=fl.Causal() if causal else None)
+
+    def sdpa(q, k, v):  # type: ignore[no-untyped-def]
+        with sdpa_kernel(SDPBackend.MATH):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    got, want = _penalty_and_hvp(ours, xs, vec), _penalty_and_hvp(sdpa, xs, vec)
+    _same(got[0], want[0], "gradient penalty")
+    _same(got[1], want[1], "Hessian-vector product")
+    q = xs[0].detach()
+    h = torch.autograd.functional.hessian(lambda x: ours(x, *xs[1:]).sum(), q)
+    h_want = torch.autograd.functional.hessian(lambda x: sdpa(x, *xs[1:]).sum(), q)
+    _same((h,), (h_want,), "Hessian")
+
+
 def test_second_and_third_order_with_every_score_feature(gen):
     """Softcap, ALiBi, a bias, dropout and fully-masked rows against the naive formula."""
     q, k, v = _inputs(gen, 1, 2, 1, 6, 5)

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from ._problem import build_problem
+from .blocked import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q
 from .masks import EMPTY, PARTIAL
 from .reference import _backward_inputs, reduce_to_bias
 
@@ -56,9 +57,11 @@ def graph_backward(
     ``o`` ``(..., Lq, d_v)`` and ``lse`` ``(..., Lq)`` (-inf on rows with no key) must
     be differentiable functions of ``q, k, v, bias``; ``do``/``dlse`` the upstream
     gradients; ``opts`` the options of ``flash_attention`` (``block_q``/``block_k``
-    set the tiles, ``loop_order`` is ignored: the backward has one order).
+    set the tiles, default 512 x 512 where absent or None; ``loop_order`` is ignored: the
+    backward has one order).
     """
-    block_q, block_k = opts["block_q"], opts["block_k"]
+    block_q = opts.get("block_q") or DEFAULT_BLOCK_Q
+    block_k = opts.get("block_k") or DEFAULT_BLOCK_K
     kw = {n: x for n, x in opts.items() if n not in ("block_q", "block_k", "loop_order")}
     pb = build_problem(q, k, v, bias=bias, **kw)
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
