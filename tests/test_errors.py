@@ -271,7 +271,8 @@ def test_mask_shape_and_type(entry):
     _raises(
         lambda: call(q, k, v, mask=torch.ones(3, 5, 6, dtype=torch.bool)),
         ValueError,
-        "does not fit",
+        "does not broadcast",
+        "each dim must be 1 or equal",
     )
     _raises(lambda: call(q, k, v, mask=torch.ones(5, 6)), TypeError, "bool tensor", "torch.float32")
     _raises(lambda: call(q, k, v, mask=[[True] * 6] * 5), TypeError, "mask must be None", "list")

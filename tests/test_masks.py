@@ -327,3 +327,31 @@ def test_a_value_mask_on_the_same_long_plain_geometry_is_bound_once():
     pad = fl.KeyPadding(lens)
     two = Geometry.build(lq=1500, lk=1700, batch=2)
     assert pad.bind(two) is not pad.bind(two)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 1, 1, 9), (1, 9), (7, 1), (1, 1, 9), (2, 3, 7, 1), (2, 1, 7, 9), (1, 3, 1, 1)],
+    ids=str,
+)
+@pytest.mark.parametrize("length", [9, 300], ids=["short", "native"])
+def test_bool_mask_broadcasts_in_every_dim(shape, length, gen, assert_close):
+    """A bool ``mask=`` broadcasts as SDPA's ``attn_mask`` does, the query and key dims
+    included: ``(B, 1, 1, Lk)`` is the usual key-padding mask. Forward and gradients
+    against SDPA (float64), on the small path and on the native step's."""
+    lq, lk = (7, 9) if length == 9 else (length - 13, length)
+    q = torch.randn(2, 3, lq, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (
+        torch.randn(2, 3, lk, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+        for _ in range(2)
+    )
+    sized = tuple(lq if n == 7 else lk if n == 9 else n for n in shape)
+    m = torch.rand(sized, generator=gen) < 0.6
+    m[..., 0] = True  # every row sees a key (SDPA gives NaN for a row that sees none)
+    o = fl.flash_attention(q, k, v, mask=m)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    assert_close(o, want, rtol=1e-12, name=f"O, mask {sized}")
+    got_g = torch.autograd.grad(o.square().sum(), (q, k, v))
+    want_g = torch.autograd.grad(want.square().sum(), (q, k, v))
+    for name, a, b in zip("qkv", got_g, want_g):
+        assert_close(a, b, rtol=1e-12, name=f"d{name}, mask {sized}")

@@ -1201,6 +1201,7 @@ class KeyPadding(Mask):
     ``side="right"`` (default): the real keys come first, ``j < lengths[b]``;
     ``side="left"``: they come last, ``j >= Lk - lengths[b]`` (left-padded
     batches, as generation pads them; ``Lk`` is the call's whole key length).
+    A length of ``Lk`` or more means every key.
     """
 
     def __init__(
@@ -1264,16 +1265,13 @@ class DenseMask(Mask):
         while t.ndim < 4:
             t = t.unsqueeze(0)
         want = (geo.batch, geo.heads, geo.lq_total, geo.lk_total)
-        ok = (
-            all(s in (1, w) for s, w in zip(t.shape[:2], want[:2]))
-            and tuple(t.shape[2:]) == want[2:]
-        )
-        if not ok:
+        if not all(s in (1, w) for s, w in zip(t.shape, want)):
             raise ValueError(
-                f"mask of shape {tuple(self.mask.shape)} does not fit (B, H, Lq, Lk) = {want}: "
-                "the last two dims must equal (Lq, Lk) and the others be 1 or equal"
+                f"mask of shape {tuple(self.mask.shape)} does not broadcast to "
+                f"(B, H, Lq, Lk) = {want}: each dim must be 1 or equal to that size"
             )
-        return DenseBound(geo, t.to(geo.device))
+        # (B|1, H|1, Lq, Lk): a query or key dim of 1 broadcasts as a view (stride 0)
+        return DenseBound(geo, t.to(geo.device).expand(*t.shape[:2], *want[2:]))
 
 
 class _SequenceBounds(Mask):
