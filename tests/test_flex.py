@@ -530,6 +530,43 @@ def test_gradients_reach_every_kind_of_captured_tensor(assert_close):
         assert_close(a, b, rtol=GRAD, name=what)
 
 
+def test_a_score_mod_result_that_is_not_a_fresh_tensor_stays_the_callers(assert_close):
+    """The loop rescales and exponentiates the tile's scores in place. A score_mod may return
+    a tensor it captured, a view of one, a broadcast (one element behind many) or a
+    rearranged view of the score itself: none is written to, and every call gives the
+    formula's O (the captured tensor came back overwritten, and a second call differed)."""
+    q, k, v, do = _inputs(1, 2, 1, 6, 6, seed=5)
+    table = torch.randn(1, 2, 6, 6, dtype=F64)
+    half = torch.tensor([0.5, -0.25], dtype=F64)
+    mods: dict[str, Callable[..., Tensor]] = {
+        # the whole captured table when the tile is the whole call, else its entries
+        "captured": lambda s, b, h, qi, kv: (
+            table if s.shape == table.shape else table[b, h, qi, kv]
+        ),
+        "view": lambda s, b, h, qi, kv: (
+            table[0:1] if s.shape == table.shape else table[b, h, qi, kv]
+        ),
+        "broadcast": lambda s, b, h, qi, kv: torch.broadcast_to(half[h], s.shape),
+        "flipped": lambda s, b, h, qi, kv: s.flip(-1) if s.shape == table.shape else s,
+    }
+    for name, mod in mods.items():
+        before = table.clone(), half.clone()
+        want, _ = naive_flex(q, k, v, score_mod=mod)
+        if name == "flipped":  # the tile's own scores, reversed along the keys
+            s = torch.einsum("bhqd,bhkd->bhqk", q, k.expand(1, 2, 6, 8)) / math.sqrt(8)
+            want = torch.softmax(s.flip(-1), dim=-1) @ v.expand(1, 2, 6, 8)
+        for run in range(2):
+            o = fl.blocked_forward(q, k, v, score_mod=mod, block_q=6, block_k=6).o
+            assert_close(o, want, rtol=FWD, name=f"{name}: blocked_forward O, call {run}")
+            leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+            o = fl.flash_attention(*leaves, score_mod=mod, block_q=6, block_k=6)
+            assert_close(o, want, rtol=FWD, name=f"{name}: flash_attention O, call {run}")
+            torch.autograd.grad((o * do).sum(), leaves)
+        assert torch.equal(table, before[0]) and torch.equal(half, before[1]), (
+            f"{name}: the score_mod's captured tensor was written to"
+        )
+
+
 def test_find_captured_names_the_tensor_the_score_mod_uses():
     param = torch.nn.Parameter(torch.ones(3, dtype=F64))
     derived = param * 2  # captured as it is (not walked down to param)

@@ -179,8 +179,11 @@ class ScoreMod:
         keys = torch.arange(k0, k1, device=geo.device) + geo.k_offset  # (c,) global
         s4 = s.reshape(s.shape[0], self.hkv * self.g, q1 - q0, k1 - k0)  # (B, Hq, r, c)
         if not grad:
-            return self.user.apply(s4, rows, keys).reshape(s.shape), TileGrad(t)
+            out = self.user.apply(s4, rows, keys)  # (B, Hq, r, c)
+            return (_owned(out, s4) if inplace else out).reshape(s.shape), TileGrad(t)
         out, vjp = self.user.forward(s4, rows, keys)
+        if inplace and not _is_buffer(out, s4):
+            out = out.clone()  # s4 is the graph's input: its values stay as they are
         return out.reshape(s.shape), TileGrad(t, vjp)
 
     def bias_tile(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
@@ -206,6 +209,26 @@ class ScoreMod:
         if ctx.t is None:
             return ds * self.scale
         return ds * (self.scale * (1.0 - ctx.t * ctx.t))
+
+
+def _is_buffer(out: torch.Tensor, buf: torch.Tensor) -> bool:
+    """Whether ``out`` is the tile buffer ``buf`` itself (the same elements, laid out alike)."""
+    return (
+        out.data_ptr() == buf.data_ptr() and out.shape == buf.shape and out.stride() == buf.stride()
+    )
+
+
+def _owned(out: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    """A score_mod's result as scores the loop may overwrite in place: ``out`` when it is
+    the tile buffer ``buf`` (the score returned as given, or changed in place), else its
+    values copied into ``buf``. ``out`` may be a tensor the score_mod captured, a view of
+    one, or a broadcast with one element behind many: the loop's in-place softmax must
+    neither write to the caller's tensor nor fail on a broadcast."""
+    if _is_buffer(out, buf):
+        return out
+    if out.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr():
+        out = out.clone()  # a rearranged view of the buffer itself (flipped, transposed)
+    return buf.copy_(out)
 
 
 def _demo() -> None:
