@@ -406,6 +406,27 @@ _BAD: list[tuple[str, str, Any, str, str]] = [
     ("measure-block", "/api/measure", {"length": 16, "block": 32}, "block", "1..16"),
     ("measure-tiles", "/api/measure", {"length": 1024, "block": 32}, "block", "at most 256"),
     ("conventions-k", "/api/conventions", {"q": [[1.0]], "k": [], "v": []}, "k", "at least 1"),
+    (
+        "conventions-preset",  # the request runs every preset: one named would do nothing
+        "/api/conventions",
+        {"q": [[1.0]], "k": [[1.0]], "v": [[1.0]], "conventions": "seed"},
+        "conventions",
+        "runs every preset",
+    ),
+    (
+        "backward-softcap-dropout",  # flash_attn_2 refuses the pair, as its kernel does
+        "/api/backward",
+        _seed_backward(conventions="flash_attn_2", dropout_p=0.3, softcap=5.0),
+        "softcap",
+        "take no softcap together with dropout",
+    ),
+    (
+        "ledger-huge-block",
+        "/api/ledger",
+        _seed_ledger(block_size=10**40),
+        "block_size",
+        "41 digits",
+    ),
 ]
 
 
@@ -434,6 +455,120 @@ def test_malformed_and_missing_bodies(client: TestClient) -> None:
     assert res.status_code == 422 and "request body" in res.json()["detail"], res.text
     res = client.post("/api/ledger", json=[1, 2, 3])
     assert res.status_code == 422, res.text
+
+
+def test_bodies_that_are_not_json_objects_are_named(client: TestClient) -> None:
+    """A body labelled as a form (curl's -d) gets 415 and the header to send; a JSON value
+    that is not an object, where one is wanted, gets a message that says so."""
+    res = client.post(
+        "/api/storage",
+        content=b'{"lq": 8}',
+        headers={"Content-Type": "application/x-www-form-urlencoded"},
+    )
+    assert res.status_code == 415, res.text
+    err = res.json()["errors"][0]
+    assert err["kind"] == "media_type" and "Content-Type: application/json" in err["message"]
+    res = client.post("/api/storage", content=b'{"lq": 8}')  # unlabelled: read as JSON
+    assert _ok(res) == _ok(client.post("/api/storage", json={"lq": 8}))
+    for body in (None, [], 1, "x"):
+        res = client.post("/api/storage", json=body)
+        assert res.status_code == 422, res.text
+        detail = res.json()["detail"]
+        assert "JSON object" in detail and "valid dictionary" not in detail, detail
+    res = client.post("/api/storage", json={"mask": 3})
+    err = res.json()["errors"][0]
+    assert res.status_code == 422 and err["kind"] == "not_object", res.text
+    assert err["message"] == "mask: must be a JSON object {...}, not 3", err
+    # a mask's kind alone stands for {"kind": ...}: what /api/examples serves is accepted
+    example = _ok(client.get("/api/examples"))["backward"]
+    assert isinstance(example["mask"], str)
+    res = client.post("/api/backward", json=example | {"block_q": 2, "block_k": 2})
+    assert _ok(res)["lq"] == len(example["q"])
+
+
+def test_unparsable_json_is_not_blamed_on_the_encoding(client: TestClient) -> None:
+    for body in (b"[" * 5000 + b"]" * 5000, b'{"lq": ' + b"9" * 5000 + b"}"):
+        res = client.post(
+            "/api/storage", content=body, headers={"Content-Type": "application/json"}
+        )
+        assert res.status_code == 422, res.text[:200]
+        detail = res.json()["detail"]
+        assert "could not be read as JSON" in detail and "nested too deeply" in detail, detail
+
+
+def test_one_request_lists_at_most_twenty_errors_and_is_answered_at_once(
+    client: TestClient,
+) -> None:
+    """A custom grid row far longer than any length allows is one error, not one per cell;
+    and however many cells are wrong, 20 errors are listed and the rest counted."""
+    row = [1] * 95_000
+    res = client.post("/api/backward", json={"mask": {"kind": "custom", "dense": [row]}})
+    assert res.status_code == 422 and len(res.content) < 20_000, len(res.content)
+    assert any(e["kind"] == "too_long" and e["limits"] == {"max": 64} for e in res.json()["errors"])
+    grid = [[1] * 64 for _ in range(64)]  # 4096 cells, each not a boolean
+    res = client.post("/api/backward", json=_seed_backward(mask={"kind": "custom", "dense": grid}))
+    errors = res.json()["errors"]
+    assert res.status_code == 422 and len(errors) == 21, len(errors)
+    assert errors[-1]["kind"] == "more_errors" and errors[-1]["limits"]["count"] == 4096 - 20
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/api/ledger", {"scores": [1.0], "values": [[1.0]]}, "block_size"),
+        ("/api/storage", {"lq": 1, "lk": 1}, "block_q"),
+        ("/api/conventions", {"q": [[1.0]], "k": [[1.0]], "v": [[1.0]]}, "block_q"),
+    ],
+)
+def test_a_block_left_out_fits_a_length_of_one(
+    client: TestClient, path: str, body: dict[str, Any], field: str
+) -> None:
+    """The default block, 2, is the length where that is 1: no error about a field the
+    client never sent. Sent explicitly, 2 is still refused."""
+    _ok(client.post(path, json=body))
+    res = client.post(path, json=body | {field: 2})
+    assert res.status_code == 422 and "allowed: 1..1" in res.json()["detail"], res.text
+
+
+def test_conventions_mark_the_preset_that_refuses_softcap_with_dropout(
+    client: TestClient,
+) -> None:
+    ex = examples.five_position_example()
+    body = {"q": ex["q"].tolist(), "k": ex["k"].tolist(), "v": ex["v"].tolist()}
+    data = _ok(client.post("/api/conventions", json=body | {"softcap": 5.0, "dropout_p": 0.3}))
+    refusing = {n for n, c in PRESETS.items() if not c.softcap_with_dropout}
+    assert refusing, "no preset refuses the pair: the test is void"
+    for preset in data["presets"]:
+        if preset["name"] in refusing:
+            assert preset["rows"] == [] and "softcap" in preset["refused"], preset
+        else:
+            assert preset["refused"] is None and len(preset["rows"]) == len(body["q"]), preset
+
+
+def test_gradient_check_tolerance_follows_the_scores_magnitude(client: TestClient) -> None:
+    """Entries near the 1e6 limit make scores near 1e12, which float64 keeps to 1e-4: the
+    blocked and the autograd gradients differ by that much relative, and the check says
+    so within the rounding it derives, not against 1e-10."""
+    big = 1e6
+    body = {
+        "q": [[big, -big], [1, 2], [-big, big], [0, 0], [3, big]],
+        "k": [[big, big], [-big, 3], [0, big], [1, 1], [2, 2]],
+        "v": [[big, 1]] * 5,
+        "g": [[big, -big]] * 5,
+        "mask": {"kind": "none"},
+    }
+    data = _ok(client.post("/api/backward", json=body))
+    assert data["autograd"]["ok"], data["autograd"]
+    assert data["grad_max_diff"] <= data["tolerance"], (data["grad_max_diff"], data["tolerance"])
+    seed = _ok(client.post("/api/backward", json=_seed_backward()))
+    assert seed["tolerance"] <= 1e-10 * 10, seed["tolerance"]  # ordinary inputs: 1e-10 rel
+
+
+def test_oversized_headers_are_431(client: TestClient) -> None:
+    res = client.get("/api/examples", headers={"X-Pad": "x" * 60_000})
+    assert res.status_code == 431, res.status_code
+    err = res.json()["errors"][0]
+    assert err["kind"] == "too_large" and err["limits"]["max"] == 16384, err
 
 
 def test_oversized_body_is_413(client: TestClient) -> None:

@@ -6,7 +6,8 @@
   through DNS rebinding.
 - :class:`BodyGuard` reads each request body before the app sees it: over the
   size limit, 413; not complete within ``timeout_s`` seconds (a slow or
-  half-sent body), 408 and the connection is closed.
+  half-sent body), 408 and the connection is closed; labelled as anything but
+  JSON, 415.
 - :class:`SecurityHeaders` adds the Content-Security-Policy and ``nosniff``;
   :class:`HeadAsGet` answers ``HEAD`` wherever ``GET`` is answered.
 - :func:`protocol_class` is uvicorn's h11 protocol plus a header timeout (a
@@ -187,20 +188,36 @@ class HostCheck:
 class BodyGuard:
     """ASGI middleware: read the whole request body first, within a size and a time limit.
 
-    A declared ``Content-Length`` over ``limit`` is refused at once (413); a streamed
+    Request line and headers over ``header_limit`` bytes are refused (431; h11 itself
+    only bounds headers that arrive in pieces). A declared ``Content-Length`` over
+    ``limit`` is refused at once (413); a streamed
     body is held to the same limit. A body not complete ``timeout_s`` seconds after
-    its headers gets 408 and the connection is closed. The app then receives the
-    body in one piece.
+    its headers gets 408 and the connection is closed. A body labelled as anything
+    but JSON (curl's ``-d`` labels it a form) gets 415 with the header to send; an
+    unlabelled one is read as JSON. The app then receives the body in one piece.
     """
 
-    def __init__(self, app: ASGIApp, *, limit: int, timeout_s: float) -> None:
+    def __init__(
+        self, app: ASGIApp, *, limit: int, timeout_s: float, header_limit: int | None = None
+    ) -> None:
         self.app = app
         self.limit = limit
         self.timeout_s = timeout_s
+        self.header_limit = header_limit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        head = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
+        head += sum(len(k) + len(v) + 4 for k, v in scope.get("headers") or [])
+        if self.header_limit is not None and head > self.header_limit:
+            why = (
+                f"the request line and headers are about {head} bytes; the limit is "
+                f"{self.header_limit} bytes"
+            )
+            sizes = {"max": self.header_limit, "got": head}
+            await send_error(send, 431, why, "too_large", sizes, [("connection", "close")])
             return
         declared = dict(scope.get("headers") or []).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.limit:
@@ -228,6 +245,20 @@ class BodyGuard:
             if len(body) > self.limit:
                 await self._too_large(send, len(body))
                 return
+        media = _media_type(scope)
+        if body and media and media != "application/json" and not media.endswith("+json"):
+            reason = (
+                f"the request body was sent as {media}; the API reads JSON: send it with "
+                "the header Content-Type: application/json"
+            )
+            await send_error(send, 415, reason, "media_type", {"got": media[:60]})
+            return
+        if body and not media:  # unlabelled: read as JSON, as it is labelled for the app
+            scope = dict(scope)
+            scope["headers"] = [
+                *(scope.get("headers") or []),
+                (b"content-type", b"application/json"),
+            ]
         replayed = False
 
         async def replay() -> Message:
@@ -243,6 +274,12 @@ class BodyGuard:
         message = f"the request body is {size} bytes or more; the limit is {self.limit} bytes"
         limits = {"max": self.limit, "got": size}
         await send_error(send, 413, message, "too_large", limits, [("connection", "close")])
+
+
+def _media_type(scope: Scope) -> str:
+    """The request's ``Content-Type`` without its parameters, lower case ("" when absent)."""
+    raw = dict(scope.get("headers") or []).get(b"content-type", b"")
+    return raw.decode("latin-1").split(";", 1)[0].strip().lower()
 
 
 class SecurityHeaders:
@@ -325,6 +362,15 @@ def protocol_class(*, header_timeout_s: float, max_connections: int) -> type[asy
             else:  # the headers are in: the body's time is BodyGuard's
                 self._partial = False
                 self._disarm()
+
+        def send_400_response(self, msg: str) -> None:
+            """h11 could not parse the request: the API's JSON error, then close."""
+            message = (
+                "the request could not be read as HTTP/1.1 (malformed, a negative or "
+                "invalid Content-Length, or headers over the size limit)"
+            )
+            self.transport.write(_raw_response(400, "Bad Request", message, "invalid", {}))
+            self.transport.close()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()

@@ -94,7 +94,8 @@ KEEP_ALIVE_S = 5.0
 MAX_CONNECTIONS = 128
 """Most connections open at once (``serve`` only); more are answered 503 and closed."""
 MAX_HEADER_BYTES = 16 * 1024
-"""Largest request line and headers (``serve`` only; h11 answers 400 beyond it)."""
+"""Largest request line and headers: 431 beyond it (h11 answers 400 to more arriving in
+pieces)."""
 SWITCH_INTERVAL_S = 0.0005
 """Python's thread switch interval in the server process (``serve`` only; default 5 ms):
 how soon the event loop gets the interpreter back from threads running traced loops.
@@ -174,9 +175,14 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+MAX_ERRORS = 20
+"""Most errors one 422 lists; one more item counts the rest (kind ``more_errors``)."""
+
+
 def _validation_errors(exc: RequestValidationError) -> list[dict[str, Any]]:
-    errors = []
-    for err in exc.errors():
+    errors: list[dict[str, Any]] = []
+    found = exc.errors()
+    for err in found[:MAX_ERRORS]:
         cause = (err.get("ctx") or {}).get("error")
         loc = tuple(err.get("loc", ()))
         path = _path(loc)
@@ -188,6 +194,10 @@ def _validation_errors(exc: RequestValidationError) -> list[dict[str, Any]]:
             message = f"the request body is not valid JSON ({err.get('msg', '')})"
         elif kind == "missing" and not path:
             message = "a JSON object is required as the request body"
+        elif kind in ("model_type", "model_attributes_type", "dict_type"):
+            got = _shown(err.get("input"))
+            where = f"{path}: must be" if path else "the request body must be"
+            message = f"{where} a JSON object {{...}}, not {got}"
         elif kind == "extra_forbidden":
             message = f"{path}: unknown field; see /docs for the fields allowed"
         elif kind in _WANTED:
@@ -196,6 +206,14 @@ def _validation_errors(exc: RequestValidationError) -> list[dict[str, Any]]:
             message = f"{path}: {err.get('msg', 'invalid value')}" if path else err.get("msg", "")
         field = next((p for p in loc if isinstance(p, str) and p != "body"), "")
         errors.append({"field": field, "path": path, "message": message} | sc.error_details(err))
+    if len(found) > MAX_ERRORS:
+        more = len(found) - MAX_ERRORS
+        message = f"{more} more errors in this request, not listed (the first {MAX_ERRORS} are)"
+        limits = {"count": more, "listed": MAX_ERRORS}
+        errors.append(
+            {"field": "", "path": "", "message": message, "kind": "more_errors"}
+            | {"limits": limits}
+        )
     return errors
 
 
@@ -282,8 +300,11 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        if exc.status_code == 400:  # FastAPI could not decode the body (not UTF-8 JSON)
-            message = "the request body is not valid JSON (it is not UTF-8 text)"
+        if exc.status_code == 400:  # FastAPI could not parse the body as JSON
+            message = (
+                "the request body could not be read as JSON (not UTF-8 text, nested "
+                "too deeply, or a number with too many digits)"
+            )
             error = {"field": "", "path": "", "message": message, "kind": "invalid_json"}
             return _error(422, [error])
         message = str(exc.detail)
@@ -417,7 +438,12 @@ def create_app(
         _guard.SecurityHeaders,
         headers={"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff"},
     )
-    app.add_middleware(_guard.BodyGuard, limit=sc.MAX_BODY_BYTES, timeout_s=body_timeout_s)
+    app.add_middleware(
+        _guard.BodyGuard,
+        limit=sc.MAX_BODY_BYTES,
+        timeout_s=body_timeout_s,
+        header_limit=MAX_HEADER_BYTES,
+    )
     app.add_middleware(_queue.Admission, routes=routes)
     app.add_middleware(_guard.HeadAsGet)
     app.add_middleware(_guard.HostCheck, rule=_guard.HostRule(host, allow_hosts))

@@ -123,8 +123,10 @@ ERROR_KINDS: dict[str, str] = {
     "not_number": "not a number",
     "not_finite": "an infinite or NaN number",
     "not_list": "not a list",
+    "not_object": "not a JSON object {...}",
     "not_bool": "not true or false",
     "not_allowed": "a value outside a fixed set (limits: allowed)",
+    "pair": "softcap with dropout, which the conventions refuse (limits: conventions, allowed)",
     "mask_dense": "a custom mask without its grid, or a grid without a custom mask",
     "unknown_field": "a field the request does not have",
     "missing": "a required field left out",
@@ -134,6 +136,8 @@ ERROR_KINDS: dict[str, str] = {
     "timeout": "a request not sent in time (limits: seconds)",
     "host": "a Host header the explorer does not answer to (limits: allowed)",
     "busy": "the explorer's queue is full; try again (limits: retry_after)",
+    "more_errors": "errors of one request past the first 20, not listed (limits: count, listed)",
+    "media_type": "a body not sent as JSON (limits: got)",
     "invalid": "anything else (the message says what)",
 }
 """Kinds of input error; each error item carries ``kind`` and ``limits`` (numbers or text)."""
@@ -148,6 +152,9 @@ _PYDANTIC_KINDS: dict[str, str] = {
     "too_short": "too_short",
     "too_long": "too_long",
     "list_type": "not_list",
+    "model_type": "not_object",
+    "model_attributes_type": "not_object",
+    "dict_type": "not_object",
     "bool_parsing": "not_bool",
     "bool_type": "not_bool",
     "literal_error": "not_allowed",
@@ -186,7 +193,17 @@ def error_details(err: Mapping[str, Any]) -> dict[str, Any]:
     return {"kind": kind, "limits": limits}
 
 
-def _fmt(x: float) -> str:
+def _short(x: float) -> float | str:
+    """A number as an error may echo it: an integer too long for a float64 (JSON readers
+    take it for Infinity) as its first digits and its length."""
+    if isinstance(x, int) and abs(x) > 2**53:
+        digits = str(abs(x))
+        sign = "-" if x < 0 else ""
+        return f"{sign}{digits[:6]}... ({len(digits)} digits)"
+    return x
+
+
+def _fmt(x: float | str) -> str:
     """A bound as people write it: ``64``, ``0.9``, ``1000000``."""
     return str(_plain(x))
 
@@ -221,10 +238,11 @@ class Range:
         if low_ok and value <= self.hi:
             return value
         span = f"({_fmt(self.lo)}, {_fmt(self.hi)}]" if self.open_lo else self.span
+        got = _short(value)
         raise PydanticCustomError(
             "range_open" if self.open_lo else "range",
-            f"{_fmt(value)} is out of range; allowed: {span}",
-            {"min": self.lo, "max": self.hi, "got": value},
+            f"{_fmt(got)} is out of range; allowed: {span}",
+            {"min": self.lo, "max": self.hi, "got": got},
         )
 
     @property
@@ -239,13 +257,14 @@ def check_range(field: str, value: int, lo: int, hi: int, why: str = "") -> None
     if lo <= value <= hi:
         return
     reason = f" ({why})" if why else ""
+    got = _short(value)
     raise InputError(
         field,
-        f"{field}: {value} is out of range{reason}; allowed: {lo}..{hi}",
+        f"{field}: {got} is out of range{reason}; allowed: {lo}..{hi}",
         "range",
         min=lo,
         max=hi,
-        got=value,
+        got=got,
     )
 
 
@@ -337,18 +356,24 @@ class MaskSpec(_Request):
     ``align`` (None: the preset's alignment); ``custom`` takes ``dense``, an
     ``(Lq, Lk)`` grid of booleans (True = attend). With any other kind ``dense`` is
     absent, null or empty (``[]``: no grid); a grid there would be ignored, so it is refused.
+    A kind alone may be given as a string: ``"causal"`` is ``{"kind": "causal"}``.
     """
 
     kind: MaskKind = "none"
     left: Annotated[int, Range(-1, MAX_STORAGE_LEN)] = -1
     right: Annotated[int, Range(-1, MAX_STORAGE_LEN)] = 0
     align: Literal["top_left", "bottom_right"] | None = None
-    dense: list[list[bool]] | None = Field(
+    dense: list[Annotated[list[bool], Field(max_length=MAX_TRACE_LEN)]] | None = Field(
         default=None,
         max_length=MAX_TRACE_LEN,
         description="kind 'custom' only: the Lq x Lk grid, true = attend; "
         "null or [] with any other kind",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _kind_alone(cls, data: Any) -> Any:
+        return {"kind": data} if isinstance(data, str) else data
 
     @model_validator(mode="after")
     def _dense_only_for_custom(self) -> MaskSpec:
@@ -400,6 +425,8 @@ class LedgerRequest(_Request):
     @model_validator(mode="after")
     def _consistent(self) -> LedgerRequest:
         n = len(self.scores)
+        if "block_size" not in self.model_fields_set:
+            self.block_size = min(self.block_size, n)  # the default 2, or 1 for one score
         check_range("block_size", self.block_size, 1, n, f"the row has {n} scores")
         if len(self.values) != n:
             raise InputError(
@@ -487,6 +514,23 @@ class AttentionProblem(_Request):
             )
         return value
 
+    def check_pair(self) -> None:
+        """Raise :class:`InputError` (kind ``pair``, on ``softcap``) when the conventions
+        refuse softcap together with dropout, as their real kernel does."""
+        conv = PRESETS[self.conventions]
+        if self.softcap is None or self.dropout_p == 0 or conv.softcap_with_dropout:
+            return
+        takes = ", ".join(n for n, c in PRESETS.items() if c.softcap_with_dropout)
+        raise InputError(
+            "softcap",
+            f"softcap: conventions {conv.name!r} take no softcap together with dropout (the "
+            f"real kernel has no softcapped dropout path); turn one of them off, or choose "
+            f"conventions that take both: {takes}",
+            "pair",
+            conventions=conv.name,
+            allowed=takes,
+        )
+
     def check_problem(self) -> None:
         """Raise :class:`InputError` on inconsistent shapes."""
         d = _check_rectangular("q", self.q)
@@ -521,6 +565,7 @@ class BackwardRequest(AttentionProblem):
     @model_validator(mode="after")
     def _consistent(self) -> BackwardRequest:
         self.check_problem()
+        self.check_pair()
         dv = len(self.v[0])
         if len(self.g) != len(self.q) or _check_rectangular("g", self.g) != dv:
             raise InputError(
@@ -533,14 +578,19 @@ class BackwardRequest(AttentionProblem):
                 expected_rows=len(self.q),
                 expected_cols=dv,
             )
-        _check_blocks(self.block_q, self.block_k, len(self.q), len(self.k))
+        _check_blocks(self, len(self.q), len(self.k))
         return self
 
 
-def _check_blocks(block_q: int, block_k: int, lq: int, lk: int) -> None:
-    """Tiles of ``block_q x block_k`` fit ``Lq x Lk``: each block is ``1..L``."""
-    check_range("block_q", block_q, 1, lq, f"Lq is {lq}")
-    check_range("block_k", block_k, 1, lk, f"Lk is {lk}")
+def _check_blocks(req: Any, lq: int, lk: int) -> None:
+    """The request's tiles of ``block_q x block_k`` fit ``Lq x Lk``: each block is ``1..L``.
+    A block left out takes its default, 2, or the length where that is 1."""
+    if "block_q" not in req.model_fields_set:
+        req.block_q = min(req.block_q, lq)
+    if "block_k" not in req.model_fields_set:
+        req.block_k = min(req.block_k, lk)
+    check_range("block_q", req.block_q, 1, lq, f"Lq is {lq}")
+    check_range("block_k", req.block_k, 1, lk, f"Lk is {lk}")
 
 
 class _TileStep(_Response):
@@ -612,7 +662,10 @@ class BackwardResponse(_Response):
     grads: Gradients = Field(description="blocked backward result")
     reference: Gradients = Field(description="closed-form dense backward")
     grad_max_diff: Num
-    tolerance: Num = Field(description="1e-10 * max(1, max |grad|): the bound the page checks")
+    tolerance: Num = Field(
+        description="rtol * max(1, max |grad|), rtol 1e-10 or, with large scores, what "
+        "their float64 rounding allows: the bound the page checks"
+    )
     autograd: AutogradCheck
     counters: dict[str, int] = Field(description="backward ledger counters")
     forward_counters: dict[str, int]
@@ -643,7 +696,7 @@ class StorageRequest(_Request):
 
     @model_validator(mode="after")
     def _consistent(self) -> StorageRequest:
-        _check_blocks(self.block_q, self.block_k, self.lq, self.lk)
+        _check_blocks(self, self.lq, self.lk)
         tiles = -(-self.lq // self.block_q) * -(-self.lk // self.block_k)
         if tiles > MAX_STORAGE_TILES:
             raise InputError(
@@ -695,8 +748,14 @@ class ConventionsRequest(AttentionProblem):
 
     @model_validator(mode="after")
     def _consistent(self) -> ConventionsRequest:
+        if "conventions" in self.model_fields_set:
+            raise InputError(
+                "conventions",
+                "conventions: this request runs every preset; leave the field out",
+                "unknown_field",
+            )
         self.check_problem()
-        _check_blocks(self.block_q, self.block_k, len(self.q), len(self.k))
+        _check_blocks(self, len(self.q), len(self.k))
         return self
 
 
@@ -716,7 +775,11 @@ class ConventionResult(_Response):
     causal_align: str
     dropout_keep: str
     lse_differentiable: bool
-    rows: list[ConventionRow]
+    rows: list[ConventionRow] = Field(description="one per query row; none where refused")
+    refused: str | None = Field(
+        default=None,
+        description="why the preset refuses the problem (softcap with dropout), or null",
+    )
 
 
 class ConventionsResponse(_Response):
