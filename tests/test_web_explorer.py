@@ -263,3 +263,25 @@ def test_timing_warms_up_then_takes_the_median(
     assert set(data["runs"].values()) == {compute.MEASURE_MIN_RUNS}, data["runs"]
     one = client.post("/api/measure", json={"length": 32, "d": 4, "block": 8, "repeats": 1}).json()
     assert set(one["runs"].values()) == {1}
+
+
+# ----------------------------------------------------------------------------- errors the page states
+
+
+def test_the_page_states_every_error_kind_in_both_languages() -> None:
+    """The page words a server error from its kind and limits (``errorText``): every kind but
+    ``invalid`` (whose message is free text) has a string in English and in Chinese, and
+    each string uses only the limits that kind carries (ERROR_KINDS names them)."""
+    from importlib import resources
+
+    text = resources.files("flashledger.web").joinpath("static/i18n.js").read_text("utf-8")
+    for kind, about in sc.ERROR_KINDS.items():
+        if kind == "invalid":
+            continue
+        found = re.findall(rf'"err\.k\.{kind}": "([^"]*)"', text)
+        assert len(found) == 2, f"kind {kind!r}: {len(found)} page strings, one per language wanted"
+        named = re.search(r"\(limits: ([^)]*)\)", about)
+        allowed = set(named.group(1).split(", ")) if named else set()
+        for s in found:
+            used = set(re.findall(r"\{(\w+)\}", s))
+            assert used <= allowed, f"kind {kind!r}: {s!r} uses {used - allowed}, not in its limits"

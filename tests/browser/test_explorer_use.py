@@ -2,7 +2,9 @@
 languages, Back, timing cards, and large problems stepped one tile at a time.
 
 Each test reproduces something a person met: typed text overwritten by a late
-refresh, a page wider than a phone, a Chinese page with English errors, Back
+refresh, a page wider than a phone, a Chinese page with English errors (also
+errors left in English by a language switch), a summary line stating the
+settings of a refused request over the dimmed result of earlier ones, Back
 leaving the app, a 64 x 64 problem whose every step re-added the whole page.
 """
 
@@ -238,6 +240,84 @@ def test_server_errors_are_translated_in_every_section(visit_at: Any) -> None:
     page.fill("#f-r-world", "4")
     page.fill("#f-r-length", "6")  # zigzag on 4 ranks cuts 8 chunks
     expect(page.locator('#sec-ring [data-error-for="length"]')).to_contain_text("允许范围 8..64")
+    assert not quiet_errors(v), v.console_errors
+
+
+def test_a_language_switch_restates_the_errors_on_screen(visit_at: Any) -> None:
+    v, page = open_page(visit_at, DESKTOP, "?sec=backward&bq=9")
+    block_q = page.locator('#sec-backward [data-error-for="block_q"]')
+    expect(block_q).to_have_text("9 is out of range; allowed: 1..5")  # a server error: kind range
+    page.click('#tabs button[data-sec="ledger"]')
+    scores = page.locator('#sec-ledger [data-error-for="scores"]')
+    page.fill("#f-scores", "1, 2,, 3, 0, 2.5")  # a client-side error
+    expect(scores).to_have_text("entry 3 is empty (two commas in a row)")
+    page.route("**/api/storage", lambda route: route.abort())  # the server out of reach: a banner
+    page.click('#tabs button[data-sec="storage"]')
+    page.fill("#f-s-bq", "1")
+    banner = page.locator("#storage-error")
+    expect(banner).to_contain_text("the server could not compute this:")
+
+    page.click('#lang-switch button[data-lang="zh"]')  # every message changes at once, no reload
+    expect(banner).to_be_visible()
+    expect(banner).to_contain_text("服务器无法计算：")
+    page.click('#tabs button[data-sec="ledger"]')
+    expect(scores).to_be_visible()
+    expect(scores).to_have_text("第 3 项是空的（两个逗号相连）")
+    page.click('#tabs button[data-sec="backward"]')
+    expect(block_q).to_be_visible()
+    expect(block_q).to_have_text("9 超出范围；允许范围 1..5")
+    page.click('#lang-switch button[data-lang="en"]')
+    expect(block_q).to_have_text("9 is out of range; allowed: 1..5")
+    expect(scores).to_have_text("entry 3 is empty (two commas in a row)")
+    expect(banner).to_contain_text("the server could not compute this:")
+    uncaught = [e for e in v.console_errors if e.startswith("uncaught")]
+    assert not uncaught, v.console_errors
+
+
+def test_a_refused_request_leaves_the_summary_on_the_shown_result(visit_at: Any) -> None:
+    v, page = open_page(visit_at, DESKTOP, "?sec=backward&bq=1&bk=1")
+    config = page.locator("#bw-config")
+    note = config.locator(".stale-note")
+    page.click("#bw-inputs summary")
+    page.fill("#f-len", "64")
+    page.press("#f-len", "Enter")
+    expect(page.locator("#bw-stats tbody tr")).to_have_count(64, timeout=90_000)
+    expect(config).to_have_text("L = 64 · causal, top-left · 1×1 · seed", use_inner_text=True)
+    expect(note).to_be_hidden()
+    # without the causal mask the 64 x 64 problem in 1 x 1 tiles is more work than allowed
+    page.select_option("#f-mask", "none")
+    expect(page.locator('#sec-backward [data-error-for="block_q"]')).to_contain_text("work")
+    expect(page.locator("#sec-backward")).to_have_class(_has("stale"))
+    # the dimmed result was computed with the causal mask: the line says so, and that it is old
+    expect(note).to_be_visible()
+    expect(config).to_have_text(
+        "Previous result (the new inputs were not accepted):L = 64 · causal, top-left · 1×1 · seed",
+        use_inner_text=True,
+    )
+    page.click('#lang-switch button[data-lang="zh"]')  # a re-render keeps to the shown result
+    expect(config).to_have_text(
+        "上一次的结果（新输入未被接受）：L = 64 · 因果，左上对齐 · 1×1 · seed", use_inner_text=True
+    )
+    page.select_option("#f-mask", "causal_top_left")  # accepted again: a current result
+    expect(page.locator("#sec-backward")).not_to_have_class(_has("stale"))
+    expect(note).to_be_hidden()
+    expect(config).to_have_text("L = 64 · 因果，左上对齐 · 1×1 · seed", use_inner_text=True)
+
+    # section 05's summary sentence states the shown result's sizes and marks it the same way
+    page.click('#lang-switch button[data-lang="en"]')
+    page.click('#tabs button[data-sec="storage"]')
+    summary = page.locator("#storage-summary")
+    expect(summary).to_contain_text("The 5 × 5 probability table", use_inner_text=True)
+    page.fill("#f-s-lq", "0")
+    expect(page.locator('#sec-storage [data-error-for="lq"]')).to_contain_text("0 is out of range")
+    expect(summary.locator(".stale-note")).to_be_visible()
+    expect(summary).to_contain_text(
+        "Previous result (the new inputs were not accepted):The 5 × 5 probability table",
+        use_inner_text=True,
+    )
+    page.fill("#f-s-lq", "6")
+    expect(summary.locator(".stale-note")).to_be_hidden()
+    expect(summary).to_contain_text("The 6 × 5 probability table", use_inner_text=True)
     assert not quiet_errors(v), v.console_errors
 
 

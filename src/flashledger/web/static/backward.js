@@ -21,6 +21,7 @@ import {
   registerStepper,
   showErrors,
   showFieldError,
+  staleNote,
   stepper,
   typedField,
   widthOf,
@@ -34,6 +35,7 @@ const NAMES = { dq: "dQ", dk: "dK", dv: "dV" };
 
 let section;
 let data = null;
+let dataInputs = null; // the settings `data` was computed with (the summary line states them)
 let bus;
 let bwCtl;
 let fwCtl;
@@ -184,14 +186,14 @@ function resizeMatrix(text, length, salt, widthFallback) {
 function resizeTo(text) {
   const length = parseIntField(text);
   if (length === null || length < 1 || length > maxLen) {
-    return showFieldError(section, "length", t("err.range", { min: 1, max: maxLen }));
+    return showFieldError(section, "length", "err.range", { min: 1, max: maxLen });
   }
   for (const key of MATRIX_KEYS) {
     const parsed = parseMatrix(get(key));
     if (parsed.error) {
       // the rows there are kept: fix them first rather than lose them to made-up ones
       const [msg, vars] = parsed.error;
-      return inputError(key, t(msg, vars));
+      return inputError(key, msg, vars);
     }
   }
   const width = (key, fallback) => parseMatrix(get(key)).rows?.[0]?.length ?? fallback;
@@ -245,10 +247,10 @@ function maskSpec(lq, lk) {
   return { kind };
 }
 
-/** A client-side input error: open the inputs so that the message next to the field shows. */
-function inputError(field, message) {
+/** A client-side input error (UI string `key`): open the inputs so that the message next to the field shows. */
+function inputError(field, key, vars = {}) {
   document.getElementById("bw-inputs").open = true;
-  showFieldError(section, field, message);
+  showFieldError(section, field, key, vars);
 }
 
 function numberOrNull(text) {
@@ -266,30 +268,31 @@ async function compute() {
     const parsed = parseMatrix(get(key));
     if (parsed.error) {
       const [msg, vars] = parsed.error;
-      return inputError(key, t(msg, vars));
+      return inputError(key, msg, vars);
     }
     body[key] = parsed.rows;
   }
   const ints = { block_q: "bq", block_k: "bk", seed: "seed" };
   for (const [field, key] of Object.entries(ints)) {
     body[field] = parseIntField(get(key));
-    if (body[field] === null) return inputError(field, t("err.integer"));
+    if (body[field] === null) return inputError(field, "err.integer");
   }
   body.mask = maskSpec(body.q.length, body.k.length);
   if (get("mask") === "sliding_window" && (body.mask.left === null || body.mask.right === null)) {
-    return inputError(body.mask.left === null ? "left" : "right", t("err.integer"));
+    return inputError(body.mask.left === null ? "left" : "right", "err.integer");
   }
   body.conventions = get("conv");
   const reals = { dropout_p: ["p", 0], alibi_slope: ["slope", 0] };
   for (const [field, [key, fallback]] of Object.entries(reals)) {
     const x = numberOrNull(get(key));
-    if (Number.isNaN(x)) return inputError(field, t("err.notNumber", { index: 1, token: get(key) }));
+    if (Number.isNaN(x)) return inputError(field, "err.notNumber", { index: 1, token: get(key) });
     body[field] = x ?? fallback;
   }
   const cap = numberOrNull(get("cap"));
-  if (Number.isNaN(cap)) return inputError("softcap", t("err.notNumber", { index: 1, token: get("cap") }));
+  if (Number.isNaN(cap)) return inputError("softcap", "err.notNumber", { index: 1, token: get("cap") });
   body.softcap = cap;
   body.alibi = get("alibi") === "1";
+  const asked = settingsOf(body);
   const answer = await sequence(post("/api/backward", body));
   if (answer === null) return;
   if (!answer.ok) {
@@ -298,6 +301,7 @@ async function compute() {
   }
   clearErrors(section);
   data = answer.data;
+  dataInputs = asked;
   prepare();
   if (bwCtl.current() > data.steps.length) set({ bstep: String(data.steps.length) });
   if (fwCtl.current() > data.forward_steps.length) set({ fstep: String(data.forward_steps.length) });
@@ -443,16 +447,26 @@ function hoverable(el, target) {
 
 // ------------------------------------------------------------------------ render
 
-/** One line under the inputs' summary: mask, tiles, conventions and the score options. */
+/** What the summary line states of a request: sizes, mask, tiles, conventions, score options. */
+function settingsOf(body) {
+  const { q, k, block_q: bq, block_k: bk, conventions: conv, dropout_p: p, softcap: cap, alibi, alibi_slope: slope } = body;
+  return { lq: q.length, lk: k.length, mask: get("mask"), bq, bk, conv, p, cap, alibi, slope };
+}
+
+/**
+ * One line under the inputs' summary: the settings of the result shown, not of the fields,
+ * which may hold refused inputs; while they do, staleNote marks the line as the previous result.
+ */
 function renderConfig() {
-  const select = document.getElementById("f-mask");
-  const parts = [select.options[select.selectedIndex]?.textContent ?? get("mask"), `${get("bq")}\u00d7${get("bk")}`, get("conv")];
-  if (Number(get("p")) > 0) parts.push(`dropout ${get("p")}`);
-  if (get("cap").trim()) parts.push(`softcap ${get("cap")}`);
-  if (get("alibi") === "1") parts.push(`ALiBi ${get("slope")}`);
-  const { lq, lk } = shapes();
-  parts.unshift(lq === lk ? `L = ${lq}` : `Lq = ${lq}, Lk = ${lk}`);
-  document.getElementById("bw-config").textContent = parts.join(" \u00b7 ");
+  const el = document.getElementById("bw-config");
+  if (!data) return fill(el);
+  const c = dataInputs;
+  const option = document.querySelector(`#f-mask option[value="${CSS.escape(c.mask)}"]`);
+  const parts = [c.lq === c.lk ? `L = ${c.lq}` : `Lq = ${c.lq}, Lk = ${c.lk}`, option?.textContent ?? c.mask, `${c.bq}\u00d7${c.bk}`, c.conv];
+  if (c.p > 0) parts.push(`dropout ${c.p}`);
+  if (c.cap !== null) parts.push(`softcap ${c.cap}`);
+  if (c.alibi) parts.push(`ALiBi ${c.slope}`);
+  fill(el, staleNote(), parts.join(" \u00b7 "));
 }
 
 export function render() {

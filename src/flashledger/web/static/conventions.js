@@ -40,7 +40,7 @@ function maskSpec(lq, lk) {
 async function compute() {
   const lk = parseIntField(get("clk"));
   const most = examples.k.length;
-  if (lk === null || lk < 1 || lk > most) return showFieldError(section, "k", t("err.range", { min: 1, max: most }));
+  if (lk === null || lk < 1 || lk > most) return showFieldError(section, "k", "err.range", { min: 1, max: most });
   const lq = examples.q.length;
   const body = {
     q: examples.q,

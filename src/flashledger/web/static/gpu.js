@@ -85,7 +85,7 @@ function measureBody() {
 async function measure(again) {
   const body = measureBody();
   for (const field of ["length", "d", "block"]) {
-    if (body[field] === null) return showFieldError(section, field, t("err.integer"));
+    if (body[field] === null) return showFieldError(section, field, "err.integer");
   }
   const key = JSON.stringify(body);
   if (!again && key === measuredFor) return;

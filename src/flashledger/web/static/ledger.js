@@ -93,18 +93,18 @@ async function compute() {
   const scores = parseVector(get("scores"));
   if (scores.error) {
     const [key, vars] = scores.error;
-    return showFieldError(section, "scores", t(key, vars));
+    return showFieldError(section, "scores", key, vars);
   }
   const values = parseMatrix(get("values"));
   if (values.error) {
     const [key, vars] = values.error;
-    return showFieldError(section, "values", t(key, vars));
+    return showFieldError(section, "values", key, vars);
   }
   const blockSize = parseIntField(get("bs"));
-  if (blockSize === null) return showFieldError(section, "block_size", t("err.integer"));
+  if (blockSize === null) return showFieldError(section, "block_size", "err.integer");
   const shiftText = String(get("shift") || "0").trim().replace(/^\u2212/, "-");
   const shift = Number(shiftText);
-  if (!Number.isFinite(shift) || shiftText === "") return showFieldError(section, "shift", t("err.notNumber", { index: 1, token: get("shift") }));
+  if (!Number.isFinite(shift) || shiftText === "") return showFieldError(section, "shift", "err.notNumber", { index: 1, token: get("shift") });
   const answer = await sequence(
     post("/api/ledger", { scores: scores.values, values: values.rows, block_size: blockSize, shift }),
   );

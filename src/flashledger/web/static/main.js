@@ -12,7 +12,7 @@ import * as running from "./running.js";
 import { get, initState, set, subscribe } from "./state.js";
 import * as ring from "./ring.js";
 import * as storage from "./storage.js";
-import { stepperFor, watchAllScrolls } from "./widgets.js";
+import { placeErrors, renderErrors, stepperFor, watchAllScrolls } from "./widgets.js";
 
 const SECTIONS = ["running", "ledger", "gpu", "backward", "storage", "conventions", "ring", "sources"];
 const MODULES = [running, ledger, gpu, backward, storage, conventions, ring];
@@ -94,6 +94,7 @@ function showSection(name) {
   const sec = SECTIONS.includes(name) ? name : "running";
   for (const el of document.querySelectorAll("main > section")) {
     el.hidden = el.dataset.section !== sec;
+    if (!el.hidden) placeErrors(el); // bubbles set while the section was hidden
   }
   const tabs = document.getElementById("tabs");
   for (const btn of tabs.querySelectorAll("button")) {
@@ -176,6 +177,7 @@ async function boot() {
       setLanguage(get("lang"));
       markLanguage();
       for (const mod of MODULES) mod.render();
+      renderErrors(); // errors on screen too: field messages and banners, from their kind and limits
       for (const box of document.querySelectorAll(".table-scroll, .svg-scroll")) box.refreshCue?.();
     }
     if ("sec" in changes) {

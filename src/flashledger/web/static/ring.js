@@ -106,7 +106,7 @@ async function compute() {
   document.getElementById("f-r-d").disabled = example;
   document.getElementById("f-r-seed").disabled = example;
   const { body, error } = requestBody();
-  if (error) return showFieldError(section, error, t("err.integer"));
+  if (error) return showFieldError(section, error, "err.integer");
   const key = JSON.stringify(body);
   if (key === computedFor && data) return;
   computedFor = key;

@@ -7,7 +7,7 @@ import { latest, post } from "./api.js";
 import { count, fill, h, s } from "./fmt.js";
 import { t, tNodes } from "./i18n.js";
 import { get, subscribe } from "./state.js";
-import { bindInput, clearErrors, parseIntField, showErrors, showFieldError, widthOf } from "./widgets.js";
+import { bindInput, clearErrors, parseIntField, showErrors, showFieldError, staleNote, widthOf } from "./widgets.js";
 
 const KEYS = ["slq", "slk", "sd", "sbq", "sbk", "smask", "swl", "swr", "sdt"];
 const INTS = { lq: "slq", lk: "slk", d: "sd", block_q: "sbq", block_k: "sbk" };
@@ -44,13 +44,13 @@ async function compute() {
   const body = {};
   for (const [field, key] of Object.entries(INTS)) {
     body[field] = parseIntField(get(key));
-    if (body[field] === null) return showFieldError(section, field, t("err.integer"));
+    if (body[field] === null) return showFieldError(section, field, "err.integer");
   }
   body.mask = { kind: get("smask") };
   if (get("smask") === "sliding_window") {
     body.mask.left = parseIntField(get("swl"));
     body.mask.right = parseIntField(get("swr"));
-    if (body.mask.left === null || body.mask.right === null) return showFieldError(section, "mask", t("err.integer"));
+    if (body.mask.left === null || body.mask.right === null) return showFieldError(section, "mask", "err.integer");
   }
   body.dtype = get("sdt");
   const answer = await sequence(post("/api/storage", body));
@@ -83,7 +83,8 @@ export function render() {
     fwd: figure("fwd", L.qk_dots_forward),
     bwd: figure("bwd", L.qk_dots_backward),
   });
-  fill(document.getElementById("storage-summary"), summary);
+  // the figures are the shown result's (L.config); while inputs are refused the note says so
+  fill(document.getElementById("storage-summary"), staleNote(), summary);
   renderTable(L);
   renderPictures();
   renderGrid();

@@ -83,6 +83,15 @@ export function readout(id, labelKey, value, extraClass = "") {
   );
 }
 
+/**
+ * The mark that starts a summary line describing a section's result. CSS shows it only while
+ * the section is stale (inputs refused, last result kept and dimmed), so that the line never
+ * reads as a description of inputs that were not computed.
+ */
+export function staleNote() {
+  return h("span", { class: "stale-note" }, t("common.previousResult"));
+}
+
 // ------------------------------------------------------------------------ motion
 
 const reduce = window.matchMedia("(prefers-reduced-motion: reduce)");
@@ -107,11 +116,34 @@ export function errorText(err) {
   return err.message ?? "";
 }
 
+// Each error shown on the page keeps how to state it (a function of the page's language),
+// so that a language switch restates every message at once (renderErrors).
+const errorTexts = new WeakMap();
+
+/** Show text() in an error slot and remember text for renderErrors. */
+function putError(slot, text) {
+  errorTexts.set(slot, text);
+  slot.textContent = text();
+}
+
 /** Clear the error texts of a section (its results are current again). */
 export function clearErrors(section) {
-  for (const el of section.querySelectorAll(".field-error, .section-error")) el.textContent = "";
+  for (const el of section.querySelectorAll(".field-error, .section-error")) {
+    errorTexts.delete(el);
+    el.textContent = "";
+  }
   for (const el of section.querySelectorAll("[aria-invalid]")) el.removeAttribute("aria-invalid");
   section.classList.remove("stale");
+}
+
+/** Restate every error shown under root in the page's current language (after a switch). */
+export function renderErrors(root = document) {
+  for (const el of root.querySelectorAll(".field-error, .section-error")) {
+    const text = errorTexts.get(el);
+    if (!text || !el.textContent) continue;
+    el.textContent = text();
+  }
+  placeErrors(root);
 }
 
 /** The error slot for an API error: the most specific of its path, last path name, field. */
@@ -125,11 +157,14 @@ function errorSlot(section, field, path) {
   return null;
 }
 
-/** Keep an error bubble (absolutely placed under its field) inside the viewport. */
+/**
+ * Keep an error bubble (absolutely placed under its field) inside the viewport. A bubble in a
+ * hidden section has no box to measure: it is placed when its section is shown (placeErrors).
+ */
 function placeBubble(slot) {
   slot.style.left = "";
   slot.style.maxWidth = "";
-  if (!slot.textContent) return;
+  if (!slot.textContent || !slot.getClientRects().length) return;
   const margin = 8;
   const avail = document.documentElement.clientWidth - 2 * margin;
   slot.style.maxWidth = `${Math.min(avail, 360)}px`;
@@ -139,8 +174,9 @@ function placeBubble(slot) {
   if (left) slot.style.left = `${left}px`;
 }
 
-function markField(slot, message) {
-  slot.textContent = message;
+/** Show text() next to a field and mark the field invalid. */
+function markField(slot, text) {
+  putError(slot, text);
   slot.closest(".field")?.querySelector("input, textarea, select")?.setAttribute("aria-invalid", "true");
   placeBubble(slot);
 }
@@ -157,22 +193,28 @@ export function showErrors(section, banner, answer) {
   const unplaced = [];
   for (const err of errors) {
     const slot = errorSlot(section, err.field, err.path);
-    if (slot) markField(slot, errorText(err));
-    else unplaced.push(errorText(err));
+    if (slot) markField(slot, () => errorText(err));
+    else unplaced.push(err);
   }
-  if (unplaced.length) banner.textContent = t("err.server", { detail: unplaced.join("; ") });
+  if (unplaced.length) putError(banner, () => t("err.server", { detail: unplaced.map(errorText).join("; ") }));
 }
 
-/** Show a client-side parse error next to one field; the last results stay, dimmed. */
-export function showFieldError(section, field, message) {
+/**
+ * Show a client-side parse error next to one field: the UI string `key` with its `vars`
+ * (kept, so that a language switch restates it). The last results stay, dimmed.
+ */
+export function showFieldError(section, field, key, vars = {}) {
   clearErrors(section);
   section.classList.add("stale");
-  markField(section.querySelector(`[data-error-for="${CSS.escape(field)}"]`), message);
+  markField(section.querySelector(`[data-error-for="${CSS.escape(field)}"]`), () => t(key, vars));
 }
 
-window.addEventListener("resize", () => {
-  for (const slot of document.querySelectorAll(".field-error")) if (slot.textContent) placeBubble(slot);
-});
+/** Place every error bubble shown under root (after a resize, a language switch, a section shown). */
+export function placeErrors(root = document) {
+  for (const slot of root.querySelectorAll(".field-error")) if (slot.textContent) placeBubble(slot);
+}
+
+window.addEventListener("resize", () => placeErrors());
 
 // ------------------------------------------------------------------------ typed fields
 
