@@ -594,6 +594,8 @@ def test_model_command(capsys):
         (["--heads", "4", "--kv-heads", "3"], "kv_heads (3) must divide heads (4)"),
         (["--arch", "bert", "--generate", "2"], "--generate needs a decoder"),
         (["--dtype", "int8"], "--dtype must be one of float32, float64, bfloat16"),
+        (["--arch", "llama", "--window", "4"], "llama has no sliding window"),
+        (["--arch", "mistral", "--window", "1", "--generate", "2"], "use --window 2 or more"),
     ],
 )
 def test_model_command_errors(args, message, capsys):
@@ -602,6 +604,21 @@ def test_model_command_errors(args, message, capsys):
     assert cli.main(["model", "--hidden", "32", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
+
+
+def test_a_window_of_one_is_refused_when_decoding_and_says_why(capsys):
+    """At sliding_window=1 transformers' cache keeps every key while its mask covers the
+    newest only (its keys[-window + 1:] is keys[0:]); eager and SDPA broadcast that mask over
+    every key. The op refuses the mismatch naming the window; the command's default window
+    is at least 2, so a short --seq decodes."""
+    from flashledger import cli
+
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(0))
+    model = random_model("mistral", layers=1, sliding_window=1, attn_implementation=register())
+    with pytest.raises(ValueError, match=r"sliding_window=1 .* use a sliding window of 2"):
+        model.generate(ids, max_new_tokens=2, do_sample=False)
+    argv = ["model", "--arch", "mistral", "--seq", "7", "--layers", "1", "--hidden", "32"]
+    assert cli.main([*argv, "--generate", "2"]) == 0, capsys.readouterr().err
 
 
 def test_without_transformers_the_library_works_and_the_integration_says_how(tmp_path):

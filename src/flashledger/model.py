@@ -328,7 +328,7 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--window", type=pos, default=None,
-        help="sliding window of mistral, qwen2, gemma2, gpt_oss (default: seq/4)",
+        help="sliding window of mistral, qwen2, gemma2, gpt_oss (default: seq/4, at least 2)",
     )  # fmt: skip
     parser.add_argument(
         "--pad", type=int_arg(0), default=0,
@@ -360,6 +360,16 @@ def run_cli(args: argparse.Namespace) -> int:
         raise ValueError(f"--pad must be smaller than --seq ({args.seq}), got {args.pad}")
     if args.generate and args.arch == "bert":
         raise ValueError("--generate needs a decoder; bert is an encoder")
+    if args.window is not None and args.arch in ("llama", "bert"):
+        raise ValueError(
+            f"--window applies to mistral, qwen2, gemma2 and gpt_oss; {args.arch} has no "
+            "sliding window"
+        )
+    if args.window == 1 and args.generate:
+        raise ValueError(
+            "--window 1 cannot decode: transformers' sliding-window cache keeps every key at "
+            "a window of 1 while its mask covers only the newest; use --window 2 or more"
+        )
     dtype = getattr(torch, args.dtype)
     kv_heads = args.kv_heads
     if kv_heads is None:
@@ -370,7 +380,7 @@ def run_cli(args: argparse.Namespace) -> int:
         hidden=args.hidden,
         heads=args.heads,
         kv_heads=kv_heads,
-        sliding_window=args.window if args.window is not None else max(args.seq // 4, 1),
+        sliding_window=args.window if args.window is not None else max(args.seq // 4, 2),
         max_positions=args.seq + args.generate,
         dtype=dtype,
         seed=args.seed,

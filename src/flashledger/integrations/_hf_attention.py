@@ -130,9 +130,18 @@ def attention_forward(
     mask: Mask | torch.Tensor | None = None
     if planned is not None:
         if (planned.lq, planned.lk) != (lq, lk) or planned.batch not in (1, b):
+            why = ""
+            if sliding_window == 1 and planned.lk < lk:
+                # transformers' sliding-window cache keeps its last `window - 1` keys as
+                # keys[-window + 1:], which at a window of 1 is every key
+                why = (
+                    ": at sliding_window=1 transformers' sliding-window cache keeps every key "
+                    "while its mask covers only the newest (eager and SDPA then broadcast "
+                    "that mask over all of them); use a sliding window of 2 or more"
+                )
             raise ValueError(
                 f"the attention mask was made for batch {planned.batch}, Lq={planned.lq}, "
-                f"Lk={planned.lk}; the call has batch {b}, Lq={lq}, Lk={lk}"
+                f"Lk={planned.lk}; the call has batch {b}, Lq={lq}, Lk={lk}{why}"
             )
         mask = planned.mask
         if planned.keys < lk:  # a key tail that no row sees
