@@ -179,6 +179,7 @@ def test_online_precision(capsys: pytest.CaptureFixture[str]) -> None:
         (["--shift", "nan"], ["argument --shift", "finite"]),
         (["--scores", "-inf,-inf", "--values", "1;2"], ["at least one score must be finite"]),
         (["--bogus"], ["unrecognized arguments: --bogus"]),
+        (["--scores", "1,1", "--values", "1e308;1e308"], ["overflow float64 in the weighted sum"]),
     ],
 )
 def test_online_bad_input(
@@ -521,7 +522,8 @@ def test_traffic_sweep_plot(capsys: pytest.CaptureFixture[str], tmp_path: Path) 
     ("argv", "words"),
     [
         (["--sram", "64", "--block-q", "2"], ["either --sram M", "--block-q"]),
-        (["--block-q", "2"], ["--block-q and --block-k go together"]),
+        (["--sweep", "--heads", "3", "--check"], ["--heads, --check would be ignored"]),
+        (["--sweep", "--dtype", "float16"], ["--dtype would be ignored; drop it"]),
         (["--schedule", "fa3"], ["argument --schedule", "invalid choice"]),
         (["--sweep", "--mask", "causal"], ["--sweep uses no mask"]),
         (["--sram", "0"], ["argument --sram", "integer >= 1"]),
@@ -534,6 +536,32 @@ def test_traffic_bad_input(
     capsys: pytest.CaptureFixture[str], argv: list[str], words: list[str]
 ) -> None:
     assert_usage_error(*run(capsys, "traffic", *argv), *words)
+
+
+def test_traffic_one_tile_side_takes_the_other_default_as_account_does(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, err = run(capsys, "traffic", "--block-q", "3")
+    assert code == 0, err
+    assert " 3x2 " in out, out
+    code, out, _ = run(capsys, "account", "--block-q", "3")
+    assert code == 0 and "tiles 3x2" in out, out
+
+
+def test_traffic_sweep_says_when_fa1_never_catches_up(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """At N = 1 FA1 moves more than standard attention at every M: no crossover is claimed;
+    an N whose largest tile would pass the size limit still sweeps."""
+    code, out, err = run(
+        capsys, "traffic", "--sweep", "--lq", "1", "--out", str(tmp_path / "a.png")
+    )
+    assert code == 0, err
+    assert "N=1: FA1 moves more elements than standard attention at every M" in out, out
+    code, out, err = run(
+        capsys, "traffic", "--sweep", "--lq", "100000000", "--out", str(tmp_path / "b.png")
+    )
+    assert code == 0 and "N=100000000: FA1 moves no more elements" in out, err
 
 
 # ----------------------------------------------------------------------------------------
@@ -832,3 +860,22 @@ def test_allocation_sizes_are_never_rounded_to_zero(nbytes: int, text: str) -> N
         f"DefaultCPUAllocator: can't allocate memory: you tried to allocate {nbytes} bytes."
     )
     assert _allocation(exc) == f"one allocation of {text} failed"
+
+
+@pytest.mark.parametrize(
+    "command", [["online"], ["account", "--lq", "2147483647", "--mask", "none"]]
+)
+def test_a_narrow_terminal_never_splits_a_number_or_a_label(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, command: list[str]
+) -> None:
+    """At 40 columns a table runs past the edge rather than fold a cell: every number and
+    every short label stays whole on its row's line, and nothing is cut off with '…'."""
+    monkeypatch.setenv("COLUMNS", "40")
+    code, out, err = run(capsys, *command)
+    assert code == 0, err
+    assert "…" not in out, out
+    monkeypatch.setenv("COLUMNS", "400")
+    _, wide, _ = run(capsys, *command)
+    cells = {c for line in wide.splitlines() for c in line.split() if any(ch.isdigit() for ch in c)}
+    words = {c for line in out.splitlines() for c in line.split()}
+    assert cells <= words, f"split or cut at 40 columns: {sorted(cells - words)[:5]}"

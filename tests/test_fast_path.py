@@ -455,12 +455,36 @@ def test_bench_skips_naive_above_its_limits_and_parses_quick():
         (["--lengths", "1024,2147483648"], "1..2147483647"),
         (["--heads", "-2"], "--heads"),
         (["--causal", "maybe"], "no, yes or both"),
+        (["--quick", "--lengths", "64"], "--quick runs its own subset"),
+        (["--quick", "--dtypes", "float64", "--decode"], "leave out --dtypes"),
+        (["--quick", "--contention"], "not of --contention"),
     ],
 )
 def test_bench_bad_options_exit_2_with_one_line(argv, needle, capsys):
     assert cli.main(["bench", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "lengths", "dtypes", "repeats"),
+    [
+        ([], bench.FULL_LENGTHS, bench.DEFAULT_DTYPES, 5),
+        (["--quick"], bench.QUICK_LENGTHS, ("float32",), 3),
+        (["--quick", "--repeats", "7"], bench.QUICK_LENGTHS, ("float32",), 7),
+        (["--decode"], bench.DECODE_LENGTHS, bench.DECODE_DTYPES, 5),
+        (["--decode", "--quick"], bench.QUICK_LENGTHS, ("float32",), 3),
+        (["--decode", "--lengths", "96", "--dtypes", "float64"], (96,), ("float64",), 5),
+    ],
+)
+def test_bench_sizes_left_out_take_the_defaults_of_the_benchmark_asked_for(
+    argv, lengths, dtypes, repeats
+):
+    """Lengths, dtypes and rounds given are kept (--quick with --repeats too); left out they
+    are the attention benchmark's, --decode's, or --quick's subset of either."""
+    args = _bench_args(*argv)
+    bench._resolve_sizes(args)
+    assert (tuple(args.lengths), tuple(args.dtypes), args.repeats) == (lengths, dtypes, repeats)
 
 
 def test_bench_out_must_be_a_directory_and_is_checked_first(tmp_path, capsys):

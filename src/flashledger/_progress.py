@@ -8,12 +8,13 @@ standard error is a terminal, so captured output stays exactly comparable.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from ._limits import MAX_SIZE
 
@@ -32,6 +33,8 @@ __all__ = [
     "write_file",
 ]
 
+SHORT_CELL = 24
+"""Text cells up to this long are labels a table never splits (``titled_table``)."""
 PLAIN_WIDTH = 160
 """Column width used when writing to a pipe or a file (tables are never wrapped there)."""
 
@@ -122,20 +125,39 @@ def _is_terminal(stream: TextIO) -> bool:
     return bool(isatty and isatty())
 
 
+@functools.cache
+def _wide_console() -> type[Console]:
+    from rich.console import Console
+
+    class WideConsole(Console):
+        """A console that prints a table no narrower than its cells need: wider than the
+        terminal it runs past the edge (the terminal wraps the line) rather than split a
+        number or cut it off."""
+
+        def print(self, *objects: Any, **kwargs: Any) -> None:  # type: ignore[override]
+            if len(objects) == 1 and not isinstance(objects[0], str) and "width" not in kwargs:
+                unbounded = self.options.update(max_width=1 << 20)
+                need = self.measure(objects[0], options=unbounded).minimum
+                if need > self.width:
+                    kwargs.update(width=need, crop=False)
+            super().print(*objects, **kwargs)
+
+    return WideConsole
+
+
 def make_console(file: TextIO | None = None) -> Console:
     """A rich console on ``file`` (default: the current ``sys.stdout``).
 
     On a terminal it uses colour (unless ``NO_COLOR`` is set) and the terminal's
     width; elsewhere it writes plain text ``PLAIN_WIDTH`` columns wide
     (``COLUMNS`` overrides the width; ``FORCE_COLOR`` forces colour). Strings are printed as they are (no
-    console markup), so labels like ``[b0 h1 3]`` survive.
+    console markup), so labels like ``[b0 h1 3]`` survive. A table is printed no narrower
+    than its cells need (``_wide_console``).
     """
-    from rich.console import Console
-
     stream = sys.stdout if file is None else file
     terminal = _is_terminal(stream)
     width = None if terminal else int(os.environ.get("COLUMNS", PLAIN_WIDTH))
-    return Console(
+    return _wide_console()(
         file=stream,
         width=width,
         no_color="NO_COLOR" in os.environ,
@@ -198,7 +220,10 @@ def numeric_cell(cell: str) -> bool:
 def titled_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> Group:
     """A rich table under its title, which is its own line (never wrapped to the table's width).
 
-    Columns whose every cell is ``numeric_cell`` are right-aligned; long cells fold.
+    Columns whose every cell is ``numeric_cell`` are right-aligned. Numbers and labels of up
+    to ``SHORT_CELL`` characters stay on one line (``make_console``'s console runs a table
+    past a narrow terminal's edge rather than split one); longer text and the headers wrap
+    at their spaces.
     """
     from rich import box
     from rich.console import Group
@@ -208,7 +233,13 @@ def titled_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]
     table = Table(box=box.SIMPLE_HEAD)
     for i, h in enumerate(header):
         numeric = all(numeric_cell(r[i]) for r in rows)
-        table.add_column(h, justify="right" if numeric else "left", overflow="fold")
+        longest = max((len(r[i]) for r in rows), default=0)
+        words = [len(w) for r in rows for w in r[i].split()] + [len(w) for w in h.split()]
+        # numbers and short labels never split; longer text and headers wrap at spaces
+        whole = max([longest if numeric or longest <= SHORT_CELL else 0, *words])
+        table.add_column(
+            h, justify="right" if numeric else "left", overflow="fold", min_width=whole
+        )
     for r in rows:
         table.add_row(*r)
     return Group(Text(title, style="bold"), table)

@@ -219,14 +219,19 @@ class VerifyReport:
         table = Table(
             title=self.summary(), title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False
         )
-        for h in self.HEADERS:
+        rows = self._table_rows()
+        for i, h in enumerate(self.HEADERS):
+            numeric = h in ("n", "error", "bound")
+            # a number stays on one line, a word too (text wraps at its spaces)
+            cells = [r[i] for r in rows] if numeric else [w for r in rows for w in r[i].split()]
             table.add_column(
                 h,
                 overflow="fold",
                 no_wrap=h.startswith("worst"),
-                justify="right" if h in ("n", "error", "bound") else "left",
+                justify="right" if numeric else "left",
+                min_width=max([len(c) for c in cells] + [len(w) for w in h.split()]),
             )
-        for row in self._table_rows():
+        for row in rows:
             style = (
                 "red"
                 if row[8].startswith("FAILED")

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from ._checks import check_size
+from ._limits import MAX_SIZE
 from ._progress import figure_png, numeric_cell, titled_table, write_file
 from .conventions import SEED, Conventions, get_conventions
 from .masks import (
@@ -860,7 +861,8 @@ class TrafficSweep(_Report):
     ``by_sram[i]`` is ``{"sram_elements": M, "standard": ..., "fa1": ..., "fa2": ...}``
     at length ``n``; ``by_length[i]`` the same keyed by ``"n"`` at ``sram_elements``;
     ``crossover_sram`` the smallest ``M`` (a multiple of ``4d``) at which FA1 moves no
-    more elements than standard attention, at each length of ``by_length``.
+    more elements than standard attention, at each length of ``by_length`` (None: at no
+    ``M`` up to one key tile of all ``N`` keys, as at ``N = 1``).
     """
 
     d: int
@@ -868,7 +870,7 @@ class TrafficSweep(_Report):
     sram_elements: int
     by_sram: list[dict[str, int]]
     by_length: list[dict[str, int]]
-    crossover_sram: dict[int, int]
+    crossover_sram: dict[int, int | None]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -911,6 +913,9 @@ class TrafficSweep(_Report):
         return [
             f"N={n}: FA1 moves no more elements than standard attention from M = {m:,} "
             f"elements (= {m / self.d**2:.3g}·d²)"
+            if m is not None
+            else f"N={n}: FA1 moves more elements than standard attention at every M up to "
+            f"one key tile of all N = {n:,} keys"
             for n, m in self.crossover_sram.items()
         ]
 
@@ -961,10 +966,13 @@ def _fwd_bwd(**kw: Any) -> int:
     return memory_traffic(**kw).total
 
 
-def _crossover(n: int, d: int) -> int:
-    """Smallest M = 4d·Bc at which FA1 (no mask) moves no more than standard attention."""
+def _crossover(n: int, d: int) -> int | None:
+    """Smallest M = 4d·Bc at which FA1 (no mask) moves no more than standard attention;
+    None where no M up to one key tile of all N keys (and the size limit) does."""
     standard = _fwd_bwd(lq=n, lk=n, d=d, schedule="standard")
-    lo, hi = 1, n  # with Bc = N a single key tile: FA1 traffic is O(Nd)
+    lo, hi = 1, min(n, MAX_SIZE // (4 * d))  # with Bc = N a single key tile: FA1 is O(Nd)
+    if hi < 1 or _fwd_bwd(lq=n, lk=n, d=d, schedule="fa1", sram_elements=4 * d * hi) > standard:
+        return None
     while lo < hi:
         mid = (lo + hi) // 2
         if _fwd_bwd(lq=n, lk=n, d=d, schedule="fa1", sram_elements=4 * d * mid) <= standard:

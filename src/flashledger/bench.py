@@ -78,6 +78,8 @@ DTYPES = {
 DEFAULT_DTYPES = ("float32", "float64")
 FULL_LENGTHS = (4096, 8192, 16384)
 QUICK_LENGTHS = (1024, 2048)
+DEFAULT_REPEATS = 5
+QUICK_REPEATS = 3
 GEMM_N = 2048  # square GEMM used for the peak
 
 
@@ -806,6 +808,7 @@ def contention(repeats: int = 5) -> list[dict[str, Any]]:
 # decode: a few query rows against a long KV cache
 # ----------------------------------------------------------------------------------------
 DECODE_LENGTHS = (1024, 8192, 32768)
+DECODE_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -1042,32 +1045,45 @@ def print_table(report: dict[str, Any]) -> None:
         "matmuls alone f/f+b", "naive f+b ms", "GFLOP/s", "% FMA FL/SDPA", "% GEMM",
         "FMA/GEMM GFLOP/s", "% step mm", "MB FL/SDPA/naive", "ratio",
     ]  # fmt: skip
-    for c in cols:
-        table.add_column(c, justify="right")
+    rows = []
     for r in report["results"]:
         fl, sd, nv = r["flashledger"], r["sdpa"], r["naive"]
-        table.add_row(
-            str(r["length"]),
-            r["dtype"],
-            "yes" if r["causal"] else "no",
-            tiles_label(
-                (r.get("forward_block_q", r["block_q"]), r.get("forward_block_k", r["block_k"])),
-                (r["block_q"], r["block_k"]),
-            ),
-            f"{fl['fwd_ms']:.1f}/{sd['fwd_ms']:.1f}",
-            _ratio_cell(r["ratio_fwd"], r.get("ratio_fwd_range")),
-            f"{fl['fwdbwd_ms']:.1f}/{sd['fwdbwd_ms']:.1f}",
-            _ratio_cell(r["ratio_fwdbwd"], r.get("ratio_fwdbwd_range")),
-            f"{r['floor_fwd']:.2f}/{r['floor_fwdbwd']:.2f}",
-            _fmt(None if nv is None else nv["fwdbwd_ms"], ".1f"),
-            f"{fl['fwdbwd_gflops']:.0f}",
-            _fmt(r.get("pct_fma_peak"), ".0f") + "/" + _fmt(r.get("sdpa_pct_fma_peak"), ".0f"),
-            f"{r['pct_gemm_peak']:.0f}",
-            _fmt(r.get("fma_peak_gflops"), ".0f") + "/" + _fmt(r.get("gemm_peak_gflops"), ".0f"),
-            _fmt(r["pct_step_matmul"], ".0f"),
-            "/".join(_fmt(None if x is None else x["peak_extra_mb"], ".0f") for x in (fl, sd, nv)),
-            _fmt(r["mem_ratio"], ".2f"),
+        rows.append(
+            (
+                str(r["length"]),
+                r["dtype"],
+                "yes" if r["causal"] else "no",
+                tiles_label(
+                    (
+                        r.get("forward_block_q", r["block_q"]),
+                        r.get("forward_block_k", r["block_k"]),
+                    ),
+                    (r["block_q"], r["block_k"]),
+                ),
+                f"{fl['fwd_ms']:.1f}/{sd['fwd_ms']:.1f}",
+                _ratio_cell(r["ratio_fwd"], r.get("ratio_fwd_range")),
+                f"{fl['fwdbwd_ms']:.1f}/{sd['fwdbwd_ms']:.1f}",
+                _ratio_cell(r["ratio_fwdbwd"], r.get("ratio_fwdbwd_range")),
+                f"{r['floor_fwd']:.2f}/{r['floor_fwdbwd']:.2f}",
+                _fmt(None if nv is None else nv["fwdbwd_ms"], ".1f"),
+                f"{fl['fwdbwd_gflops']:.0f}",
+                _fmt(r.get("pct_fma_peak"), ".0f") + "/" + _fmt(r.get("sdpa_pct_fma_peak"), ".0f"),
+                f"{r['pct_gemm_peak']:.0f}",
+                _fmt(r.get("fma_peak_gflops"), ".0f")
+                + "/"
+                + _fmt(r.get("gemm_peak_gflops"), ".0f"),
+                _fmt(r["pct_step_matmul"], ".0f"),
+                "/".join(
+                    _fmt(None if x is None else x["peak_extra_mb"], ".0f") for x in (fl, sd, nv)
+                ),
+                _fmt(r["mem_ratio"], ".2f"),
+            )
         )
+    for i, c in enumerate(cols):  # headers wrap; a cell stays on one line
+        width = max([len(x[i]) for x in rows] + [len(w) for w in c.split()])
+        table.add_column(c, justify="right", min_width=width)
+    for row in rows:
+        table.add_row(*row)
     console = make_console()
     console.print(table)
     console.print(report["machine"].get("native_step", ""))
@@ -1206,12 +1222,14 @@ def _positive_float(text: str) -> float:
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``flashledger bench``."""
     parser.add_argument(
-        "--lengths", type=_int_list, default=",".join(map(str, FULL_LENGTHS)), metavar="L,L,...",
-        help="sequence lengths (Lq = Lk)",
+        "--lengths", type=_int_list, default=None, metavar="L,L,...",
+        help="sequence lengths (Lq = Lk) (default: "
+        f"{','.join(map(str, FULL_LENGTHS))}; --decode: {','.join(map(str, DECODE_LENGTHS))})",
     )  # fmt: skip
     parser.add_argument(
-        "--dtypes", type=_dtype_list, default=",".join(DEFAULT_DTYPES), metavar="DT,...",
-        help="any of float32, float64, bfloat16, float16 (comma-separated)",
+        "--dtypes", type=_dtype_list, default=None, metavar="DT,...",
+        help="any of float32, float64, bfloat16, float16 (comma-separated) (default: "
+        f"{','.join(DEFAULT_DTYPES)}; --decode: {','.join(DECODE_DTYPES)})",
     )  # fmt: skip
     parser.add_argument(
         "--causal", type=_causal, default="both", metavar="no|yes|both",
@@ -1226,8 +1244,10 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
         "step chose by measurement on this machine)",
     )  # fmt: skip
     parser.add_argument(
-        "--repeats", type=_positive_int, default=5, help="timed rounds per configuration"
-    )
+        "--repeats", type=_positive_int, default=None,
+        help=f"timed rounds per configuration (default: {DEFAULT_REPEATS}; --quick: "
+        f"{QUICK_REPEATS})",
+    )  # fmt: skip
     parser.add_argument(
         "--budget-s", type=_positive_float, default=120.0, metavar="S",
         help="stop adding rounds (after 3) once a configuration's pass has taken this long",
@@ -1246,7 +1266,9 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--quick", action="store_true",
-        help="one-minute subset: L = 1024, 2048, float32, both masks, 3 rounds",
+        help="one-minute subset: L = 1024, 2048, float32, both masks, 3 rounds (with "
+        "--decode: Lk = 1024, 2048, float32); its own lengths and dtypes, so not with "
+        "--lengths or --dtypes",
     )  # fmt: skip
     parser.add_argument(
         "--out", type=Path, default=Path("flashledger-bench"), metavar="DIR",
@@ -1276,10 +1298,32 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--measure-memory", choices=METHODS, help=argparse.SUPPRESS)
 
 
+def _resolve_sizes(args: argparse.Namespace) -> None:
+    """``args.lengths``, ``dtypes``, ``repeats`` as given, or the defaults of the benchmark
+    asked for (the attention benchmark, ``--decode``, either under ``--quick``)."""
+    given = [f for f, v in (("--lengths", args.lengths), ("--dtypes", args.dtypes)) if v]
+    if args.quick and given:
+        raise ValueError(
+            f"--quick runs its own subset (L = {', '.join(map(str, QUICK_LENGTHS))}, float32): "
+            f"leave out {' and '.join(given)}, or drop --quick"
+        )
+    if args.quick and args.contention:
+        raise ValueError("--quick is a subset of the attention and decode benchmarks, not of "
+                         "--contention, which has its own fixed set")  # fmt: skip
+    if args.lengths is None:
+        lengths = DECODE_LENGTHS if args.decode else FULL_LENGTHS
+        args.lengths = QUICK_LENGTHS if args.quick else lengths
+    if args.dtypes is None:
+        dtypes = DECODE_DTYPES if args.decode else DEFAULT_DTYPES
+        args.dtypes = ("float32",) if args.quick else dtypes
+    if args.repeats is None:
+        args.repeats = QUICK_REPEATS if args.quick else DEFAULT_REPEATS
+
+
 def run_cli(args: argparse.Namespace) -> int:
     """Run ``flashledger bench``; returns the exit status."""
     if args.measure_memory:
-        if len(args.lengths) != 1 or len(args.dtypes) != 1 or len(args.causal) != 1:
+        if len(args.lengths or ()) != 1 or len(args.dtypes or ()) != 1 or len(args.causal) != 1:
             raise ValueError("--measure-memory needs exactly one length, dtype and causal setting")
         (bq, bk) = args.tiles[0] if args.tiles else (None, None)
         cfg = Config(
@@ -1296,8 +1340,7 @@ def run_cli(args: argparse.Namespace) -> int:
         return 0
     if args.decode and args.contention:
         raise ValueError("--decode and --contention are two benchmarks: run one at a time")
-    if args.quick:
-        args.lengths, args.dtypes, args.repeats = QUICK_LENGTHS, ("float32",), min(args.repeats, 3)
+    _resolve_sizes(args)
     out: Path = args.out
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; it names the directory for bench.json/.png")
@@ -1337,9 +1380,7 @@ def _run_side_benchmark(args: argparse.Namespace, out: Path) -> int:
     report: dict[str, Any] = {"machine": machine}
     tables: list[Any] = []
     if args.decode:
-        given = args.lengths != FULL_LENGTHS and not args.quick
-        lengths = args.lengths if given else DECODE_LENGTHS
-        dtypes = args.dtypes if args.dtypes != DEFAULT_DTYPES else ("float32", "bfloat16")
+        lengths, dtypes = args.lengths, args.dtypes
         fixed = decode_fixed_cost(dtypes, (1, 8), rounds=args.repeats, calls=args.calls)
         report["fixed_cost"] = fixed
         tables.append(_fixed_cost_table(fixed, head))

@@ -388,6 +388,13 @@ def _cmd_online(args: argparse.Namespace) -> int:
     # once the shift is many orders above the scores
     rounding = float(((shifted - args.shift) - scores)[finite].abs().max())
     osm = OnlineSoftmax.run(shifted, values, block=block)
+    if not all(bool(torch.isfinite(torch.as_tensor(st.acc)).all()) for st in osm.steps):
+        top = float(values.abs().max())
+        raise UsageError(
+            f"--values up to {top:.3g} overflow float64 in the weighted sum acc (a sum of "
+            f"values times weights up to 1; float64 ends at {torch.finfo(torch.float64).max:.3g})"
+            "; use smaller values"
+        )
     ref = softmax_output(shifted, values)  # (d_v,)
     probs = torch.softmax(shifted, dim=-1)  # (L,)
     diff = _max_abs_diff(osm.output(), ref)
@@ -900,11 +907,10 @@ def _cmd_traffic(args: argparse.Namespace) -> int:
     from .accounting import SCHEDULES, memory_traffic
 
     spec = _seed_defaults(args)
-    if args.sram is None and args.block_q is None and args.block_k is None:
-        args.block_q = args.block_k = 2
-    elif args.sram is None and (args.block_q is None or args.block_k is None):
-        raise UsageError("--block-q and --block-k go together (or give --sram M instead)")
-    elif args.sram is not None and (args.block_q is not None or args.block_k is not None):
+    if args.sram is None:  # a tile side left out is 2, as in account
+        args.block_q = 2 if args.block_q is None else args.block_q
+        args.block_k = 2 if args.block_k is None else args.block_k
+    elif args.block_q is not None or args.block_k is not None:
         raise UsageError(
             "give either --sram M (tiles from the paper's rule) or --block-q/--block-k"
         )
@@ -980,6 +986,21 @@ def _traffic_sweep(args: argparse.Namespace) -> int:
     if args.mask is not None or args.block_q is not None or args.block_k is not None:
         raise UsageError(
             "--sweep uses no mask and the paper's tile rule: drop --mask/--block-q/--block-k"
+        )
+    unused = [
+        flag
+        for flag, used in (
+            ("--lk", args.lk is None), ("--dv", args.dv is None), ("--heads", args.heads == 1),
+            ("--kv-heads", args.kv_heads is None), ("--batch", args.batch == 1),
+            ("--dtype", args.dtype == _dtype("float64")), ("--conventions", args.conventions == "seed"),
+            ("--check", not args.check), ("--schedule", args.schedule == "all"),
+        )
+        if not used
+    ]  # fmt: skip
+    if unused:
+        raise UsageError(
+            f"--sweep plots one head of N x N (N = --lq) at head dim --d for every M: "
+            f"{', '.join(unused)} would be ignored; drop {'it' if len(unused) == 1 else 'them'}"
         )
     args.out = args.out or "traffic.png"
     problem = output_problem(args.out)
@@ -1189,7 +1210,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=int_arg(1),
         help="query tile size (default 2 for the seed, 64 for files)",
     )
-    bw.add_argument("--block-k", type=int_arg(1), help="key tile size (default as --block-q)")
+    bw.add_argument(
+        "--block-k", type=int_arg(1), help="key tile size (default 2 for the seed, 64 for files)"
+    )
     bw.add_argument(
         "--mask",
         type=_mask,
