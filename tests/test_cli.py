@@ -292,6 +292,7 @@ def test_backward_from_files(capsys: pytest.CaptureFixture[str], tmp_path: Path)
         (["--input", "missing.json"], ["--input", "cannot read missing.json"]),
         (["--input", "x.txt"], ["--input must be a .json or .npz"]),
         (["--block-q", "-1"], ["argument --block-q", "integer >= 1"]),
+        (["--seed", "5"], ["--seed picks dropout's keep mask", "add --dropout P"]),
     ],
 )
 def test_backward_bad_input(
@@ -578,6 +579,9 @@ def test_explore_calls_serve(
     assert code == 0, err
     assert calls == [{"host": "127.0.0.1", "port": 8123, "open_browser": True, "allow_hosts": []}]
     assert_usage_error(*run(capsys, "explore", "--port", "70000"), "argument --port", "0..65535")
+    assert_usage_error(*run(capsys, "explore", "--host", " "), "--host is empty")
+    assert_usage_error(*run(capsys, "explore", "--allow-host", "a b"), "is not a host name")
+    assert len(calls) == 1, "a refused option starts no server"
 
 
 def test_delegated_subcommand_parses_its_own_options(
@@ -879,3 +883,25 @@ def test_a_narrow_terminal_never_splits_a_number_or_a_label(
     cells = {c for line in wide.splitlines() for c in line.split() if any(ch.isdigit() for ch in c)}
     words = {c for line in out.splitlines() for c in line.split()}
     assert cells <= words, f"split or cut at 40 columns: {sorted(cells - words)[:5]}"
+
+
+def test_empty_and_file_parent_output_paths_are_refused_before_the_work(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    afile = tmp_path / "f.txt"
+    afile.write_text("")
+    assert_usage_error(*run(capsys, "traffic", "--sweep", "--out", ""), "the path is empty")
+    assert_usage_error(
+        *run(capsys, "traffic", "--sweep", "--out", str(afile / "t.png")),
+        f"{afile} is a file, not a directory",
+    )
+
+
+def test_account_names_the_alignment_a_preset_gives_the_mask(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Under flash_attn_2 'causal' is bottom-right: the header says so (the counts are)."""
+    code, out, _ = run(capsys, "account", "--lq", "3", "--lk", "5", "--conventions", "flash_attn_2")
+    assert code == 0 and "mask=causal(bottom_right, from flash_attn_2)" in out, out
+    code, out, _ = run(capsys, "account")
+    assert code == 0 and "mask=causal " in out, out

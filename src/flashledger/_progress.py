@@ -82,9 +82,13 @@ def output_problem(path: str | Path) -> str:
     refuses data only when it is written (``/dev/full``) passes; the write itself is
     checked (``write_file``).
     """
+    if not str(path).strip():
+        return "the path is empty"
     target = Path(path)
     if target.is_dir():
         return "is a directory"
+    if target.parent.exists() and not target.parent.is_dir():
+        return f"{target.parent} is a file, not a directory"
     if not target.parent.is_dir():
         return "its directory does not exist"
     try:

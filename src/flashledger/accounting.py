@@ -274,17 +274,22 @@ def _tiling(
     )  # fmt: skip
 
 
-def _mask_name(mask: Mask | torch.Tensor | None) -> str:
-    """A short label: ``none``, ``causal``, ``causal(bottom_right)``, ``window(128, 0)``, ..."""
+def _mask_name(mask: Mask | torch.Tensor | None, conv: Conventions | None = None) -> str:
+    """A short label: ``none``, ``causal``, ``causal(bottom_right)``, ``window(128, 0)``, ...;
+    a mask that takes its alignment from ``conv`` names it where it is not top-left
+    (``causal(bottom_right, from flash_attn_2)``)."""
     if mask is None:
         return "none"
     if isinstance(mask, torch.Tensor):
         return f"bool tensor {tuple(mask.shape)}"
+    align: str | None = mask.align if isinstance(mask, Causal | SlidingWindow) else None
+    if conv is not None and align is None and conv.causal_align != "top_left":
+        align = f"{conv.causal_align}, from {conv.name}"
     if isinstance(mask, Causal):
-        return "causal" if mask.align is None else f"causal({mask.align})"
+        return "causal" if align is None else f"causal({align})"
     if isinstance(mask, SlidingWindow):
         name = f"window({mask.left}, {mask.right})"
-        return name if mask.align is None else f"{name[:-1]}, {mask.align})"
+        return name if align is None else f"{name[:-1]}, {align})"
     return repr(mask)
 
 
@@ -579,7 +584,7 @@ def storage_and_work(
             **shape.as_dict(),
             "block_q": t.block_q,
             "block_k": t.block_k,
-            "mask": _mask_name(mask),
+            "mask": _mask_name(mask, conv),
             "conventions": conv.name,
             "dtype": str(dtype).removeprefix("torch."),
         },
@@ -839,7 +844,7 @@ def memory_traffic(
             "sram_elements": sram_elements,
             "block_q": bq,
             "block_k": bk,
-            "mask": _mask_name(mask),
+            "mask": _mask_name(mask, conv),
             "conventions": conv.name,
             "dtype": str(dtype).removeprefix("torch."),
         },

@@ -654,6 +654,8 @@ def _cmd_backward(args: argparse.Namespace) -> int:
     from .reference import reference_backward, reference_forward
     from .scores import alibi_slopes
 
+    if args.seed and not args.dropout:
+        raise UsageError("--seed picks dropout's keep mask: add --dropout P, or drop --seed")
     if args.input is None:
         demo = five_position_example()
         q, k, v, g = (demo[n] for n in ("q", "k", "v", "g"))
@@ -1002,7 +1004,7 @@ def _traffic_sweep(args: argparse.Namespace) -> int:
             f"--sweep plots one head of N x N (N = --lq) at head dim --d for every M: "
             f"{', '.join(unused)} would be ignored; drop {'it' if len(unused) == 1 else 'them'}"
         )
-    args.out = args.out or "traffic.png"
+    args.out = "traffic.png" if args.out is None else args.out
     problem = output_problem(args.out)
     if problem:
         raise UsageError(f"cannot write --out {args.out}: {problem}")
@@ -1035,6 +1037,11 @@ def _cmd_explore(args: argparse.Namespace) -> int:
         from .web.app import serve
     except ImportError as exc:
         raise UsageError(f"the explorer is not available: {exc}") from None
+    if not args.host.strip():
+        raise UsageError("--host is empty; give an address, e.g. 127.0.0.1, or 0.0.0.0 for all")
+    for name in args.allow_host:
+        if not name.strip() or any(c.isspace() for c in name):
+            raise UsageError(f"--allow-host {name!r} is not a host name (empty, or has spaces)")
     # a busy port or an unknown host raises OSError with one line, before the server starts
     serve(host=args.host, port=args.port, open_browser=args.open, allow_hosts=args.allow_host)
     return 0

@@ -692,7 +692,7 @@ def run_cli(args: argparse.Namespace) -> int:
     from ._progress import make_console, output_problem, progress, write_file
 
     html_path = getattr(args, "html", None)
-    if html_path:
+    if html_path is not None:
         problem = output_problem(html_path)
         if problem:
             print(

@@ -117,7 +117,14 @@ def random_model(
         ),
     }
     config_name, model_name, options = spec[arch]
-    config = getattr(tf, config_name)(**common, **options)
+    # gpt_oss's default YaRN parameters assume 131072 positions: transformers warns that a
+    # shorter context is inconsistent with them, about a config this function chose
+    quiet = tf.utils.logging.get_verbosity()
+    tf.utils.logging.set_verbosity_error()
+    try:
+        config = getattr(tf, config_name)(**common, **options)
+    finally:
+        tf.utils.logging.set_verbosity(quiet)
     cls = getattr(tf, model_name)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
