@@ -275,6 +275,8 @@ def test_mask_shape_and_type(entry):
         "each dim must be 1 or equal",
     )
     _raises(lambda: call(q, k, v, mask=torch.ones(5, 6)), TypeError, "bool tensor", "torch.float32")
+    meta = torch.ones(5, 6, dtype=torch.bool, device="meta")
+    _raises(lambda: call(q, k, v, mask=meta), ValueError, "meta tensor", "give its values")
     _raises(lambda: call(q, k, v, mask=[[True] * 6] * 5), TypeError, "mask must be None", "list")
     _raises(
         lambda: call(q, k, v, mask=fl.KeyPadding([3, 4, 5])),

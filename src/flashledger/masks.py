@@ -1264,6 +1264,11 @@ class DenseMask(Mask):
         t = self.mask
         while t.ndim < 4:
             t = t.unsqueeze(0)
+        if t.is_meta:
+            raise ValueError(
+                "mask is a meta tensor (a shape without values); give its values, on the "
+                "device of q, k, v or on the CPU"
+            )
         want = (geo.batch, geo.heads, geo.lq_total, geo.lk_total)
         if not all(s in (1, w) for s, w in zip(t.shape, want)):
             raise ValueError(
