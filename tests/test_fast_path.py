@@ -455,6 +455,8 @@ def test_bench_skips_naive_above_its_limits_and_parses_quick():
         (["--lengths", "1024,2147483648"], "1..2147483647"),
         (["--heads", "-2"], "--heads"),
         (["--causal", "maybe"], "no, yes or both"),
+        (["--tiles", "-1x4"], "expected tiles as BQxBK"),
+        (["--lengths", "-5"], "expected comma-separated integers"),
         (["--quick", "--lengths", "64"], "--quick runs its own subset"),
         (["--quick", "--dtypes", "float64", "--decode"], "leave out --dtypes"),
         (["--quick", "--contention"], "not of --contention"),

@@ -1210,7 +1210,8 @@ def build_parser() -> argparse.ArgumentParser:
     bw.add_argument(
         "--input",
         metavar="FILE",
-        help=".json or .npz with keys q, k, v, g (default: the seed's five positions)",
+        help=".json or .npz with keys q, k, v, g, computed in float64 whatever their dtype "
+        "(default: the seed's five positions)",
     )
     bw.add_argument(
         "--block-q",
@@ -1309,7 +1310,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-VALUE_OPTIONS = ("--scores", "--values", "--shift", "--window")
+VALUE_OPTIONS = ("--scores", "--values", "--shift", "--window", "--tiles", "--lengths")
 """Options whose values may start with '-' (``--scores -1,2``, ``ring --window -1,0``)."""
 
 
