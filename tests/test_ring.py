@@ -523,6 +523,42 @@ def test_one_ranks_invalid_option_makes_every_rank_raise(bad: dict[str, Any], me
     _expect(errors, {1: message}, ["rank(s) [1] rejected their inputs or options", message])
 
 
+def test_a_layout_mismatch_is_named_by_the_layouts() -> None:
+    errors = _disagreeing_ring(2, lambda r: {"layout": "contiguous"} if r == 1 else {})
+    _expect(errors, {}, ["layout: rank 0 has zigzag, rank 1 has contiguous"])
+
+
+def test_a_shard_of_the_wrong_length_lists_what_every_rank_holds() -> None:
+    """The global length is the sum of the shards, so which rank is off cannot be known:
+    the message lists every rank's count and the cut (it blamed rank 0, whose shard was
+    right)."""
+    q, k, v, _, _ = make(1, 2, 1, 12, 12, 4, seed=3)
+    hub = LocalHub(2, timeout=10.0)
+    errors: list[BaseException | None] = [None, None]
+
+    def rank(r: int) -> None:
+        xs = [shard_sequence(x, r, 2, "contiguous") for x in (q, k, v)]
+        if r == 1:
+            xs[1], xs[2] = xs[1][..., :-1, :], xs[2][..., :-1, :]  # one key short
+        run = _rank_run(
+            LocalTransport(hub, r), layout="contiguous", block_q=4, block_k=4, ledger=None, opts={}
+        )
+        try:
+            _RingFunction.apply(*xs, run)
+        except BaseException as e:
+            errors[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=40)
+    for r, e in enumerate(errors):
+        assert isinstance(e, ValueError), f"rank {r}: {e!r}"
+        assert "the ranks hold [6, 5] keys (11 in all)" in str(e), str(e)
+        assert "cuts 11 keys as [6, 5]" not in str(e) and "rank 0 must" not in str(e), str(e)
+
+
 SHARED = {"mask": fl.Causal(), "scale": 0.4, "alibi_slopes": fl.alibi_slopes(2)}
 
 

@@ -236,9 +236,11 @@ def _make_plan(
     if differ:  # every rank sees the same table: all gather the texts and raise the same error
         mine = "\x1f".join(texts[f] for f in differ)
         raise ValueError(mismatch_message(differ, gather_texts(tp, mine, device=device)))
+    named = {"layout": ("contiguous", "zigzag"), "dtype": [str(t) for t in _DTYPES]}
     for r, row in enumerate(rows):
         diff = [
-            f"{n}: rank 0 has {a}, rank {r} has {b}"
+            f"{n}: rank 0 has {named[n][a] if n in named else a}, "
+            f"rank {r} has {named[n][b] if n in named else b}"
             for n, a, b in zip(_META, rows[0], row)
             if n not in ("Lq", "Lk") and a != b
         ]
@@ -275,19 +277,20 @@ def _lay_out(
     k_bounds = chunk_bounds(lk, w, layout, what="Lk")
     q_chunks = [shard_chunks(lq, o, w, layout, what="Lq") for o in range(w)]
     kv_chunks = tuple(shard_chunks(lk, o, w, layout, what="Lk") for o in range(w))
-    for o in range(w):
-        for what, got, chunks in (
-            ("query rows", rows[o][6], q_chunks[o]),
-            ("keys", rows[o][7], kv_chunks[o]),
-        ):
-            want = sum(c.length for c in chunks)
-            if got != want:
-                ids = " and ".join(str(c.index) for c in chunks)
-                raise ValueError(
-                    f"ring attention: with the {layout} layout on {w} rank(s) rank {o} must "
-                    f"hold {want} {what} (chunk(s) {ids} of {len(q_bounds) - 1}), it holds "
-                    f"{got}; cut the sequence with shard_sequence(x, rank, {w}, {layout!r})"
-                )
+    for what, col, total, chunks in (
+        ("query rows", 6, lq, q_chunks),
+        ("keys", 7, lk, kv_chunks),
+    ):
+        held = [row[col] for row in rows]
+        want = [sum(c.length for c in cs) for cs in chunks]
+        if held != want:
+            # the global length is the sum of the shards: which rank is off is not known
+            raise ValueError(
+                f"ring attention: the ranks hold {held} {what} ({total} in all), but the "
+                f"{layout} layout on {w} rank(s) cuts {total} {what} as {want}: a rank holds "
+                f"a shard of another length; cut the sequence with "
+                f"shard_sequence(x, rank, {w}, {layout!r})"
+            )
     b, hq, hkv = rows[0][1], rows[0][2], rows[0][3]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     setup = RingSetup(
