@@ -529,3 +529,62 @@ def test_low_precision_cache_follows_the_float64_answer(dtype, gen):
     assert err < 64 * eps, f"O off by {err:.3g} (eps {eps:.3g})"
     assert torch.equal(vc_[0, :, 5:7], v[0].to(dtype))  # type: ignore[index]
     assert low.ledger.itemsize == torch.empty((), dtype=dtype).element_size()
+
+
+def test_a_refused_call_leaves_the_cache_as_it_was():
+    """Every check runs before the new rows are written: a call that raises has not
+    changed the caller's cache (a too-short rotary table, a bad option, a NaN in the new
+    keys and an input that requires a gradient all wrote first)."""
+    q = torch.randn(1, 2, 4, 8, dtype=torch.float64)
+    kc, vc = (
+        torch.zeros(1, 2, 16, 8, dtype=torch.float64),
+        torch.zeros(1, 2, 16, 8, dtype=torch.float64),
+    )
+    k, v = (
+        torch.randn(1, 2, 1, 8, dtype=torch.float64),
+        torch.randn(1, 2, 1, 8, dtype=torch.float64),
+    )
+    nan_k = k.clone()
+    nan_k[0, 1, 0, 3] = math.nan
+    short = dict(
+        rotary_cos=torch.ones(6, 2, dtype=torch.float64),
+        rotary_sin=torch.zeros(6, 2, dtype=torch.float64),
+    )
+    calls = {
+        "rotary table": (lambda: fl.attention_with_kvcache(
+            q, kc, vc, k, v, cache_seqlens=5, mask=fl.Causal(), **short), "rotary positions"),
+        "softcap": (lambda: fl.attention_with_kvcache(
+            q, kc, vc, k, v, cache_seqlens=5, softcap=-1.0), "softcap must be"),
+        "NaN key": (lambda: fl.attention_with_kvcache(
+            q, kc, vc, nan_k, v, cache_seqlens=5), "k contains NaN"),
+        "requires grad": (lambda: fl.attention_with_kvcache(
+            q.clone().requires_grad_(), kc, vc, k, v, cache_seqlens=5),
+            "attention_with_kvcache is not differentiable"),
+    }  # fmt: skip
+    for name, (call, words) in calls.items():
+        with pytest.raises(ValueError, match=words):
+            call()
+        assert not kc.any() and not vc.any(), f"{name}: the refused call wrote the cache"
+    with torch.no_grad():  # the same call without a graph to build decodes
+        fl.attention_with_kvcache(q.clone().requires_grad_(), kc, vc, k, v, cache_seqlens=5)
+    assert torch.equal(kc[:, :, 5:6], k) and torch.equal(vc[:, :, 5:6], v)
+
+
+def test_softcap_zero_is_flash_attns_off():
+    """flash_attn_with_kvcache's default softcap=0.0 means none: a port keeps working."""
+    q = torch.randn(2, 4, 1, 8, dtype=torch.float64)
+    kc, vc = (
+        torch.randn(2, 2, 9, 8, dtype=torch.float64),
+        torch.randn(2, 2, 9, 8, dtype=torch.float64),
+    )
+    a = fl.attention_with_kvcache(q, kc, vc, cache_seqlens=7, softcap=0.0)
+    b = fl.attention_with_kvcache(q, kc, vc, cache_seqlens=7)
+    assert torch.equal(a.o, b.o) and torch.equal(a.lse, b.lse)
+
+
+def test_torch_func_transforms_are_refused_with_the_reason():
+    q = torch.randn(3, 1, 2, 1, 8)
+    kc, vc = torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8)
+    step = lambda x: fl.attention_with_kvcache(x, kc, vc, cache_seqlens=7).o  # noqa: E731
+    with pytest.raises(RuntimeError, match="writes the cache in place"):
+        torch.func.vmap(step)(q)

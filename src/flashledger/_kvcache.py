@@ -52,7 +52,7 @@ import torch
 
 from ._checks import all_finite, check_float_tensor, check_size
 from ._options import AttentionOptions, check_options
-from ._problem import Placement
+from ._problem import Placement, check_option_values
 from .blocked import (
     DEFAULT_BLOCK_K,
     DEFAULT_BLOCK_Q,
@@ -266,9 +266,11 @@ def attention_with_kvcache(
     queries (``rotary_interleaved``: GPT-J pairs; False: GPT-NeoX halves).
     ``num_splits > 1`` runs split-KV. ``opts``: ``mask`` (``Causal``,
     ``SlidingWindow`` or their ``&``, aligned to each sequence's cache length),
-    ``scale``, ``conventions``, ``softcap``, ``alibi_slopes`` (``(H,)`` or
-    ``(B, H)``); dropout, bias, ``cu_seqlens`` and ``seqused`` are not taken
-    (``cache_seqlens`` is the used length). The cache must share q's dtype.
+    ``scale``, ``conventions``, ``softcap`` (0.0, flash-attn's default, is none),
+    ``alibi_slopes`` (``(H,)`` or ``(B, H)``); dropout, bias, ``cu_seqlens`` and
+    ``seqused`` are not taken (``cache_seqlens`` is the used length). The cache must
+    share q's dtype. Every check runs before the cache is written: a call that raises
+    leaves it as it was. Not differentiable, and not under ``torch.func`` transforms.
     """
     check_options(
         "attention_with_kvcache",
@@ -294,6 +296,35 @@ def attention_with_kvcache(
     check_size("num_splits", num_splits)
     check_size("block_q", block_q)
     check_size("block_k", block_k)
+    if opts.get("softcap") == 0:  # flash-attn's default, 0.0, means no softcap
+        opts = {**opts, "softcap": None}  # type: ignore[typeddict-item]
+    # everything that can fail is checked before the cache is written: a call that raises
+    # leaves the caller's cache as it was
+    check_option_values(
+        scale=1.0 if opts.get("scale") is None else opts["scale"],
+        dropout_p=0.0,
+        seed=opts.get("seed", 0),
+        softcap=opts.get("softcap"),
+        alibi_slopes=opts.get("alibi_slopes"),
+        bias=None,
+    )
+    if torch._C._are_functorch_transforms_active():
+        raise RuntimeError(
+            "attention_with_kvcache under torch.func transforms (vmap, grad) is not supported: "
+            "it writes the cache in place; call it once per sample, or use flash_attention on "
+            "the keys in use"
+        )
+    given = [x for x in (q, k_cache, v_cache, k, v) if isinstance(x, torch.Tensor)]
+    if torch.is_grad_enabled() and any(x.requires_grad for x in given):
+        raise ValueError(
+            "attention_with_kvcache is not differentiable (it writes the cache in place and "
+            "records no graph), and an input requires a gradient: call it under "
+            "torch.no_grad() to decode, or use flash_attention on the keys in use for a "
+            "gradient"
+        )
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and not all_finite(x):
+            raise ValueError(f"{name} contains NaN or inf; allowed: finite values")
 
     def bhsd(name: str, x: torch.Tensor) -> torch.Tensor:
         x = _check_layout(name, x)
@@ -440,11 +471,16 @@ def attention_with_kvcache(
     # -- write the new rows, rotated --
     window_len = capacity if conv.window_rewrite == "flash_attn_2" else None
     windowed = _windowed(mask, window_len)
+    if rotary:  # the queries' positions too, before anything is written
+        assert rotary_cos is not None
+        t_q = torch.arange(lq)[None, :] if windowed else torch.zeros(1, lq, dtype=torch.int64)
+        pos_q = seqlens[:, None] + t_q  # (B, Lq)
+        _check_rows("rotary_cos", rotary_cos, int(pos_q.max()))
+        _check_rows("rotary_cos", rotary_cos, int(seqlens.max()) + l_new - 1)
     if k is not None and v is not None:
         pos_new = seqlens[:, None] + torch.arange(l_new)[None, :]  # (B, L_new) absolute positions
         if rotary:
             assert rotary_cos is not None and rotary_sin is not None
-            _check_rows("rotary_cos", rotary_cos, int(pos_new.max()))
             k = apply_rotary(
                 k,
                 rotary_cos.to(dev),
@@ -456,9 +492,6 @@ def attention_with_kvcache(
         _write(v_cache, v, pos_new, rows_idx, table, page)
     if rotary:
         assert rotary_cos is not None and rotary_sin is not None
-        t_q = torch.arange(lq)[None, :] if windowed else torch.zeros(1, lq, dtype=torch.int64)
-        pos_q = seqlens[:, None] + t_q  # (B, Lq)
-        _check_rows("rotary_cos", rotary_cos, int(pos_q.max()))
         q = apply_rotary(
             q,
             rotary_cos.to(dev),
