@@ -438,3 +438,39 @@ def test_tiny_base2_kernel_matches_after_conversion() -> None:
     assert assert_attention_close(natural, cases=cases, check_grads=False).passed
     msg = _failure(triton_style_base2, cases, check_grads=False)
     assert "3 of 3 cases" in msg and "LSE differs" in msg
+
+
+def test_empty_rows_cases_keep_rows_that_see_keys() -> None:
+    """A case whose every row sees no key passes any kernel that returns zeros: from two
+    rows on, the ``empty_rows`` mask leaves every row but the first (and, from three rows,
+    the middle one) seeing a key. (In the 2 x 257 shape of the quick sweep both rows were
+    empty, and that case passed kernels without the scale, with a base-2 LSE or no dV.)"""
+    from flashledger._verify_cases import attention_cases
+
+    cases = attention_cases(masks=("empty_rows",), dtypes=(torch.float64,))
+    assert cases, "no empty_rows cases: the test is void"
+    for case in cases:
+        seen = case.dense_mask().any(dim=-1)  # (B, Hq, Lq)
+        lq = case.shape.len_q
+        assert not bool(seen[:, :, 0].any()), f"{case}: row 0 sees a key"
+        empty = {0, lq // 2} if lq >= 3 else {0}
+        for r in range(lq):
+            assert bool(seen[:, :, r].all()) == (r not in empty), f"{case}: row {r}"
+
+
+def test_a_wrong_empty_row_lse_is_named_as_a_convention() -> None:
+    """A fully-masked row's LSE is the conventions' choice: the failure says which preset
+    gives which value instead of an error of 1.8e308 against a naive bound."""
+
+    def sdpa_style(q, k, v, case):  # type: ignore[no-untyped-def]
+        return fl.flash_attention(
+            q, k, v, mask=case.mask, scale=case.scale, return_lse=True, conventions="sdpa_cpu"
+        )
+
+    with pytest.raises(AssertionError) as info:
+        fl.assert_attention_close(
+            sdpa_style, quick=True, masks=("empty_rows",), dtypes=(torch.float64,)
+        )
+    text = str(info.value)
+    assert "got 0, oracle -inf" in text and "the row sees no key" in text, text
+    assert "0: sdpa_cpu" in text and "-inf: seed" in text and "1.8e+308" not in text, text

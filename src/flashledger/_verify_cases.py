@@ -222,9 +222,15 @@ def _mask_for(kind: str, shape: Shape, seed: int) -> Mask | None:
         return KeyPadding(lengths)
     if kind == "empty_rows":
         gen = torch.Generator().manual_seed(seed + 7919)
-        keep = torch.rand(shape.batch, 1, shape.len_q, shape.len_k, generator=gen) < EMPTY_ROW_KEEP
-        keep[:, :, 0] = False  # the first row sees no key
-        keep[:, :, shape.len_q // 2] = False  # nor does the middle one
+        lq, lk = shape.len_q, shape.len_k
+        keep = torch.rand(shape.batch, 1, lq, lk, generator=gen) < EMPTY_ROW_KEEP
+        rows = torch.arange(lq)
+        keep[:, :, rows, rows % lk] = True  # every row sees a key, but for:
+        keep[:, :, 0] = False  # the first row, which sees none
+        if lq >= 3:
+            keep[:, :, lq // 2] = False  # nor does the middle one
+        # (with 2 rows the second sees keys: a case whose every row is empty would pass
+        # any kernel that returns zeros)
         return DenseMask(keep)
     raise ValueError(f"unknown mask kind {kind!r}; allowed: {', '.join(MASK_KINDS)}")
 
@@ -244,7 +250,8 @@ def make_case(
     (``Causal`` with that alignment); ``"window"`` (``SlidingWindow(16, 4)``,
     aligned by the conventions); ``"padding"`` (``KeyPadding``, a different
     length per batch element); ``"empty_rows"`` (a random ``DenseMask`` with
-    the first and middle query rows fully masked).
+    the first and, from 3 rows on, the middle query row fully masked; every other
+    row sees a key).
     """
     conv = get_conventions(conventions)  # a preset or its name
     mask = _mask_for(mask_kind, shape, seed)
