@@ -991,13 +991,13 @@ def _traffic_sweep(args: argparse.Namespace) -> int:
         )
     unused = [
         flag
-        for flag, used in (
+        for flag, at_default in (
             ("--lk", args.lk is None), ("--dv", args.dv is None), ("--heads", args.heads == 1),
             ("--kv-heads", args.kv_heads is None), ("--batch", args.batch == 1),
             ("--dtype", args.dtype == _dtype("float64")), ("--conventions", args.conventions == "seed"),
             ("--check", not args.check), ("--schedule", args.schedule == "all"),
         )
-        if not used
+        if not at_default
     ]  # fmt: skip
     if unused:
         raise UsageError(

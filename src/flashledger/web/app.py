@@ -211,8 +211,7 @@ def _validation_errors(exc: RequestValidationError) -> list[dict[str, Any]]:
         message = f"{more} more errors in this request, not listed (the first {MAX_ERRORS} are)"
         limits = {"count": more, "listed": MAX_ERRORS}
         errors.append(
-            {"field": "", "path": "", "message": message, "kind": "more_errors"}
-            | {"limits": limits}
+            {"field": "", "path": "", "message": message, "kind": "more_errors", "limits": limits}
         )
     return errors
 
