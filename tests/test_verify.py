@@ -474,3 +474,14 @@ def test_a_wrong_empty_row_lse_is_named_as_a_convention() -> None:
     text = str(info.value)
     assert "got 0, oracle -inf" in text and "the row sees no key" in text, text
     assert "0: sdpa_cpu" in text and "-inf: seed" in text and "1.8e+308" not in text, text
+
+
+def test_the_failure_header_tells_a_raising_fn_from_a_wrong_one() -> None:
+    def raising(q, k, v, case):  # type: ignore[no-untyped-def]
+        raise RuntimeError("no kernel for this shape")
+
+    with pytest.raises(AssertionError) as info:
+        fl.assert_attention_close(raising, quick=True, masks=("none",), dtypes=(torch.float64,))
+    head = str(info.value).splitlines()[0]
+    assert "3 of 3 cases fail: 3 could not be judged (fn raised" in head, head
+    assert "differ from the float64 oracle" not in head, head

@@ -245,8 +245,15 @@ def assert_attention_close(
                 "\n(cases fn does not support can be left out with masks=, gqa=, head_dim_v= "
                 "or an explicit cases= list)"
             )
+        judged = [r for r in bad_results if not r.error]
+        could_not = len(bad_results) - len(judged)
+        parts = []
+        if judged:
+            parts.append(f"{len(judged)} differ from the float64 oracle")
+        if could_not:
+            parts.append(f"{could_not} could not be judged (fn raised or returned a wrong shape)")
         raise AssertionError(
-            f"{name}: {len(bad_results)} of {len(results)} cases differ from the float64 oracle "
+            f"{name}: {len(bad_results)} of {len(results)} cases fail: {'; '.join(parts)} "
             f"(rule: error <= {output_factor:g}x (O, LSE) / {grad_factor:g}x (grads) the naive "
             f"same-dtype error + floor)\n{shown}{tail}"
         )
