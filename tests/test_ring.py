@@ -449,11 +449,12 @@ def test_bad_inputs_get_clear_errors() -> None:
 # ranks that disagree: every rank raises together, naming who differs (in-memory wires)
 # ---------------------------------------------------------------------------------------
 def _disagreeing_ring(
-    w: int, per_rank: Any, *, backward: Any = None, hub_timeout: float = 10.0
+    w: int, per_rank: Any, *, backward: Any = None, shards: Any = None, hub_timeout: float = 10.0
 ) -> list[BaseException | None]:
     """Run ``ring_attention``'s per-rank code on ``w`` threads, rank ``r`` with the arguments
     ``per_rank(r)`` (options, and ``layout``/``block_q``/``block_k``); with ``backward(r)``
-    the upstream gradient of rank r's output. Returns each rank's exception. A rank that
+    the upstream gradient of rank r's output; with ``shards(r, [q, k, v])`` rank r's shards
+    as that returns them. Returns each rank's exception. A rank that
     failed alone would leave the others waiting: they would raise TimeoutError after
     ``hub_timeout`` seconds (the wires are not aborted on purpose)."""
     q, k, v, do, _ = make(1, 2, 1, 12, 12, 4, seed=3)
@@ -465,6 +466,8 @@ def _disagreeing_ring(
         layout = kw.pop("layout", "zigzag")
         lay = layout if layout in ("zigzag", "contiguous") else "zigzag"
         xs = [shard_sequence(x, r, w, lay).requires_grad_() for x in (q, k, v)]
+        if shards is not None:
+            xs = shards(r, xs)
         try:
             run = _rank_run(
                 LocalTransport(hub, r),
@@ -532,27 +535,11 @@ def test_a_shard_of_the_wrong_length_lists_what_every_rank_holds() -> None:
     """The global length is the sum of the shards, so which rank is off cannot be known:
     the message lists every rank's count and the cut (it blamed rank 0, whose shard was
     right)."""
-    q, k, v, _, _ = make(1, 2, 1, 12, 12, 4, seed=3)
-    hub = LocalHub(2, timeout=10.0)
-    errors: list[BaseException | None] = [None, None]
 
-    def rank(r: int) -> None:
-        xs = [shard_sequence(x, r, 2, "contiguous") for x in (q, k, v)]
-        if r == 1:
-            xs[1], xs[2] = xs[1][..., :-1, :], xs[2][..., :-1, :]  # one key short
-        run = _rank_run(
-            LocalTransport(hub, r), layout="contiguous", block_q=4, block_k=4, ledger=None, opts={}
-        )
-        try:
-            _RingFunction.apply(*xs, run)
-        except BaseException as e:
-            errors[r] = e
+    def one_key_short(r: int, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return xs if r == 0 else [xs[0], xs[1][..., :-1, :], xs[2][..., :-1, :]]
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=40)
+    errors = _disagreeing_ring(2, lambda r: {"layout": "contiguous"}, shards=one_key_short)
     for r, e in enumerate(errors):
         assert isinstance(e, ValueError), f"rank {r}: {e!r}"
         assert "the ranks hold [6, 5] keys (11 in all)" in str(e), str(e)
