@@ -53,7 +53,38 @@ ADDS: dict[str, tuple[Callable[..., Tensor], bool]] = {
     "the score itself": (lambda s, b, h, q, k: s, False),
     "2 * score + 1": (lambda s, b, h, q, k: 2 * s + 1, False),
     "1 - score": (lambda s, b, h, q, k: 1 - s, False),
+    # a term made from the score's value outside its graph: a comparison, a cast, no_grad
+    "-inf where score > 20": (
+        lambda s, b, h, q, k: s + torch.where(s > 20, -float("inf"), 0.0),
+        False,
+    ),
+    "a gate on the score's sign": (
+        lambda s, b, h, q, k: s + ((s > 0) & (q - k >= 3)).to(s.dtype),
+        False,
+    ),
+    "a table behind a gate on the score": (
+        lambda s, b, h, q, k: s + (s > 0) * TABLE[h, (q - k) % 64],
+        False,
+    ),
+    "a term of score.long()": (lambda s, b, h, q, k: s + (s.long() % 2), False),
+    "a term of score.item()": (lambda s, b, h, q, k: s + float(s.sum().item() > 1e3), False),
+    "a term under no_grad": (lambda s, b, h, q, k: s + _no_grad_square(s), False),
+    # a value of the indices reaching Python: the first rows cannot judge the rest
+    "a branch on q_idx": (
+        lambda s, b, h, q, k: s + 1.0 if int(q.max()) < 16 else s * 2.0,
+        False,
+    ),
+    # the indices compared and cast stay in tensors: still a term
+    "a -inf mask from int(q >= k)": (
+        lambda s, b, h, q, k: s - 1e9 * (q < k).to(s.dtype) + torch.zeros_like(s),
+        True,
+    ),
 }
+
+
+def _no_grad_square(s: Tensor) -> Tensor:
+    with torch.no_grad():
+        return s.square()
 
 
 @pytest.mark.parametrize("name", list(ADDS))
@@ -286,17 +317,99 @@ def test_other_score_mods_keep_the_pytorch_step(scored_calls: dict[str, int]) ->
     assert scored_calls == {"forward": 0, "backward": 0}
 
 
+@pytest.mark.parametrize(
+    "name",
+    ["-inf where score > 20", "a gate on the score's sign", "a table behind a gate on the score"],
+)
+def test_a_term_gated_on_the_score_keeps_the_exact_result(
+    name: str, scored_calls: dict[str, int], assert_close: Any
+) -> None:
+    """A term that depends on the score through a comparison looks like ``score + x`` to
+    autograd; added as ``score_mod(0, ...)`` it would be wrong wherever the comparison
+    fires. Such a score_mod keeps the PyTorch step, and O and every gradient equal the
+    dense float64 oracle's (queries scaled so that scores pass 20)."""
+    fn = ADDS[name][0]
+    b, hq, lq, lk, d = 1, 4, 97, 113, 16
+    g = torch.Generator().manual_seed(5)
+    q = (8 * torch.randn(b, hq, lq, d, generator=g, dtype=F64)).requires_grad_(True)
+    k = torch.randn(b, hq, lk, d, generator=g, dtype=F64).requires_grad_(True)
+    v = torch.randn(b, hq, lk, d, generator=g, dtype=F64).requires_grad_(True)
+    do = torch.randn(b, hq, lq, d, generator=g, dtype=F64)
+    o = fl.flash_attention(q, k, v, score_mod=fn, block_q=32, block_k=32)
+    got = (o, *torch.autograd.grad(o, (q, k, v), do))
+    assert scored_calls == {"forward": 0, "backward": 0}, "added as a term"
+    s = d**-0.5 * q @ k.transpose(-1, -2)  # (1, H, Lq, Lk)
+    assert int((s > 20).sum()) > 0, "no score passes 20: the case tests nothing"
+    ref, _ = naive_attention_scores(fn(s, *_grid(hq, lq, lk)), v, None)
+    want = (ref, *torch.autograd.grad(ref, (q, k, v), do))
+    for a, w, what in zip(got, want, ("O", "dQ", "dK", "dV"), strict=True):
+        assert_close(a, w, rtol=1e-11, name=f"{what} ({name})")
+
+
+def test_a_zero_table_behind_a_gate_on_the_score_gets_its_gradient(
+    scored_calls: dict[str, int], assert_close: Any
+) -> None:
+    """A learnable table at its usual zero start, behind ``score > 0``: at zero the term
+    is the same for every score, so only what the score_mod does with the score's value
+    tells it apart from a term; the table's gradient then equals the oracle's."""
+    table = torch.zeros(4, 64, dtype=F64, requires_grad=True)
+
+    def sm(s: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        return s + (s > 0) * table[h, (q - kv) % 64]
+
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 4, n, 16, generator=g, dtype=F64) for n in (97, 113, 113))
+    do = torch.randn(1, 4, 97, 16, generator=g, dtype=F64)
+    o = fl.flash_attention(q, k, v, score_mod=sm, block_q=32, block_k=32)
+    (got,) = torch.autograd.grad(o, table, do)
+    assert scored_calls == {"forward": 0, "backward": 0}, "added as a term"
+    ref, _ = naive_attention_scores(
+        sm(16**-0.5 * q @ k.transpose(-1, -2), *_grid(4, 97, 113)), v, None
+    )
+    (want,) = torch.autograd.grad(ref, table, do)
+    assert float(want.abs().max()) > 0.1, "the oracle's gradient is too small to test"
+    assert_close(got, want, rtol=1e-11, name="d table")
+
+
+def _grid(hq: int, lq: int, lk: int) -> tuple[Tensor, ...]:
+    """Broadcast index tensors of a whole ``(1, hq, lq, lk)`` score matrix."""
+    return (
+        torch.zeros(1, 1, 1, 1, dtype=torch.long),
+        torch.arange(hq).view(1, hq, 1, 1),
+        torch.arange(lq).view(1, 1, lq, 1),
+        torch.arange(lk).view(1, 1, 1, lk),
+    )
+
+
 def test_a_score_mod_that_adds_only_on_some_positions_is_refused(
     scored_calls: dict[str, int],
 ) -> None:
-    """Not pointwise: it adds a term on the first positions (the probe) and scales the
-    score further on; the native pass would miss the scaling, so it says so."""
+    """Not pointwise: it adds a term on its first calls (the probe's few) and scales the
+    score on later ones, with nothing the probe can see; the native pass would miss the
+    scaling, so it says so when the backward checks each tile's graph."""
+    calls = [0]
+
+    def sm(s: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        calls[0] += 1
+        return s + 1.0 if calls[0] <= 8 else s * 2.0
+
+    with pytest.raises(RuntimeError, match="pointwise"):
+        _run(sm, [], F64, native=True, block_q=16, block_k=16)
+
+
+def test_a_branch_on_the_indices_keeps_the_pytorch_step(scored_calls: dict[str, int]) -> None:
+    """A value of ``q_idx`` read in Python (``int(q.max())``): the probe's first rows
+    cannot judge the others, so the score_mod runs as the callable it is, tile by tile,
+    on the PyTorch step, native or not."""
 
     def sm(s: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
         return s + 1.0 if int(q.max()) < 16 else s * 2.0
 
-    with pytest.raises(RuntimeError, match="pointwise"):
-        _run(sm, [], F64, native=True, block_q=16, block_k=16)
+    native = _run(sm, [], F64, native=True, block_q=16, block_k=16)
+    assert scored_calls == {"forward": 0, "backward": 0}
+    python = _run(sm, [], F64, native=False, block_q=16, block_k=16)
+    for a, b in zip(native, python, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_a_score_mod_that_saves_its_output_with_a_partial_tile() -> None:

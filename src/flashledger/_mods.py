@@ -431,32 +431,49 @@ class UserScore:
         the first two global ``rows`` and ``keys`` it will see (the caller's counts and its
         choice of ``torch.vmap`` left as they were; a callable that fails on the probe, as
         one writing into the score in place does, counts as not adding); kept in
-        ``additive``."""
+        ``additive``.
+
+        Three checks, all needed: the autograd graph has the form ``score + x``
+        (``adds_to_score``); nothing computed from the score's value leaves the graph on
+        the way (a comparison, ``detach``, ``.item()``: ``_ValueTrace``), nor does a value
+        of the indices reach Python (a branch on ``q_idx``, which the first rows alone
+        cannot judge); and random scores of several magnitudes give ``score + x``."""
         if self.additive is None:
             caller = self.caller
-            state = caller.calls, caller.positions, caller._vmap
+            state = caller.calls, caller.positions, caller._vmap, caller.fn
             r, c = rows[:2], keys[:2]
             zero = torch.zeros(self.batch, self.heads, len(r), len(c), dtype=self.dtype)
+            trace = _ValueTrace()
+            caller.fn = trace.wrap(caller.fn)
             try:
                 term, ctx = self.forward(zero.to(self.device), r, c)
-                self.additive = adds_to_score(ctx) and self._adds_on_values(term, r, c)
+                self.additive = (
+                    not trace.escaped
+                    and adds_to_score(ctx)
+                    and self._adds_on_values(term, r, c)
+                    and not trace.escaped
+                )
             except Exception:  # e.g. it writes into the score in place: the PyTorch step
                 self.additive = False  # calls it as it always has, and says what fails
             finally:
-                caller.calls, caller.positions, caller._vmap = state
+                caller.calls, caller.positions, caller._vmap, caller.fn = state
         return self.additive
 
     def _adds_on_values(self, term: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor) -> bool:
-        """Whether the score_mod at random scores ``s`` gives ``s + term`` (its value at 0)
-        to rounding: the graph cannot see a term computed from ``score.detach()``."""
+        """Whether the score_mod at random scores ``s`` of several magnitudes gives
+        ``s + term`` (its value at 0) to rounding: a backstop for what the graph and the
+        value trace cannot see."""
         gen = torch.Generator().manual_seed(0)
-        s = (4 * torch.randn(term.shape, generator=gen, dtype=self.dtype)).to(self.device)
-        out = self.apply(s, rows, keys)
-        want = s + term
-        both_inf = torch.isinf(out) & (out == want)
         eps = torch.finfo(self.dtype).eps
-        near = (out - want).abs() <= 16 * eps * (s.abs() + term.abs() + 1)
-        return bool((both_inf | near).all())
+        for scale in (4.0, 64.0, 4096.0):
+            s = (scale * torch.randn(term.shape, generator=gen, dtype=self.dtype)).to(self.device)
+            out = self.apply(s, rows, keys)
+            want = s + term
+            both_inf = torch.isinf(out) & (out == want)
+            near = (out - want).abs() <= 16 * eps * (s.abs() + term.abs() + 1)
+            if not bool((both_inf | near).all()):
+                return False
+        return True
 
     def captured_grads(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
         """``(tensor, gradient)`` per captured tensor (zeros where no tile contributed)."""
@@ -464,6 +481,101 @@ class UserScore:
             (t, torch.zeros_like(t) if g is None else g.to(t.dtype))
             for t, g in zip(self.captured, self.grads)
         )
+
+
+# ----------------------------------------------------------------------------------------
+# what a score_mod does with the values it is given
+# ----------------------------------------------------------------------------------------
+# functions of a tensor's metadata only: their non-tensor results carry no value
+_METADATA = frozenset(
+    {
+        "dim", "ndimension", "size", "shape", "ndim", "numel", "nelement", "stride",
+        "dtype", "device", "layout", "is_contiguous", "is_floating_point", "is_complex",
+        "is_leaf", "requires_grad", "grad_fn", "element_size", "storage_offset", "__len__",
+        "get_device", "is_cuda", "is_cpu", "names", "__hash__",
+    }
+)  # fmt: skip
+# functions whose result has only the metadata of their tensor argument
+_LIKE = frozenset(
+    {
+        "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
+        "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor",
+    }
+)  # fmt: skip
+# functions whose result holds the values of their argument outside the autograd graph
+_UNTRACKED = frozenset({"detach", "detach_", "data", "numpy", "tolist", "item"})
+
+
+def _func_name(func: Any) -> str:
+    """``func``'s own name: ``gt`` for ``torch.Tensor.gt``, ``shape`` for the getter of
+    ``torch.Tensor.shape``."""
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__"):
+        owner = getattr(func, "__self__", None)
+        name = getattr(owner, "__name__", name)
+    return str(name)
+
+
+class _ValueTrace(TorchFunctionMode):
+    """Follows the values a score_mod is given through the operations it runs on them.
+
+    ``wrap(fn)`` marks the score and the indices each call of ``fn`` receives (under
+    ``torch.vmap`` too: the tensors ``fn`` itself sees). Whatever an operation makes
+    from a marked tensor is marked in turn. ``escaped`` is set when a value of the
+    score leaves the autograd graph (a comparison's or an integer cast's result, a
+    ``detach``, an operation under ``no_grad``, a Python number), or a value of the
+    indices reaches Python (``.item()``, ``bool()``, ``.tolist()``): a term made that
+    way depends on the score in a way its graph does not show, or may differ on rows
+    the probe did not see."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.escaped = False
+        self._keep: list[torch.Tensor] = []  # alive while traced: no id is reused
+        self._score: set[int] = set()
+        self._index: set[int] = set()
+
+    def wrap(self, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def traced(score: torch.Tensor, *idx: torch.Tensor) -> torch.Tensor:
+            self._mark(self._score, score)
+            for t in idx:
+                self._mark(self._index, t)
+            with self:
+                return fn(score, *idx)
+
+        traced.__name__ = getattr(fn, "__name__", type(fn).__name__)
+        return traced
+
+    def _mark(self, marks: set[int], t: Any) -> None:
+        if isinstance(t, torch.Tensor):
+            self._keep.append(t)
+            marks.add(id(t))
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        of_score = [x for x in inputs if id(x) in self._score]
+        of_index = any(id(x) in self._index for x in inputs)
+        if not of_score and not of_index:
+            return out
+        name = _func_name(func)
+        if name in _LIKE:
+            return out
+        graph = torch.is_grad_enabled() and any(x.requires_grad for x in of_score)
+        for y in tree_leaves(out):
+            if not isinstance(y, torch.Tensor):
+                if name not in _METADATA:  # a value reached Python
+                    self.escaped = True
+                continue
+            if of_score and (
+                name in _UNTRACKED
+                or not (y.is_floating_point() or y.is_complex())
+                or (graph and not y.requires_grad)
+            ):
+                self.escaped = True
+            self._mark(self._score if of_score else self._index, y)
+        return out
 
 
 # autograd nodes that only re-view the same elements in the same (row-major) order
