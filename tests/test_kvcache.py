@@ -11,6 +11,7 @@ of tests/naive.py on that sequence alone, with its own bottom-right diagonal.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import pytest
@@ -568,6 +569,41 @@ def test_a_refused_call_leaves_the_cache_as_it_was():
     with torch.no_grad():  # the same call without a graph to build decodes
         fl.attention_with_kvcache(q.clone().requires_grad_(), kc, vc, k, v, cache_seqlens=5)
     assert torch.equal(kc[:, :, 5:6], k) and torch.equal(vc[:, :, 5:6], v)
+
+
+def test_a_paged_append_into_a_cell_some_sequence_reads_is_refused(gen, assert_close):
+    """Pages 4 keys long. Sharing a page for reading (a common prompt) decodes as the same
+    sequences laid out apart; an append into a cell another sequence reads (the same cell
+    for both appends; a shared prompt page), or that the sequence itself reads at another
+    position (a page named twice), is refused before anything is written."""
+    q, kc, vc, k, v = make(gen, 2, 2, 2, 1, 4, 8, 8, 1)
+    pages_k = torch.randn(6, 2, 4, 8, generator=gen, dtype=F64)
+    pages_v = torch.randn(6, 2, 4, 8, generator=gen, dtype=F64)
+    shared = torch.tensor([[0, 1, 2], [0, 4, 5]])  # page 0: both sequences' positions 0-3
+    lens = [9, 6]
+    want = kv_reference(q, pages_k.clone(), pages_v.clone(), k, v, seqlens=lens, table=shared)
+    pk, pv = pages_k.clone(), pages_v.clone()
+    got = fl.attention_with_kvcache(
+        q, pk, pv, k, v, cache_seqlens=torch.tensor(lens), block_table=shared
+    )
+    check(got, want, (pk, pv), assert_close, "a page shared for reading")
+    refused = {
+        "both append to page 2 offset 1": (
+            [[0, 1, 2], [3, 4, 2]], [9, 9], "sequence 0 appends its position 9 to page 2 "
+            "offset 1, which sequence 1 reads as its position 9"),
+        "an append into the shared prompt page": (
+            [[1, 0, 2], [0, 4, 5]], [5, 6], "sequence 0 appends its position 5 to page 0 "
+            "offset 1, which sequence 1 reads as its position 1"),
+        "a page named twice": (
+            [[0, 1, 0], [3, 4, 5]], [9, 6], "which it also reads as its position 1"),
+    }  # fmt: skip
+    for name, (table, lens, words) in refused.items():
+        pk, pv = pages_k.clone(), pages_v.clone()
+        with pytest.raises(ValueError, match=re.escape(words)):
+            fl.attention_with_kvcache(
+                q, pk, pv, k, v, cache_seqlens=torch.tensor(lens), block_table=torch.tensor(table)
+            )
+        assert torch.equal(pk, pages_k) and torch.equal(pv, pages_v), f"{name}: wrote"
 
 
 def test_softcap_zero_is_flash_attns_off():

@@ -236,6 +236,42 @@ def _check_layout(name: str, x: Any, ndim: int = 4) -> torch.Tensor:
 # the entry point
 # ----------------------------------------------------------------------------------------
 @torch.compiler.disable  # opaque to torch.compile, as flash_attention
+def _check_paged_writes(
+    table: torch.Tensor,
+    used_slots: torch.Tensor,
+    seqlens: torch.Tensor,
+    start: torch.Tensor,
+    total: torch.Tensor,
+    page: int,
+    l_new: int,
+) -> None:
+    """Refuses a paged append that writes a cache cell some sequence reads: another
+    sequence's (a page shared for reading, as a common prompt's), or one it reads itself
+    at another position (a page named twice). ``table`` ``(B, max_pages)``,
+    ``used_slots`` the page slots each sequence reads, ``seqlens``/``start``/``total``
+    ``(B,)``. Only the pages that more than one slot in use names are looked at closely."""
+    pos = seqlens[:, None] + torch.arange(l_new)  # (B, L_new) positions appended
+    wslot = pos // page  # (B, L_new)
+    wpage = table.gather(1, wslot)  # (B, L_new)
+    counts = torch.bincount(table[used_slots], minlength=int(table.max()) + 1)
+    shared = counts[wpage] > 1  # (B, L_new)
+    if not bool(shared.any()):
+        return
+    for b, i in torch.nonzero(shared).tolist():
+        p, off = int(wpage[b, i]), int(pos[b, i]) % page
+        for b2, j in torch.nonzero((table == p) & used_slots).tolist():
+            at = j * page + off  # where sequence b2 sees that cell
+            if (b2, j) == (b, int(wslot[b, i])) or not int(start[b2]) <= at < int(total[b2]):
+                continue
+            who = "it also reads" if b2 == b else f"sequence {b2} reads"
+            raise ValueError(
+                f"block_table: sequence {b} appends its position {int(pos[b, i])} to page {p} "
+                f"offset {off}, which {who} as its position {at}; appending would change "
+                "what that position holds. Pages several sequences share can only be read: "
+                "give each sequence pages of its own for the rows it appends"
+            )
+
+
 def attention_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -434,6 +470,8 @@ def attention_with_kvcache(
             raise ValueError(
                 f"block_table names pages outside 0..{k_cache.shape[0] - 1} for positions in use"
             )
+        if l_new:
+            _check_paged_writes(table.cpu(), used_slots, seqlens, start, total, page, l_new)
     if l_new and cache_batch_idx is not None and rows_idx.unique().numel() != b:
         raise ValueError(
             "cache_batch_idx repeats a cache row; appending would write that row twice"
