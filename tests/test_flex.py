@@ -1216,6 +1216,27 @@ def test_create_block_mask_equals_torchs(name):
                     _same_block_mask(got, want, f"{name} B, H {bh}, {lengths}, {block}")
 
 
+def test_create_block_mask_takes_torchs_arguments_in_torchs_order():
+    """Code written for torch passes ``_compile`` (by name or as the eighth argument) and
+    ``separate_full_blocks`` after it: the same BlockMask as torch's from the same call;
+    ``compute_dq_write_order=True`` (torch's GPU backward) and a non-bool flag are
+    refused by name."""
+    mm = MASK_MODS[sorted(MASK_MODS)[0]]
+    for args, kw in (
+        (("cpu", 16, True), {}),
+        (("cpu", 16, False, False), {}),
+        ((), {"device": "cpu", "BLOCK_SIZE": 16, "_compile": True}),
+        ((), {"device": "cpu", "BLOCK_SIZE": 16, "_compile": False, "dq_kv_order": False}),
+    ):
+        got = fl.create_block_mask(mm, 2, 3, 97, 113, *args, **kw)
+        want = flex_mod.create_block_mask(mm, 2, 3, 97, 113, *args, **kw)
+        _same_block_mask(got, want, f"{args} {kw}")
+    with pytest.raises(ValueError, match="compute_dq_write_order=True is not built"):
+        fl.create_block_mask(mm, 1, 1, 8, 8, "cpu", compute_dq_write_order=True)
+    with pytest.raises(TypeError, match="_compile must be True or False, got 'yes'"):
+        fl.create_block_mask(mm, 1, 1, 8, 8, "cpu", 16, "yes")
+
+
 def test_create_block_mask_of_combined_and_scalar_style_mods():
     """``and_masks`` / ``or_masks`` of zoo mods (one reads h), a mask_mod that only works
     on scalars (evaluated under torch.vmap, as torch evaluates every one), and mask_mods

@@ -113,20 +113,40 @@ def create_block_mask(
     KV_LEN: int,
     device: torch.device | str | None = None,
     BLOCK_SIZE: int | tuple[int, int] = 128,
+    _compile: bool = False,
     separate_full_blocks: bool = True,
+    compute_dq_write_order: bool = False,
+    dq_kv_order: bool = True,
 ) -> BlockMask:
-    """torch's ``create_block_mask`` (same arguments, same ``BlockMask``), built from the
-    mask_mod's span bounds and an evaluation of the blocks they leave open only.
+    """torch's ``create_block_mask`` (same arguments in the same order, same
+    ``BlockMask``), built from the mask_mod's span bounds and an evaluation of the blocks
+    they leave open only.
 
     ``mask_mod(b, h, q_idx, kv_idx) -> bool``; ``B``, ``H`` the batch and heads it is
     made for (None: 1, the mask_mod called with b = h = 0); ``Q_LEN``, ``KV_LEN``;
     ``device`` [torch's default: the current accelerator, else CPU]; ``BLOCK_SIZE``
-    an int or ``(q, kv)`` [128]; ``separate_full_blocks`` [True] lists full blocks
-    apart (False: every non-empty block is partial). A mask_mod that only runs on
-    scalars is evaluated under ``torch.vmap``, as torch evaluates every one.
+    an int or ``(q, kv)`` [128]; ``_compile`` [False] taken and ignored (there is
+    nothing to compile: the mask is the same); ``separate_full_blocks`` [True] lists
+    full blocks apart (False: every non-empty block is partial);
+    ``compute_dq_write_order`` [False] must stay False (the write order of torch's GPU
+    backward is not built), ``dq_kv_order`` [True] is then unused. A mask_mod that only
+    runs on scalars is evaluated under ``torch.vmap``, as torch evaluates every one.
     """
     from torch.nn.attention.flex_attention import BlockMask
 
+    for name, flag in (
+        ("_compile", _compile),
+        ("separate_full_blocks", separate_full_blocks),
+        ("compute_dq_write_order", compute_dq_write_order),
+        ("dq_kv_order", dq_kv_order),
+    ):
+        if not isinstance(flag, bool):
+            raise TypeError(f"create_block_mask: {name} must be True or False, got {flag!r}")
+    if compute_dq_write_order:
+        raise ValueError(
+            "create_block_mask: compute_dq_write_order=True is not built (it orders the "
+            "dQ writes of torch's GPU backward); leave it False"
+        )
     caller = TileCaller(mask_mod, "mask_mod")  # a TypeError names a non-callable
     batch = 1 if B is None else _positive_int("B", B)
     heads = 1 if H is None else _positive_int("H", H)
