@@ -135,6 +135,9 @@ def test_register_names_and_refusals():
         register(" ")
     with pytest.raises(ValueError, match="block_q"):
         register("ok_name", block_q=0)
+    for dtype in (torch.int32, "float32"):
+        with pytest.raises(ValueError, match=r"dtype must be a floating torch\.dtype"):
+            random_model("llama", layers=1, dtype=dtype)  # type: ignore[arg-type]
 
 
 # ----------------------------------------------------------------------------------------
@@ -387,6 +390,18 @@ def test_the_native_step_runs_the_model(gen, native_calls, masks_seen):
     ours(input_ids=ids, attention_mask=att).logits.sum().backward()
     assert native_calls == {"forward": 2, "backward": 2}
     assert len(masks_seen) == 2
+
+
+def test_output_attentions_returns_none_and_says_so(gen):
+    """The weights are never formed: ``output_attentions=True`` gives no weights (an empty
+    tuple, as SDPA's call does) with a warning that says why; the logits are unchanged."""
+    ours, _ = _pair("qwen2")
+    ids, att = _batch("qwen2", gen)
+    plain = ours(input_ids=ids, attention_mask=att).logits
+    with pytest.warns(UserWarning, match="never forms the attention weights"):
+        out = ours(input_ids=ids, attention_mask=att, output_attentions=True)
+    assert not out.attentions
+    assert torch.equal(out.logits, plain)
 
 
 def test_torch_func_gradients_of_a_model_and_per_sample_ones(gen, assert_close):

@@ -27,6 +27,7 @@ KV cache then sees every key), every key otherwise.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -123,6 +124,12 @@ def attention_forward(
         raise ValueError(
             "query, key and value must be (B, H, L, d) tensors, got shapes "
             f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        )
+    if kwargs.get("output_attentions", False):
+        warnings.warn(
+            "flashledger's attention never forms the attention weights: output_attentions=True "
+            "returns none (set attn_implementation='eager' to get them)",
+            stacklevel=2,
         )
     b, _, lq, _ = query.shape
     lk = key.shape[2]

@@ -71,6 +71,11 @@ def random_model(
         _check("sliding_window", sliding_window)
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(
+            "dtype must be a floating torch.dtype (float64, float32, bfloat16, float16), "
+            f"got {dtype!r}"
+        )
     head_dim = hidden // heads
     common: dict[str, Any] = dict(
         vocab_size=vocab,

@@ -29,7 +29,8 @@ The attention function keeps K/V heads as they are (GQA without repeating
 K/V), honours ``scaling``, ``softcap`` (Gemma 2), ``dropout`` in training
 (flashledger's counter-based dropout, seeded from torch's generator), sinks
 (``s_aux``, gpt-oss) exactly, and books every call in ``fl.ledger_of(model)``.
-Attention weights are never formed: ``output_attentions`` gives None.
+Attention weights are never formed: with ``output_attentions=True`` the model
+returns none (an empty tuple, as with SDPA) and a warning says so.
 
 ``random_model(arch, ...)`` builds a small random-initialised model of the
 configurations transformers ships (``ARCHS``), for tests and demos.
