@@ -74,6 +74,8 @@ ADDS: dict[str, tuple[Callable[..., Tensor], bool]] = {
         lambda s, b, h, q, k: s + 1.0 if int(q.max()) < 16 else s * 2.0,
         False,
     ),
+    # written for scalars (broadcast indices fail it: called under torch.vmap): a term
+    "table[h][q - kv] under vmap": (lambda s, b, h, q, k: s + TABLE[h][q - k + 31], True),
     # the indices compared and cast stay in tensors: still a term
     "a -inf mask from int(q >= k)": (
         lambda s, b, h, q, k: s - 1e9 * (q < k).to(s.dtype) + torch.zeros_like(s),

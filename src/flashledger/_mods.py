@@ -444,7 +444,7 @@ class UserScore:
             r, c = rows[:2], keys[:2]
             zero = torch.zeros(self.batch, self.heads, len(r), len(c), dtype=self.dtype)
             trace = _ValueTrace()
-            caller.fn = trace.wrap(caller.fn)
+            caller.fn, caller._vmap = trace.wrap(caller.fn), None  # (vmapped anew, traced)
             try:
                 term, ctx = self.forward(zero.to(self.device), r, c)
                 self.additive = (
@@ -540,8 +540,13 @@ class _ValueTrace(TorchFunctionMode):
             self._mark(self._score, score)
             for t in idx:
                 self._mark(self._index, t)
-            with self:
-                return fn(score, *idx)
+            before = self.escaped
+            try:
+                with self:
+                    return fn(score, *idx)
+            except BaseException:  # a call that fails gives no result: what it did is moot
+                self.escaped = before  # (a scalar-only callable's broadcast attempt)
+                raise
 
         traced.__name__ = getattr(fn, "__name__", type(fn).__name__)
         return traced
