@@ -130,6 +130,40 @@ def test_storage_scales_with_batch_heads_gqa_and_dtype() -> None:
     assert sw.temp_block_capacity == 16
 
 
+@pytest.mark.parametrize(
+    ("dtype", "size", "stat"),
+    [(torch.float16, 2, 4), (torch.bfloat16, 2, 4), (torch.float32, 4, 4), (torch.float64, 8, 8)],
+)
+def test_statistics_are_booked_in_float32_at_least(
+    dtype: torch.dtype, size: int, stat: int
+) -> None:
+    """The LSE and D (and FA1's m and ℓ) are kept in float32 for half-precision inputs, as
+    the loop keeps them and as flash-attn and SDPA return the LSE: booked at 4 bytes, P and
+    every other tensor at the inputs' size."""
+    sw = storage_and_work(lq=7, lk=9, d=4, heads=2, block_q=4, block_k=4, dtype=dtype)
+    out = sw.to_dict()
+    assert (out["bytes_per_element"], out["stat_bytes_per_element"]) == (size, stat)
+    assert out["bytes"]["lse"] == out["bytes"]["d"] == 2 * 7 * stat
+    assert out["bytes"]["full_p"] == 2 * 63 * size
+    assert out["bytes"]["saved"] == sw.saved_bytes == 2 * 63 * size - 2 * 7 * stat
+    for schedule in SCHEDULES:
+        t = memory_traffic(lq=7, lk=9, d=4, heads=2, block_q=4, block_k=4, dtype=dtype,
+                           schedule=schedule)  # fmt: skip
+        tout = t.to_dict()
+        stats = 0
+        for side, (reads, writes) in (
+            ("forward", (t.forward_reads, t.forward_writes)),
+            ("backward", (t.backward_reads, t.backward_writes)),
+        ):
+            for key, moved in (("bytes_read", reads), ("bytes_written", writes)):
+                n_stat = sum(n for name, n in moved.items() if name in {"m", "ell", "lse", "D"})
+                stats += n_stat
+                want = (sum(moved.values()) - n_stat) * size + n_stat * stat
+                assert tout[side][key] == want, (schedule, side, key)
+        assert tout["total_bytes"] == t.total_bytes == t.total * size + stats * (stat - size)
+        assert (stats > 0) == (schedule != "standard"), schedule
+
+
 def test_temp_block_is_clipped_to_the_lengths() -> None:
     assert storage_and_work(lq=3, lk=5, d=2, block_q=64, block_k=64).temp_block_capacity == 15
 
@@ -138,7 +172,7 @@ def test_temp_block_is_clipped_to_the_lengths() -> None:
 # JSON schemas (stable key sets)
 # ----------------------------------------------------------------------------------------
 STORAGE_KEYS = {
-    "config", "bytes_per_element", "common_elements", "full_p_elements", "lse_elements",
+    "config", "bytes_per_element", "stat_bytes_per_element", "common_elements", "full_p_elements", "lse_elements",
     "saved_elements", "gradient_elements", "d_elements", "temp_block_capacity",
     "qk_dots_forward", "qk_dots_backward", "qk_dots_computed", "tiles_total", "tiles_run",
     "tiles_skipped", "tiles_full", "tiles_partial", "exps_forward", "exps_backward",
@@ -151,7 +185,8 @@ STORAGE_CONFIG_KEYS = {
     "conventions", "dtype",
 }  # fmt: skip
 TRAFFIC_KEYS = {
-    "schedule", "config", "bytes_per_element", "forward", "backward", "total_elements",
+    "schedule", "config", "bytes_per_element", "stat_bytes_per_element", "forward", "backward",
+    "total_elements",
     "total_bytes",
 }  # fmt: skip
 TRAFFIC_CONFIG_KEYS = {
@@ -166,7 +201,9 @@ def test_storage_json_schema_is_stable() -> None:
     assert set(out["config"]) == STORAGE_CONFIG_KEYS, set(out["config"]) ^ STORAGE_CONFIG_KEYS
     assert set(out["common_elements"]) == {"q", "k", "v", "o"}
     assert set(out["gradient_elements"]) == {"g", "dq", "dk", "dv"}
-    assert set(out["bytes"]) == {"common", "full_p", "lse", "gradients", "d", "temp_block"}
+    assert set(out["bytes"]) == {
+        "common", "full_p", "lse", "saved", "gradients", "d", "temp_block"
+    }  # fmt: skip
     assert out["config"]["mask"] == "causal"
 
 
@@ -176,7 +213,10 @@ def test_traffic_json_schema_is_stable() -> None:
         assert set(out) == TRAFFIC_KEYS, (schedule, set(out) ^ TRAFFIC_KEYS)
         assert set(out["config"]) == TRAFFIC_CONFIG_KEYS, set(out["config"]) ^ TRAFFIC_CONFIG_KEYS
         for side in ("forward", "backward"):
-            assert set(out[side]) == {"reads", "writes", "elements_read", "elements_written"}
+            assert set(out[side]) == {
+                "reads", "writes", "elements_read", "elements_written", "bytes_read",
+                "bytes_written",
+            }  # fmt: skip
             assert out[side]["elements_read"] == sum(out[side]["reads"].values())
         assert out["total_elements"] * 8 == out["total_bytes"]
 

@@ -129,6 +129,16 @@ def _element_size(dtype: Any) -> int:
     return dtype.itemsize
 
 
+# the running statistics (m, ℓ, the LSE, D): float32 at least, whatever the inputs' dtype, as
+# the blocked loop keeps them (its accumulation dtype) and as flash-attn and PyTorch's SDPA
+# return the LSE of half-precision inputs
+STATS = frozenset({"m", "ell", "lse", "D"})
+
+
+def _stat_size(dtype: torch.dtype) -> int:
+    return max(4, _element_size(dtype))
+
+
 def paper_tiles(*, sram_elements: int, d: int) -> tuple[int, int]:
     """FlashAttention's tile rule for on-chip memory of ``M`` elements: ``(Br, Bc)``.
 
@@ -368,6 +378,8 @@ class StorageWork(_Report):
     config: dict[str, Any]
     """Lengths, head dims, heads, batch, tiles, mask, conventions and dtype."""
     bytes_per_element: int
+    stat_bytes_per_element: int
+    """Bytes of one LSE or D entry: float32 at least (``STATS``)."""
     common_elements: dict[str, int]
     """Q, K, V, O: kept by both paths."""
     full_p_elements: int
@@ -423,12 +435,21 @@ class StorageWork(_Report):
         """Elements the LSE path saves against the full-P path."""
         return self.full_p_elements - self.lse_elements
 
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes the LSE path saves: P in the inputs' dtype, the LSE in ``stat_bytes``."""
+        return (
+            self.full_p_elements * self.bytes_per_element
+            - self.lse_elements * self.stat_bytes_per_element
+        )
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready; the key set is stable (the tests pin it)."""
-        b = self.bytes_per_element
+        b, sb = self.bytes_per_element, self.stat_bytes_per_element
         return {
             "config": dict(self.config),
             "bytes_per_element": b,
+            "stat_bytes_per_element": sb,
             "common_elements": dict(self.common_elements),
             "full_p_elements": self.full_p_elements,
             "lse_elements": self.lse_elements,
@@ -458,9 +479,10 @@ class StorageWork(_Report):
             "bytes": {
                 "common": sum(self.common_elements.values()) * b,
                 "full_p": self.full_p_elements * b,
-                "lse": self.lse_elements * b,
+                "lse": self.lse_elements * sb,
+                "saved": self.saved_bytes,
                 "gradients": sum(self.gradient_elements.values()) * b,
-                "d": self.d_elements * b,
+                "d": self.d_elements * sb,
                 "temp_block": self.temp_block_capacity * b,
             },
         }
@@ -477,12 +499,14 @@ class StorageWork(_Report):
         return ["booked as", "item", "count", "bytes", "note"]
 
     def _rows(self) -> list[list[str]]:
-        b = self.bytes_per_element
+        b, sb = self.bytes_per_element, self.stat_bytes_per_element
         common = sum(self.common_elements.values())
         grads = sum(self.gradient_elements.values())
 
-        def mem(section: str, item: str, n: int, note: str) -> list[str]:
-            return [section, item, _num(n), _bytes(n * b), note]
+        def mem(section: str, item: str, n: int, note: str, size: int | None = None) -> list[str]:
+            return [section, item, _num(n), _bytes(n * (b if size is None else size)), note]
+
+        stat = "" if sb == b else f", float32 ({sb} B) for {self.config['dtype']} inputs"
 
         def work(section: str, item: str, n: int, note: str) -> list[str]:
             return [section, item, _num(n), "", note]
@@ -490,10 +514,11 @@ class StorageWork(_Report):
         return [
             mem("kept by both paths", "Q, K, V, O", common, "inputs and output"),
             mem("full-P path keeps", "P", self.full_p_elements, "Lq·Lk per (batch, head)"),
-            mem("LSE path keeps", "LSE", self.lse_elements, "one per row"),
-            mem("LSE path saves", "P - LSE", self.saved_elements, "elements not stored"),
+            mem("LSE path keeps", "LSE", self.lse_elements, f"one per row{stat}", sb),
+            ["LSE path saves", "P - LSE", _num(self.saved_elements), _bytes(self.saved_bytes),
+             "elements not stored"],
             mem("gradient side", "G, dQ, dK, dV", grads, "booked apart"),
-            mem("backward makes", "D = rowsum(G ⊙ O)", self.d_elements, "one per row"),
+            mem("backward makes", "D = rowsum(G ⊙ O)", self.d_elements, f"one per row{stat}", sb),
             mem(
                 "temporary tile", "P block", self.temp_block_capacity,
                 "Br·Bc per (batch, head); scores, dS and matmul workspaces are extra",
@@ -589,6 +614,7 @@ def storage_and_work(
             "dtype": str(dtype).removeprefix("torch."),
         },
         bytes_per_element=size,
+        stat_bytes_per_element=_stat_size(dtype),
         common_elements={
             "q": bh * shape.lq * shape.d,
             "k": bkv * shape.lk * shape.d,
@@ -641,6 +667,8 @@ class Traffic(_Report):
     schedule: Schedule
     config: dict[str, Any]
     bytes_per_element: int
+    stat_bytes_per_element: int
+    """Bytes of one entry of m, ℓ, the LSE or D: float32 at least (``STATS``)."""
     forward_reads: dict[str, int]
     forward_writes: dict[str, int]
     backward_reads: dict[str, int]
@@ -676,6 +704,23 @@ class Traffic(_Report):
         """Every element moved, both passes."""
         return self.forward_total + self.backward_total
 
+    def bytes_of(self, moved: dict[str, int]) -> int:
+        """Bytes of ``moved`` (elements per tensor): the statistics at
+        ``stat_bytes_per_element``, every other tensor at ``bytes_per_element``."""
+        return sum(
+            n * (self.stat_bytes_per_element if name in STATS else self.bytes_per_element)
+            for name, n in moved.items()
+        )
+
+    @property
+    def total_bytes(self) -> int:
+        """Every byte moved, both passes."""
+        return sum(
+            self.bytes_of(x)
+            for x in (self.forward_reads, self.forward_writes,
+                      self.backward_reads, self.backward_writes)
+        )  # fmt: skip
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready; the key set is stable (the tests pin it)."""
 
@@ -685,16 +730,19 @@ class Traffic(_Report):
                 "writes": dict(writes),
                 "elements_read": sum(reads.values()),
                 "elements_written": sum(writes.values()),
+                "bytes_read": self.bytes_of(reads),
+                "bytes_written": self.bytes_of(writes),
             }
 
         return {
             "schedule": self.schedule,
             "config": dict(self.config),
             "bytes_per_element": self.bytes_per_element,
+            "stat_bytes_per_element": self.stat_bytes_per_element,
             "forward": side(self.forward_reads, self.forward_writes),
             "backward": side(self.backward_reads, self.backward_writes),
             "total_elements": self.total,
-            "total_bytes": self.total * self.bytes_per_element,
+            "total_bytes": self.total_bytes,
         }
 
     def _title(self) -> str:
@@ -849,6 +897,7 @@ def memory_traffic(
             "dtype": str(dtype).removeprefix("torch."),
         },
         bytes_per_element=size,
+        stat_bytes_per_element=_stat_size(dtype),
         forward_reads=fr,
         forward_writes=fw,
         backward_reads=br,

@@ -969,7 +969,7 @@ def _print_traffic_summary(con: _Out, reports: Sequence[Traffic]) -> None:
         [t.schedule,
          "-" if t.config["block_q"] is None else f"{t.config['block_q']}x{t.config['block_k']}",
          f"{t.forward_read:,}", f"{t.forward_written:,}", f"{t.backward_read:,}",
-         f"{t.backward_written:,}", f"{t.total:,}", f"{t.total * t.bytes_per_element:,}"]
+         f"{t.backward_written:,}", f"{t.total:,}", f"{t.total_bytes:,}"]
         for t in reports
     ]  # fmt: skip
     con.print(
