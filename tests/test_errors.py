@@ -405,7 +405,7 @@ def test_backward_inputs():
         _raises(
             lambda fn=fn, bad_do=bad_do: fn(q, k, v, o, lse, bad_do),
             ValueError,
-            "do contains NaN or inf",
+            "do contains NaN or inf at index (0, 0, 0)",
         )
 
 
@@ -658,3 +658,96 @@ def test_input_values_are_checked_where_a_score_reads_them(trace):
     v_bad[1, 0, 3, 0] = math.inf
     with pytest.raises(ValueError, match=r"v contains NaN or inf at index \(1, 0, 3, 0\)"):
         fl.reference_forward(q, k, v_bad, mask=mask)
+
+
+def test_a_graph_is_built_only_on_finite_inputs():
+    """With a gradient to come, every value of q, k and v is checked before the forward:
+    the backward reads every key of the tiles it runs, so a NaN past a KeyPadding length
+    that the forward's tiles skipped would otherwise stop the backward, on one step and
+    at one tile size but not another. Without a gradient such a NaN changes nothing."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 9, 4, dtype=torch.float64, generator=g) for _ in range(3))
+    k[..., 7:, :] = math.nan
+    v[..., 7:, :] = math.nan
+    mask = fl.KeyPadding([7])
+    with torch.no_grad():
+        o = fl.flash_attention(q, k, v, mask=mask)
+    want = fl.reference_forward(q, k[..., :7, :], v[..., :7, :]).o
+    torch.testing.assert_close(o, want, rtol=1e-13, atol=1e-13)
+    for block in (None, 4):
+        with pytest.raises(
+            ValueError, match=re.escape("k contains NaN or inf at index (0, 0, 7, 0)")
+        ):
+            fl.flash_attention(q.requires_grad_(), k, v, mask=mask, block_q=block, block_k=block)
+
+
+def test_negative_views_are_read_as_their_values():
+    """A tensor PyTorch marks negative (``x.is_neg()``: the sign applied lazily, the
+    storage holding -x) gives the same result as its resolved values, on the native step
+    and the planned decode lane: q, k, v, a bias, ALiBi slopes and the backward's dO."""
+    g = torch.Generator().manual_seed(1)
+    x, k, v = (torch.randn(1, 2, n, 4, dtype=torch.float64, generator=g) for n in (6, 7, 7))
+    bias = torch.randn(1, 2, 6, 7, dtype=torch.float64, generator=g)
+    slopes = torch.rand(2, dtype=torch.float64, generator=g)
+    do = torch.randn(1, 2, 6, 4, dtype=torch.float64, generator=g)
+    neg = torch._neg_view
+    cases = {
+        "q": ((neg(x), k, v), {}, (-x, k, v), {}),
+        "k": ((x, neg(k), v), {}, (x, -k, v), {}),
+        "v": ((x, k, neg(v)), {}, (x, k, -v), {}),
+        "bias": ((x, k, v), {"bias": neg(bias)}, (x, k, v), {"bias": -bias}),
+        "slopes": ((x, k, v), {"alibi_slopes": neg(-slopes)}, (x, k, v), {"alibi_slopes": slopes}),
+        "q, one row (lane)": ((neg(x[:, :, :1]), k, v), {}, (-x[:, :, :1], k, v), {}),
+    }
+    for name, (got_in, got_kw, want_in, want_kw) in cases.items():
+        got = fl.flash_attention(*got_in, **got_kw)
+        want = fl.flash_attention(*want_in, **want_kw)
+        assert torch.equal(got, want), name
+    q = x.clone().requires_grad_()
+    got = torch.autograd.grad(fl.flash_attention(q, k, v), q, neg(do))[0]
+    want = torch.autograd.grad(fl.flash_attention(q, k, v), q, -do)[0]
+    assert torch.equal(got, want), "dO"
+
+
+def test_tiny_and_huge_rows_keep_the_lse_check_true():
+    """The backward's LSE check bounds every score by max‖q‖·max‖k‖·|scale|: row norms
+    whose squares underflow (q near 1e-23 in float32, 1e-170 in float64) must not make
+    that bound 0 and refuse the forward's own LSE."""
+    g = torch.Generator().manual_seed(2)
+    for dtype, small, big, scale in (
+        (torch.float32, 1e-23, 1e23, None),
+        (torch.float64, 1e-170, 1.0, 1e171),
+    ):
+        q = (small * torch.randn(1, 1, 6, 4, dtype=dtype, generator=g)).requires_grad_()
+        k = (big * torch.randn(1, 1, 7, 4, dtype=dtype, generator=g)).requires_grad_()
+        v = torch.randn(1, 1, 7, 4, dtype=dtype, generator=g).requires_grad_()
+        o = fl.flash_attention(q, k, v, scale=scale)
+        o.sum().backward()  # the forward's own LSE is accepted
+        assert q.grad is not None and bool(q.grad.isfinite().all()), dtype
+
+
+def test_options_past_the_accumulation_dtype_are_named():
+    """A softcap, scale or ALiBi slope that is finite but past float32's range turns the
+    float32 scores into NaN (s / inf, inf · 0), not into large values: the message names
+    the option, not the inputs; NumPy and 0-d tensor scalars are taken by value; an
+    integer past float's range is a ValueError naming the option."""
+    np = pytest.importorskip("numpy")
+    q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
+    for kw, words in (
+        ({"softcap": 1e39}, "softcap = 1e+39 is past the largest value of float32"),
+        ({"scale": -1e39}, "scale = -1e+39 is past the largest value of float32"),
+        (
+            {"alibi_slopes": torch.tensor([0.5, 1e39], dtype=torch.float64)},
+            "alibi_slopes reach 1e+39, past the largest value of float32",
+        ),
+        (
+            {"scale": 10**400},
+            "scale must be a finite number (default 1/sqrt(d)), got an integer of 401 digits",
+        ),
+        ({"softcap": 10**400}, "softcap must be None or a finite number > 0, got an integer"),
+        ({"scale": torch.ones(2)}, "a tensor is taken only as a 0-d real value"),
+    ):
+        _raises(lambda kw=kw: fl.flash_attention(q, k, v, **kw), ValueError, words)
+    want = fl.flash_attention(q, k, v, scale=0.5, softcap=2.0)
+    for scale, cap in ((np.float32(0.5), np.float64(2.0)), (torch.tensor(0.5), torch.tensor(2.0))):
+        assert torch.equal(fl.flash_attention(q, k, v, scale=scale, softcap=cap), want)

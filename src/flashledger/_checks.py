@@ -16,7 +16,14 @@ __all__ = [
     "check_qkv",
     "check_qkv_finite",
     "check_size",
+    "plain",
 ]
+
+
+def plain(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with its values as stored: a negative view (``x.is_neg()``, which PyTorch
+    applies lazily to ops but not to raw pointers) resolved, else ``x`` itself."""
+    return x.resolve_neg() if x.is_neg() else x
 
 
 def check_float_tensor(name: str, x: Any) -> torch.Tensor:

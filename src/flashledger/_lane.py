@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from . import _native
+from ._checks import plain
 from ._problem import _frame_key, _FrameCache, build_problem
 from .blocked import (
     _Book,
@@ -181,6 +182,7 @@ def _run(
     """The planned pass on this call's tensors, laid out as ``_forward_operands`` lays
     them; None when the result is not finite (an overflow, a NaN input: the general
     path's to report or explain)."""
+    q, k, v = plain(q), plain(k), plain(v)  # the values as stored: the pass reads pointers
     qn = q if q.is_contiguous() else q.contiguous()  # (B·Hq, Lq, d) as laid out
     kn = (k if k.is_contiguous() else k.contiguous()).view(-1, *k.shape[-2:])  # (B·Hk, Lk, d)
     vn = (v if v.is_contiguous() else v.contiguous()).view(-1, *v.shape[-2:])

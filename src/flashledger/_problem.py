@@ -8,6 +8,7 @@ layout ``(B, Hkv, G, L, d)`` (``G = Hq // Hkv``; K and V have ``G = 1``).
 from __future__ import annotations
 
 import math
+import numbers
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from ._checks import (
     check_float_tensor,
     check_qkv,
     check_qkv_finite,
+    plain,
     value_range,
 )
 from ._mods import ScoreModFn
@@ -358,13 +360,26 @@ def _largest_finite_magnitude(x: torch.Tensor, known: tuple[float, float] | None
 
 
 def _max_norm(x: torch.Tensor) -> float:
-    """Largest row norm of ``(..., L, d)``, in the tensor's dtype, at least float32 (float64
-    only if that overflows)."""
+    """Largest row norm of ``(..., L, d)``, in the tensor's dtype, at least float32. Where
+    the squares overflow or fall near the subnormals (entries past about 1e19 or under
+    1e-19 in float32: a norm of 0 would make every score bound 0), once more in float64 on
+    ``x / max|x|``, whose squares do neither."""
     wide = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else None
     n = float(torch.linalg.vector_norm(x.detach(), dim=-1, dtype=wide).amax())
-    if math.isinf(n) and x.dtype != torch.float64:
-        n = float(torch.linalg.vector_norm(x.detach(), dim=-1, dtype=torch.float64).amax())
-    return n
+    used = wide or x.dtype
+    if math.isfinite(n) and n >= _SQUARES_SAFE[used]:
+        return n
+    top = float(x.detach().abs().amax())
+    if top == 0.0 or not math.isfinite(top):
+        return top
+    scaled = x.detach().to(torch.float64) / top
+    return top * float(torch.linalg.vector_norm(scaled, dim=-1).amax())
+
+
+# row norms at or above these were summed from squares clear of the subnormals
+_SQUARES_SAFE = {
+    dt: math.sqrt(torch.finfo(dt).tiny) * 2.0**26 for dt in (torch.float32, torch.float64)
+}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -424,7 +439,12 @@ def check_option_values(
     autograd backward knows the forward's, autograd having checked that the bias is
     unchanged), found in the one pass that checks its values.
     """
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise ValueError(
+            f"scale must be a finite number (default 1/sqrt(d)), got {type(scale).__name__} "
+            f"{scale!r}"
+        )
+    if not math.isfinite(scale):
         raise ValueError(f"scale must be a finite number (default 1/sqrt(d)), got {scale!r}")
     if (
         isinstance(dropout_p, bool)
@@ -455,6 +475,57 @@ def check_option_values(
     if not bias_range[1] < math.inf:  # NaN or +inf somewhere: name the first
         check_finite("bias", bias, allow_neg_inf=True)
     return bias_range
+
+
+def _as_real(name: str, x: Any, allowed: str) -> Any:
+    """A number option as a Python float: a NumPy scalar or a 0-d tensor (no gradient) taken
+    by value; None and other types left for ``check_option_values`` to name; a number past
+    float's range refused here, naming the option."""
+    if x is None or isinstance(x, bool):
+        return x
+    if isinstance(x, torch.Tensor):
+        if x.ndim != 0 or x.requires_grad or x.is_complex() or x.dtype == torch.bool:
+            raise ValueError(
+                f"{name} must be {allowed}; a tensor is taken only as a 0-d real value "
+                f"without a gradient, got shape {tuple(x.shape)} {x.dtype}"
+                + (" requiring grad" if x.requires_grad else "")
+            )
+        return float(x)
+    if isinstance(x, numbers.Real) and not isinstance(x, float | int):
+        return float(x)  # a NumPy or other real scalar
+    if isinstance(x, int):
+        try:
+            float(x)
+        except OverflowError:
+            raise ValueError(
+                f"{name} must be {allowed}, got an integer of {len(str(x))} digits, "
+                "past float's range"
+            ) from None
+    return x
+
+
+def _check_representable(
+    acc: torch.dtype, dtype: torch.dtype, scale: Any, softcap: Any, slopes: Any
+) -> None:
+    """A finite option that rounds to infinity in the accumulation dtype ``acc`` (float32
+    for float32 and half inputs) would make the scores NaN, not large: refused by name.
+    Options of the wrong type are left for ``check_option_values``."""
+    big = torch.finfo(acc).max
+    where = f"{_dtype_name(acc)}, the accumulation dtype of {_dtype_name(dtype)} inputs"
+    for name, x in (("scale", scale), ("softcap", softcap)):
+        real = isinstance(x, float | int) and not isinstance(x, bool) and math.isfinite(x)
+        if real and abs(x) > big:
+            raise ValueError(
+                f"{name} = {x:.4g} is past the largest value of {where} ({big:.4g}); "
+                "pass float64 inputs for it"
+            )
+    if isinstance(slopes, torch.Tensor) and slopes.is_floating_point() and slopes.numel():
+        top = float(slopes.detach().abs().amax())
+        if math.isfinite(top) and top > big:
+            raise ValueError(
+                f"alibi_slopes reach {top:.4g}, past the largest value of {where} ({big:.4g}); "
+                "pass float64 inputs for them"
+            )
 
 
 def build_problem(
@@ -490,6 +561,8 @@ def build_problem(
     model repeats its shapes) reuses the frame of an earlier call with the same shapes,
     dtypes, devices and options (``_FRAMES``): what validation found and built depends on
     nothing else."""
+    scale = _as_real("scale", scale, "a finite number (default 1/sqrt(d))")
+    softcap = _as_real("softcap", softcap, "None or a finite number > 0")
     tensors = (alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     key = None  # a score_mod is a user function (it may read tensors): never kept
     if dropout_mask is None and score_mod is None and all(t is None for t in tensors):
@@ -544,7 +617,7 @@ class _Frame:
     def problem(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Problem:
         """The call's ``Problem``: q, k, v laid out in the internal 5-D layout."""
         b, hkv, g, lq, d = self.dims
-        q4, k4, v4 = _add_leading(q, 4), _add_leading(k, 4), _add_leading(v, 4)
+        q4, k4, v4 = (_add_leading(plain(x), 4) for x in (q, k, v))
         return Problem(
             # contiguous once here (a copy only for strided inputs, e.g. heads sliced out of
             # a larger tensor), so that every tile of the loop is a view
@@ -677,6 +750,7 @@ def _frame_of(
     # -- options --
     if scale is None:
         scale = 1.0 / math.sqrt(d)
+    _check_representable(acc_dtype, q.dtype, scale, softcap, alibi_slopes)
     bias_range = check_option_values(
         scale=scale,
         dropout_p=dropout_p,

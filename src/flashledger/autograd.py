@@ -49,6 +49,7 @@ import torch
 
 from . import _lane
 from ._backward_graph import graph_backward
+from ._checks import check_qkv_finite
 from ._mods import find_captured
 from ._options import AttentionOptions, check_options
 from ._problem import Problem, build_problem
@@ -90,6 +91,10 @@ class _FlashAttention(torch.autograd.Function):
         if torch.is_grad_enabled() and any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in inputs
         ):
+            # every value checked before a graph is built: the backward reads every key of
+            # the tiles it runs, so a NaN the forward's tiles did not read (keys past a
+            # KeyPadding length) would stop the backward, not this call
+            check_qkv_finite(q, k, v)
             return super().apply(q, k, v, bias, opts, sink, *captured)  # type: ignore[no-any-return]
         lane = _lane_forward(q, k, v, bias, opts, sink, captured)
         if lane is not None:

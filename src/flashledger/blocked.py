@@ -103,7 +103,7 @@ from typing import Any, Literal, Unpack
 import torch
 
 from . import _native, online
-from ._checks import check_size
+from ._checks import check_size, plain
 from ._memory import empty_like_huge
 from ._mods import adds_to_score, find_captured
 from ._options import AttentionOptions, check_options
@@ -1880,6 +1880,8 @@ def _backward_problem(
     """``blocked_backward`` on a built problem (``flash_attention`` gives it the forward's
     bound mask, so that a mask_mod's tile classes and kept tiles serve both passes);
     ``whole``: the call covers the whole sequence (no placement)."""
+    o, lse, do = plain(o), plain(lse), plain(do)  # the values as stored: read by pointer
+    dlse = None if dlse is None else plain(dlse)
     o5, do5, dlse5 = _backward_inputs(pb, o, lse, do, dlse)
     if pb.smod.user is not None:
         pb.smod.user.reset_grads()

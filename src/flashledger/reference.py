@@ -34,7 +34,7 @@ from typing import Unpack
 
 import torch
 
-from ._checks import all_finite
+from ._checks import check_finite
 from ._options import AttentionOptions, check_options
 from ._problem import Placement, Problem, build_problem
 from .conventions import Conventions
@@ -224,8 +224,8 @@ def _backward_inputs(
     if bool(torch.isnan(lse).any()):
         raise ValueError("lse contains NaN; allowed: finite values or ±inf on fully-masked rows")
     for name, t in (("o", o), ("do", do), ("dlse", dlse)):
-        if t is not None and not all_finite(t):
-            raise ValueError(f"{name} contains NaN or inf; allowed: finite values")
+        if t is not None:
+            check_finite(name, t)  # names the first NaN or inf by index
     dt = pb.dtype
     o5 = pb.to_internal_q(o.to(dt))
     do5 = pb.to_internal_q(do.to(dt))

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import value_range
+from ._checks import plain, value_range
 from ._mods import ScoreModFn, TileVJP, UserScore
 from .masks import Geometry
 
@@ -109,7 +109,7 @@ class ScoreMod:
     ) -> ScoreMod:
         slopes = None
         if alibi_slopes is not None:
-            s = alibi_slopes.to(device=geo.device, dtype=dtype)
+            s = plain(alibi_slopes).to(device=geo.device, dtype=dtype)
             if geo.row_seq is not None and s.ndim == 2:  # one row of slopes per packed sequence
                 per_row = s[geo.row_seq]  # (Lq, H)
                 slopes = to5d(per_row.T[None, :, :, None], hkv, g)  # (1, Hkv, G, Lq, 1)
@@ -118,7 +118,7 @@ class ScoreMod:
                 slopes = to5d(s[:, :, None, None], hkv, g)
         b5 = None
         if bias is not None:
-            b = bias.to(device=geo.device, dtype=dtype)
+            b = plain(bias).to(device=geo.device, dtype=dtype)
             if b is not bias or bias_range is None:  # converted: rounded values, found again
                 bias_range = value_range(b)
             while b.ndim < 4:
