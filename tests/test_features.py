@@ -183,6 +183,29 @@ def test_dropout_keep_rate(conv, p, rate):
     assert abs(frac - rate) < 5 * math.sqrt(rate * (1 - rate) / keep.numel()) + 1e-4
 
 
+@pytest.mark.parametrize("p", [0.17, 0.5, 0.9])
+def test_each_keep_test_is_its_documented_rule_at_every_position(p):
+    """The keep mask the reference returns is, entry by entry, the rule dropout.py
+    documents on the 32 bits ``random_bits`` gives each (batch, head, query, key):
+    ``u < round((1 - p) 2^32)`` (bernoulli) and ``(u & 255) <= floor((1 - p) 255)``
+    (flash-attn 2's byte test), its threshold byte itself kept; the rates alone could not
+    tell ``<=`` from ``<``."""
+    from flashledger.dropout import random_bits
+
+    q, k = torch.zeros(2, 3, 64, 4), torch.zeros(2, 3, 96, 4)
+    b, h, i, j = (torch.arange(n).view(*([1] * a), n, *([1] * (3 - a))) for a, n in
+                  enumerate((2, 3, 64, 96)))  # fmt: skip
+    u = random_bits(5, b, h, i, j)  # (2, 3, 64, 96) in [0, 2^32)
+    for conv, want in (
+        (fl.SEED, u < round((1 - p) * 2**32)),
+        (fl.FLASH_ATTN_2, (u & 255) <= math.floor((1 - p) * 255)),
+    ):
+        keep = fl.reference_forward(q, k, k, dropout_p=p, seed=5, conventions=conv).keep
+        assert keep is not None and torch.equal(keep, want), conv.name
+    threshold = (u & 255) == math.floor((1 - p) * 255)
+    assert int(threshold.sum()) > 0, "no entry on the threshold byte: the case tests nothing"
+
+
 # -- softcap, ALiBi, bias ---------------------------------------------------------------------
 def test_softcap_through_every_path(gen, assert_close):
     q, k, v, do = _qkvd(gen)

@@ -205,6 +205,27 @@ def test_float32_native_step_is_as_accurate_as_the_pytorch_step(native, gen, ass
         assert_close(got, want, rtol=2e-5, name=f"float32 native {name}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, f64])
+def test_many_small_weights_are_summed_not_cut(native_calls, dtype):
+    """One key at score 0 and 2000 at -15 (each weight e^-15 = 3e-7 of the first, 6e-4
+    together): a step that cut small probabilities (below 2^-20, say) would drop them and
+    return O = 0; the weights the step keeps reach 2^-100 (float64 2^-1000) under a row's
+    largest. The scores are exact in every dtype (d = 1, q = 1, k = 0 or -15, scale 1)."""
+    lk = 2001
+    q = torch.ones(1, 2, 3, 1)
+    k = torch.full((1, 2, lk, 1), -15.0)
+    k[:, :, 0] = 0.0
+    v = torch.ones(1, 2, lk, 1)
+    v[:, :, 0] = 0.0
+    o = fl.flash_attention(*(t.to(dtype) for t in (q, k, v)), scale=1.0)
+    assert native_calls["forward"] == 1
+    small = (lk - 1) * math.exp(-15.0)
+    want = torch.full_like(o, small / (1 + small), dtype=f64)
+    rtol = {torch.float32: 1e-5, f64: 1e-13}.get(dtype, 4 * torch.finfo(dtype).eps)
+    err = float(((o.double() - want) / want).abs().max())
+    assert err <= rtol, f"O ({dtype}): relative error {err:.3g} > {rtol:.3g} of {want[0, 0, 0, 0]}"
+
+
 def test_extreme_scores_underflow_exactly_as_in_the_pytorch_step(native, gen, assert_close):
     """Scores in the thousands: most weights underflow to exactly 0, none overflows."""
     q, k, v, do = (torch.randn(1, 2, 130, 16, dtype=f64, generator=gen) for _ in range(4))
