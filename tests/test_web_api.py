@@ -283,6 +283,36 @@ def test_storage_seed_figures(client: TestClient) -> None:
     assert sum(row.count("empty") for row in data["tile_kinds"]) == 3
 
 
+def test_storage_books_a_custom_grid_and_a_value_width(client: TestClient) -> None:
+    """Section 05 books section 04's problem exactly: its mask as a grid, V's own width."""
+    causal = [[j <= i for j in range(5)] for i in range(5)]
+    by_kind = _ok(client.post("/api/storage", json={"mask": {"kind": "causal_top_left"}}))
+    by_grid = _ok(client.post("/api/storage", json={"mask": {"kind": "custom", "dense": causal}}))
+    for key in ("full_p_elements", "lse_elements", "temp_block_capacity", "qk_dots_forward"):
+        assert by_grid["ledger"][key] == by_kind["ledger"][key], key
+    assert by_grid["ledger"]["qk_dots_forward"] == by_grid["ledger"]["qk_dots_backward"] == 15
+    assert by_grid["tile_kinds"] == by_kind["tile_kinds"]
+    one_row_masked = [row if i != 2 else [False] * 5 for i, row in enumerate(causal)]
+    data = _ok(
+        client.post("/api/storage", json={"mask": {"kind": "custom", "dense": one_row_masked}})
+    )
+    assert data["ledger"]["qk_dots_forward"] == 12  # row 2 saw 3 keys
+    wide = _ok(client.post("/api/storage", json={"d_v": 3}))
+    assert wide["ledger"]["common_elements"] == {"q": 10, "k": 10, "v": 15, "o": 15}
+    assert all(p["common"] == 2 * p["length"] * (2 + 3) for p in wide["sweep"])
+
+
+def test_storage_books_the_statistics_in_float32_for_half_inputs(client: TestClient) -> None:
+    """float16: P and O at 2 bytes, the LSE at 4 (as the loop and flash-attn keep it); the
+    traffic bars' bytes are the API's per pass, the statistics counted at 4."""
+    data = _ok(client.post("/api/storage", json={"dtype": "float16"}))
+    ledger = data["ledger"]
+    assert ledger["bytes"]["full_p"] == 25 * 2 and ledger["bytes"]["lse"] == 5 * 4
+    fa2 = data["traffic"]["fa2"]["forward"]
+    assert fa2["writes"] == {"o": 10, "lse": 5}
+    assert fa2["bytes_written"] == 10 * 2 + 5 * 4
+
+
 def test_storage_big_grid_is_not_drawn(client: TestClient) -> None:
     data = _ok(
         client.post("/api/storage", json={"lq": 4096, "lk": 4096, "block_q": 64, "block_k": 64})
@@ -353,7 +383,13 @@ _BAD: list[tuple[str, str, Any, str, str]] = [
     ("values-wide", "/api/ledger", _seed_ledger(values=[[0.0] * 17] * 6), "values", "at most 16"),
     ("shift-nan", "/api/ledger", _seed_ledger(shift="nan"), "shift", "finite"),
     ("unknown-field", "/api/ledger", _seed_ledger(colour=1), "colour", "unknown field"),
-    ("q-ragged", "/api/backward", _seed_backward(q=[[0.1, 0.2]] * 4 + [[0.1]]), "q", "row 4"),
+    (  # rows count from 1, as a person reads the lines of a matrix; "1 entry", not "1 entries"
+        "q-ragged",
+        "/api/backward",
+        _seed_backward(q=[[0.1, 0.2]] * 4 + [[0.1]]),
+        "q",
+        "row 5 has 1 entry but row 1 has 2",
+    ),
     ("k-dim", "/api/backward", _seed_backward(k=[[0.1, 0.2, 0.3]] * 5), "k", "share d"),
     ("v-rows", "/api/backward", _seed_backward(v=[[1.0, 0.0]] * 4), "v", "one value row"),
     ("g-shape", "/api/backward", _seed_backward(g=[[1.0]] * 5), "g", "Lq x d_v"),
@@ -394,13 +430,14 @@ _BAD: list[tuple[str, str, Any, str, str]] = [
     ("seed-negative", "/api/backward", _seed_backward(seed=-1), "seed", "seed"),
     ("storage-block", "/api/storage", {"lq": 4, "block_q": 5}, "block_q", "1..4"),
     ("storage-tiles", "/api/storage", {"lq": 65536, "lk": 65536, "block_q": 1}, "block_q", "tiles"),
-    (
-        "storage-custom",
+    (  # a custom grid (section 04's, booked in section 05) must be Lq x Lk
+        "storage-custom-shape",
         "/api/storage",
         {"mask": {"kind": "custom", "dense": [[True]]}},
         "mask",
-        "none",
+        "it must be 5 x 5",
     ),
+    ("storage-dv", "/api/storage", {"d_v": 0}, "d_v", "1..1024"),
     ("storage-len", "/api/storage", {"lq": 0}, "lq", "lq"),
     ("measure-len", "/api/measure", {"length": 5000}, "length", "1024"),
     ("measure-block", "/api/measure", {"length": 16, "block": 32}, "block", "1..16"),

@@ -115,7 +115,8 @@ def test_the_ring_block_range_is_the_smallest_block_that_fits(client: TestClient
     ("path", "body", "kind", "limits"),
     [
         ("/api/ledger", _ledger(values=[[1.0, 0.0]] * 3), "count", {"expected": 6, "got": 3}),
-        ("/api/ledger", _ledger(values=[[1.0, 0.0]] * 5 + [[1.0]]), "ragged", {"row": 5}),
+        # rows count from 1 (the sixth value vector is row 6), as the message does
+        ("/api/ledger", _ledger(values=[[1.0, 0.0]] * 5 + [[1.0]]), "ragged", {"row": 6}),
         ("/api/ledger", _ledger(block_size=2.5), "not_integer", {}),
         ("/api/ledger", _ledger(scores=[1, "x", 3, 0, 0, 0]), "not_number", {}),
         ("/api/ledger", _ledger(scores=[0.0] * 65), "too_long", {"max": 64}),
@@ -285,3 +286,21 @@ def test_the_page_states_every_error_kind_in_both_languages() -> None:
         for s in found:
             used = set(re.findall(r"\{(\w+)\}", s))
             assert used <= allowed, f"kind {kind!r}: {s!r} uses {used - allowed}, not in its limits"
+
+
+def test_a_ragged_matrix_is_refused_with_rows_counted_from_one(client: TestClient) -> None:
+    err = _refused(client, "/api/backward", _five(q=[[0.1, 0.2]] * 4 + [[0.1]]))[0]
+    assert err["kind"] == "ragged" and err["limits"] == {"row": 5, "got": 1, "expected": 2}
+    assert err["message"] == (
+        "q: row 5 has 1 entry but row 1 has 2; every row must have the same length"
+    )
+    err = _refused(client, "/api/ledger", _ledger(values=[[1.0]] + [[1.0, 0.0, 2.0]] * 5))[0]
+    assert err["message"].startswith("values: row 2 has 3 entries but row 1 has 1;"), err
+
+
+def test_allowed_values_of_a_refused_mask_are_named(client: TestClient) -> None:
+    """The page words ``not_allowed`` from ``limits.allowed``: it lists every kind there."""
+    err = _refused(client, "/api/backward", _five(mask={"kind": "diagonal"}))[0]
+    assert err["kind"] == "not_allowed", err
+    for kind in ("none", "causal", "causal_top_left", "sliding_window", "custom"):
+        assert f"'{kind}'" in err["limits"]["allowed"], err

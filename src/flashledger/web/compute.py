@@ -561,6 +561,7 @@ def storage(req: sc.StorageRequest) -> sc.StorageResponse:
         "lq": req.lq,
         "lk": req.lk,
         "d": req.d,
+        "d_v": req.d_v,
         "block_q": req.block_q,
         "block_k": req.block_k,
         "mask": mask,
@@ -591,7 +592,7 @@ def _storage_sweep(req: sc.StorageRequest) -> list[sc.StoragePoint]:
     points = []
     for n in sorted(lengths):
         sw = accounting.storage_and_work(
-            lq=n, lk=n, d=req.d, block_q=n, block_k=n, dtype=_DTYPES[req.dtype]
+            lq=n, lk=n, d=req.d, d_v=req.d_v, block_q=n, block_k=n, dtype=_DTYPES[req.dtype]
         )
         points.append(
             sc.StoragePoint(

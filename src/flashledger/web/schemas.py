@@ -114,7 +114,7 @@ ERROR_KINDS: dict[str, str] = {
     "too_short": "a list with fewer than min entries (limits: min)",
     "too_long": "a list with more than max entries (limits: max)",
     "count": "a list whose length must equal another's (limits: expected, got)",
-    "ragged": "a matrix whose rows differ in length (limits: row, got, expected)",
+    "ragged": "a matrix whose rows differ in length; row counts from 1 (limits: row, got, expected)",
     "columns": "rows of the wrong length (limits: expected, got)",
     "shape": "a matrix of the wrong shape (limits: rows, cols, expected_rows, expected_cols)",
     "tiles": "too many tiles for the blocks asked (limits: tiles, max)",
@@ -324,16 +324,22 @@ class _Response(BaseModel):
     model_config = ConfigDict(ser_json_inf_nan="strings")
 
 
+def _entries(n: int) -> str:
+    return f"{n} entry" if n == 1 else f"{n} entries"
+
+
 def _check_rectangular(name: str, rows: list[list[float]]) -> int:
+    """The common row length of ``rows``; a ragged row is an error that counts rows from 1,
+    as a person reads the lines of a matrix (``limits.row`` too)."""
     width = len(rows[0])
     for i, row in enumerate(rows):
         if len(row) != width:
             raise InputError(
                 name,
-                f"{name}: row {i} has {len(row)} entries but row 0 has {width}; "
+                f"{name}: row {i + 1} has {_entries(len(row))} but row 1 has {width}; "
                 "every row must have the same length",
                 "ragged",
-                row=i,
+                row=i + 1,
                 got=len(row),
                 expected=width,
             )
@@ -684,11 +690,17 @@ StorageDtype = Literal["float64", "float32", "float16", "bfloat16"]
 
 
 class StorageRequest(_Request):
-    """Sizes of one attention problem for the storage and work ledger."""
+    """Sizes of one attention problem for the storage and work ledger.
+
+    ``d_v`` is the width of V (null: ``d``). A ``custom`` mask (its ``dense`` grid
+    ``Lq x Lk``, so at most the traced problems' size) books exactly the grid of a
+    problem stepped in section 04.
+    """
 
     lq: Annotated[int, Range(1, MAX_STORAGE_LEN)] = 5
     lk: Annotated[int, Range(1, MAX_STORAGE_LEN)] = 5
     d: Annotated[int, Range(1, MAX_STORAGE_DIM)] = 2
+    d_v: Annotated[int, Range(1, MAX_STORAGE_DIM)] | None = None
     block_q: int = Field(default=2, json_schema_extra=_bounds(1, MAX_STORAGE_LEN))
     block_k: int = Field(default=2, json_schema_extra=_bounds(1, MAX_STORAGE_LEN))
     mask: MaskSpec = Field(default_factory=lambda: MaskSpec(kind="causal_top_left"))
@@ -707,13 +719,7 @@ class StorageRequest(_Request):
                 tiles=tiles,
                 max=MAX_STORAGE_TILES,
             )
-        if self.mask.kind == "custom":
-            raise InputError(
-                "mask",
-                "mask: the storage ledger takes none, causal or sliding_window",
-                "not_allowed",
-                allowed="none, causal, sliding_window",
-            )
+        self.mask.check_shape(self.lq, self.lk)
         return self
 
 
@@ -727,7 +733,7 @@ class StoragePoint(_Response):
 class StorageResponse(_Response):
     ledger: dict[str, Any] = Field(description="flashledger.accounting.storage_and_work(...)")
     sweep: list[StoragePoint] = Field(
-        description="storage of both paths against the length, at this d, one head, no mask"
+        description="storage of both paths against the length, at this d and d_v, one head, no mask"
     )
     traffic: dict[str, dict[str, Any]] = Field(
         description="memory_traffic(...) of each schedule: standard, fa1, fa2"

@@ -15,10 +15,12 @@ import { get, getDefault, set, subscribe } from "./state.js";
 import {
   animate,
   bindInput,
-  clearErrors,
+  keepToOptions,
   parseIntField,
+  presetText,
   readout,
   registerStepper,
+  resultShown,
   showErrors,
   showFieldError,
   staleNote,
@@ -34,6 +36,7 @@ const STEP_WINDOW = 12;
 const NAMES = { dq: "dQ", dk: "dK", dv: "dV" };
 
 let section;
+let presets = [];
 let data = null;
 let dataInputs = null; // the settings `data` was computed with (the summary line states them)
 let bus;
@@ -58,10 +61,16 @@ export function init(ctx) {
   bus = ctx.bus;
   maxLen = ctx.examples.limits.max_trace_len;
   section = document.getElementById("sec-backward");
+  presets = ctx.examples.presets;
   const conv = document.getElementById("f-conv");
-  for (const preset of ctx.examples.presets) {
-    conv.append(h("option", { value: preset.name, title: preset.description }, preset.name));
+  for (const preset of presets) {
+    conv.append(h("option", { value: preset.name, title: presetText(preset) }, preset.name));
   }
+  // a link may name a preset or mask the page does not offer, or the select's own
+  // fully-masked-row preset, which is a custom grid: make the state one the page can send
+  keepToOptions(conv, "conv");
+  keepToOptions(document.getElementById("f-mask"), "mask");
+  if (get("mask") === "masked_row") chooseMask("masked_row");
   bindings = [
     ...MATRIX_KEYS.map((key) => bindInput(document.getElementById(`f-${key}`), key, { delay: 500 })),
     bindInput(document.getElementById("f-bq"), "bq"),
@@ -231,18 +240,18 @@ function chooseMask(kind) {
 }
 
 /** The custom grid from state, resized to (lq, lk): new cells attend. */
-function customDense(lq, lk) {
-  const rows = get("cm") ? get("cm").split(";") : [];
+function customDense(lq, lk, read = get) {
+  const rows = read("cm") ? read("cm").split(";") : [];
   return Array.from({ length: lq }, (_r, i) =>
     Array.from({ length: lk }, (_c, j) => (rows[i] && j < rows[i].length ? rows[i][j] === "1" : true)),
   );
 }
 
-function maskSpec(lq, lk) {
-  const kind = get("mask");
-  if (kind === "custom") return { kind, dense: customDense(lq, lk) };
+function maskSpec(lq, lk, read = get) {
+  const kind = read("mask");
+  if (kind === "custom") return { kind, dense: customDense(lq, lk, read) };
   if (kind === "sliding_window") {
-    return { kind, left: parseIntField(get("wl")), right: parseIntField(get("wr")) };
+    return { kind, left: parseIntField(read("wl")), right: parseIntField(read("wr")) };
   }
   return { kind };
 }
@@ -260,48 +269,75 @@ function numberOrNull(text) {
   return Number.isFinite(x) ? x : NaN;
 }
 
-async function compute() {
-  document.getElementById("mask-grid-wrap").hidden = get("mask") !== "custom";
-  for (const el of section.querySelectorAll(".window-only")) el.hidden = get("mask") !== "sliding_window";
+/**
+ * The request for the inputs `read(key)` gives (the fields' state, or the defaults): {body},
+ * or {field, error: [i18n key, vars]} for what cannot be sent.
+ */
+function request(read) {
   const body = {};
   for (const key of MATRIX_KEYS) {
-    const parsed = parseMatrix(get(key));
-    if (parsed.error) {
-      const [msg, vars] = parsed.error;
-      return inputError(key, msg, vars);
-    }
+    const parsed = parseMatrix(read(key));
+    if (parsed.error) return { field: key, error: parsed.error };
     body[key] = parsed.rows;
   }
   const ints = { block_q: "bq", block_k: "bk", seed: "seed" };
   for (const [field, key] of Object.entries(ints)) {
-    body[field] = parseIntField(get(key));
-    if (body[field] === null) return inputError(field, "err.integer");
+    body[field] = parseIntField(read(key));
+    if (body[field] === null) return { field, error: ["err.integer", {}] };
   }
-  body.mask = maskSpec(body.q.length, body.k.length);
-  if (get("mask") === "sliding_window" && (body.mask.left === null || body.mask.right === null)) {
-    return inputError(body.mask.left === null ? "left" : "right", "err.integer");
+  body.mask = maskSpec(body.q.length, body.k.length, read);
+  if (read("mask") === "sliding_window" && (body.mask.left === null || body.mask.right === null)) {
+    return { field: body.mask.left === null ? "left" : "right", error: ["err.integer", {}] };
   }
-  body.conventions = get("conv");
-  const reals = { dropout_p: ["p", 0], alibi_slope: ["slope", 0] };
-  for (const [field, [key, fallback]] of Object.entries(reals)) {
-    const x = numberOrNull(get(key));
-    if (Number.isNaN(x)) return inputError(field, "err.notNumber", { index: 1, token: get(key) });
-    body[field] = x ?? fallback;
+  body.conventions = read("conv");
+  // dropout p and the ALiBi slope are numbers (empty is refused, never taken for 0);
+  // softcap is off when empty, as its label says
+  for (const [field, key] of [["dropout_p", "p"], ["alibi_slope", "slope"]]) {
+    const x = numberOrNull(read(key));
+    if (x === null) return { field, error: ["err.k.not_number", {}] };
+    if (Number.isNaN(x)) return { field, error: ["err.notNumberOne", { token: read(key) }] };
+    body[field] = x;
   }
-  const cap = numberOrNull(get("cap"));
-  if (Number.isNaN(cap)) return inputError("softcap", "err.notNumber", { index: 1, token: get("cap") });
+  const cap = numberOrNull(read("cap"));
+  if (Number.isNaN(cap)) return { field: "softcap", error: ["err.notNumberOne", { token: read("cap") }] };
   body.softcap = cap;
-  body.alibi = get("alibi") === "1";
-  const asked = settingsOf(body);
-  const answer = await sequence(post("/api/backward", body));
+  body.alibi = read("alibi") === "1";
+  return { body };
+}
+
+async function compute() {
+  document.getElementById("mask-grid-wrap").hidden = get("mask") !== "custom";
+  for (const el of section.querySelectorAll(".window-only")) el.hidden = get("mask") !== "sliding_window";
+  const req = request(get);
+  if (req.error) {
+    inputError(req.field, ...req.error);
+    return fallback();
+  }
+  const answer = await sequence(post("/api/backward", req.body));
   if (answer === null) return;
   if (!answer.ok) {
     document.getElementById("bw-inputs").open = true;
-    return showErrors(section, document.getElementById("bw-error"), answer);
+    showErrors(section, document.getElementById("bw-error"), answer);
+    return fallback();
   }
-  clearErrors(section);
-  data = answer.data;
-  dataInputs = asked;
+  accept(answer.data, req.body, false);
+}
+
+/**
+ * Inputs refused before anything was shown (a link, a reload): show the seed's example with
+ * the errors beside the fields, so that the section is never blank.
+ */
+async function fallback() {
+  if (data) return;
+  const req = request(getDefault);
+  const answer = await sequence(post("/api/backward", req.body));
+  if (answer?.ok) accept(answer.data, req.body, true, getDefault("mask"));
+}
+
+function accept(result, body, isDefault, maskKind = get("mask")) {
+  resultShown(section, { fallback: isDefault });
+  data = result;
+  dataInputs = settingsOf(body, maskKind);
   prepare();
   if (bwCtl.current() > data.steps.length) set({ bstep: String(data.steps.length) });
   if (fwCtl.current() > data.forward_steps.length) set({ fstep: String(data.forward_steps.length) });
@@ -448,9 +484,20 @@ function hoverable(el, target) {
 // ------------------------------------------------------------------------ render
 
 /** What the summary line states of a request: sizes, mask, tiles, conventions, score options. */
-function settingsOf(body) {
-  const { q, k, block_q: bq, block_k: bk, conventions: conv, dropout_p: p, softcap: cap, alibi, alibi_slope: slope } = body;
-  return { lq: q.length, lk: k.length, mask: get("mask"), bq, bk, conv, p, cap, alibi, slope };
+function settingsOf(body, maskKind) {
+  const { q, k, v, block_q: bq, block_k: bk, conventions: conv, dropout_p: p, softcap: cap, alibi, alibi_slope: slope } = body;
+  return { lq: q.length, lk: k.length, d: q[0].length, dv: v[0].length, mask: maskKind, maskSpec: body.mask, bq, bk, conv, p, cap, alibi, slope };
+}
+
+/**
+ * The problem of the result shown, for section 05 to book: sizes, tiles, the mask as asked
+ * (kind, window sides) with the causal alignment of its conventions, and the visibility grid
+ * the loop used. Null before the first result.
+ */
+export function problem() {
+  if (!data || !dataInputs) return null;
+  const preset = presets.find((x) => x.name === dataInputs.conv);
+  return { ...dataInputs, align: preset?.causal_align ?? "top_left", dense: data.mask };
 }
 
 /**
@@ -472,6 +519,10 @@ function renderConfig() {
 export function render() {
   const m = mode();
   const fwd = m === "forward";
+  for (const option of document.getElementById("f-conv").options) {
+    const preset = presets.find((x) => x.name === option.value);
+    if (preset) option.title = presetText(preset);
+  }
   bwCtl.render();
   fwCtl.render();
   document.getElementById("bw-stepper").hidden = fwd;
@@ -607,6 +658,21 @@ function renderForwardReadouts(step) {
   );
 }
 
+/**
+ * Row r of a tile's values (query q_range[0] + r, keys from k_range[0]): each entry a number,
+ * or "masked" where the mask hides that key from that query (the loop stores 0 there).
+ */
+function tileRow(st, r, values) {
+  const i = st.q_range[0] + r;
+  const parts = [];
+  values.forEach((x, c) => {
+    if (c) parts.push(", ");
+    const j = st.k_range[0] + c;
+    parts.push(data.mask[i][j] ? num(x) : h("span", { class: "masked-entry", title: `P[${i},${j}]: ${t("s4.legendMasked")}` }, t("s4.maskedEntry")));
+  });
+  return h("span", { class: "vec" }, "[", parts, "]");
+}
+
 function rangeText(lo, hi, prefix) {
   return hi - lo === 1 ? `${prefix}${lo}` : `${prefix}${lo}\u2013${prefix}${hi - 1}`;
 }
@@ -671,7 +737,7 @@ function renderBackwardStep(step) {
           h(
             "tbody",
             {},
-            current.p.map((row, r) => h("tr", {}, h("td", {}, `q${a + r}`), h("td", {}, vec(row)), h("td", {}, vec(current.ds[r])))),
+            current.p.map((row, r) => h("tr", { "data-row": a + r }, h("td", {}, `q${a + r}`), h("td", { "data-col": "p" }, tileRow(current, r, row)), h("td", { "data-col": "ds" }, tileRow(current, r, current.ds[r])))),
           ),
         ),
       ),
@@ -692,7 +758,7 @@ function renderBackwardStep(step) {
             "td",
             {},
             read
-              ? st.p.map((row, r) => h("div", {}, h("span", { class: "muted small" }, `q${st.q_range[0] + r} `), vec(row)))
+              ? st.p.map((row, r) => h("div", {}, h("span", { class: "muted small" }, `q${st.q_range[0] + r} `), tileRow(st, r, row)))
               : h("span", { class: "muted" }, t("s4.legendPending")),
           ),
         ];

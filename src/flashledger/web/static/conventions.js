@@ -4,12 +4,13 @@
 import { latest, post } from "./api.js";
 import { fill, h, num, vec } from "./fmt.js";
 import { t } from "./i18n.js";
-import { get, subscribe } from "./state.js";
-import { bindInput, clearErrors, parseIntField, showErrors, showFieldError } from "./widgets.js";
+import { get, getDefault, subscribe } from "./state.js";
+import { alignText, bindInput, keepToOptions, parseIntField, presetText, resultShown, showErrors, showFieldError, staleNote } from "./widgets.js";
 
 let section;
 let examples;
 let data = null;
+let shownReq = null; // {lk, mask} of the result shown
 const sequence = latest();
 
 export function init(ctx) {
@@ -17,6 +18,7 @@ export function init(ctx) {
   section = document.getElementById("sec-conventions");
   const lk = document.getElementById("f-c-lk");
   lk.max = String(examples.k.length);
+  keepToOptions(document.getElementById("f-c-mask"), "cmask");
   const bindings = [bindInput(lk, "clk"), bindInput(document.getElementById("f-c-mask"), "cmask", { event: "change" })];
   subscribe((changes) => {
     if ("clk" in changes || "cmask" in changes) {
@@ -29,40 +31,66 @@ export function init(ctx) {
 
 export function shown() {}
 
-function maskSpec(lq, lk) {
-  const kind = get("cmask");
+function maskSpec(lq, lk, kind) {
   if (kind !== "masked_row") return { kind };
   const row = Math.min(2, lq - 1);
   const dense = Array.from({ length: lq }, (_r, i) => Array.from({ length: lk }, (_c, j) => i !== row && j <= i));
   return { kind: "custom", dense };
 }
 
-async function compute() {
-  const lk = parseIntField(get("clk"));
+/** The request for `read(key)` (the fields' state, or the defaults): {body, lk, mask} or {error}. */
+function request(read) {
+  const lk = parseIntField(read("clk"));
   const most = examples.k.length;
-  if (lk === null || lk < 1 || lk > most) return showFieldError(section, "k", "err.range", { min: 1, max: most });
+  if (lk === null || lk < 1 || lk > most) return { field: "k", error: ["err.range", { min: 1, max: most }] };
   const lq = examples.q.length;
   const body = {
     q: examples.q,
     k: examples.k.slice(0, lk),
     v: examples.v.slice(0, lk),
-    mask: maskSpec(lq, lk),
+    mask: maskSpec(lq, lk, read("cmask")),
     block_q: Math.min(2, lq),
     block_k: Math.min(2, lk),
   };
-  const answer = await sequence(post("/api/conventions", body));
+  return { body, lk, mask: read("cmask") };
+}
+
+async function compute() {
+  const req = request(get);
+  if (req.error) {
+    showFieldError(section, req.field, ...req.error);
+    return fallback();
+  }
+  const answer = await sequence(post("/api/conventions", req.body));
   if (answer === null) return;
   if (!answer.ok) {
-    return showErrors(section, document.getElementById("conv-error"), answer);
+    showErrors(section, document.getElementById("conv-error"), answer);
+    return fallback();
   }
-  clearErrors(section);
-  data = answer.data;
+  accept(answer.data, req, false);
+}
+
+/** Inputs refused before anything was shown: the default table, the errors beside the fields. */
+async function fallback() {
+  if (data) return;
+  const req = request(getDefault);
+  const answer = await sequence(post("/api/conventions", req.body));
+  if (answer?.ok) accept(answer.data, req, true);
+}
+
+function accept(result, req, isDefault) {
+  resultShown(section, { fallback: isDefault });
+  data = result;
+  shownReq = { lk: req.lk, mask: req.mask };
   render();
 }
 
 export function render() {
   const table = document.getElementById("conv-table");
-  if (!data) return fill(table);
+  const config = document.getElementById("conv-config");
+  if (!data) return fill(table), fill(config);
+  const maskName = document.querySelector(`#f-c-mask option[value="${CSS.escape(shownReq.mask)}"]`)?.textContent ?? shownReq.mask;
+  fill(config, staleNote(), `Lk = ${shownReq.lk} \u00b7 ${maskName}`);
   const rows = data.presets[0].rows.length;
   const head = h(
     "thead",
@@ -84,9 +112,9 @@ export function render() {
         { "data-preset": preset.name },
         h(
           "td",
-          { title: preset.description },
+          { title: presetText(preset) },
           h("code", {}, preset.name),
-          h("div", { class: "muted small" }, `${t("s6.thAlign")}: ${preset.causal_align.replace("_", "-")}`),
+          h("div", { class: "muted small" }, t("s6.alignLine", { causal: t("s6.thAlign"), align: alignText(preset.causal_align) })),
         ),
         h("td", { class: "num-col" }, num(preset.masked_row_lse)),
         preset.rows.map((row) =>

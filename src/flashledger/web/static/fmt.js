@@ -24,6 +24,26 @@ export function fmtNumber(x, digits = 6) {
   return s.replace("-", MINUS);
 }
 
+/**
+ * A formatter for numbers shown side by side (the bars and axis of a chart): plain decimals,
+ * never an exponent (1000, 1001 and 1002.5 stay three different labels), with as many
+ * decimals as the values need to be told apart and written exactly, up to `most`
+ * (more only where two different values would read the same).
+ */
+export function labelFormat(values, most = 3) {
+  const distinct = [...new Set(values.filter(Number.isFinite))];
+  const exact = (x, n) => Math.abs(Number(x.toFixed(n)) - x) <= 1e-9 * Math.max(1, Math.abs(x));
+  const apart = (n) => new Set(distinct.map((x) => x.toFixed(n))).size === distinct.length;
+  let decimals = 0;
+  while (decimals < most && !distinct.every((x) => exact(x, decimals))) decimals += 1;
+  while (decimals < 8 && !apart(decimals)) decimals += 1;
+  return (x) => {
+    if (!Number.isFinite(x)) return fmtNumber(x);
+    const text = trimZeros(x.toFixed(decimals));
+    return (text === "-0" ? "0" : text).replace("-", MINUS);
+  };
+}
+
 function trimZeros(s) {
   return s.includes(".") ? s.replace(/\.?0+$/, "") : s;
 }
@@ -113,7 +133,9 @@ function normalise(text) {
 /**
  * Parse a matrix typed by a person: one row per line ("0.2, -0.3") or the
  * bracket form "[[.2,-.3],[.5,.1]]". Blank lines are skipped. Returns {rows}
- * or {error}: an i18n key plus the values it names (line and entry count from 1).
+ * or {error}: an i18n key plus the values it names. Rows (the lines that hold numbers)
+ * and entries count from 1, as the server's errors do; every row needs as many entries
+ * as the first.
  */
 export function parseMatrix(text) {
   const trimmed = normalise(text).trim();
@@ -121,13 +143,17 @@ export function parseMatrix(text) {
   const bracketed = trimmed.startsWith("[");
   const lines = bracketed ? trimmed.replace(/^\[\s*\[/, "[").replace(/\[/g, "").split("]") : trimmed.split(/\n|;/);
   const rows = [];
-  for (const [n, line] of lines.entries()) {
+  for (const line of lines) {
     const body = bracketed ? line.replace(/^[\s,]+|[\s,]+$/g, "") : line.trim();
     if (!body) continue;
     const parsed = parseVector(body);
+    const row = rows.length + 1;
     if (parsed.error) {
       const [key, vars] = parsed.error;
-      return { error: [`${key}Row`, { ...vars, row: bracketed ? rows.length + 1 : n + 1 }] };
+      return { error: [`${key}Row`, { ...vars, row }] };
+    }
+    if (rows.length && parsed.values.length !== rows[0].length) {
+      return { error: ["err.k.ragged", { row, got: parsed.values.length, expected: rows[0].length }] };
     }
     rows.push(parsed.values);
   }

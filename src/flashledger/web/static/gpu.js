@@ -9,15 +9,17 @@ import { count, fill, h, num, s } from "./fmt.js";
 import { PHASE } from "./formula.js";
 import { t } from "./i18n.js";
 import * as backward from "./backward.js";
-import { get, subscribe } from "./state.js";
+import { get, getDefault, subscribe } from "./state.js";
 import {
   animate,
   bindInput,
-  clearErrors,
+  keepToOptions,
   parseIntField,
   registerStepper,
+  resultShown,
   showErrors,
   showFieldError,
+  staleNote,
   stepper,
   widthOf,
 } from "./widgets.js";
@@ -27,6 +29,7 @@ let section;
 let bwCtl;
 let fwCtl;
 let measured = null;
+let measuredBody = null; // the shape `measured` timed (the line above the table states it)
 let measuredFor = null;
 let visible = false;
 let drawn = { mode: null, step: -1, data: null, width: 0 };
@@ -41,6 +44,7 @@ export function init(ctx) {
   bwCtl = stepper(bwBox, "bstep", () => backward.snapshot()?.data.steps.length ?? 0, (step, total) => `${t("s4.progress")}: ${step} / ${total}`);
   fwCtl = stepper(fwBox, "fstep", () => backward.snapshot()?.data.forward_steps.length ?? 0, (step, total) => `${t("s4.fwdProgress")}: ${step} / ${total}`);
   registerStepper("gpu", () => (backward.mode() === "forward" ? fwCtl : bwCtl));
+  keepToOptions(document.getElementById("f-m-dtype"), "mdt");
   const bindings = [
     bindInput(document.getElementById("f-m-length"), "ml"),
     bindInput(document.getElementById("f-m-d"), "md"),
@@ -71,21 +75,23 @@ export function shown(sec) {
   }
 }
 
-function measureBody() {
+function measureBody(read) {
   return {
-    length: parseIntField(get("ml")),
-    d: parseIntField(get("md")),
-    block: parseIntField(get("mb")),
-    dtype: get("mdt"),
-    causal: get("mc") === "1",
+    length: parseIntField(read("ml")),
+    d: parseIntField(read("md")),
+    block: parseIntField(read("mb")),
+    dtype: read("mdt"),
+    causal: read("mc") === "1",
   };
 }
 
 /** Time the blocked loop on the server; `again` repeats a measurement of the same shape. */
 async function measure(again) {
-  const body = measureBody();
-  for (const field of ["length", "d", "block"]) {
-    if (body[field] === null) return showFieldError(section, field, "err.integer");
+  const body = measureBody(get);
+  const missing = ["length", "d", "block"].find((field) => body[field] === null);
+  if (missing) {
+    showFieldError(section, missing, "err.integer");
+    return fallback();
   }
   const key = JSON.stringify(body);
   if (!again && key === measuredFor) return;
@@ -95,10 +101,26 @@ async function measure(again) {
   if (answer === null) return;
   if (!answer.ok) {
     measuredFor = null;
-    return showErrors(section, document.getElementById("measure-error"), answer);
+    showErrors(section, document.getElementById("measure-error"), answer);
+    renderMeasure(); // the device line of the timings still shown, not "computing…"
+    return fallback();
   }
-  clearErrors(section);
-  measured = answer.data;
+  accept(answer.data, body, false);
+}
+
+/** Inputs refused before anything was measured: time the default shape, errors kept. */
+async function fallback() {
+  if (measured) return;
+  const body = measureBody(getDefault);
+  fill(document.getElementById("measure-device"), t("common.computing"));
+  const answer = await sequence(post("/api/measure", body));
+  if (answer?.ok) accept(answer.data, body, true);
+}
+
+function accept(result, body, isDefault) {
+  resultShown(section, { fallback: isDefault });
+  measured = result;
+  measuredBody = body;
   renderMeasure();
 }
 
@@ -112,10 +134,14 @@ function renderMeasure() {
   const table = document.getElementById("measure-table");
   const device = document.getElementById("measure-device");
   fill(document.getElementById("measure-sub"), t("s3.measuredSub", { repeats: measured?.repeats ?? 9 }));
+  const config = document.getElementById("measure-config");
   if (!measured) {
     fill(table);
+    fill(config);
     return;
   }
+  const b = measuredBody;
+  fill(config, staleNote(), [`L = ${b.length}`, `d = ${b.d}`, t("common.tileN", { n: b.block }), b.dtype, b.causal ? t("s3.causal") : t("s3.noMask")].join(" \u00b7 "));
   const m = measured;
   const rows = [
     ["blocked_forward", "s3.blockedFwd"],
@@ -291,7 +317,7 @@ function diagram({ tensors, chips }, W, moving) {
       const hgt = (barH * (b - a)) / rows;
       const cls = ti === hi ? `tile-bar ${role}` : "tile-bar";
       const rect = s("rect", { x, y, width: colW, height: hgt, class: cls, "data-tensor": label, "data-tile": ti });
-      rect.append(s("title", {}, `${label} rows ${a}\u2013${b - 1}`));
+      rect.append(s("title", {}, t("s3.tileRows", { tensor: label, a, b: b - 1 })));
       if (ti === hi) tiles[label] = { x, y, w: colW, h: hgt };
       svg.append(rect);
     });

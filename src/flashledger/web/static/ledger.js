@@ -7,15 +7,16 @@ import { fill, fmtNumber, h, num, parseMatrix, parseVector, vec } from "./fmt.js
 import { lightUp } from "./formula.js";
 import { t } from "./i18n.js";
 import { dragging, drawRowChart } from "./rowchart.js";
-import { get, set, subscribe } from "./state.js";
+import { get, getDefault, set, subscribe } from "./state.js";
 import {
   bindInput,
-  clearErrors,
   parseIntField,
   readout,
   registerStepper,
+  resultShown,
   showErrors,
   showFieldError,
+  staleNote,
   stepper,
 } from "./widgets.js";
 
@@ -23,6 +24,8 @@ const INPUT_KEYS = ["scores", "values", "bs", "shift"];
 const DRAG_SEND_MS = 120;
 let section;
 let data = null;
+let shownBody = null; // the request `data` answers (the note and title describe it)
+let seed = null; // the seed page's row (examples.ledger)
 let bus;
 let stepCtl;
 let shownStep = 0;
@@ -32,7 +35,13 @@ const sequence = latest();
 
 export function init(ctx) {
   bus = ctx.bus;
+  seed = ctx.examples.ledger;
   section = document.getElementById("sec-ledger");
+  document.getElementById("ledger-reset").addEventListener("click", () => {
+    const changes = {};
+    for (const key of [...INPUT_KEYS, "step"]) changes[key] = getDefault(key);
+    set(changes);
+  });
   const bindings = [
     bindInput(document.getElementById("f-scores"), "scores"),
     bindInput(document.getElementById("f-values"), "values"),
@@ -89,34 +98,77 @@ export function formulaMarks(step) {
   return st.alpha > 0 && st.alpha < 1 ? { "lit-strong": { running: [1] } } : {};
 }
 
+/**
+ * The request for the inputs `read(key)` gives (the fields' state, or the defaults): {body},
+ * or {field, error: [i18n key, vars]} for what cannot be sent.
+ */
+function request(read) {
+  const scores = parseVector(read("scores"));
+  if (scores.error) return { field: "scores", error: scores.error };
+  const values = parseMatrix(read("values"));
+  if (values.error) return { field: "values", error: values.error };
+  const blockSize = parseIntField(read("bs"));
+  if (blockSize === null) return { field: "block_size", error: ["err.integer", {}] };
+  // an empty shift is not taken for 0: it is refused with a message that says 0 is no shift
+  const shiftText = String(read("shift") ?? "").trim();
+  if (!shiftText) return { field: "shift", error: ["err.shiftEmpty", {}] };
+  const shift = parseVector(shiftText);
+  if (shift.error || shift.values.length !== 1) return { field: "shift", error: ["err.notNumberOne", { token: shiftText }] };
+  return { body: { scores: scores.values, values: values.rows, block_size: blockSize, shift: shift.values[0] } };
+}
+
 async function compute() {
-  const scores = parseVector(get("scores"));
-  if (scores.error) {
-    const [key, vars] = scores.error;
-    return showFieldError(section, "scores", key, vars);
+  const req = request(get);
+  if (req.error) {
+    showFieldError(section, req.field, ...req.error);
+    return fallback();
   }
-  const values = parseMatrix(get("values"));
-  if (values.error) {
-    const [key, vars] = values.error;
-    return showFieldError(section, "values", key, vars);
-  }
-  const blockSize = parseIntField(get("bs"));
-  if (blockSize === null) return showFieldError(section, "block_size", "err.integer");
-  const shiftText = String(get("shift") || "0").trim().replace(/^\u2212/, "-");
-  const shift = Number(shiftText);
-  if (!Number.isFinite(shift) || shiftText === "") return showFieldError(section, "shift", "err.notNumber", { index: 1, token: get("shift") });
-  const answer = await sequence(
-    post("/api/ledger", { scores: scores.values, values: values.rows, block_size: blockSize, shift }),
-  );
+  const answer = await sequence(post("/api/ledger", req.body));
   if (answer === null) return;
   if (!answer.ok) {
-    return showErrors(section, document.getElementById("ledger-error"), answer);
+    showErrors(section, document.getElementById("ledger-error"), answer);
+    return fallback();
   }
-  clearErrors(section);
-  data = answer.data;
+  accept(answer.data, req.body, false);
+}
+
+/**
+ * Inputs refused before anything was shown (a link, a reload): show the seed's row with the
+ * errors beside the fields, so that the section is never blank.
+ */
+async function fallback() {
+  if (data) return;
+  const req = request(getDefault);
+  const answer = await sequence(post("/api/ledger", req.body));
+  if (answer?.ok) accept(answer.data, req.body, true);
+}
+
+function accept(result, body, isDefault) {
+  resultShown(section, { fallback: isDefault });
+  data = result;
+  shownBody = body;
   const step = parseInt(get("step"), 10) || 0;
   if (step > data.steps.length) set({ step: String(data.steps.length) });
   render();
+}
+
+const sameNumbers = (a, b) => a.length === b.length && a.every((x, i) => (Array.isArray(x) ? sameNumbers(x, b[i]) : x === b[i]));
+
+/** True when the result shown is the seed page's row (any block size and shift). */
+function isSeedRow() {
+  return Boolean(shownBody) && sameNumbers(shownBody.scores, seed.scores) && sameNumbers(shownBody.values, seed.values);
+}
+
+/** The card's title and the note under it describe the row shown, the seed's or another. */
+function renderIntro() {
+  const title = document.getElementById("ledger-card-title");
+  const note = document.getElementById("ledger-note");
+  const reset = document.getElementById("ledger-reset");
+  const own = data && !isSeedRow();
+  title.textContent = own ? t("s2.cardOwn", { n: data.n, d: data.d_v }) : t("s2.card");
+  const seedText = `[${seed.scores.map((x) => fmtNumber(x)).join(", ")}]`;
+  fill(note, staleNote(), own ? t("s2.noteOwn", { n: data.n, seed: seedText }) : t("s2.note"));
+  reset.hidden = !own;
 }
 
 // ------------------------------------------------------------------------ dragging a score
@@ -138,6 +190,15 @@ function onScore(j, shiftedValue) {
   }
 }
 
+/** An arrow key on score j's handle: that score moves by delta, from the scores as typed. */
+function onNudge(j, delta) {
+  const parsed = parseVector(get("scores"));
+  if (parsed.error || j >= parsed.values.length) return;
+  const next = parsed.values.slice();
+  next[j] = Math.round((next[j] + delta) * 1e6) / 1e6;
+  set({ scores: scoresText(next) });
+}
+
 function onDragEnd() {
   clearTimeout(dragTimer);
   dragTimer = null;
@@ -147,7 +208,7 @@ function onDragEnd() {
 }
 
 function drawChart(step, prev) {
-  drawRowChart(document.getElementById("ledger-chart"), data, step, prev, { onScore, onDragEnd, onHover: (j) => link(j === null ? null : { pos: j }) });
+  drawRowChart(document.getElementById("ledger-chart"), data, step, prev, { onScore, onNudge, onDragEnd, onHover: (j) => link(j === null ? null : { pos: j }) });
 }
 
 // ------------------------------------------------------------------------ hover links
@@ -180,6 +241,7 @@ function hoverable(el, target) {
 
 export function render() {
   stepCtl.render();
+  renderIntro();
   const readouts = document.getElementById("ledger-readouts");
   const table = document.getElementById("ledger-table");
   const row = document.getElementById("ledger-row");

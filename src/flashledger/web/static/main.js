@@ -12,7 +12,7 @@ import * as running from "./running.js";
 import { get, initState, set, subscribe } from "./state.js";
 import * as ring from "./ring.js";
 import * as storage from "./storage.js";
-import { placeErrors, renderErrors, stepperFor, watchAllScrolls } from "./widgets.js";
+import { renderErrors, stepperFor, watchAllScrolls } from "./widgets.js";
 
 const SECTIONS = ["running", "ledger", "gpu", "backward", "storage", "conventions", "ring", "sources"];
 const MODULES = [running, ledger, gpu, backward, storage, conventions, ring];
@@ -60,11 +60,13 @@ function defaultsFrom(examples) {
     slq: "5",
     slk: "5",
     sd: "2",
+    sdv: "",
     sbq: "2",
     sbk: "2",
     smask: "causal_top_left",
     swl: "1",
     swr: "0",
+    scm: "",
     sdt: "float64",
     // section 06
     clk: "3",
@@ -94,7 +96,6 @@ function showSection(name) {
   const sec = SECTIONS.includes(name) ? name : "running";
   for (const el of document.querySelectorAll("main > section")) {
     el.hidden = el.dataset.section !== sec;
-    if (!el.hidden) placeErrors(el); // bubbles set while the section was hidden
   }
   const tabs = document.getElementById("tabs");
   for (const btn of tabs.querySelectorAll("button")) {

@@ -6,8 +6,20 @@
 import { latest, post } from "./api.js";
 import { count, fill, h, num, s } from "./fmt.js";
 import { t } from "./i18n.js";
-import { get, set, subscribe } from "./state.js";
-import { bindInput, clearErrors, parseIntField, readout, registerStepper, showErrors, showFieldError, stepper, widthOf } from "./widgets.js";
+import { get, getDefault, set, subscribe } from "./state.js";
+import {
+  bindInput,
+  keepToOptions,
+  parseIntField,
+  readout,
+  registerStepper,
+  resultShown,
+  showErrors,
+  showFieldError,
+  staleNote,
+  stepper,
+  widthOf,
+} from "./widgets.js";
 
 const INPUT_KEYS = ["rw", "rlay", "rl", "rd", "rb", "rmask", "rwl", "rwr", "rdata", "rseed"];
 const INTS = { world_size: "rw", length: "rl", d: "rd", block: "rb", seed: "rseed" };
@@ -16,6 +28,8 @@ const PAYLOAD = { kv: "K/V", dkv: "dK/dV" };
 
 let section;
 let data = null;
+let shownBody = null; // the request `data` answers (the line above the stepper states it)
+let example = { length: 5, d: 2 }; // the seed page's five positions
 let stepCtl;
 let bindings = [];
 let visible = false;
@@ -36,6 +50,12 @@ export function init(ctx) {
   document.getElementById("f-r-length").max = String(limits.max_trace_len);
   document.getElementById("f-r-d").max = String(limits.max_head_dim);
   labelLimits = { world: limits.max_ring_world, length: limits.max_trace_len, d: limits.max_head_dim };
+  example = { length: ctx.examples.backward.q.length, d: ctx.examples.backward.q[0].length };
+  // a link may carry any text for a choice; the seed's example fixes L and d (and so W)
+  keepToOptions(document.getElementById("f-r-layout"), "rlay");
+  keepToOptions(document.getElementById("f-r-mask"), "rmask");
+  keepToOptions(document.getElementById("f-r-data"), "rdata");
+  if (get("rdata") === "example") chooseData("example");
   const ids = { rw: "f-r-world", rl: "f-r-length", rd: "f-r-d", rb: "f-r-block", rwl: "f-r-wl", rwr: "f-r-wr", rseed: "f-r-seed" };
   bindings = Object.entries(ids).map(([key, id]) => bindInput(document.getElementById(id), key));
   bindings.push(bindInput(document.getElementById("f-r-layout"), "rlay", { event: "change" }));
@@ -73,54 +93,91 @@ export function shown(sec) {
   if (visible) compute();
 }
 
-/** The seed page's five positions fix L = 5 and d = 2 (and so at most 2 zigzag ranks). */
+/**
+ * The seed page's five positions fix L = 5 and d = 2 (and so at most 2 zigzag ranks): choosing
+ * them (or a link that names them) sets those fields.
+ */
 function chooseData(kind) {
   if (kind !== "example") return set({ rdata: kind, rstep: "0" });
   const w = parseIntField(get("rw")) ?? 1;
-  const most = get("rlay") === "zigzag" ? 2 : 5;
-  set({ rdata: kind, rl: "5", rd: "2", rw: String(Math.min(Math.max(w, 1), most)), rstep: "0" });
+  const most = get("rlay") === "zigzag" ? Math.floor(example.length / 2) : example.length;
+  const changes = { rdata: kind, rl: String(example.length), rd: String(example.d), rw: String(Math.min(Math.max(w, 1), most)) };
+  if (get("rdata") !== kind) changes.rstep = "0";
+  set(changes);
 }
 
-function requestBody() {
+/** The request for `read(key)` (the fields' state, or the defaults): {body} or {field, error}. */
+function request(read) {
   const body = {};
   for (const [field, key] of Object.entries(INTS)) {
-    body[field] = parseIntField(get(key));
-    if (body[field] === null) return { error: field };
+    body[field] = parseIntField(read(key));
+    if (body[field] === null) return { field, error: ["err.integer", {}] };
   }
-  body.layout = get("rlay");
-  body.data = get("rdata");
-  body.mask = { kind: get("rmask") };
-  if (get("rmask") === "sliding_window") {
-    body.mask.left = parseIntField(get("rwl"));
-    body.mask.right = parseIntField(get("rwr"));
-    if (body.mask.left === null) return { error: "left" };
-    if (body.mask.right === null) return { error: "right" };
+  body.layout = read("rlay");
+  body.data = read("rdata");
+  if (body.data === "example") Object.assign(body, example); // its L and d, whatever the fields say
+  body.mask = { kind: read("rmask") };
+  if (read("rmask") === "sliding_window") {
+    body.mask.left = parseIntField(read("rwl"));
+    body.mask.right = parseIntField(read("rwr"));
+    if (body.mask.left === null) return { field: "left", error: ["err.integer", {}] };
+    if (body.mask.right === null) return { field: "right", error: ["err.integer", {}] };
   }
   return { body };
 }
 
 async function compute() {
   for (const el of section.querySelectorAll(".r-window-only")) el.hidden = get("rmask") !== "sliding_window";
-  const example = get("rdata") === "example";
-  document.getElementById("f-r-length").disabled = example;
-  document.getElementById("f-r-d").disabled = example;
-  document.getElementById("f-r-seed").disabled = example;
-  const { body, error } = requestBody();
-  if (error) return showFieldError(section, error, "err.integer");
-  const key = JSON.stringify(body);
+  const isExample = get("rdata") === "example";
+  document.getElementById("f-r-length").disabled = isExample;
+  document.getElementById("f-r-d").disabled = isExample;
+  document.getElementById("f-r-seed").disabled = isExample;
+  const req = request(get);
+  if (req.error) {
+    computedFor = null;
+    showFieldError(section, req.field, ...req.error);
+    return fallback();
+  }
+  const key = JSON.stringify(req.body);
   if (key === computedFor && data) return;
   computedFor = key;
-  const answer = await sequence(post("/api/ring", body));
+  const answer = await sequence(post("/api/ring", req.body));
   if (answer === null) return;
   if (!answer.ok) {
     computedFor = null;
-    return showErrors(section, document.getElementById("ring-error"), answer);
+    showErrors(section, document.getElementById("ring-error"), answer);
+    return fallback();
   }
-  clearErrors(section);
-  data = answer.data;
+  accept(answer.data, req.body, false);
+}
+
+/** Inputs refused before anything was shown (a link): the default ring, the errors kept. */
+async function fallback() {
+  if (data) return;
+  const req = request(getDefault);
+  const answer = await sequence(post("/api/ring", req.body));
+  if (answer?.ok) accept(answer.data, req.body, true);
+}
+
+function accept(result, body, isDefault) {
+  resultShown(section, { fallback: isDefault });
+  data = result;
+  shownBody = body;
   if (stepCtl.current() > data.world_size) set({ rstep: String(data.world_size) });
   if ((parseIntField(get("rrank")) ?? 0) >= data.world_size) set({ rrank: "0" });
   render();
+}
+
+/** One line: the settings of the ring shown (and, while stale, that it is an older one). */
+function renderConfig() {
+  const el = document.getElementById("ring-config");
+  if (!data || !shownBody) return fill(el);
+  const b = shownBody;
+  const name = (id, value) => document.querySelector(`#${id} option[value="${CSS.escape(value)}"]`)?.textContent ?? value;
+  let mask = name("f-r-mask", b.mask.kind);
+  if (b.mask.kind === "sliding_window") mask += ` (${b.mask.left}, ${b.mask.right})`;
+  const inputs = b.data === "example" ? name("f-r-data", "example") : t("s7.randomSeed", { seed: b.seed });
+  fill(el, staleNote(), [`W = ${b.world_size}`, name("f-r-layout", b.layout), `L = ${b.length}`, `d = ${b.d}`, t("common.tileN", { n: b.block }), mask, inputs].join(" \u00b7 "));
 }
 
 function pass() {
@@ -145,6 +202,7 @@ function renderLabels() {
 
 export function render() {
   renderLabels();
+  renderConfig();
   stepCtl.render();
   for (const btn of section.querySelectorAll("#ring-pass button")) {
     const on = btn.dataset.pass === pass();
@@ -331,7 +389,7 @@ function diagram(n, p) {
   for (const st of states) svg.append(rankNode(geo, st, n, p, st.rank === sel));
   const [cx, cy] = w === 1 ? [geo.cx, geo.cy + NODE_H / 2 + 22] : [geo.cx, geo.cy - 4];
   svg.append(
-    s("text", { x: cx, y: cy, "text-anchor": "middle", class: "ring-center" }, n === 0 ? t("s7.centerStart") : t("s7.centerStep", { step: n - 1 })),
+    s("text", { x: cx, y: cy, "text-anchor": "middle", class: "ring-center" }, n === 0 ? t("s7.centerStart") : t("s7.centerStep", { step: n })),
     s("text", { x: cx, y: cy + 19, "text-anchor": "middle", class: "ring-center-sub" }, centerLine(n, p)),
   );
   return svg;
@@ -373,7 +431,7 @@ function rankNode(geo, st, n, p, selected) {
   g.append(
     s("rect", { x: x + 14, y: y + NODE_H - 10, width: NODE_W - 24, height: 4, rx: 2, class: "rank-progress-bg" }),
     s("rect", { x: x + 14, y: y + NODE_H - 10, width: (NODE_W - 24) * frac, height: 4, rx: 2, fill: c.solid }),
-    s("title", {}, t(p === "forward" ? "s7.nodeTitleFwd" : "s7.nodeTitleBwd", { rank: st.rank, shard: st.shard, n, w })),
+    s("title", {}, n === 0 ? t("s7.nodeTitle0", { rank: st.rank, shard: st.shard }) : t(p === "forward" ? "s7.nodeTitleFwd" : "s7.nodeTitleBwd", { rank: st.rank, shard: st.shard, n, w })),
   );
   return g;
 }
@@ -463,7 +521,8 @@ function renderRows(n, p) {
   const r = selectedRank();
   const info = data.ranks[r];
   const lse = data.forward[p === "forward" ? n : data.world_size].ranks[r].lse;
-  fill(document.getElementById("ring-rows-title"), t(p === "forward" ? "s7.rowsTitleFwd" : "s7.rowsTitleBwd", { rank: r, n }));
+  const title = p === "backward" ? "s7.rowsTitleBwd" : n === 0 ? "s7.rowsTitleFwd0" : "s7.rowsTitleFwd";
+  fill(document.getElementById("ring-rows-title"), t(title, { rank: r, n }));
   const body = h("tbody");
   info.rows.forEach((row, i) => {
     const final = data.lse[row];
@@ -497,11 +556,12 @@ function renderHops(n, p) {
   const body = h("tbody");
   let first = null;
   for (const hop of hops) {
-    const cls = hop.step === n - 1 ? "current" : hop.step >= n ? "future" : "";
+    const number = hop.step + 1; // ring steps count from 1 on the page, as the stepper does
+    const cls = number === n ? "current" : number > n ? "future" : "";
     const row = h(
       "tr",
-      { class: cls, "data-step": String(hop.step) },
-      h("td", { class: "num-col" }, String(hop.step)),
+      { class: cls, "data-step": String(number) },
+      h("td", { class: "num-col" }, String(number)),
       h("td", {}, `${hop.sender} \u2192 ${hop.receiver}`),
       h("td", {}, h("span", { class: `payload ${hop.payload}` }, PAYLOAD[hop.payload])),
       h("td", { class: "num-col" }, String(hop.shard)),
@@ -615,7 +675,7 @@ function renderGrid(n, p) {
   const w = data.world_size;
   const grid = data.passes[p].grid;
   const most = Math.max(...grid.flat().map((c) => c.tiles_run), 1);
-  const head = h("tr", {}, h("th", {}, t("s7.thRank")), Array.from({ length: w }, (_x, k) => h("th", { class: `num-col${k === n - 1 ? " current-col" : ""}` }, t("s7.stepN", { step: k }))));
+  const head = h("tr", {}, h("th", {}, t("s7.thRank")), Array.from({ length: w }, (_x, k) => h("th", { class: `num-col${k === n - 1 ? " current-col" : ""}` }, t("s7.stepN", { step: k + 1 }))));
   const body = h("tbody");
   grid.forEach((row, r) => {
     body.append(
@@ -631,7 +691,7 @@ function renderGrid(n, p) {
             {
               class: `num-col grid-cell${k === n - 1 ? " current-col" : ""}${done ? "" : " future"}`,
               style: done ? `background: hsl(174 50% ${(97 - 40 * level).toFixed(1)}%)` : null,
-              title: t("s7.gridTitle", { rank: r, step: k, shard: cell.shard, run: cell.tiles_run, skipped: cell.tiles_skipped }),
+              title: t("s7.gridTitle", { rank: r, step: k + 1, shard: cell.shard, run: cell.tiles_run, skipped: cell.tiles_skipped }),
             },
             h("span", { class: "num" }, String(cell.tiles_run)),
             h("span", { class: "grid-shard" }, ` K/V ${cell.shard}`),

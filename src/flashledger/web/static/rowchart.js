@@ -4,43 +4,87 @@
 // old terms shrink by α = exp(m_old − m_new) before the new block's terms are added.
 // Every number drawn comes from the engine's answer (data.steps[].weights, m, ℓ, acc).
 
-import { fmtNumber, s } from "./fmt.js";
+import { fmtNumber, labelFormat, s } from "./fmt.js";
 import { PHASE } from "./formula.js";
 import { t } from "./i18n.js";
 import { animate } from "./widgets.js";
 
-const TOP_H = 150;
+const T0 = 6; // top of the score panel
+const TOP_H = 150; // its height
+const LABEL_ROOM = 22; // kept free above the highest bar and under the lowest for their labels
 const BOTTOM_H = 104;
-const GAP = 48;
-const LEFT = 36;
+const GAP = 60; // index and block labels, then the exp(s − m) title, each on a row of its own
+const DIGIT_W = 6.7; // width of one character of the 11 px monospaced labels
+const MIN_LEFT = 36;
 const SIDE = 92;
+const CHAR_W = 7.3; // width of one character of the 12 px monospaced labels
 
 let svg = null;
 let drag = null;
-let handlers = { onScore: () => {}, onDragEnd: () => {}, onHover: () => {} };
+let handlers = { onScore: () => {}, onNudge: () => {}, onDragEnd: () => {}, onHover: () => {} };
 
-function scaleOf(values, lo0 = 0, hi0 = 0) {
-  let lo = Math.min(lo0, ...values);
-  let hi = Math.max(hi0, ...values);
+/** A round step for an axis that spans `span`. */
+function niceStep(span) {
+  const p = 10 ** Math.floor(Math.log10(span));
+  return [1, 2, 5, 10].map((m) => m * p).find((x) => span / x <= 5) ?? 10 * p;
+}
+
+/**
+ * The score axis: its range and the value the bars stand on. Near zero (or across it) the
+ * bars stand on 0, a signed picture; a row far from zero (a large shift) gets a floor just
+ * under its smallest value, so the bars stay in their panel and still differ.
+ */
+function scoreScale(values) {
+  let lo = Math.min(...values);
+  let hi = Math.max(...values);
+  const span = Math.max(hi - lo, 1e-9);
+  const nearZero = (lo <= 0 && hi >= 0) || (lo > 0 && lo <= 2 * span) || (hi < 0 && -hi <= 2 * span);
+  let base = 0;
+  if (nearZero) {
+    lo = Math.min(lo, 0);
+    hi = Math.max(hi, 0);
+  } else if (hi > 0) {
+    const step = niceStep(span);
+    base = Math.floor((lo - 0.25 * span) / step) * step;
+    lo = base;
+  } else {
+    const step = niceStep(span);
+    base = Math.ceil((hi + 0.25 * span) / step) * step;
+    hi = base;
+  }
   if (hi - lo < 1e-9) (lo -= 1), (hi += 1);
-  const pad = 0.12 * (hi - lo);
-  return { lo: lo - pad, hi: hi + pad };
+  return { lo, hi, base, broken: !nearZero };
 }
 
 /**
  * Draw the row into `holder` at 1:1 scale. `prev` is the step shown before (animate when
  * one block was added). `onScore(j, value)` is called while a bar is dragged (value in
- * the shifted scores the engine saw); `onHover(j | null)` when a bar is hovered.
+ * the shifted scores the engine saw), `onNudge(j, delta)` when a handle's arrow key moves
+ * score j, `onHover(j | null)` when a bar is hovered. The handle that has the keyboard
+ * focus keeps it across redraws.
  */
 export function drawRowChart(holder, data, step, prev, callbacks) {
   handlers = callbacks;
-  const { onScore, onDragEnd, onHover } = callbacks;
+  const { onNudge, onHover } = callbacks;
+  const focused = svg && svg.contains(document.activeElement) ? document.activeElement.getAttribute("data-handle") : null;
   const width = Math.max(300, holder.clientWidth || 600);
   const n = data.scores.length;
+  const last = step > 0 ? data.steps[step - 1] : null;
+  const stop = last ? last.stop : 0;
+  const shown = data.scores.map((x, j) => (drag && drag.j === j ? drag.value : x));
+  const mValues = data.steps.map((st) => st.m);
+  const scale = scoreScale([...shown, ...mValues]);
+  const label = labelFormat([...shown, ...mValues, scale.base]);
+  // margins: the axis labels on the left, the m label in a gutter of its own, ℓ and a beside
+  const LEFT = Math.max(MIN_LEFT, 10 + CHAR_W * label(scale.base).length);
+  const mLabel = last ? `m = ${label(last.m)}` : "";
+  const gutter = 14 + CHAR_W * Math.max(5, ...mValues.map((m) => `m = ${label(m)}`.length));
   const sideW = width >= 420 ? SIDE : 74;
-  const plotW = width - LEFT - sideW - 10;
+  const plotW = Math.max(60, width - LEFT - gutter - sideW - 10);
   const bw = plotW / n;
-  const height = TOP_H + GAP + BOTTOM_H + 30;
+  const T1 = T0 + TOP_H;
+  const by = T1 + GAP; // top of the exp(s − m) panel
+  const height = by + BOTTOM_H + 24;
   if (!svg || !holder.contains(svg)) {
     svg = s("svg", { class: "row-chart", role: "img" });
     holder.replaceChildren(svg);
@@ -52,12 +96,7 @@ export function drawRowChart(holder, data, step, prev, callbacks) {
   svg.setAttribute("width", width);
   svg.setAttribute("height", height);
   svg.setAttribute("aria-label", t("s2.chartLabel"));
-  const last = step > 0 ? data.steps[step - 1] : null;
-  const stop = last ? last.stop : 0;
-  const shown = data.scores.map((x, j) => (drag && drag.j === j ? drag.value : x));
-  const mValues = data.steps.map((st) => st.m);
-  const top = scaleOf(shown, Math.min(...mValues), Math.max(...mValues));
-  const yTop = (v) => 10 + (TOP_H * (top.hi - v)) / (top.hi - top.lo);
+  const yTop = (v) => T0 + LABEL_ROOM + ((TOP_H - 2 * LABEL_ROOM) * (scale.hi - v)) / (scale.hi - scale.lo);
   const x = (j) => LEFT + j * bw;
   const g = s("g", {});
 
@@ -65,46 +104,62 @@ export function drawRowChart(holder, data, step, prev, callbacks) {
   data.blocks.forEach(([a, b], i) => {
     const cls = i === step - 1 ? "band current" : i < step ? "band read" : "band";
     g.append(
-      s("rect", { x: x(a), y: 4, width: (b - a) * bw, height: TOP_H + GAP + BOTTOM_H + 8, class: cls, "data-band": i }),
-      bw * (b - a) >= 22 ? s("text", { x: x(a) + ((b - a) * bw) / 2, y: TOP_H + 10 + 26, "text-anchor": "middle", class: "band-label" }, `B${i + 1}`) : null,
+      s("rect", { x: x(a), y: 4, width: (b - a) * bw, height: by + BOTTOM_H + 8 - 4, class: cls, "data-band": i }),
+      bw * (b - a) >= 22 ? s("text", { x: x(a) + ((b - a) * bw) / 2, y: T1 + 30, "text-anchor": "middle", class: "band-label" }, `B${i + 1}`) : null,
     );
   });
-  // zero line and score axis
+  // the line the bars stand on: 0, or the floor of a row far from 0 (marked as a broken axis)
+  const y0 = yTop(scale.base);
   g.append(
-    s("line", { x1: LEFT, x2: LEFT + plotW, y1: yTop(0), y2: yTop(0), class: "axis-line" }),
-    s("text", { x: LEFT - 6, y: yTop(0) + 4, "text-anchor": "end", class: "axis-text" }, "0"),
+    s("line", { x1: LEFT, x2: LEFT + plotW, y1: y0, y2: y0, class: "axis-line" }),
+    s("text", { x: LEFT - 6, y: y0 + 4, "text-anchor": "end", class: "axis-text", "data-axis": "base" }, label(scale.base)),
     s("text", { x: 4, y: 16, class: "axis-title" }, "s"),
   );
-  // the score bars, draggable
+  if (scale.broken) {
+    g.append(s("path", { d: `M${LEFT - 4} ${y0 - 9} l4 -3 l-4 -3 l4 -3`, class: "axis-break" }));
+  }
+  // the score bars, draggable; value labels only when every one fits its column
+  const r = Math.max(4, Math.min(8, bw * 0.3));
+  const valueLabels = Math.max(...shown.map((v) => label(v).length)) * DIGIT_W + 4 <= bw;
+  const indexLabels = String(n - 1).length * DIGIT_W + 2 <= bw;
+  const valueGroup = s("g", { class: "score-values" }); // drawn over the m line
   shown.forEach((v, j) => {
-    const y0 = yTop(0);
     const y1 = yTop(v);
     const read = j < stop;
     const inCurrent = last && j >= last.start && j < last.stop;
+    const up = v >= scale.base;
     const bar = s("g", { class: `score${read ? " read" : ""}${inCurrent ? " current" : ""}`, "data-pos": j });
     bar.append(
       s("rect", { x: x(j) + bw * 0.18, y: Math.min(y0, y1), width: bw * 0.64, height: Math.max(Math.abs(y1 - y0), 1), class: "score-bar" }),
-      s("rect", { x: x(j), y: 8, width: bw, height: TOP_H + 4, class: "score-hit" }),
+      s("rect", { x: x(j), y: T0 - 2, width: bw, height: TOP_H + 4, class: "score-hit" }),
     );
     const handle = s("circle", {
       cx: x(j) + bw / 2,
       cy: y1,
-      r: Math.max(4, Math.min(8, bw * 0.3)),
+      r,
       class: "score-handle",
       tabindex: 0,
       role: "slider",
       "aria-label": t("s2.dragLabel", { pos: j }),
       "aria-valuenow": String(v),
+      "aria-valuetext": label(v),
       "data-handle": j,
     });
     bar.append(handle);
     // on a touch screen the page scrolls except from a handle, which drags its bar
     handle.addEventListener("touchstart", (ev) => ev.preventDefault(), { passive: false });
-    const r = Math.max(4, Math.min(8, bw * 0.3));
-    if (bw >= 18) bar.append(s("text", { x: x(j) + bw / 2, y: v >= 0 ? y1 - r - 4 : y1 + r + 12, "text-anchor": "middle", class: "score-text" }, fmtNumber(v, 3)));
-    if (bw >= 14) bar.append(s("text", { x: x(j) + bw / 2, y: TOP_H + 10 + 12, "text-anchor": "middle", class: "pos-text" }, String(j)));
+    if (valueLabels) {
+      // on a light ground of its own, so that the m line never runs through the digits
+      const ty = up ? y1 - r - 4 : y1 + r + 12;
+      const tw = label(v).length * DIGIT_W + 4;
+      valueGroup.append(
+        s("rect", { x: x(j) + bw / 2 - tw / 2, y: ty - 10, width: tw, height: 13, rx: 2, class: "score-text-bg" }),
+        s("text", { x: x(j) + bw / 2, y: ty, "text-anchor": "middle", class: "score-text", "data-pos": j }, label(v)),
+      );
+    }
+    if (indexLabels) bar.append(s("text", { x: x(j) + bw / 2, y: T1 + 14, "text-anchor": "middle", class: "pos-text" }, String(j)));
     bar.addEventListener("pointerdown", (ev) => {
-      if (ev.pointerType !== "touch" || ev.target === handle) startDrag(ev, j, v, top);
+      if (ev.pointerType !== "touch" || ev.target === handle) startDrag(ev, j, v, scale);
     });
     bar.addEventListener("pointerenter", () => onHover(j));
     bar.addEventListener("pointerleave", () => onHover(null));
@@ -112,12 +167,11 @@ export function drawRowChart(holder, data, step, prev, callbacks) {
       const delta = ev.key === "ArrowUp" ? 0.1 : ev.key === "ArrowDown" ? -0.1 : 0;
       if (!delta) return;
       ev.preventDefault();
-      onScore(j, Math.round((v + (ev.shiftKey ? 10 : 1) * delta) * 10) / 10);
-      onDragEnd();
+      onNudge(j, (ev.shiftKey ? 10 : 1) * delta);
     });
     g.append(bar);
   });
-  // the running max after this step
+  // the running max after this step; its label sits in the gutter right of the bars
   let mLine = null;
   if (last) {
     const ym = yTop(last.m);
@@ -125,20 +179,21 @@ export function drawRowChart(holder, data, step, prev, callbacks) {
       "g",
       { class: "m-line" },
       s("line", { x1: LEFT, x2: x(stop), y1: ym, y2: ym }),
-      s("text", { x: x(stop) + 4, y: ym + 4, class: "m-text" }, `m = ${fmtNumber(last.m, 4)}`),
+      stop < n ? s("line", { x1: x(stop), x2: LEFT + plotW + 4, y1: ym, y2: ym, class: "m-leader" }) : null,
+      s("text", { x: LEFT + plotW + 8, y: ym + 4, class: "m-text" }, mLabel),
     );
     g.append(mLine);
   }
+  g.append(valueGroup);
 
   // exp(s_j − m) of the positions read, 0..1
-  const by = TOP_H + GAP + 10;
   const yBot = (v) => by + BOTTOM_H * (1 - v);
   g.append(
     s("line", { x1: LEFT, x2: LEFT + plotW, y1: yBot(0), y2: yBot(0), class: "axis-line" }),
     s("line", { x1: LEFT, x2: LEFT + plotW, y1: yBot(1), y2: yBot(1), class: "axis-line faint" }),
     s("text", { x: LEFT - 6, y: yBot(1) + 4, "text-anchor": "end", class: "axis-text" }, "1"),
     s("text", { x: LEFT - 6, y: yBot(0) + 4, "text-anchor": "end", class: "axis-text" }, "0"),
-    s("text", { x: 4, y: by - 6, class: "axis-title" }, t("s2.chartWeights")),
+    s("text", { x: 4, y: by - 14, class: "axis-title" }, t("s2.chartWeights")),
   );
   const grew = last && prev === step - 1;
   const weights = last ? last.weights : [];
@@ -161,10 +216,11 @@ export function drawRowChart(holder, data, step, prev, callbacks) {
   });
 
   // beside: ℓ as the stack of those terms, and the accumulator's components
-  const sx = LEFT + plotW + 12;
+  const sx = LEFT + plotW + gutter + 4;
   const maxEll = Math.max(...data.steps.map((st) => st.ell), 1);
-  const ellH = TOP_H + GAP + BOTTOM_H - 16;
-  const yEll = (v) => 24 + ellH * (1 - v / maxEll);
+  const ellTop = 40; // under the ℓ title and its value
+  const ellH = yBot(0) - ellTop;
+  const yEll = (v) => ellTop + ellH * (1 - v / maxEll);
   g.append(s("text", { x: sx, y: 14, class: "axis-title" }, "\u2113"));
   let acc0 = 0;
   const segs = [];
@@ -174,14 +230,14 @@ export function drawRowChart(holder, data, step, prev, callbacks) {
     segs.push(seg);
     g.append(seg);
   });
-  if (last) g.append(s("text", { x: sx + 11, y: yEll(last.ell) - 5, "text-anchor": "middle", class: "ell-text", "data-ell": String(last.ell) }, fmtNumber(last.ell, 4)));
+  if (last) g.append(s("text", { x: sx, y: 30, class: "ell-text", "data-ell": String(last.ell) }, fmtNumber(last.ell, 4)));
   // a: one signed bar per component (first 4)
   const dv = Math.min(data.d_v, 4);
   const accs = data.steps.flatMap((st) => st.acc.slice(0, dv));
   const accScale = Math.max(1e-9, ...accs.map(Math.abs));
-  const ax = sx + 32;
-  const aw = Math.max(8, (sideW - 44) / dv - 3);
-  const mid = 24 + ellH / 2;
+  const ax = sx + 40;
+  const aw = Math.max(8, (sideW - 52) / dv - 3);
+  const mid = ellTop + ellH / 2;
   g.append(s("text", { x: ax, y: 14, class: "axis-title" }, "a"), s("line", { x1: ax, x2: ax + dv * (aw + 3), y1: mid, y2: mid, class: "axis-line" }));
   const accBars = [];
   for (let c = 0; c < dv; c++) {
@@ -193,6 +249,7 @@ export function drawRowChart(holder, data, step, prev, callbacks) {
     g.append(bar);
   }
   svg.replaceChildren(g);
+  if (focused !== null) svg.querySelector(`[data-handle="${focused}"]`)?.focus({ preventScroll: true });
 
   // step animation: m moves, the old terms shrink by α, the new block's terms grow
   if (grew && !drag) {
@@ -222,7 +279,7 @@ function startDrag(ev, j, v, scale) {
   if (ev.button !== 0) return;
   ev.preventDefault();
   svg.setPointerCapture(ev.pointerId);
-  drag = { j, value: v, y0: ev.clientY, v0: v, perPx: (scale.hi - scale.lo) / TOP_H };
+  drag = { j, value: v, y0: ev.clientY, v0: v, perPx: (scale.hi - scale.lo) / (TOP_H - 2 * LABEL_ROOM) };
 }
 
 function moveDrag(ev) {

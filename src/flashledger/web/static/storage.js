@@ -2,32 +2,52 @@
 // against the length (P grows as L², the LSE as L), the memory-traffic model of three
 // schedules, and the tile classes (flashledger.accounting). Pictures are drawn at 1:1
 // scale for the width they have, so their text stays readable on a phone.
+//
+// The section books the sizes of its own fields. A line above them says whether they are the
+// problem section 04 steps through, and a button books that problem (sizes, tiles and its
+// exact mask, as a grid when no plain kind gives the same), so the two never silently differ.
 
 import { latest, post } from "./api.js";
+import * as backward from "./backward.js";
 import { count, fill, h, s } from "./fmt.js";
 import { t, tNodes } from "./i18n.js";
-import { get, subscribe } from "./state.js";
-import { bindInput, clearErrors, parseIntField, showErrors, showFieldError, staleNote, widthOf } from "./widgets.js";
+import { get, getDefault, set, subscribe } from "./state.js";
+import {
+  alignText,
+  bindInput,
+  keepToOptions,
+  parseIntField,
+  resultShown,
+  showErrors,
+  showFieldError,
+  staleNote,
+  widthOf,
+} from "./widgets.js";
 
-const KEYS = ["slq", "slk", "sd", "sbq", "sbk", "smask", "swl", "swr", "sdt"];
+const KEYS = ["slq", "slk", "sd", "sdv", "sbq", "sbk", "smask", "swl", "swr", "scm", "sdt"];
 const INTS = { lq: "slq", lk: "slk", d: "sd", block_q: "sbq", block_k: "sbk" };
 let section;
 let data = null;
+let shownBody = null; // the request `data` answers
 let visible = false;
 const sequence = latest();
 
-export function init() {
+export function init(ctx) {
   section = document.getElementById("sec-storage");
-  const ids = { slq: "f-s-lq", slk: "f-s-lk", sd: "f-s-d", sbq: "f-s-bq", sbk: "f-s-bk", swl: "f-s-wl", swr: "f-s-wr" };
+  keepToOptions(document.getElementById("f-s-mask"), "smask");
+  keepToOptions(document.getElementById("f-s-dtype"), "sdt");
+  const ids = { slq: "f-s-lq", slk: "f-s-lk", sd: "f-s-d", sdv: "f-s-dv", sbq: "f-s-bq", sbk: "f-s-bk", swl: "f-s-wl", swr: "f-s-wr" };
   const bindings = Object.entries(ids).map(([key, id]) => bindInput(document.getElementById(id), key));
   bindings.push(bindInput(document.getElementById("f-s-mask"), "smask", { event: "change" }));
   bindings.push(bindInput(document.getElementById("f-s-dtype"), "sdt", { event: "change" }));
+  document.getElementById("storage-take").addEventListener("click", bookSection04);
   subscribe((changes) => {
     if (KEYS.some((key) => key in changes)) {
       for (const b of bindings) b.sync(changes);
       compute();
     }
   });
+  ctx.bus.addEventListener("backward", () => visible && renderSource());
   for (const id of ["storage-plot", "storage-traffic"]) {
     new ResizeObserver(() => visible && data && renderPictures()).observe(document.getElementById(id));
   }
@@ -36,30 +56,148 @@ export function init() {
 
 export function shown(sec) {
   visible = sec === "storage";
+  if (visible) renderSource();
   if (visible && data) renderPictures();
+}
+
+// ------------------------------------------------------------------------ masks as grids
+
+function gridText(dense) {
+  return dense.map((row) => row.map((x) => (x ? "1" : "0")).join("")).join(";");
+}
+
+function gridOf(text) {
+  return text ? text.split(";").map((row) => [...row].map((c) => c === "1")) : [];
+}
+
+/** Visibility (lq, lk) of a storage mask body as the ledger reads it (its windows align top-left). */
+function denseOf(mask, lq, lk) {
+  if (mask.kind === "custom") return mask.dense;
+  return Array.from({ length: lq }, (_r, i) =>
+    Array.from({ length: lk }, (_c, j) => {
+      if (mask.kind === "causal_top_left") return j <= i;
+      if (mask.kind === "causal_bottom_right") return j <= i + lk - lq;
+      if (mask.kind === "sliding_window") return (mask.left < 0 || j >= i - mask.left) && (mask.right < 0 || j <= i + mask.right);
+      return true;
+    }),
+  );
+}
+
+const sameGrid = (a, b) => a.length === b.length && a.every((row, i) => row.length === b[i].length && row.every((x, j) => x === b[i][j]));
+
+// ------------------------------------------------------------------------ section 04's problem
+
+/** The storage fields (state keys) that book section 04's problem `p` exactly. */
+function fieldsFor(p) {
+  const changes = { slq: String(p.lq), slk: String(p.lk), sd: String(p.d), sdv: p.dv === p.d ? "" : String(p.dv), sbq: String(p.bq), sbk: String(p.bk), scm: "" };
+  const spec = p.maskSpec;
+  let plain = null;
+  if (spec.kind === "none") plain = { smask: "none" };
+  else if (spec.kind === "causal") plain = { smask: p.align === "bottom_right" ? "causal_bottom_right" : "causal_top_left" };
+  else if (spec.kind === "causal_top_left" || spec.kind === "causal_bottom_right") plain = { smask: spec.kind };
+  else if (spec.kind === "sliding_window") plain = { smask: "sliding_window", swl: String(spec.left), swr: String(spec.right) };
+  const body = plain && { kind: plain.smask, left: spec.left, right: spec.right };
+  if (plain && sameGrid(denseOf(body, p.lq, p.lk), p.dense)) return { ...changes, ...plain };
+  return { ...changes, smask: "custom", scm: gridText(p.dense) };
+}
+
+function bookSection04() {
+  const p = backward.problem();
+  if (p) set(fieldsFor(p));
+}
+
+/** True when the result shown books section 04's problem `p` (sizes, tiles, the same grid). */
+function books(p) {
+  const b = shownBody;
+  if (!b || !p) return false;
+  const same = b.lq === p.lq && b.lk === p.lk && b.d === p.d && (b.d_v ?? b.d) === p.dv && b.block_q === p.bq && b.block_k === p.bk;
+  return same && sameGrid(denseOf(b.mask, b.lq, b.lk), p.dense);
+}
+
+/** Section 04's problem in one line: sizes, tiles, mask. */
+function describe(p) {
+  const sizes = p.lq === p.lk ? `L = ${p.lq}` : `Lq = ${p.lq}, Lk = ${p.lk}`;
+  const dims = p.dv === p.d ? `d = ${p.d}` : `d = ${p.d}, d_v = ${p.dv}`;
+  const spec = p.maskSpec;
+  let mask = document.querySelector(`#f-mask option[value="${CSS.escape(spec.kind)}"]`)?.textContent ?? spec.kind;
+  if (spec.kind === "causal") mask = `${t("s7.maskCausal")}, ${alignText(p.align)}`;
+  if (spec.kind === "custom") mask = t("s4.maskCustomShort");
+  if (spec.kind === "sliding_window") mask += ` (${spec.left}, ${spec.right})`;
+  return [sizes, dims, t("s5.tilesOf", { bq: p.bq, bk: p.bk }), mask].join(" \u00b7 ");
+}
+
+/** The line above the fields: whose sizes the figures book, and a button to book section 04's. */
+function renderSource() {
+  const line = document.getElementById("storage-source");
+  const take = document.getElementById("storage-take");
+  const p = backward.problem();
+  if (!p) {
+    fill(line, t("s5.booksOwn"));
+    take.hidden = true;
+    return;
+  }
+  const same = books(p);
+  fill(line, t(same ? "s5.booksSame" : "s5.booksOther", { what: describe(p) }));
+  line.classList.toggle("differs", !same);
+  take.hidden = same;
+}
+
+// ------------------------------------------------------------------------ compute
+
+/** The request for `read(key)` (the fields' state, or the defaults): {body} or {field, error}. */
+function request(read) {
+  const body = {};
+  for (const [field, key] of Object.entries(INTS)) {
+    body[field] = parseIntField(read(key));
+    if (body[field] === null) return { field, error: ["err.integer", {}] };
+  }
+  const dv = String(read("sdv") ?? "").trim();
+  if (dv) {
+    body.d_v = parseIntField(dv);
+    if (body.d_v === null) return { field: "d_v", error: ["err.integer", {}] };
+  }
+  const kind = read("smask");
+  body.mask = { kind };
+  if (kind === "sliding_window") {
+    body.mask.left = parseIntField(read("swl"));
+    body.mask.right = parseIntField(read("swr"));
+    if (body.mask.left === null || body.mask.right === null) return { field: "mask", error: ["err.integer", {}] };
+  } else if (kind === "custom") {
+    body.mask.dense = gridOf(read("scm"));
+  }
+  body.dtype = read("sdt");
+  return { body };
 }
 
 async function compute() {
   for (const el of section.querySelectorAll(".s-window-only")) el.hidden = get("smask") !== "sliding_window";
-  const body = {};
-  for (const [field, key] of Object.entries(INTS)) {
-    body[field] = parseIntField(get(key));
-    if (body[field] === null) return showFieldError(section, field, "err.integer");
+  document.getElementById("f-s-mask-custom").hidden = get("smask") !== "custom";
+  const req = request(get);
+  if (req.error) {
+    showFieldError(section, req.field, ...req.error);
+    return fallback();
   }
-  body.mask = { kind: get("smask") };
-  if (get("smask") === "sliding_window") {
-    body.mask.left = parseIntField(get("swl"));
-    body.mask.right = parseIntField(get("swr"));
-    if (body.mask.left === null || body.mask.right === null) return showFieldError(section, "mask", "err.integer");
-  }
-  body.dtype = get("sdt");
-  const answer = await sequence(post("/api/storage", body));
+  const answer = await sequence(post("/api/storage", req.body));
   if (answer === null) return;
   if (!answer.ok) {
-    return showErrors(section, document.getElementById("storage-error"), answer);
+    showErrors(section, document.getElementById("storage-error"), answer);
+    return fallback();
   }
-  clearErrors(section);
-  data = answer.data;
+  accept(answer.data, req.body, false);
+}
+
+/** Inputs refused before anything was shown (a link): the seed's figures, the errors kept. */
+async function fallback() {
+  if (data) return;
+  const req = request(getDefault);
+  const answer = await sequence(post("/api/storage", req.body));
+  if (answer?.ok) accept(answer.data, req.body, true);
+}
+
+function accept(result, body, isDefault) {
+  resultShown(section, { fallback: isDefault });
+  data = result;
+  shownBody = body;
   render();
 }
 
@@ -85,6 +223,7 @@ export function render() {
   });
   // the figures are the shown result's (L.config); while inputs are refused the note says so
   fill(document.getElementById("storage-summary"), staleNote(), summary);
+  renderSource();
   renderTable(L);
   renderPictures();
   renderGrid();
@@ -113,6 +252,7 @@ function renderPlot() {
   const top = 12;
   const bottom = 40;
   const pts = data.sweep;
+  const c = data.ledger.config;
   const xs = pts.map((p) => p.length);
   const ys = pts.flatMap((p) => [p.full_p, p.lse, p.common]);
   const lx0 = Math.log10(Math.min(...xs));
@@ -130,7 +270,7 @@ function renderPlot() {
   svg.append(s("text", { x: (left + W - right) / 2, y: H - 6, "text-anchor": "middle", class: "label" }, t("s5.plotX")));
   const series = [
     ["full_p", "series-p", t("s5.plotP")],
-    ["common", "series-common", t("s5.plotCommon")],
+    ["common", "series-common", t(c.d_v === c.d ? "s5.plotCommon" : "s5.plotCommonDv")],
     ["lse", "series-lse", t("s5.plotLse")],
   ];
   series.forEach(([key, cls, name], n) => {
@@ -191,16 +331,16 @@ function humanBytes(x) {
 /** Horizontal bars: for each schedule and pass, bytes read (blue) then written (amber). */
 function renderTraffic() {
   const schedules = [
-    ["standard", "standard"],
+    ["standard", t("s5.standard")],
     ["fa1", "FlashAttention-1"],
     ["fa2", "FlashAttention-2"],
   ];
   const rows = [];
   for (const [key, label] of schedules) {
     const tr = data.traffic[key];
-    const b = tr.bytes_per_element;
     for (const pass of ["forward", "backward"]) {
-      rows.push({ label: `${label} \u00b7 ${pass}`, read: tr[pass].elements_read * b, write: tr[pass].elements_written * b });
+      // bytes as the API books them: the statistics (m, ℓ, LSE, D) in float32 at least
+      rows.push({ label: `${label} \u00b7 ${t(`s7.${pass}`)}`, read: tr[pass].bytes_read, write: tr[pass].bytes_written });
     }
   }
   const max = Math.max(...rows.map((r) => r.read + r.write), 1);

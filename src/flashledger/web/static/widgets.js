@@ -1,8 +1,8 @@
 // Widgets shared by the sections: the stepper, readout cards, errors, typed fields, scroll cues.
 
-import { fill, h } from "./fmt.js";
-import { has, t } from "./i18n.js";
-import { get, set } from "./state.js";
+import { fill, fmtNumber, h } from "./fmt.js";
+import { currentLanguage, has, hasOwn, t } from "./i18n.js";
+import { get, getDefault, set } from "./state.js";
 
 const PLAY_INTERVAL_MS = 900;
 const steppers = new Map();
@@ -86,10 +86,57 @@ export function readout(id, labelKey, value, extraClass = "") {
 /**
  * The mark that starts a summary line describing a section's result. CSS shows it only while
  * the section is stale (inputs refused, last result kept and dimmed), so that the line never
- * reads as a description of inputs that were not computed.
+ * reads as a description of inputs that were not computed. It says which result is shown:
+ * the previous one, or (class "fallback" on the section: the inputs of a link or a reload were
+ * refused before anything was shown) the section's default example.
  */
 export function staleNote() {
-  return h("span", { class: "stale-note" }, t("common.previousResult"));
+  return h(
+    "span",
+    { class: "stale-note" },
+    h("span", { class: "stale-previous" }, t("common.previousResult")),
+    h("span", { class: "stale-default" }, t("common.defaultResult")),
+  );
+}
+
+/**
+ * A section shows a new result: current (its errors cleared) or, with `fallback`, the
+ * default example computed because the inputs were refused (their errors stay, dimmed result).
+ */
+export function resultShown(section, { fallback = false } = {}) {
+  if (fallback) {
+    section.classList.add("stale", "fallback");
+    return;
+  }
+  clearErrors(section);
+  section.classList.remove("fallback");
+}
+
+/**
+ * What a conventions preset does, in the page's language: the server's description in English;
+ * in another language the page's own words for the presets it knows, else words made from
+ * the preset's fields.
+ */
+export function presetText(preset) {
+  if (currentLanguage() === "en") return preset.description;
+  const key = `preset.${preset.name}`;
+  if (hasOwn(key)) return t(key);
+  return t("preset.generic", { name: preset.name, lse: fmtNumber(preset.masked_row_lse), align: alignText(preset.causal_align) });
+}
+
+/** A causal alignment ("top_left", "bottom_right") in the page's language. */
+export function alignText(align) {
+  return t(align === "bottom_right" ? "s6.alignBR" : "s6.alignTL");
+}
+
+/**
+ * A select's state key holds one of its options, or goes back to its default (a link may
+ * carry any text); returns true when it was changed.
+ */
+export function keepToOptions(select, key) {
+  if ([...select.options].some((o) => o.value === get(key))) return false;
+  set({ [key]: getDefault(key) });
+  return true;
 }
 
 // ------------------------------------------------------------------------ motion
@@ -109,11 +156,43 @@ export function animate(el, frames, options) {
 
 // ------------------------------------------------------------------------ errors
 
+// API names of choices, shown as the page names them in its selects
+const CHOICE_KEYS = {
+  none: "s4.maskNone",
+  causal: "s7.maskCausal",
+  causal_top_left: "s4.maskTL",
+  causal_bottom_right: "s4.maskBR",
+  sliding_window: "s4.maskWindow",
+  custom: "s4.maskCustomShort",
+  contiguous: "s7.layout_contiguous",
+  zigzag: "s7.layout_zigzag",
+  random: "s7.dataRandom",
+  example: "s7.dataExample",
+};
+
+/**
+ * A list of allowed values as the server writes it ("'a', 'b' or 'c'", "a, b, c") in the
+ * page's language: each choice by the name the page gives it (code names such as presets
+ * and dtypes as they are), quoted, joined as that language joins a list.
+ */
+export function allowedText(allowed) {
+  const items = String(allowed ?? "")
+    .replace(/\s+or\s+/g, ", ")
+    .split(",")
+    .map((x) => x.trim().replace(/^['"]|['"]$/g, ""))
+    .filter(Boolean)
+    .map((x) => t("common.quoted", { text: CHOICE_KEYS[x] ? t(CHOICE_KEYS[x]) : x }));
+  if (items.length < 2) return items.join("");
+  return t("common.listOr", { items: items.slice(0, -1).join(t("common.listSep")), last: items[items.length - 1] });
+}
+
 /** An API error item in the page's language: its kind and limits when the page knows the kind. */
 export function errorText(err) {
   const key = `err.k.${err.kind}`;
-  if (err.kind && has(key)) return t(key, { ...(err.limits ?? {}) });
-  return err.message ?? "";
+  if (!err.kind || !has(key)) return err.message ?? "";
+  const limits = { ...(err.limits ?? {}) };
+  if ("allowed" in limits) limits.allowed = allowedText(limits.allowed);
+  return t(key, limits);
 }
 
 // Each error shown on the page keeps how to state it (a function of the page's language),
@@ -143,7 +222,6 @@ export function renderErrors(root = document) {
     if (!text || !el.textContent) continue;
     el.textContent = text();
   }
-  placeErrors(root);
 }
 
 /** The error slot for an API error: the most specific of its path, last path name, field. */
@@ -157,28 +235,10 @@ function errorSlot(section, field, path) {
   return null;
 }
 
-/**
- * Keep an error bubble (absolutely placed under its field) inside the viewport. A bubble in a
- * hidden section has no box to measure: it is placed when its section is shown (placeErrors).
- */
-function placeBubble(slot) {
-  slot.style.left = "";
-  slot.style.maxWidth = "";
-  if (!slot.textContent || !slot.getClientRects().length) return;
-  const margin = 8;
-  const avail = document.documentElement.clientWidth - 2 * margin;
-  slot.style.maxWidth = `${Math.min(avail, 360)}px`;
-  const box = slot.getBoundingClientRect();
-  const shift = Math.min(0, document.documentElement.clientWidth - margin - box.right);
-  const left = Math.max(margin - box.left, shift);
-  if (left) slot.style.left = `${left}px`;
-}
-
 /** Show text() next to a field and mark the field invalid. */
 function markField(slot, text) {
   putError(slot, text);
   slot.closest(".field")?.querySelector("input, textarea, select")?.setAttribute("aria-invalid", "true");
-  placeBubble(slot);
 }
 
 /**
@@ -208,13 +268,6 @@ export function showFieldError(section, field, key, vars = {}) {
   section.classList.add("stale");
   markField(section.querySelector(`[data-error-for="${CSS.escape(field)}"]`), () => t(key, vars));
 }
-
-/** Place every error bubble shown under root (after a resize, a language switch, a section shown). */
-export function placeErrors(root = document) {
-  for (const slot of root.querySelectorAll(".field-error")) if (slot.textContent) placeBubble(slot);
-}
-
-window.addEventListener("resize", () => placeErrors());
 
 // ------------------------------------------------------------------------ typed fields
 
