@@ -1,4 +1,5 @@
-"""The command blocks in the README and docs/ show what the commands print today.
+"""The command blocks in the README and docs/ show what the commands print today, and the
+Python blocks run and give what their comments say (a size, a shape, a dict's entries).
 
 Each fenced ``console`` block that starts with ``$ flashledger ...`` is run
 in-process; every line shown (``...`` marks an elision) must appear in the
@@ -11,6 +12,7 @@ from __future__ import annotations
 import re
 import shlex
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -114,7 +116,62 @@ def test_every_python_block_is_run_or_listed() -> None:
 def test_python_block_runs(name: str, index: int, body: str) -> None:
     if "integrations.transformers" in body:
         pytest.importorskip("transformers")  # the optional extra flashledger[transformers]
-    scope: dict[str, object] = {"__name__": f"docs_{name}_{index}"}
-    exec(compile(body, f"{name} python block {index}", "exec"), scope)
+    scope: dict[str, object] = {"__name__": f"docs_{name}_{index}", "_claim": _claim}
+    exec(compile(_with_claims(body), f"{name} python block {index}", "exec"), scope)
     for fn in [v for k, v in scope.items() if k.startswith("test_") and callable(v)]:
         fn()  # the block's own tests (verify.md shows how to write them)
+
+
+# what a line's comment says of its value, checked where the block runs: "~1e-15" (an
+# expression, or print(expression), of about that size or less), "(2, 1, 512, 512)" (the
+# shape of the name assigned), "key=value, ..." (entries of the dict the expression gives)
+SMALL = re.compile(r"^(?P<code>.*?)\s+#\s*~(?P<bound>1e-\d+)\s*$")
+SHAPE = re.compile(r"^(?P<ind>\s*)(?P<name>\w+) = .*?#\s*(?P<shape>\((?:\d+,\s*)*\d*\))")
+ENTRIES = re.compile(r"^(?P<code>[^#=]*?\S)\s+#\s*(?P<pairs>(?:\w+=\d+,\s*)+)\.\.\.\s*$")
+
+
+def _claim(kind: str, value: Any, want: Any, line: str) -> None:
+    if kind == "small":
+        got = float(value)
+        assert got <= 100 * want, f"{line!r}: the docs say ~{want:g}, it gives {got:.3g}"
+    elif kind == "shape":
+        assert tuple(value.shape) == want, f"{line!r}: shape {tuple(value.shape)}, not {want}"
+    else:
+        for key, n in want.items():
+            assert value[key] == n, f"{line!r}: {key} = {value[key]}, not {n}"
+
+
+def _with_claims(body: str) -> str:
+    """``body`` with each checkable comment turned into a ``_claim`` call on its line's
+    value (``CLAIMS_CHECKED`` lists the ones the docs hold)."""
+    out = []
+    for line in body.split("\n"):
+        small, shape, entries = SMALL.match(line), SHAPE.match(line), ENTRIES.match(line)
+        if small:
+            code = small["code"].rstrip()
+            inner = code[len("print(") : -1] if code.lstrip().startswith("print(") else code
+            indent = code[: len(code) - len(code.lstrip())]
+            out.append(f"{indent}_claim('small', {inner.strip()}, {small['bound']}, {line!r})")
+        elif shape:
+            out.append(line)
+            want = tuple(int(x) for x in re.findall(r"\d+", shape["shape"]))
+            out.append(f"{shape['ind']}_claim('shape', {shape['name']}, {want!r}, {line!r})")
+        elif entries:
+            pairs = dict(re.findall(r"(\w+)=(\d+)", entries["pairs"]))
+            want_d = {k: int(n) for k, n in pairs.items()}
+            out.append(f"_claim('entries', {entries['code']}, {want_d!r}, {line!r})")
+        else:
+            out.append(line)
+    return "\n".join(out)
+
+
+CLAIMS_CHECKED = 6  # README: two ~1e-N, three shapes; ledgers.md: one dict
+
+
+def test_the_docs_claims_are_all_found() -> None:
+    """Every comment of those forms in a run block is checked (a rewording that the
+    patterns miss would silently stop checking it)."""
+    found = sum(
+        line.count("_claim(") for _, _, body in PY_BLOCKS for line in _with_claims(body).split("\n")
+    )
+    assert found == CLAIMS_CHECKED, found
