@@ -22,6 +22,7 @@ import {
   registerStepper,
   resultShown,
   showErrors,
+  showDefaultResult,
   showFieldError,
   staleNote,
   stepper,
@@ -327,11 +328,14 @@ async function compute() {
  * Inputs refused before anything was shown (a link, a reload): show the seed's example with
  * the errors beside the fields, so that the section is never blank.
  */
-async function fallback() {
-  if (data) return;
-  const req = request(getDefault);
-  const answer = await sequence(post("/api/backward", req.body));
-  if (answer?.ok) accept(answer.data, req.body, true, getDefault("mask"));
+function fallback() {
+  return showDefaultResult({
+    shown: () => data !== null,
+    request,
+    path: "/api/backward",
+    sequence,
+    accept: (result, body) => accept(result, body, true, getDefault("mask")),
+  });
 }
 
 function accept(result, body, isDefault, maskKind = get("mask")) {

@@ -15,6 +15,7 @@ import {
   registerStepper,
   resultShown,
   showErrors,
+  showDefaultResult,
   showFieldError,
   staleNote,
   stepper,
@@ -136,11 +137,14 @@ async function compute() {
  * Inputs refused before anything was shown (a link, a reload): show the seed's row with the
  * errors beside the fields, so that the section is never blank.
  */
-async function fallback() {
-  if (data) return;
-  const req = request(getDefault);
-  const answer = await sequence(post("/api/ledger", req.body));
-  if (answer?.ok) accept(answer.data, req.body, true);
+function fallback() {
+  return showDefaultResult({
+    shown: () => data !== null,
+    request,
+    path: "/api/ledger",
+    sequence,
+    accept: (result, body) => accept(result, body, true),
+  });
 }
 
 function accept(result, body, isDefault) {

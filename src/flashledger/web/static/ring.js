@@ -6,7 +6,7 @@
 import { latest, post } from "./api.js";
 import { count, fill, h, num, s } from "./fmt.js";
 import { t } from "./i18n.js";
-import { get, getDefault, set, subscribe } from "./state.js";
+import { get, set, subscribe } from "./state.js";
 import {
   bindInput,
   keepToOptions,
@@ -15,6 +15,7 @@ import {
   registerStepper,
   resultShown,
   showErrors,
+  showDefaultResult,
   showFieldError,
   staleNote,
   stepper,
@@ -152,11 +153,14 @@ async function compute() {
 }
 
 /** Inputs refused before anything was shown (a link): the default ring, the errors kept. */
-async function fallback() {
-  if (data) return;
-  const req = request(getDefault);
-  const answer = await sequence(post("/api/ring", req.body));
-  if (answer?.ok) accept(answer.data, req.body, true);
+function fallback() {
+  return showDefaultResult({
+    shown: () => data !== null,
+    request,
+    path: "/api/ring",
+    sequence,
+    accept: (result, body) => accept(result, body, true),
+  });
 }
 
 function accept(result, body, isDefault) {

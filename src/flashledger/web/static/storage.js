@@ -11,7 +11,7 @@ import { latest, post } from "./api.js";
 import * as backward from "./backward.js";
 import { count, fill, h, s } from "./fmt.js";
 import { t, tNodes } from "./i18n.js";
-import { get, getDefault, set, subscribe } from "./state.js";
+import { get, set, subscribe } from "./state.js";
 import {
   alignText,
   bindInput,
@@ -19,6 +19,7 @@ import {
   parseIntField,
   resultShown,
   showErrors,
+  showDefaultResult,
   showFieldError,
   staleNote,
   widthOf,
@@ -187,11 +188,14 @@ async function compute() {
 }
 
 /** Inputs refused before anything was shown (a link): the seed's figures, the errors kept. */
-async function fallback() {
-  if (data) return;
-  const req = request(getDefault);
-  const answer = await sequence(post("/api/storage", req.body));
-  if (answer?.ok) accept(answer.data, req.body, true);
+function fallback() {
+  return showDefaultResult({
+    shown: () => data !== null,
+    request,
+    path: "/api/storage",
+    sequence,
+    accept: (result, body) => accept(result, body, true),
+  });
 }
 
 function accept(result, body, isDefault) {

@@ -1,5 +1,6 @@
 // Widgets shared by the sections: the stepper, readout cards, errors, typed fields, scroll cues.
 
+import { post } from "./api.js";
 import { fill, fmtNumber, h } from "./fmt.js";
 import { currentLanguage, has, hasOwn, t } from "./i18n.js";
 import { get, getDefault, set } from "./state.js";
@@ -380,4 +381,18 @@ export function watchAllScrolls(root = document) {
 export function widthOf(el, fallback = 600) {
   const w = el.clientWidth;
   return w > 0 ? w : fallback;
+}
+
+/**
+ * For inputs refused before anything was shown (a link, a reload): compute the section's
+ * default inputs' result and show it through `accept(data, body)`, the errors kept beside
+ * the fields, so that the section is never blank. Does nothing once a result is `shown()`.
+ * `request(read)` builds the section's request from a reader of the state (`getDefault`
+ * here); `sequence` is the section's `latest()`.
+ */
+export async function showDefaultResult({ shown, request, path, sequence, accept }) {
+  if (shown()) return;
+  const req = request(getDefault);
+  const answer = await sequence(post(path, req.body));
+  if (answer?.ok) accept(answer.data, req.body);
 }
