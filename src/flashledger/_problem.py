@@ -656,12 +656,14 @@ def _frame_key(
     options (scalars with their types, so that ``True`` is not taken for ``1``); None
     when the frame may not be kept: inputs that are not tensors, more than ``max_rows``
     query rows, a mask other than ``Causal``/``SlidingWindow`` (those are values; others
-    may hold tensors), or an unhashable option."""
+    may hold tensors), an option given as a tensor, or an unhashable option."""
     if not all(isinstance(x, torch.Tensor) for x in (q, k, v)):
         return None
     if q.ndim < 2 or q.shape[-2] > max_rows:
         return None
     if mask is not None and type(mask) not in (Causal, SlidingWindow):
+        return None
+    if any(isinstance(x, torch.Tensor) for x in scalars):  # a 0-d tensor scale: by value later
         return None
     key = (
         (q.shape, k.shape, v.shape),
