@@ -442,3 +442,17 @@ def test_visible_count_uses_no_dense_matrix_for_long_causal() -> None:
     assert sw.qk_dots_forward == n * (n + 1) // 2
     assert sw.tiles_run == 32 * 33 // 2 and sw.tiles_partial == 32
     assert math.isclose(sw.qk_dots_computed / sw.qk_dots_forward, 33 / 32, rel_tol=1e-3)
+
+
+def test_byte_sizes_stay_under_1000_of_their_unit() -> None:
+    """A size is printed in the unit that keeps it under 1000 (no ``1e+03 MiB``)."""
+    from flashledger.accounting import _bytes
+
+    cases = {
+        999: "999 B", 1024: "1 KiB", 999 * 1024: "999 KiB", 1000 * 1024: "0.977 MiB",
+        1000 * 2**20: "0.977 GiB", 2**40: "1 TiB", 1536: "1.5 KiB",
+    }  # fmt: skip
+    for x, want in cases.items():
+        assert _bytes(x) == want, (x, _bytes(x))
+    sw = storage_and_work(lq=11449, lk=11449, d=64, block_q=64, block_k=64)
+    assert "e+" not in str(sw), str(sw)

@@ -365,3 +365,30 @@ def test_the_ledger_books_bytes_of_the_input_dtype(dtype, gen):
         )
         d = led.to_dict()
         assert d["bytes_read"] == led.bytes_read and f"{led.bytes_read} and" in str(led)
+
+
+def test_a_large_traced_ledger_prints_readably() -> None:
+    """L = 256 in 64-wide tiles: each cell shows a row vector's ends and a P tile's shape
+    and range, not 64 or 4096 numbers; ``repr`` is one line; the rows say which batch
+    element and head they show when there are several. Every value stays in ``records``."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(1, 2, 256, 8, dtype=torch.float64, generator=g) for _ in range(4))
+    f = fl.blocked_forward(q, k, v, mask=fl.Causal(), block_q=64, block_k=64, trace=True)
+    b = fl.blocked_backward(
+        q, k, v, f.o, f.lse, do, mask=fl.Causal(), block_q=64, block_k=64, trace=True
+    )
+    for led in (f.ledger, b.ledger):
+        text = str(led)
+        assert len(text) < 500 * (len(led.records) + 2), len(text)  # was ~2,300 a row
+        assert "rows show batch 0, head 0 of 1 x 2 (the counters count all)" in text
+        assert repr(led).startswith(f"Ledger({led.pass_name}, tiles 64x64") and "\n" not in repr(
+            led
+        )
+        assert len(led._repr_html_()) < 40_000
+    assert "(64 values)" in str(f.ledger)
+    first = b.ledger.records[0]
+    assert first.p is not None and tuple(first.p.shape[-2:]) == (64, 64)  # kept whole
+    p0 = first.p[0, 0]
+    assert f"64x64 tile, 0..{float(p0.max()):.6g}" in str(b.ledger)
+    small = fl.blocked_forward(q[0, 0], k[0, 0], v[0, 0], block_q=2, block_k=2, trace=True)
+    assert "rows show" not in str(small.ledger) and "…" not in str(small.ledger)

@@ -177,7 +177,6 @@ def test_online_precision(capsys: pytest.CaptureFixture[str]) -> None:
         (["--scores", "1,2", "--values", "1,0;1"], ["argument --values", "same number"]),
         (["--block", "0"], ["argument --block", "integer >= 1"]),
         (["--shift", "nan"], ["argument --shift", "finite"]),
-        (["--scores", "-inf,-inf", "--values", "1;2"], ["at least one score must be finite"]),
         (["--bogus"], ["unrecognized arguments: --bogus"]),
         (["--scores", "1,1", "--values", "1e308;1e308"], ["overflow float64 in the weighted sum"]),
     ],
@@ -186,6 +185,20 @@ def test_online_bad_input(
     capsys: pytest.CaptureFixture[str], argv: list[str], words: list[str]
 ) -> None:
     assert_usage_error(*run(capsys, "online", *argv), *words)
+
+
+def test_online_fully_masked_row(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every score -inf: the seed's fully-masked row, m = -inf, ℓ = 0, O = 0, and the
+    reference and the probabilities 0 too (not NaN); in the table and in the JSON."""
+    argv = ("online", "--scores=-inf,-inf,-inf", "--values", "1,0;0,1;1,1", "--block", "1")
+    code, out, _ = run(capsys, *argv)
+    assert code == 0
+    assert "m = -inf   ℓ = 0" in out and "full-row reference:                 [0, 0]" in out
+    assert "nan" not in out.lower()
+    code, out, _ = run(capsys, *argv, "--json")
+    data = json.loads(out)
+    assert data["output"] == data["reference"] == [0.0, 0.0]
+    assert data["probabilities"] == [0.0, 0.0, 0.0] and data["max_abs_diff"] == 0.0
 
 
 # ----------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 
 import pytest
 
@@ -93,6 +94,14 @@ def test_report_with_a_failure_and_infinite_error() -> None:
     assert json.loads(report.to_json())["rows"][0]["error"] == "inf"
     assert "FAILED 1/1" in str(report) and "FAILED mine [seed] got nan" in str(report)
     assert "class='failed'" in report.to_html()
+    # in a notebook: a fragment whose every style rule is scoped to it, no page around it
+    frag = report._repr_html_()
+    assert "<html" not in frag and "<body" not in frag and "class='failed'" in frag
+    rules = re.findall(r"^([^{}\n]+)\{", frag.split("</style>")[0], re.M)
+    assert rules and all(
+        sel.strip().startswith(".fl-verify") for r in rules for sel in r.split(",")
+    )
+    assert "Observed in this PyTorch" not in frag  # no facts: no empty table
     with pytest.raises(ValueError, match="status must be one of"):
         VerifyRow("s", "c", "x", "-", "O", "O", 0.0, 0.0, "skipped")
 

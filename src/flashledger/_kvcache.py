@@ -158,9 +158,14 @@ class KVCacheLedger:
             (
                 "cache bytes written",
                 f"{self.cache_bytes_written:,}",
-                f"{self.new_rows} new rows per sequence, in place",
+                f"{self.new_rows} new row{'' if self.new_rows == 1 else 's'} per sequence, "
+                "in place",
             ),
-            ("bytes gathered", f"{self.gathered_bytes:,}", "contiguous copy of the used rows"),
+            (
+                "bytes gathered",
+                f"{self.gathered_bytes:,}",
+                "contiguous copy of the used rows (each sequence padded to the longest)",
+            ),
         ]
         if self.pages_read is not None:
             out.append(("pages read", f"{self.pages_read:,}", "page slots the reads touch"))

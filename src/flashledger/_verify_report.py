@@ -290,6 +290,13 @@ class VerifyReport:
 
     def to_html(self) -> str:
         """A standalone HTML page (inline CSS, no external resources)."""
+        return _PAGE.format(fragment=self._html_fragment())
+
+    def _repr_html_(self) -> str:
+        """The report in a notebook: a fragment whose style applies to it alone."""
+        return self._html_fragment()
+
+    def _html_fragment(self) -> str:
         e = html.escape
 
         def row(cells: Sequence[str], css: str) -> str:
@@ -332,18 +339,15 @@ class VerifyReport:
             for r in self.rows
         ]  # fmt: skip
         facts = [row((f.system, f.question, f.observed), "") for f in self.facts]
-        return _HTML.format(
+        return _FRAGMENT.format(
             title=e(self.summary()),
             head="".join(f"<th>{e(h)}</th>" for h in self.HEADERS),
             summary="".join(summary),
             detail_head="".join(f"<th>{e(c)}</th>" for c in cols),
             detail="".join(detail),
-            facts="".join(facts),
+            facts_block=_FACTS.format(facts="".join(facts)) if facts else "",
             rule=e(RULE_TEXT),
         )
-
-    def _repr_html_(self) -> str:
-        return self.to_html()
 
 
 RULE_TEXT = (
@@ -372,26 +376,38 @@ def _css(status: str) -> str:
     return "unsupported" if status == "unsupported" else "passed"
 
 
-_HTML = """<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>flashledger verify</title>
-<style>
-body {{ font-family: system-ui, sans-serif; margin: 2em; color: #222; }}
-table {{ border-collapse: collapse; margin: 1em 0; font-size: 13px; }}
-th, td {{ border: 1px solid #ccc; padding: 3px 6px; text-align: left; vertical-align: top; }}
-th {{ background: #f0f0f0; }}
-tr.failed td {{ background: #fde2e2; }}
-tr.unsupported td {{ background: #fff6d6; }}
-p.rule {{ max-width: 60em; }}
-td.num {{ white-space: nowrap; text-align: right; }}
-</style></head><body>
+_STYLE = """<style>
+.fl-verify {{ font-family: system-ui, sans-serif; color: #222; }}
+.fl-verify table {{ border-collapse: collapse; margin: 1em 0; font-size: 13px; }}
+.fl-verify th, .fl-verify td {{ border: 1px solid #ccc; padding: 3px 6px; text-align: left;
+  vertical-align: top; }}
+.fl-verify th {{ background: #f0f0f0; }}
+.fl-verify tr.failed td {{ background: #fde2e2; }}
+.fl-verify tr.unsupported td {{ background: #fff6d6; }}
+.fl-verify p.rule {{ max-width: 60em; }}
+.fl-verify td.num {{ white-space: nowrap; text-align: right; }}
+</style>"""
+_FACTS = """<h2>Observed in this PyTorch</h2>
+<table><thead><tr><th>system</th><th>question</th><th>observed</th></tr></thead><tbody>{facts}</tbody></table>
+"""
+# the report as a fragment: its style scoped to the .fl-verify block (a notebook shows it
+# among other outputs), and as a page around it
+_FRAGMENT = (
+    _STYLE
+    + """
+<div class="fl-verify">
 <h1>flashledger verify</h1>
 <p><b>{title}</b></p>
 <p class="rule">{rule}</p>
 <h2>Summary</h2>
 <table><thead><tr>{head}</tr></thead><tbody>{summary}</tbody></table>
-<h2>Observed in this PyTorch</h2>
-<table><thead><tr><th>system</th><th>question</th><th>observed</th></tr></thead><tbody>{facts}</tbody></table>
-<h2>Every row</h2>
+{facts_block}<h2>Every row</h2>
 <table><thead><tr>{detail_head}</tr></thead><tbody>{detail}</tbody></table>
-</body></html>
+</div>
+"""
+)
+_PAGE = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>flashledger verify</title>
+<style>body {{ margin: 2em; }}</style></head><body>
+{fragment}</body></html>
 """

@@ -134,9 +134,7 @@ def _score_list(text: str) -> list[float]:
         values = [_number(p, allow_neg_inf=True) for p in parts]
     except argparse.ArgumentTypeError as exc:
         raise argparse.ArgumentTypeError(f"in {text!r}: {exc}") from None
-    if all(v == -math.inf for v in values):
-        raise argparse.ArgumentTypeError("at least one score must be finite")
-    return values
+    return values  # all -inf: a fully-masked row (O = 0, LSE -inf), as the seed defines it
 
 
 def _matrix(text: str) -> list[list[float]]:
@@ -356,7 +354,12 @@ def _cmd_online(args: argparse.Namespace) -> int:
     import torch
 
     from .examples import six_score_example
-    from .online import OnlineSoftmax, blockwise_softmax_average, softmax_output
+    from .online import (
+        OnlineSoftmax,
+        blockwise_softmax_average,
+        softmax_output,
+        softmax_probabilities,
+    )
 
     demo = six_score_example()
     if args.scores is None:
@@ -386,7 +389,9 @@ def _cmd_online(args: argparse.Namespace) -> int:
         )
     # what the shift itself rounded away: float64 keeps 53 bits, so s + shift - shift != s
     # once the shift is many orders above the scores
-    rounding = float(((shifted - args.shift) - scores)[finite].abs().max())
+    rounding = (
+        float(((shifted - args.shift) - scores)[finite].abs().amax()) if finite.any() else 0.0
+    )
     osm = OnlineSoftmax.run(shifted, values, block=block)
     if not all(bool(torch.isfinite(torch.as_tensor(st.acc)).all()) for st in osm.steps):
         top = float(values.abs().max())
@@ -396,7 +401,7 @@ def _cmd_online(args: argparse.Namespace) -> int:
             "; use smaller values"
         )
     ref = softmax_output(shifted, values)  # (d_v,)
-    probs = torch.softmax(shifted, dim=-1)  # (L,)
+    probs = softmax_probabilities(shifted)  # (L,); zeros for a fully-masked row
     diff = _max_abs_diff(osm.output(), ref)
     base = OnlineSoftmax.run(scores, values, block=block) if args.shift else osm
     shift_diff = _max_abs_diff(osm.output(), base.output())

@@ -165,6 +165,9 @@ class BackwardTileStep:
 
 HTML_ROWS = 60
 """Records a notebook shows of a longer ledger: the first and last half of this."""
+CELL_VALUES = 16
+"""Values a table cell shows in full: a longer row vector shows its ends, a larger tile
+its shape and range (every value stays in ``records`` and ``to_dict()``)."""
 
 
 @dataclass
@@ -279,6 +282,7 @@ class Ledger:
             head += f"; score_mod: {c.score_mod_evals} positions in {c.score_mod_tiles} tile calls"
         if self.record_every > 1 and self.records:
             head += f"; records of every {ordinal(self.record_every)} step"
+        head += self._shown_note()
         rows = self.rows()
         if not rows:
             return head
@@ -289,11 +293,29 @@ class Ledger:
         lines += ["  ".join(v.ljust(w) for v, w in zip(c, widths)).rstrip() for c in cells]
         return "\n".join(lines)
 
+    def _shown_note(self) -> str:
+        """Which (batch, head) the rows show, when the records hold several."""
+        if not self.lead or not self.records:
+            return ""
+        r = self.records[0]
+        t = r.block_max if isinstance(r, ForwardTileStep) else r.p
+        dims = "" if t is None else " of " + " x ".join(str(n) for n in t.shape[: self.lead])
+        what = "batch 0, head 0" if self.lead == 2 else "the first of the leading dim"
+        return f"; rows show {what}{dims} (the counters count all)"
+
+    def __repr__(self) -> str:
+        c = self.counters
+        return (
+            f"Ledger({self.pass_name}, tiles {self.block_q}x{self.block_k}, {self.loop_order}, "
+            f"{c.tiles_run} run, {c.tiles_skipped} skipped, {len(self.records)} records)"
+        )
+
     def _repr_html_(self) -> str:
         c = self.counters
         parts = [
             f"<p><b>{html.escape(self.pass_name)} ledger</b>: tiles {self.block_q}&times;"
-            f"{self.block_k}, {html.escape(self.loop_order)} order</p>",
+            f"{self.block_k}, {html.escape(self.loop_order)} order"
+            f"{html.escape(self._shown_note())}</p>",
             "<table><tr>"
             + "".join(f"<th>{k}</th>" for k in c.to_dict())
             + "</tr><tr>"
@@ -347,13 +369,32 @@ def _first(x: torch.Tensor | None, lead: int) -> list[Any] | None:
 
 
 def _fmt(v: Any) -> str:
+    """A cell: a number, a row vector (its ends past ``CELL_VALUES`` values), a tile (its
+    shape and range past ``CELL_VALUES`` values)."""
     if v is None:
         return "-"
     if isinstance(v, float):
         return _fnum(v)
     if isinstance(v, list):
-        return "[" + ", ".join(_fmt(x) for x in v) + "]"
+        flat = _flat(v)
+        if len(flat) <= CELL_VALUES:
+            return "[" + ", ".join(_fmt(x) for x in v) + "]"
+        if not any(isinstance(x, list) for x in v):
+            ends = [_fmt(x) for x in v[:4]], [_fmt(x) for x in v[-2:]]
+            return f"[{', '.join(ends[0])}, …, {', '.join(ends[1])}] ({len(v)} values)"
+        shape = "x".join(str(n) for n in _shape(v))
+        finite = [x for x in flat if isinstance(x, float | int) and math.isfinite(x)]
+        rng = f"{_fnum(min(finite))}..{_fnum(max(finite))}" if finite else "no finite value"
+        return f"{shape} tile, {rng}"
     return str(v)
+
+
+def _flat(v: Any) -> list[Any]:
+    return [y for x in v for y in _flat(x)] if isinstance(v, list) else [v]
+
+
+def _shape(v: Any) -> list[int]:
+    return [len(v), *_shape(v[0])] if isinstance(v, list) and v else []
 
 
 def _fnum(x: float) -> str:

@@ -371,11 +371,19 @@ class OnlineSoftmax:
         return osm
 
 
-def softmax_output(scores: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """The full-row reference: ``softmax(scores) @ values`` in one go, ``(..., d_v)``."""
+def softmax_probabilities(scores: torch.Tensor) -> torch.Tensor:
+    """``softmax(scores)`` along the last dim, ``(..., L)`` in float64; a row whose every
+    score is -inf (fully masked) gets zeros, as the seed defines it, not NaN."""
     s = torch.as_tensor(scores, dtype=torch.float64)
+    empty = torch.isneginf(s).all(dim=-1, keepdim=True)  # (..., 1)
+    return torch.softmax(torch.where(empty, 0.0, s), dim=-1) * ~empty
+
+
+def softmax_output(scores: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """The full-row reference: ``softmax(scores) @ values`` in one go, ``(..., d_v)``; 0 for
+    a fully-masked row."""
     v = torch.as_tensor(values, dtype=torch.float64)
-    p = torch.softmax(s, dim=-1)  # (..., L)
+    p = softmax_probabilities(scores)  # (..., L)
     return (p.unsqueeze(-2) @ v).squeeze(-2)
 
 
