@@ -118,6 +118,28 @@ def test_online_module_demo_runs():
     assert "full-row reference" in out
     diff = float(out.rsplit("max |diff| =", 1)[1].strip())
     assert diff < 1e-12
+    # the seed's numbers as the CLI prints them (6 significant digits), one line per block
+    assert "full-row reference: [-0.249367, 0.0152181]" in out
+    lines = out.splitlines()
+    assert lines[0].split() == ["block", "positions", "scores", "block", "max", "m", "α", "ℓ",
+                                "acc", "output"]  # fmt: skip
+    assert lines[3].split()[:8] == ["3", "4..5", "[0,", "2.5]", "2.5", "3", "1", "2.17785"]
+
+
+def test_an_online_softmax_shows_its_state():
+    """``repr`` states the running state in one line; ``str`` and a notebook show the block
+    ledger; many rows show their shape."""
+    osm = OnlineSoftmax.run(SIX_SCORES, SIX_VALUES, block=2)
+    assert repr(osm) == (
+        "OnlineSoftmax(d_v=2, 3 blocks read (6 positions), m=3, ell=2.17785, "
+        "output=[-0.249367, 0.0152181])"
+    )
+    assert str(osm).count("\n") == 3 and "<pre>" in osm._repr_html_()
+    assert repr(OnlineSoftmax(d_v=1)) == (
+        "OnlineSoftmax(d_v=1, 0 blocks read (0 positions), m=-inf, ell=0, output=[0])"
+    )
+    many = OnlineSoftmax.run(torch.zeros(3, 4), torch.zeros(4, 1), block=2)
+    assert str(many) == repr(many) == "OnlineSoftmax(d_v=1, rows=(3,), 2 blocks read)"
 
 
 # -- the update and the merge -------------------------------------------------------------

@@ -34,11 +34,14 @@ Run ``python -m flashledger.online`` for the seed's six-score demo.
 
 from __future__ import annotations
 
+import html
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from .ledger import _fmt
 
 __all__ = [
     "OnlineSoftmax",
@@ -358,6 +361,47 @@ class OnlineSoftmax:
         self.steps.append(rec)
         return rec
 
+    def __repr__(self) -> str:
+        read = f"{len(self.steps)} block{'' if len(self.steps) == 1 else 's'} read"
+        if self.rows:
+            return f"OnlineSoftmax(d_v={self.d_v}, rows={self.rows}, {read})"
+        return (
+            f"OnlineSoftmax(d_v={self.d_v}, {read} ({self._read} positions), "
+            f"m={_fmt(self.m.item())}, ell={_fmt(self.ell.item())}, "
+            f"output={_fmt(self.output().tolist())})"
+        )
+
+    def __str__(self) -> str:
+        """The block ledger of a single row: one line per block read (``repr`` for many
+        rows, whose steps are in ``steps``)."""
+        if self.rows or not self.steps:
+            return repr(self)
+        header = ["block", "positions", "scores", "block max", "m", "α", "ℓ", "acc", "output"]
+        cells = [
+            [
+                str(st.index + 1),
+                f"{st.positions[0]}..{st.positions[1] - 1}",
+                _fmt(st.scores.tolist()),
+                *(_fmt(float(x)) for x in (st.block_max, st.m_after, st.alpha, st.ell)),
+                _fmt(st.acc.tolist()),
+                _fmt(st.output.tolist()),
+            ]
+            for st in self.steps
+        ]
+        widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
+        right = {0, 3, 4, 5, 6}  # numbers, right-aligned
+
+        def line(row: list[str]) -> str:
+            return "  ".join(
+                x.rjust(w) if i in right else x.ljust(w)
+                for i, (x, w) in enumerate(zip(row, widths))
+            ).rstrip()
+
+        return "\n".join([line(header), *(line(c) for c in cells)])
+
+    def _repr_html_(self) -> str:
+        return f"<pre>{html.escape(str(self))}</pre>"
+
     @classmethod
     def run(cls, scores: torch.Tensor, values: torch.Tensor, *, block: int) -> OnlineSoftmax:
         """Read a whole row ``scores`` ``(..., L)`` with ``values`` ``(L, d_v)`` in blocks of ``block``."""
@@ -404,17 +448,10 @@ def _demo() -> None:
     from .examples import SIX_SCORES, SIX_VALUES
 
     osm = OnlineSoftmax.run(SIX_SCORES, SIX_VALUES, block=2)
-    print("block  scores            block max  running max  alpha      ell        prefix output")
-    for st in osm.steps:
-        sc = ", ".join(f"{x:g}" for x in st.scores.tolist())
-        out = ", ".join(f"{x:.6f}" for x in st.output.tolist())
-        print(
-            f"{st.index + 1:<6} [{sc:<15}] {float(st.block_max):<10g} {float(st.m_after):<12g} "
-            f"{float(st.alpha):<10.6f} {float(st.ell):<10.6f} [{out}]"
-        )
+    print(osm)
     ref = softmax_output(SIX_SCORES, SIX_VALUES)
     diff = float((osm.output() - ref).abs().max())
-    print(f"full-row reference: {[round(x, 6) for x in ref.tolist()]}  max |diff| = {diff:.3g}")
+    print(f"full-row reference: {_fmt(ref.tolist())}  max |diff| = {diff:.3g}")
 
 
 if __name__ == "__main__":
