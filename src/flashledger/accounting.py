@@ -312,8 +312,14 @@ def _num(x: int) -> str:
 
 def _bytes(x: int) -> str:
     """``x`` bytes in the largest binary unit that keeps the number under 1000 once it is
-    rounded to 3 significant digits (``999 KiB``, then ``0.98 MiB``), up to PiB."""
-    units = (("PiB", 1 << 50), ("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
+    rounded to 3 significant digits (``999 KiB``, then ``0.977 MiB``), up to PiB."""
+    units = (
+        ("PiB", 1 << 50),
+        ("TiB", 1 << 40),
+        ("GiB", 1 << 30),
+        ("MiB", 1 << 20),
+        ("KiB", 1 << 10),
+    )
     for n, (unit, size) in enumerate(units):
         if x >= size or (n + 1 < len(units) and float(f"{x / units[n + 1][1]:.3g}") >= 1000):
             return f"{x / size:.3g} {unit}"
