@@ -247,7 +247,9 @@ def test_a_chinese_page_shows_no_english_words_of_the_server_or_the_pictures(
 
     def check(page: Any) -> None:
         page.click('#tabs button[data-sec="storage"]')
-        labels = page.locator("#storage-traffic svg text.label").all_text_contents()
+        bars = page.locator("#storage-traffic svg text.label")
+        _expect(bars).to_have_count(6)  # drawn once the storage answer is in
+        labels = bars.all_text_contents()
         assert "标准 · 前向" in labels and "FlashAttention-1 · 反向" in labels, labels
         assert not [x for x in labels if re.search(r"forward|backward|standard", x)], labels
         page.click('#tabs button[data-sec="conventions"]')
@@ -255,11 +257,15 @@ def test_a_chinese_page_shows_no_english_words_of_the_server_or_the_pictures(
         _expect(cell).to_have_attribute("title", re.compile("全屏蔽行 LSE 为 −∞"))
         _expect(cell).to_contain_text("因果：右下对齐")
         page.click('#tabs button[data-sec="backward"]')
-        titles = page.locator("#f-conv option").evaluate_all("os => os.map(o => o.title)")
+        options = page.locator("#f-conv option")
+        _expect(options.first).to_have_attribute("title", re.compile("全屏蔽行"))
+        titles = options.evaluate_all("os => os.map(o => o.title)")
         assert all("全屏蔽行" in x for x in titles), titles
         page.locator('#bw-stepper [data-action="forward"]').click()
         page.click('#tabs button[data-sec="gpu"]')
-        tips = page.locator("#gpu-diagram rect[data-tensor] title").all_text_contents()
+        tips_at = page.locator("#gpu-diagram rect[data-tensor] title")
+        _expect(tips_at.first).to_contain_text("位置")
+        tips = tips_at.all_text_contents()
         assert tips and all("位置" in x and "rows" not in x for x in tips), tips[:3]
         # a mask the server does not take (as a link may carry): its choices in Chinese
         page.click('#tabs button[data-sec="backward"]')
