@@ -50,7 +50,7 @@ from typing import Any, Literal, Unpack
 
 import torch
 
-from ._checks import all_finite, check_float_tensor, check_size
+from ._checks import all_finite, check_finite, check_float_tensor, check_size
 from ._options import AttentionOptions, check_options
 from ._problem import Placement, check_option_values
 from .blocked import (
@@ -240,7 +240,6 @@ def _check_layout(name: str, x: Any, ndim: int = 4) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------
 # the entry point
 # ----------------------------------------------------------------------------------------
-@torch.compiler.disable  # opaque to torch.compile, as flash_attention
 def _check_paged_writes(
     table: torch.Tensor,
     used_slots: torch.Tensor,
@@ -277,6 +276,7 @@ def _check_paged_writes(
             )
 
 
+@torch.compiler.disable  # opaque to torch.compile, as flash_attention
 def attention_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -364,8 +364,8 @@ def attention_with_kvcache(
             "gradient"
         )
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and not all_finite(x):
-            raise ValueError(f"{name} contains NaN or inf; allowed: finite values")
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            check_finite(name, x)  # names the first NaN or inf by index
 
     def bhsd(name: str, x: torch.Tensor) -> torch.Tensor:
         x = _check_layout(name, x)

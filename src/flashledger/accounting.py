@@ -133,10 +133,7 @@ def _element_size(dtype: Any) -> int:
 # the blocked loop keeps them (its accumulation dtype) and as flash-attn and PyTorch's SDPA
 # return the LSE of half-precision inputs
 STATS = frozenset({"m", "ell", "lse", "D"})
-
-
-def _stat_size(dtype: torch.dtype) -> int:
-    return max(4, _element_size(dtype))
+STAT_MIN_BYTES = 4
 
 
 def paper_tiles(*, sram_elements: int, d: int) -> tuple[int, int]:
@@ -387,8 +384,6 @@ class StorageWork(_Report):
     config: dict[str, Any]
     """Lengths, head dims, heads, batch, tiles, mask, conventions and dtype."""
     bytes_per_element: int
-    stat_bytes_per_element: int
-    """Bytes of one LSE or D entry: float32 at least (``STATS``)."""
     common_elements: dict[str, int]
     """Q, K, V, O: kept by both paths."""
     full_p_elements: int
@@ -438,6 +433,11 @@ class StorageWork(_Report):
     """Tile calls of a score_mod in each pass: one per tile run."""
     score_mod_evals: int = 0
     """Positions (over batch and query heads) those calls cover: the dots computed."""
+
+    @property
+    def stat_bytes_per_element(self) -> int:
+        """Bytes of one LSE or D entry: float32 at least (``STATS``)."""
+        return max(STAT_MIN_BYTES, self.bytes_per_element)
 
     @property
     def saved_elements(self) -> int:
@@ -623,7 +623,6 @@ def storage_and_work(
             "dtype": str(dtype).removeprefix("torch."),
         },
         bytes_per_element=size,
-        stat_bytes_per_element=_stat_size(dtype),
         common_elements={
             "q": bh * shape.lq * shape.d,
             "k": bkv * shape.lk * shape.d,
@@ -676,8 +675,6 @@ class Traffic(_Report):
     schedule: Schedule
     config: dict[str, Any]
     bytes_per_element: int
-    stat_bytes_per_element: int
-    """Bytes of one entry of m, ℓ, the LSE or D: float32 at least (``STATS``)."""
     forward_reads: dict[str, int]
     forward_writes: dict[str, int]
     backward_reads: dict[str, int]
@@ -712,6 +709,11 @@ class Traffic(_Report):
     def total(self) -> int:
         """Every element moved, both passes."""
         return self.forward_total + self.backward_total
+
+    @property
+    def stat_bytes_per_element(self) -> int:
+        """Bytes of one entry of m, ℓ, the LSE or D: float32 at least (``STATS``)."""
+        return max(STAT_MIN_BYTES, self.bytes_per_element)
 
     def bytes_of(self, moved: dict[str, int]) -> int:
         """Bytes of ``moved`` (elements per tensor): the statistics at
@@ -906,7 +908,6 @@ def memory_traffic(
             "dtype": str(dtype).removeprefix("torch."),
         },
         bytes_per_element=size,
-        stat_bytes_per_element=_stat_size(dtype),
         forward_reads=fr,
         forward_writes=fw,
         backward_reads=br,

@@ -6,7 +6,7 @@
 // order from checkpoints, so that a 64 × 64 problem in 1 × 1 tiles steps as fast as the
 // seed's 5 × 5. Hovering a cell, a tile's row or a gradient row lights what belongs to it.
 
-import { latest, post } from "./api.js";
+import { latest } from "./api.js";
 import { fill, h, maxAbsDiff, num, parseMatrix, s, vec } from "./fmt.js";
 import { lightUp, PHASE } from "./formula.js";
 import { HeatMap, tipNumber } from "./heatmap.js";
@@ -15,14 +15,13 @@ import { get, getDefault, set, subscribe } from "./state.js";
 import {
   animate,
   bindInput,
+  computeSection,
   keepToOptions,
   parseIntField,
   presetText,
   readout,
   registerStepper,
   resultShown,
-  showErrors,
-  showDefaultResult,
   showFieldError,
   staleNote,
   stepper,
@@ -309,32 +308,19 @@ function request(read) {
 async function compute() {
   document.getElementById("mask-grid-wrap").hidden = get("mask") !== "custom";
   for (const el of section.querySelectorAll(".window-only")) el.hidden = get("mask") !== "sliding_window";
-  const req = request(get);
-  if (req.error) {
-    inputError(req.field, ...req.error);
-    return fallback();
-  }
-  const answer = await sequence(post("/api/backward", req.body));
-  if (answer === null) return;
-  if (!answer.ok) {
-    document.getElementById("bw-inputs").open = true;
-    showErrors(section, document.getElementById("bw-error"), answer);
-    return fallback();
-  }
-  accept(answer.data, req.body, false);
-}
-
-/**
- * Inputs refused before anything was shown (a link, a reload): show the seed's example with
- * the errors beside the fields, so that the section is never blank.
- */
-function fallback() {
-  return showDefaultResult({
-    shown: () => data !== null,
+  return computeSection({
+    section,
     request,
     path: "/api/backward",
     sequence,
-    accept: (result, body) => accept(result, body, true, getDefault("mask")),
+    errorBox: document.getElementById("bw-error"),
+    shown: () => data !== null,
+    accept: (result, body, isDefault) =>
+      accept(result, body, isDefault, isDefault ? getDefault("mask") : get("mask")),
+    fieldError: inputError,
+    onRefused: () => {
+      document.getElementById("bw-inputs").open = true;
+    },
   });
 }
 

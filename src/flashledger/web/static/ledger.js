@@ -2,7 +2,7 @@
 // The server computes every step; the page steps through them, draws the row (scores,
 // running max, exp(s − m), ℓ and a) and lights the update formula's lines each step uses.
 
-import { latest, post } from "./api.js";
+import { latest } from "./api.js";
 import { fill, fmtNumber, h, num, parseMatrix, parseVector, vec } from "./fmt.js";
 import { lightUp } from "./formula.js";
 import { t } from "./i18n.js";
@@ -10,13 +10,11 @@ import { dragging, drawRowChart } from "./rowchart.js";
 import { get, getDefault, set, subscribe } from "./state.js";
 import {
   bindInput,
+  computeSection,
   parseIntField,
   readout,
   registerStepper,
   resultShown,
-  showErrors,
-  showDefaultResult,
-  showFieldError,
   staleNote,
   stepper,
 } from "./widgets.js";
@@ -119,31 +117,14 @@ function request(read) {
 }
 
 async function compute() {
-  const req = request(get);
-  if (req.error) {
-    showFieldError(section, req.field, ...req.error);
-    return fallback();
-  }
-  const answer = await sequence(post("/api/ledger", req.body));
-  if (answer === null) return;
-  if (!answer.ok) {
-    showErrors(section, document.getElementById("ledger-error"), answer);
-    return fallback();
-  }
-  accept(answer.data, req.body, false);
-}
-
-/**
- * Inputs refused before anything was shown (a link, a reload): show the seed's row with the
- * errors beside the fields, so that the section is never blank.
- */
-function fallback() {
-  return showDefaultResult({
-    shown: () => data !== null,
+  return computeSection({
+    section,
     request,
     path: "/api/ledger",
     sequence,
-    accept: (result, body) => accept(result, body, true),
+    errorBox: document.getElementById("ledger-error"),
+    shown: () => data !== null,
+    accept,
   });
 }
 

@@ -9,13 +9,12 @@ import { t } from "./i18n.js";
 import { get, set, subscribe } from "./state.js";
 import {
   bindInput,
+  computeSection,
   keepToOptions,
   parseIntField,
   readout,
   registerStepper,
   resultShown,
-  showErrors,
-  showDefaultResult,
   showFieldError,
   staleNote,
   stepper,
@@ -133,33 +132,28 @@ async function compute() {
   document.getElementById("f-r-length").disabled = isExample;
   document.getElementById("f-r-d").disabled = isExample;
   document.getElementById("f-r-seed").disabled = isExample;
-  const req = request(get);
-  if (req.error) {
-    computedFor = null;
-    showFieldError(section, req.field, ...req.error);
-    return fallback();
-  }
-  const key = JSON.stringify(req.body);
-  if (key === computedFor && data) return;
-  computedFor = key;
-  const answer = await sequence(post("/api/ring", req.body));
-  if (answer === null) return;
-  if (!answer.ok) {
-    computedFor = null;
-    showErrors(section, document.getElementById("ring-error"), answer);
-    return fallback();
-  }
-  accept(answer.data, req.body, false);
-}
-
-/** Inputs refused before anything was shown (a link): the default ring, the errors kept. */
-function fallback() {
-  return showDefaultResult({
-    shown: () => data !== null,
+  return computeSection({
+    section,
     request,
     path: "/api/ring",
     sequence,
-    accept: (result, body) => accept(result, body, true),
+    errorBox: document.getElementById("ring-error"),
+    shown: () => data !== null,
+    accept,
+    fieldError: (field, ...error) => {
+      computedFor = null;
+      showFieldError(section, field, ...error);
+    },
+    onRefused: () => {
+      computedFor = null;
+    },
+    skip: (body) => {
+      // the same inputs as the ring shown (a step or a language change): nothing to post
+      const key = JSON.stringify(body);
+      if (key === computedFor && data) return true;
+      computedFor = key;
+      return false;
+    },
   });
 }
 

@@ -7,7 +7,7 @@
 // problem section 04 steps through, and a button books that problem (sizes, tiles and its
 // exact mask, as a grid when no plain kind gives the same), so the two never silently differ.
 
-import { latest, post } from "./api.js";
+import { latest } from "./api.js";
 import * as backward from "./backward.js";
 import { count, fill, h, s } from "./fmt.js";
 import { t, tNodes } from "./i18n.js";
@@ -15,12 +15,10 @@ import { get, set, subscribe } from "./state.js";
 import {
   alignText,
   bindInput,
+  computeSection,
   keepToOptions,
   parseIntField,
   resultShown,
-  showErrors,
-  showDefaultResult,
-  showFieldError,
   staleNote,
   widthOf,
 } from "./widgets.js";
@@ -173,28 +171,14 @@ function request(read) {
 async function compute() {
   for (const el of section.querySelectorAll(".s-window-only")) el.hidden = get("smask") !== "sliding_window";
   document.getElementById("f-s-mask-custom").hidden = get("smask") !== "custom";
-  const req = request(get);
-  if (req.error) {
-    showFieldError(section, req.field, ...req.error);
-    return fallback();
-  }
-  const answer = await sequence(post("/api/storage", req.body));
-  if (answer === null) return;
-  if (!answer.ok) {
-    showErrors(section, document.getElementById("storage-error"), answer);
-    return fallback();
-  }
-  accept(answer.data, req.body, false);
-}
-
-/** Inputs refused before anything was shown (a link): the seed's figures, the errors kept. */
-function fallback() {
-  return showDefaultResult({
-    shown: () => data !== null,
+  return computeSection({
+    section,
     request,
     path: "/api/storage",
     sequence,
-    accept: (result, body) => accept(result, body, true),
+    errorBox: document.getElementById("storage-error"),
+    shown: () => data !== null,
+    accept,
   });
 }
 

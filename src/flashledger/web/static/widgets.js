@@ -384,15 +384,37 @@ export function widthOf(el, fallback = 600) {
 }
 
 /**
- * For inputs refused before anything was shown (a link, a reload): compute the section's
- * default inputs' result and show it through `accept(data, body)`, the errors kept beside
- * the fields, so that the section is never blank. Does nothing once a result is `shown()`.
- * `request(read)` builds the section's request from a reader of the state (`getDefault`
- * here); `sequence` is the section's `latest()`.
+ * One computation of a section: the request `request(get)` builds from the state, posted
+ * to `path` through the section's `sequence` (its `latest()`); a field error goes to
+ * `fieldError(field, key, vars)` (default: beside the field), a refused request's errors to
+ * `errorBox` (after `onRefused()`), a result to `accept(data, body, false)`. `skip(body)`:
+ * true when that body's result is already shown (nothing posted). Inputs refused before
+ * anything was `shown()` (a link, a reload): the default inputs' result is shown instead,
+ * `accept(data, body, true)`, the errors kept beside the fields, so that the section is
+ * never blank.
  */
-export async function showDefaultResult({ shown, request, path, sequence, accept }) {
-  if (shown()) return;
-  const req = request(getDefault);
+export async function computeSection({
+  section, request, path, sequence, errorBox, shown, accept, fieldError, onRefused, skip,
+}) {
+  const fallback = async () => {
+    if (shown()) return;
+    const req = request(getDefault);
+    const answer = await sequence(post(path, req.body));
+    if (answer?.ok) accept(answer.data, req.body, true);
+  };
+  const req = request(get);
+  if (req.error) {
+    if (fieldError) fieldError(req.field, ...req.error);
+    else showFieldError(section, req.field, ...req.error);
+    return fallback();
+  }
+  if (skip?.(req.body)) return;
   const answer = await sequence(post(path, req.body));
-  if (answer?.ok) accept(answer.data, req.body);
+  if (answer === null) return;
+  if (!answer.ok) {
+    onRefused?.();
+    showErrors(section, errorBox, answer);
+    return fallback();
+  }
+  accept(answer.data, req.body, false);
 }
