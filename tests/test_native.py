@@ -976,6 +976,32 @@ def test_flashledger_gemm_forces_the_back_end(native, tmp_path, monkeypatch, sma
         native.set_gemm(torch.float32, "mkl")
 
 
+def test_a_choice_made_with_mkl_held_to_other_code_is_saved_apart(
+    native, tmp_path, monkeypatch, small_calibration
+):
+    """MKL_ENABLE_INSTRUCTIONS=AVX2 (a test run on the AVX2 code) measures another MKL: its
+    choices are kept under a key of their own, and a plain process measures for itself
+    instead of inheriting them."""
+    cache = tmp_path / "choices.json"
+    for v in _calibrate.STEERING:
+        monkeypatch.delenv(v, raising=False)
+    plain = str(native.max_threads())
+    with _gemms_kept(native):
+        monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+        held = _calibrate.choose(native, cache, [torch.float32])
+        assert held[torch.float32].how == "calibrated"
+        saved = json.loads(cache.read_text())["by_threads"]
+        assert set(saved) == {f"{plain} MKL_ENABLE_INSTRUCTIONS=AVX2"}
+        assert _calibrate.choose(native, cache, [torch.float32])[torch.float32].how == "cached"
+        monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS")
+        got = _calibrate.choose(native, cache, [torch.float32])
+        assert got[torch.float32].how == "calibrated"  # not the AVX2 run's choice
+        saved = json.loads(cache.read_text())["by_threads"]
+        assert set(saved) == {plain, f"{plain} MKL_ENABLE_INSTRUCTIONS=AVX2"}
+        monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "")  # set but empty: the plain key
+        assert _calibrate.choose(native, cache, [torch.float32])[torch.float32].how == "cached"
+
+
 def test_a_pass_gives_the_same_bits_whoever_runs_its_items(native, gen):
     """A pass hands its work items to threads as they free up; no item shares rows of the
     state, dK/dV or dQ with another, and parts are added in order, so the result does not

@@ -16,8 +16,9 @@ that runs float32 alone measures float32 alone: about 2 s on a quiet 2-core AMD
 EPYC, float64 about 4.5, each half dtype about half a second more), under a
 file lock (concurrent processes wait for one measurement), and cached beside
 the compiled library, keyed by CPU model, ISA flags, thread count and PyTorch
-version (the library's own key); afterwards the same machine always runs the
-same choice.
+version (the library's own key) and by any setting that holds the BLAS libraries
+to other code (``STEERING``: ``MKL_ENABLE_INSTRUCTIONS=AVX2`` measures another
+MKL); afterwards the same machine always runs the same choice.
 Each choice records how much of the CPU other processes took while it was
 measured (``/proc/stat``): a choice made on a busy machine (a test run, a build
 beside it) is measured again by the first process that finds the machine quiet
@@ -261,8 +262,10 @@ def choose(
                 warned.add(variable)
             f = None
         forced[_name(dt)] = f
-    # choices made under a forced setting are saved apart
+    # choices made under a forced setting, or with the BLAS libraries held to other code, are
+    # saved apart (MKL held to AVX2 for a test run must not decide the next plain process)
     settings = {f"{_variable(dt)}={f}" for dt in DTYPES if (f := forced[_name(dt)]) is not None}
+    settings |= {f"{v}={os.environ[v]}" for v in STEERING if os.environ.get(v)}
     key = " ".join([str(kern.max_threads()), *sorted(settings)])
     out: dict[torch.dtype, Choice] = {}
     with _lock, _file_lock(cache):
@@ -310,6 +313,20 @@ def choose(
         dt: c if (f := forced[_name(dt)]) is None else replace(c, how=f"{_variable(dt)}={f}")
         for dt, c in out.items()
     }
+
+
+STEERING = (
+    "MKL_ENABLE_INSTRUCTIONS",
+    "MKL_CBWR",
+    "MKL_DEBUG_CPU_TYPE",
+    "ONEDNN_MAX_CPU_ISA",
+    "DNNL_MAX_CPU_ISA",
+    "ATEN_CPU_CAPABILITY",
+    "OPENBLAS_CORETYPE",
+)
+"""Environment variables that change which code the BLAS libraries (MKL, oneDNN, OpenBLAS) or
+PyTorch's kernels run, and so the rates a calibration measures: a choice made with one of
+them set is saved under a key that names it."""
 
 
 def _variable(dt: torch.dtype) -> str:
