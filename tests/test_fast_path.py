@@ -508,6 +508,24 @@ def test_bench_memory_subprocess_reports_a_peak():
     assert mem["peak_extra_bytes"] >= 4 * 2 * 1024 * 16 * 8, mem
 
 
+def test_bench_memory_warms_up_with_the_measured_call_and_counts_the_scratch(monkeypatch):
+    """The warm-up is the call measured (a shorter one runs other kernels, whose code pages
+    a long call would fault in while measured), and the native step's scratch kept from it
+    is let go before the mark is reset, so that the buffers a pass needs count."""
+    cfg = bench.Config(length=600, dtype="float32", causal=True, heads=1, head_dim=8)
+    events: list[object] = []
+
+    def fn(q, k, v):
+        events.append(tuple(q.shape))
+        return (q * 2).requires_grad_()
+
+    monkeypatch.setattr(bench, "attention_fn", lambda method, c: fn)
+    monkeypatch.setattr(bench._native, "release_scratch", lambda: events.append("release") or 0)
+    got = bench.measure_memory_here("flashledger", cfg)
+    assert got["method"] == "flashledger"
+    assert events == [(1, 1, 600, 8), "release", (1, 1, 600, 8)], events
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16", "float16"])
 def test_the_benchmark_runs_the_tiles_a_call_takes_by_default(native, dtype):
     """``flashledger bench`` times the tiles flashledger takes when none are given: for
