@@ -613,11 +613,13 @@ def test_native_step_on_either_matmul_equals_the_oracle(
 @pytest.fixture
 def small_calibration(monkeypatch: pytest.MonkeyPatch) -> None:
     """A calibration on small passes (the machinery, not the speed, is under test), with
-    no back end forced from outside (``make test-backend`` sets FLASHLEDGER_GEMM), on a
-    machine that reads as quiet (the tests beside it must not decide what is measured)."""
+    no back end forced from outside (``make test-backend`` sets FLASHLEDGER_GEMM) and no
+    setting that keys the cache apart (``make test-backends`` runs with MKL held to AVX2;
+    the libraries keep the code they loaded), on a machine that reads as quiet (the tests
+    beside it must not decide what is measured)."""
     monkeypatch.setattr(_calibrate, "_cpu_ticks", lambda: None)
-    monkeypatch.delenv("FLASHLEDGER_GEMM", raising=False)
-    monkeypatch.delenv("FLASHLEDGER_HALF", raising=False)
+    for variable in ("FLASHLEDGER_GEMM", "FLASHLEDGER_HALF", *_calibrate.STEERING):
+        monkeypatch.delenv(variable, raising=False)
     monkeypatch.setattr(_calibrate, "_L", 96)
     monkeypatch.setattr(_calibrate, "TILE_CANDIDATES", ((64, 64), (32, 48)))
 
@@ -983,8 +985,6 @@ def test_a_choice_made_with_mkl_held_to_other_code_is_saved_apart(
     choices are kept under a key of their own, and a plain process measures for itself
     instead of inheriting them."""
     cache = tmp_path / "choices.json"
-    for v in _calibrate.STEERING:
-        monkeypatch.delenv(v, raising=False)
     plain = str(native.max_threads())
     with _gemms_kept(native):
         monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
