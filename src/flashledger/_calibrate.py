@@ -95,8 +95,9 @@ _ROUNDS = 3
 BUSY = 0.1
 """Above this share of all CPUs' time taken by other processes while a choice was measured,
 the machine was busy: the choice is measured again once it is quiet."""
-_FORMAT = 3  # the cache's layout (2: the tile stage's rates apart, "tiles 512x512"; 3: the
-# problem at L = 2048, H = threads)
+_FORMAT = 4  # the cache's layout (2: the tile stage's rates apart, "tiles 512x512"; 3: the
+# problem at L = 2048, H = threads; 4: settings in STEERING keyed apart, so a plain entry
+# that one of them may have measured is measured again)
 _LOOK_S = 0.25  # how long a cached busy choice looks at the machine before measuring again
 # The measured problem: B = 1, H = threads, L x L, d = 64. As many flops as L = 1024 with
 # 4 x threads heads, on rows four times as long: the per-tile and per-head costs (the running
