@@ -99,6 +99,19 @@ _FORMAT = 4  # the cache's layout (2: the tile stage's rates apart, "tiles 512x5
 # problem at L = 2048, H = threads; 4: settings in STEERING keyed apart, so a plain entry
 # that one of them may have measured is measured again)
 _LOOK_S = 0.25  # how long a cached busy choice looks at the machine before measuring again
+STEERING = (
+    "MKL_ENABLE_INSTRUCTIONS",
+    "MKL_CBWR",
+    "MKL_DEBUG_CPU_TYPE",
+    "ONEDNN_MAX_CPU_ISA",
+    "DNNL_MAX_CPU_ISA",
+    "ATEN_CPU_CAPABILITY",
+    "OPENBLAS_CORETYPE",
+)
+"""Environment variables that change which code the BLAS libraries (MKL, oneDNN, OpenBLAS) or
+PyTorch's kernels run, and so the rates a calibration measures: a choice made with one of
+them set is saved under a key that names it."""
+
 # The measured problem: B = 1, H = threads, L x L, d = 64. As many flops as L = 1024 with
 # 4 x threads heads, on rows four times as long: the per-tile and per-head costs (the running
 # state, Kᵀ and Vᵀ laid out) weigh about as at L = 4096, so that the tiles' order matches
@@ -314,20 +327,6 @@ def choose(
         dt: c if (f := forced[_name(dt)]) is None else replace(c, how=f"{_variable(dt)}={f}")
         for dt, c in out.items()
     }
-
-
-STEERING = (
-    "MKL_ENABLE_INSTRUCTIONS",
-    "MKL_CBWR",
-    "MKL_DEBUG_CPU_TYPE",
-    "ONEDNN_MAX_CPU_ISA",
-    "DNNL_MAX_CPU_ISA",
-    "ATEN_CPU_CAPABILITY",
-    "OPENBLAS_CORETYPE",
-)
-"""Environment variables that change which code the BLAS libraries (MKL, oneDNN, OpenBLAS) or
-PyTorch's kernels run, and so the rates a calibration measures: a choice made with one of
-them set is saved under a key that names it."""
 
 
 def _variable(dt: torch.dtype) -> str:

@@ -33,10 +33,8 @@ and glibc is told to map every block of 128 KiB or more on its own
 (``MALLOC_MMAP_THRESHOLD_``) so that freed tensors leave the resident set and
 the mark counts live memory. The same call runs once first: thread pools,
 library workspaces and the code pages of the kernels it runs are not the
-method's (with a warm-up at L = 128, a causal call at L = 4096 read 3 MiB more
-than one without the mask: the interval mask's tensor operations, which a short
-call does in plain integers, faulting in PyTorch's code); the native step's
-scratch kept from it is let go, so that the buffers a pass needs are counted.
+method's (docs/perf.md); the native step's scratch kept from it is let go, so
+that the buffers a pass needs are counted.
 
 Results: a table on standard output, ``bench.json`` and ``bench.png`` (time
 and memory against ``L``, log scales) in ``--out``.
