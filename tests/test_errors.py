@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 import re
 from collections.abc import Callable
@@ -599,6 +601,42 @@ def test_gradients_that_overflow_blame_the_inputs():
             ValueError,
             "overflows float64 although every input is finite",
         )
+
+
+@pytest.mark.parametrize("step", ["native", "pytorch"])
+def test_half_gradients_past_their_dtypes_range_are_named(step):
+    """float16 inputs whose gradients fit float32's sums but not float16's range (65504):
+    the call names the gradient, its first infinite element and the range, rather than
+    returning infinities (PyTorch's SDPA returns them), on either step and through autograd;
+    bfloat16, float32's range, returns the same gradients finite."""
+    from flashledger import _native
+
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 2, 64, 16, generator=g).half() for _ in range(2))
+    v = (300 * torch.randn(1, 2, 64, 16, generator=g)).half()
+    do = (3000 * torch.randn(1, 2, 64, 16, generator=g)).half()
+    off = _native.disabled() if step == "pytorch" else contextlib.nullcontext()
+    with off:
+        fwd = fl.blocked_forward(q, k, v)
+        msg = _raises(
+            lambda: fl.blocked_backward(q, k, v, fwd.o, fwd.lse, do),
+            ValueError,
+            "overflows float16 (largest finite value 65504)",
+            "although every input is finite",
+            "pass float32 inputs",
+        )
+        name, at = re.search(r"the gradient (d[qkv])(\[[0-9, ]+\])", msg).groups()
+        wide = fl.blocked_backward(
+            q.float(), k.float(), v.float(), fwd.o.float(), fwd.lse, do.float()
+        )
+        big = getattr(wide, name)[tuple(json.loads(at))]
+        assert math.isfinite(big) and abs(big) > 65504, (name, at, big)
+        qg = q.clone().requires_grad_()
+        _raises(lambda: fl.flash_attention(qg, k, v).backward(do), ValueError, "overflows float16")
+        qb, kb, vb, dob = (x.bfloat16() for x in (q, k, v, do))
+        fb = fl.blocked_forward(qb, kb, vb)
+        bb = fl.blocked_backward(qb, kb, vb, fb.o, fb.lse, dob)
+        assert all(bool(torch.isfinite(x).all()) for x in (bb.dq, bb.dk, bb.dv))
 
 
 @pytest.mark.parametrize("option", ["block_q", "block_k"])

@@ -1422,6 +1422,53 @@ def test_o_in_a_half_dtype_comes_from_one_merged_part_of_the_half_step(native, g
             fp.run(q, k, v, merge=True, out_dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("path", ["half", "float32"])
+def test_half_inputs_get_dk_and_dv_in_their_dtype_from_the_pass(
+    native, gen, monkeypatch, dtype, path
+):
+    """Half inputs, on either path: the backward pass writes dK and dV in the inputs' dtype
+    itself (no float32 copy of either, no conversion after), the same bits as the float32
+    values the same pass writes without it, rounded as PyTorch rounds them; dQ (summed over
+    the key tiles) stays float32; a key tile no query sees is zeros; the call returns them."""
+    if path not in native.gemm_names(dtype):
+        pytest.skip(f"no {path} path for {dtype} here")
+    seen: list[tuple[Any, ...]] = []
+    real = native.backward
+
+    def twice(*args: Any, out_dtype: Any = None, **kw: Any) -> Any:
+        got = real(*args, out_dtype=out_dtype, **kw)
+        seen.append((out_dtype, got, real(*args, out_dtype=None, **kw)))
+        return got
+
+    monkeypatch.setattr(native, "backward", twice)
+    q = torch.randn(2, 4, 97, 24, generator=gen).to(dtype)  # GQA, ragged tiles
+    k, v = (torch.randn(2, 2, 113, 24, generator=gen).to(dtype) for _ in range(2))
+    do = torch.randn(2, 4, 97, 24, generator=gen).to(dtype)
+    opts = dict(mask=fl.Causal(), block_q=32, block_k=16)  # keys 97.. are seen by no query
+    kept = native.gemm(dtype)
+    native.set_gemm(dtype, path)
+    try:
+        fwd = fl.blocked_forward(q, k, v, **opts)
+        bwd = fl.blocked_backward(q, k, v, fwd.o, fwd.lse, do, **opts)
+    finally:
+        native.set_gemm(dtype, kept)
+    assert [s[0] for s in seen] == [dtype]
+    (dq, dk, dv), (dq32, dk32, dv32) = seen[0][1:]
+    assert dq.dtype == dk32.dtype == dv32.dtype == torch.float32
+    assert dk.dtype == dv.dtype == dtype
+    assert torch.equal(dq, dq32)
+    for name, got, wide in (("dk", dk, dk32), ("dv", dv, dv32)):
+        want = wide.to(dtype)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (
+            f"{name}: {int((got != want).sum())} values differ from PyTorch's rounding"
+        )
+    assert not dk32[:, 112:].any() and not dk[:, 112:].any()
+    assert torch.equal(bwd.dk, dk.view(2, 2, 113, 24)) and torch.equal(
+        bwd.dv, dv.view(2, 2, 113, 24)
+    )
+
+
 def test_a_forward_takes_its_own_measured_tiles(native, gen, monkeypatch):
     """Without tiles given, a forward pass runs the forward's own measured tiles and a
     backward the forward + backward ones; with a mask_mod (whose evaluations are kept per

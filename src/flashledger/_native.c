@@ -707,6 +707,9 @@ struct fl_args {
                                    units (-inf where a part saw no key), or NULL */
     const T *al_slope;          /* ALiBi (alibi > 0): each row's slope (H, Lq) */
     const long long *al_center; /* and the local key its distances are measured from (H, Lq) */
+    unsigned short *dk16, *dv16; /* backward: dK and dV written in a half dtype instead of into
+                                    dk, dvo (the half builds': theirs; the float32 build's:
+                                    `half`), rounded as PyTorch's conversion rounds, or NULL */
     long long heads, group, lq, lk, d, dv, work_stride;
     long long hq, iv_bstride; /* query heads per batch; the intervals' batch stride (0: shared) */
     long long rows;           /* rows of the schedule */
@@ -1975,6 +1978,25 @@ static long long backward_block(const struct fl_args *a, const long long *t, con
     return seen;
 }
 
+#if !FL_DOUBLE
+/* x (n x nc, row stride ldx: a key tile's dK_jᵀ or dV_jᵀ) transposed into out (nc x n) in a
+ * half dtype (the half builds': theirs; the float32 build's: half, 1 bfloat16, 2 float16),
+ * rounded to nearest even as PyTorch's conversion rounds (a value past the dtype's range
+ * becomes inf, which the caller's check of the gradients names). */
+static void half_rows(const T *x, long long ldx, long long nc, long long n, unsigned short *out,
+                      long long half) {
+    (void)half;
+    for (long long c = 0; c < nc; ++c)
+        for (long long e = 0; e < n; ++e) {
+#if FL_HALF
+            out[c * n + e] = to_in(x[e * ldx + c]);
+#else
+            out[c * n + e] = half == 1 ? bf16_bits(x[e * ldx + c]) : f16_bits(x[e * ldx + c]);
+#endif
+        }
+}
+#endif
+
 /* One backward work item: K/V head kh against the key tiles of rows (key tiles) [j0, j1):
  * for each, dK_j and dV_j accumulate over every query tile and every query head of the
  * group in the thread's scratch, then go to rows [k0, k1) of dK, dV; dQ accumulates in
@@ -1986,10 +2008,17 @@ static void backward_item(const struct fl_args *a, long long kh, long long j0, l
     for (long long j = j0; j < j1; ++j) {
         long long ta = a->row_start[j], tb = a->row_start[j + 1];
         long long k0 = a->bounds[2 * j], nc = a->bounds[2 * j + 1] - k0;
-        T *dk = a->dk + (kh * a->lk + k0) * id, *dv = a->dvo + (kh * a->lk + k0) * idv;
+        long long ko = (kh * a->lk + k0) * id, vo = (kh * a->lk + k0) * idv;
         if (ta == tb) { /* a key tile no query sees: dK_j = dV_j = 0, no scratch needed */
-            memset(dk, 0, (size_t)(nc * id) * sizeof(T));
-            memset(dv, 0, (size_t)(nc * idv) * sizeof(T));
+#if !FL_DOUBLE
+            if (a->dk16) { /* zero's bits are 0 in every half dtype */
+                memset(a->dk16 + ko, 0, (size_t)(nc * id) * sizeof(unsigned short));
+                memset(a->dv16 + vo, 0, (size_t)(nc * idv) * sizeof(unsigned short));
+                continue;
+            }
+#endif
+            memset(a->dk + ko, 0, (size_t)(nc * id) * sizeof(T));
+            memset(a->dvo + vo, 0, (size_t)(nc * idv) * sizeof(T));
             continue;
         }
         const long long *t;
@@ -2016,6 +2045,14 @@ static void backward_item(const struct fl_args *a, long long kh, long long j0, l
                 a->seen[ti] += seen;
             }
         }
+#if !FL_DOUBLE
+        if (a->dk16) { /* in the half dtype: no float32 dK, dV and no conversion after */
+            half_rows(dkt, ldt, nc, id, a->dk16 + ko, a->half);
+            half_rows(dvt, ldt, nc, idv, a->dv16 + vo, a->half);
+            continue;
+        }
+#endif
+        T *dk = a->dk + ko, *dv = a->dvo + vo;
         for (long long c = 0; c < nc; ++c) {
             for (long long e = 0; e < id; ++e) dk[c * id + e] = dkt[e * ldt + c];
             for (long long e = 0; e < idv; ++e) dv[c * idv + e] = dvt[e * ldt + c];

@@ -79,7 +79,7 @@ _off = threading.local()
 
 _POINTERS = (
     "q k kt v vt o lse dout lam dd dq dk dvo work iv_lo iv_hi k16 v16 q16 tiles row_start bounds "
-    "seen o16 bad kp vp mx al_slope al_center"
+    "seen o16 bad kp vp mx al_slope al_center dk16 dv16"
 )
 _SIZES = (
     "heads group lq lk d dv work_stride hq iv_bstride rows chunk splits stacked half amx alibi "
@@ -610,10 +610,12 @@ class Kernels:
         work_per_thread: int,
         sizes: dict[str, int],
         kv_t: tuple[torch.Tensor, torch.Tensor] | None = None,
+        halves: tuple[torch.Tensor, torch.Tensor] | None = None,
         **tensors: torch.Tensor,
     ) -> list[int]:
         """Lay out the backward's operands, run it in one native call; returns ``seen``.
-        ``kv_t``: ``transposed_kv(k, v)`` made once for several calls (else made here)."""
+        ``kv_t``: ``transposed_kv(k, v)`` made once for several calls (else made here).
+        ``halves``: dK and dV in a half dtype, written instead of ``dk``, ``dvo``."""
         if kv_t is None:
             tile = sched.key_tile(k.shape[1])
             kt, vt = self.transposed_kv(k, v, tile)
@@ -626,6 +628,7 @@ class Kernels:
         assert all(t.is_contiguous() for t in (q, k, v, *tensors.values()))
         assert kt.dtype == vt.dtype == tensors["dout"].dtype == q.dtype == k.dtype == v.dtype
         assert all(t.dtype == acc for n, t in tensors.items() if n != "dout")
+        assert halves is None or acc == torch.float32
         work = _pool.take("work", self.max_threads() * work_per_thread, acc)
         args, buffers = _static_args(
             q,
@@ -647,6 +650,10 @@ class Kernels:
         args.kt_tile = tile
         for n, t in tensors.items():
             setattr(args, n, t.data_ptr())
+        if halves is not None:
+            dk16, dv16 = halves
+            args.dk = args.dvo = None  # the pass writes dk16 and dv16 only
+            args.dk16, args.dv16, args.half = dk16.data_ptr(), dv16.data_ptr(), _HALF[dk16.dtype]
         if sched.terms and q.dtype in _HALF:
             raise ValueError("a tile's term is read by a float32/float64 pass")
         self.fn("fl_backward", _suffix(q.dtype))(ctypes.byref(args))
@@ -773,6 +780,7 @@ class Kernels:
         alibi: Alibi | None = None,
         softcap: float | None = None,
         kv_t: tuple[torch.Tensor, torch.Tensor] | None = None,
+        out_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The backward pass of ``sched`` (rows: key tiles) in one native call: ``(dq,
         dk, dv)`` ``(H, Lq, d)``, ``(Hk, Lk, d)``, ``(Hk, Lk, d_v)``. ``dout`` ``(H, Lq,
@@ -782,14 +790,27 @@ class Kernels:
         an additive term of their scores and where dS goes (``Schedule.add``); ``alibi``
         adds ALiBi's to every tile's scores and ``softcap`` caps them (as ``forward``). Rows
         of dK and dV of key tiles the schedule leaves out are not written. ``kv_t``: Kᵀ and
-        Vᵀ from ``transposed_kv``, for a backward run in several calls."""
+        Vᵀ from ``transposed_kv``, for a backward run in several calls. ``out_dtype``
+        (bfloat16 or float16, with float32 sums: the half step in that dtype, or its inputs
+        converted to float32): dK and dV come in it, rounded by the pass as PyTorch's
+        conversion rounds (no float32 dK, dV, no conversion after; dQ, summed over the key
+        tiles, stays float32); a value past the dtype's range comes as inf, for the
+        caller's check."""
         self.choose(q.dtype)  # the back end this dtype's calibration chose, in force
         heads, lq, d = q.shape
         hk, lk, dv = v.shape
         acc = torch.float32 if q.dtype in _HALF else q.dtype
+        if out_dtype is not None and (out_dtype not in _HALF or acc != torch.float32):
+            raise ValueError(
+                f"dK and dV come in bfloat16 or float16 from a pass with float32 sums, not "
+                f"{out_dtype} from a {q.dtype} pass"
+            )
+        if out_dtype is not None and q.dtype in _HALF and out_dtype != q.dtype:
+            raise ValueError(f"the {q.dtype} half step writes dK and dV in {q.dtype}")
         dq = torch.zeros(splits, heads, lq, d, dtype=acc)  # (S, H, Lq, d)
-        dk = torch.empty(hk, lk, d, dtype=acc)  # (Hk, Lk, d)
-        dv_ = torch.empty(hk, lk, dv, dtype=acc)  # (Hk, Lk, d_v)
+        dk = torch.empty(hk, lk, d, dtype=out_dtype or acc)  # (Hk, Lk, d)
+        dv_ = torch.empty(hk, lk, dv, dtype=out_dtype or acc)  # (Hk, Lk, d_v)
+        halves = None if out_dtype is None else (dk, dv_)
         bq, bk = sched.widest()
         lb = self.padded(q.dtype, max(bk, 1))
         work = (d + dv) * lb + (3 if softcap else 2) * bq * lb  # dK_jᵀ, dV_jᵀ; S, dP (, t)
@@ -814,9 +835,9 @@ class Kernels:
             dout=dout,
             lam=lam,
             dd=dd,
+            halves=halves,
             dq=dq,
-            dk=dk,
-            dvo=dv_,
+            **({} if halves else dict(dk=dk, dvo=dv_)),
         )
         return dq[0], dk, dv_
 

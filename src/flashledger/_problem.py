@@ -285,15 +285,28 @@ class Problem:
         return lo == -math.inf
 
     def check_gradients(self, **grads: torch.Tensor) -> None:
-        """Raise ``ValueError`` when a gradient is not finite (its sums overflowed)."""
+        """Raise ``ValueError`` naming the first value that is not finite of a gradient as it
+        is returned (the caller's layout and dtype): its sums overflowed the accumulation
+        dtype, or it lies past the largest value of the narrower dtype it is returned in
+        (float16's 65504)."""
         for name, x in grads.items():
-            if not all_finite(x):
-                self._blame_inputs()
+            if all_finite(x):
+                continue
+            self._blame_inputs()
+            at = [int(i) for i in torch.nonzero(~torch.isfinite(x.detach()))[0].tolist()]
+            if x.dtype.itemsize < self.dtype.itemsize:  # returned in the inputs' half dtype
+                big = torch.finfo(x.dtype).max
                 raise ValueError(
-                    f"the gradient {name} overflows {_dtype_name(self.dtype)} although every "
-                    "input is finite: the inputs (q, k, v, o, do) are too large for it; scale "
-                    "them down" + self._wider_hint()
+                    f"the gradient {name}{at} overflows {_dtype_name(x.dtype)} (largest finite "
+                    f"value {big:g}) although every input is finite: the inputs (q, k, v, o, "
+                    "do) are too large for it; scale them down, or pass float32 inputs (the "
+                    "gradients then come in float32)"
                 )
+            raise ValueError(
+                f"the gradient {name}{at} overflows {_dtype_name(self.dtype)} although every "
+                "input is finite: the inputs (q, k, v, o, do) are too large for it; scale "
+                "them down" + self._wider_hint()
+            )
 
     def check_saved_lse(self, lse: torch.Tensor, *, whole: bool) -> None:
         """The LSE handed to a backward must be the forward's: on every row that sees keys it

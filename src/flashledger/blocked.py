@@ -725,6 +725,23 @@ def _native_vis(
     return tile, (tile.data_ptr(), g * area, area)
 
 
+ROW_DOT_ELEMS = 1 << 18
+"""The most elements ``_row_dots`` multiplies at once (1 MiB of float32)."""
+
+
+def _row_dots(x5: torch.Tensor, y5: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """``rowsum(x ⊙ y)`` in ``dt`` of two ``(..., L, n)`` tensors (``D = rowsum(dO ⊙ O)``),
+    in slabs of rows of at most ``ROW_DOT_ELEMS`` elements: no product, and no copy of an
+    input in ``dt``, of the whole size. ``(..., L)``."""
+    *lead, length, n = x5.shape
+    out = torch.empty(*lead, length, dtype=dt, device=x5.device)
+    step = max(1, ROW_DOT_ELEMS // max(1, math.prod(lead) * n))
+    for r0 in range(0, length, step):
+        xs, ys = x5[..., r0 : r0 + step, :], y5[..., r0 : r0 + step, :]
+        out[..., r0 : r0 + step] = (xs.to(dt) * ys.to(dt)).sum(dim=-1)
+    return out
+
+
 def _native_rows(pb: Problem, x5: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A ``(B, Hkv, G|1, L, X)`` tensor as contiguous ``(B·Hkv·(G|1), L, X)`` in ``dtype``
     (default: the loop's; a view when it is one already)."""
@@ -998,6 +1015,9 @@ def _backward_native(
     splits = _backward_splits(len(ktiles), kern, b * hkv)
     xs = (pb.q_in, pb.k_in, pb.v_in, do5) if half else (pb.q, pb.k, pb.v, do5)
     q, k, v, do = (_native_rows(pb, x, pb.out_dtype if half else dt) for x in xs)
+    # half inputs: dK and dV written in their dtype by the pass (dQ, summed over the key
+    # tiles, stays float32 until the caller converts it)
+    out = pb.out_dtype if pb.out_dtype in _HALF and dt == torch.float32 else None
     dq, dk, dv_ = kern.backward(
         q,
         k,
@@ -1007,6 +1027,7 @@ def _backward_native(
         d_eff.to(dt).reshape(heads, lq).contiguous(),
         sched,
         splits=splits,
+        out_dtype=out,
         **_native_common(pb, ran),
     )
     _book_native(book, ran, sched.seen, d, dv, forward=False, outer=ktiles)
@@ -1538,10 +1559,11 @@ def _backward(
     loop_order: str,
     trace: Trace | None,
     observer: Any,
-    do_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, Ledger]:
-    """The backward loop (``do_dtype``: the caller's dO's, which the half path needs in
-    the inputs' dtype)."""
+    """The backward loop. ``o5`` and ``do5`` in the caller's dtypes (the half path reads a
+    dO in the inputs' dtype as it is; every other step converts it to the loop's); the
+    gradients in the loop's dtype, or dK and dV in the inputs' half dtype where the native
+    step wrote them so."""
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
     # The backward loop is the same in both orders; it runs on the step its forward ran on
     # (the FA1 order's forward is always the PyTorch step), so that P = exp(S - λ) is
@@ -1569,7 +1591,7 @@ def _backward(
     fold = pb.smod.softcap is None
     a = pb.smod.scale if fold else 1.0
     # -- preprocess: D = rowsum(dO ⊙ O); a gradient on the LSE folds into it --
-    D = (do5 * o5).sum(dim=-1)  # (B, Hkv, G, Lq)
+    D = _row_dots(do5, o5, dt)  # (B, Hkv, G, Lq)
     d_eff = D if dlse5 is None else D - dlse5  # dS = P ⊙ (dP - D + dλ)
     book.io(read=lq * 2 * dv, write=lq)
     # a fully-masked row keeps every P = exp(-inf - λ) at 0, whatever LSE convention it carries
@@ -1587,10 +1609,11 @@ def _backward(
             book,
             block_q,
             block_k,
-            half=_half_step(pb, kern) and do_dtype == pb.out_dtype,
+            half=_half_step(pb, kern) and do5.dtype == pb.out_dtype,
         )
         book.flush()
         return dq5, dk5, dv5, dbias5, D, ledger
+    do5 = do5.to(dt)
     rows, cols = g * min(block_q, lq), min(block_k, lk)
     ws = _Workspace(
         pb,
@@ -1882,7 +1905,9 @@ def _backward_problem(
     ``whole``: the call covers the whole sequence (no placement)."""
     o, lse, do = plain(o), plain(lse), plain(do)  # the values as stored: read by pointer
     dlse = None if dlse is None else plain(dlse)
-    o5, do5, dlse5 = _backward_inputs(pb, o, lse, do, dlse)
+    # o and dO in the caller's dtype: converted where they are read (a half dO goes to the
+    # half step as it is; D is summed slab by slab), never whole in the accumulation dtype
+    o5, do5, dlse5 = _backward_inputs(pb, o, lse, do, dlse, convert=False)
     if pb.smod.user is not None:
         pb.smod.user.reset_grads()
     lse5 = pb.to_internal_rows(lse.to(pb.dtype))
@@ -1898,17 +1923,19 @@ def _backward_problem(
         loop_order=loop_order,
         trace=Trace.of(trace),
         observer=observer,
-        do_dtype=do.dtype,
     )
-    pb.check_gradients(dq=dq, dk=dk, dv=dv)
+    del o5, do5
+    out = pb.out_dtype
+    dq, dk, dv = pb.user_q(dq).to(out), pb.user_k(dk).to(out), pb.user_k(dv).to(out)
+    pb.check_gradients(dq=dq, dk=dk, dv=dv)  # as returned: a half dtype's range counts
     dbias = None
     if dbias5 is not None and bias is not None:
         dbias = dbias5.reshape(bias.shape).to(bias.dtype)
     user = pb.smod.user
     return BackwardResult(
-        dq=pb.user_q(dq).to(pb.out_dtype),
-        dk=pb.user_k(dk).to(pb.out_dtype),
-        dv=pb.user_k(dv).to(pb.out_dtype),
+        dq=dq,
+        dk=dk,
+        dv=dv,
         dbias=dbias,
         D=pb.user_rows(D),
         ledger=ledger,

@@ -184,14 +184,15 @@ def reference_backward(
     dq = dqk @ pb.k  # (B, Hkv, G, Lq, d)
     dk = (dqk.transpose(-1, -2) @ pb.q).sum(dim=2, keepdim=True)  # (B, Hkv, 1, Lk, d)
     dv = (pd.transpose(-1, -2) @ do5).sum(dim=2, keepdim=True)  # (B, Hkv, 1, Lk, d_v)
+    dq, dk, dv = pb.user_q(dq), pb.user_k(dk), pb.user_k(dv)
     pb.check_gradients(dq=dq, dk=dk, dv=dv)
     dbias, bias = None, opts.get("bias")
     if bias is not None:
         dbias = reduce_to_bias(pb.user_q(ds), bias)
     return ReferenceBackward(
-        dq=pb.user_q(dq),
-        dk=pb.user_k(dk),
-        dv=pb.user_k(dv),
+        dq=dq,
+        dk=dk,
+        dv=dv,
         dbias=dbias,
         D=pb.user_rows(D),
         captured_grads=() if pb.smod.user is None else pb.smod.user.captured_grads(),
@@ -204,8 +205,12 @@ def _backward_inputs(
     lse: torch.Tensor,
     do: torch.Tensor,
     dlse: torch.Tensor | None,
+    *,
+    convert: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Check ``o``, ``lse``, ``do``, ``dlse`` against the problem and lay them out internally."""
+    """Check ``o``, ``lse``, ``do``, ``dlse`` against the problem and lay them out internally,
+    in the accumulation dtype (``convert=False``: ``o`` and ``do`` in their own, for a caller
+    that converts them where it reads them)."""
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
     want_o = (*_lead(pb), lq, dv)
     for name, x in (("o", o), ("do", do)):
@@ -227,8 +232,8 @@ def _backward_inputs(
         if t is not None:
             check_finite(name, t)  # names the first NaN or inf by index
     dt = pb.dtype
-    o5 = pb.to_internal_q(o.to(dt))
-    do5 = pb.to_internal_q(do.to(dt))
+    o5 = pb.to_internal_q(o.to(dt) if convert else o)
+    do5 = pb.to_internal_q(do.to(dt) if convert else do)
     dlse5 = None if dlse is None else pb.to_internal_rows(dlse.to(dt))
     return o5, do5, dlse5
 
