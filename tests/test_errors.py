@@ -639,6 +639,28 @@ def test_half_gradients_past_their_dtypes_range_are_named(step):
         assert all(bool(torch.isfinite(x).all()) for x in (bb.dq, bb.dk, bb.dv))
 
 
+def test_a_half_bias_gradient_past_its_range_is_named():
+    """A float16 bias whose gradient (dS summed to the bias's shape) passes 65504 while dQ,
+    dK and dV fit: both backwards name dbias and its first infinite element."""
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 2, 64, 16, generator=g).mul(1e-3).half() for _ in range(2))
+    v, do = ((3000 * torch.randn(1, 2, 64, 16, generator=g)).half() for _ in range(2))
+    bias = torch.zeros(1, 2, 64, 64, dtype=torch.float16)
+    fwd = fl.blocked_forward(q, k, v, bias=bias)
+    for fn in (fl.blocked_backward, fl.reference_backward):
+        _raises(
+            lambda fn=fn: fn(q, k, v, fwd.o, fwd.lse, do, bias=bias),
+            ValueError,
+            "the gradient dbias[0, ",
+            "overflows float16 (largest finite value 65504)",
+            "pass the bias in float32",
+        )
+    wide = fl.blocked_backward(q, k, v, fwd.o, fwd.lse, do, bias=bias.float())
+    assert wide.dbias.dtype == torch.float32 and bool(torch.isfinite(wide.dbias).all())
+    assert float(wide.dbias.abs().max()) > 65504
+    assert all(bool(torch.isfinite(x).all()) for x in (wide.dq, wide.dk, wide.dv))
+
+
 @pytest.mark.parametrize("option", ["block_q", "block_k"])
 @pytest.mark.parametrize("value", [0, True, 2**40, 2.0])
 def test_split_kv_checks_its_tile_sizes(option, value):

@@ -294,13 +294,14 @@ class Problem:
                 continue
             self._blame_inputs()
             at = [int(i) for i in torch.nonzero(~torch.isfinite(x.detach()))[0].tolist()]
-            if x.dtype.itemsize < self.dtype.itemsize:  # returned in the inputs' half dtype
+            if x.dtype.itemsize < self.dtype.itemsize:  # returned in a narrower dtype
                 big = torch.finfo(x.dtype).max
+                wider = "the bias in float32" if name == "dbias" else "float32 inputs"
                 raise ValueError(
                     f"the gradient {name}{at} overflows {_dtype_name(x.dtype)} (largest finite "
                     f"value {big:g}) although every input is finite: the inputs (q, k, v, o, "
-                    "do) are too large for it; scale them down, or pass float32 inputs (the "
-                    "gradients then come in float32)"
+                    f"do) are too large for it; scale them down, or pass {wider} (the "
+                    "gradient then comes in float32)"
                 )
             raise ValueError(
                 f"the gradient {name}{at} overflows {_dtype_name(self.dtype)} although every "

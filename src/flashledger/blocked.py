@@ -1931,6 +1931,7 @@ def _backward_problem(
     dbias = None
     if dbias5 is not None and bias is not None:
         dbias = dbias5.reshape(bias.shape).to(bias.dtype)
+        pb.check_gradients(dbias=dbias)
     user = pb.smod.user
     return BackwardResult(
         dq=dq,

@@ -189,6 +189,7 @@ def reference_backward(
     dbias, bias = None, opts.get("bias")
     if bias is not None:
         dbias = reduce_to_bias(pb.user_q(ds), bias)
+        pb.check_gradients(dbias=dbias)
     return ReferenceBackward(
         dq=dq,
         dk=dk,
