@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -604,6 +605,25 @@ def test_a_bad_gradient_on_one_rank_stops_every_rank_in_the_backward() -> None:
         {0: "do (the gradient of o) contains NaN"},
         ["rank(s) [0] rejected their gradients in the backward", "contains NaN"],
     )
+
+
+def test_a_half_gradient_past_its_range_stops_every_rank() -> None:
+    """float16 shards whose gradients fit float32's sums but not float16's range: the rank
+    whose converted gradient is infinite names it, and every rank raises with it (none is
+    left waiting, none returns infinities)."""
+
+    def half(r: int, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        q, k, v = (x.detach() for x in xs)
+        return [x.half().requires_grad_() for x in (q, k, 300 * v)]
+
+    def grad(r: int, do: torch.Tensor) -> torch.Tensor:
+        return (3000 * do if r == 1 else do).half()
+
+    errors = _disagreeing_ring(3, lambda r: {}, backward=grad, shards=half)
+    for r, e in enumerate(errors):
+        assert isinstance(e, ValueError), f"rank {r}: {type(e).__name__}: {e}"
+        assert "overflows float16 (largest finite value 65504)" in str(e), f"rank {r}: {e}"
+    assert re.search(r"the gradient d[qkv]\[", str(errors[1])), errors[1]
 
 
 def test_equal_options_given_differently_agree() -> None:

@@ -286,28 +286,12 @@ class Problem:
 
     def check_gradients(self, **grads: torch.Tensor) -> None:
         """Raise ``ValueError`` naming the first value that is not finite of a gradient as it
-        is returned (the caller's layout and dtype): its sums overflowed the accumulation
-        dtype, or it lies past the largest value of the narrower dtype it is returned in
-        (float16's 65504)."""
+        is returned (``gradient_overflow``), or the input that is not finite."""
         for name, x in grads.items():
-            if all_finite(x):
-                continue
-            self._blame_inputs()
-            at = [int(i) for i in torch.nonzero(~torch.isfinite(x.detach()))[0].tolist()]
-            if x.dtype.itemsize < self.dtype.itemsize:  # returned in a narrower dtype
-                big = torch.finfo(x.dtype).max
-                wider = "the bias in float32" if name == "dbias" else "float32 inputs"
-                raise ValueError(
-                    f"the gradient {name}{at} overflows {_dtype_name(x.dtype)} (largest finite "
-                    f"value {big:g}) although every input is finite: the inputs (q, k, v, o, "
-                    f"do) are too large for it; scale them down, or pass {wider} (the "
-                    "gradient then comes in float32)"
-                )
-            raise ValueError(
-                f"the gradient {name}{at} overflows {_dtype_name(self.dtype)} although every "
-                "input is finite: the inputs (q, k, v, o, do) are too large for it; scale "
-                "them down" + self._wider_hint()
-            )
+            err = gradient_overflow(name, x, self.dtype)
+            if err is not None:
+                self._blame_inputs()
+                raise err
 
     def check_saved_lse(self, lse: torch.Tensor, *, whole: bool) -> None:
         """The LSE handed to a backward must be the forward's: on every row that sees keys it
@@ -360,6 +344,30 @@ class Problem:
 
     def _wider_hint(self) -> str:
         return "" if self.dtype == torch.float64 else ", or compute in float64"
+
+
+def gradient_overflow(name: str, x: torch.Tensor, acc: torch.dtype) -> ValueError | None:
+    """The error for gradient ``name`` as it is returned (the caller's layout and dtype),
+    computed with finite inputs in ``acc``, when one of its values is not finite: its sums
+    overflowed ``acc``, or it lies past the largest value of the narrower dtype it is
+    returned in (float16's 65504). None when every value is finite."""
+    if all_finite(x):
+        return None
+    at = [int(i) for i in torch.nonzero(~torch.isfinite(x.detach()))[0].tolist()]
+    if x.dtype.itemsize < acc.itemsize:  # returned in a narrower dtype
+        big = torch.finfo(x.dtype).max
+        wider = "the bias in float32" if name == "dbias" else "float32 inputs"
+        return ValueError(
+            f"the gradient {name}{at} overflows {_dtype_name(x.dtype)} (largest finite value "
+            f"{big:g}) although every input is finite: the inputs (q, k, v, o, do) are too "
+            f"large for it; scale them down, or pass {wider} (the gradient then comes in "
+            "float32)"
+        )
+    return ValueError(
+        f"the gradient {name}{at} overflows {_dtype_name(acc)} although every input is finite: "
+        "the inputs (q, k, v, o, do) are too large for it; scale them down"
+        + ("" if acc == torch.float64 else ", or compute in float64")
+    )
 
 
 def _largest_finite_magnitude(x: torch.Tensor, known: tuple[float, float] | None = None) -> float:

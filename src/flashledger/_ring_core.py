@@ -50,7 +50,7 @@ from ._checks import check_finite, check_qkv, check_size
 from ._limits import RING_TIMEOUT_S
 from ._mods import find_captured
 from ._options import AttentionOptions, check_options
-from ._problem import Placement, build_problem, check_option_values
+from ._problem import Placement, build_problem, check_option_values, gradient_overflow
 from ._ring_agree import (
     FIELDS,
     describe_options,
@@ -591,7 +591,13 @@ class _RankRun:
             self._keep("backward", step, src, dq=dq, dk=dk_s, dv=dv_s)
         if dkv_pending is not None:  # our own shard's dK, dV after a full circle
             dk_s, dv_s = dkv_pending.wait()
-        return dq.to(q.dtype), dk_s.to(k.dtype), dv_s.to(v.dtype)
+        grads = dq.to(q.dtype), dk_s.to(k.dtype), dv_s.to(v.dtype)
+        if q.dtype != acc:  # (every rank alike) a gradient past its half dtype's range
+            errs = (gradient_overflow(n, g, acc) for n, g in zip(("dq", "dk", "dv"), grads))
+            err = next((e for e in errs if e is not None), None)
+            flags = self.tp.all_gather_ints([int(err is not None)], device=q.device)
+            raise_together(self.tp, err, [f[0] for f in flags], "gradients", device=q.device)
+        return grads
 
 
 class _RingFunction(torch.autograd.Function):
