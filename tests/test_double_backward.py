@@ -284,3 +284,15 @@ def test_ring_refuses_second_order_gradients(gen):
         t.join(timeout=40)
     for r, e in enumerate(errors):
         assert isinstance(e, ValueError) and "no second-order gradients" in str(e), (r, e)
+
+
+def test_gradients_with_a_graph_past_their_dtype_are_named():
+    """create_graph=True: a float16 gradient past 65504 is named as the first-order backward
+    names it, not returned as an infinity inside the graph."""
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 2, 64, 16, generator=g).half().requires_grad_() for _ in range(2))
+    v = (300 * torch.randn(1, 2, 64, 16, generator=g)).half().requires_grad_()
+    do = (6000 * torch.randn(1, 2, 64, 16, generator=g)).half()
+    o = fl.flash_attention(q, k, v)
+    with pytest.raises(ValueError, match=r"the gradient dq\[0, 0, 0, 0\] overflows float16"):
+        torch.autograd.grad(o, q, do, create_graph=True)
