@@ -131,8 +131,8 @@ def graph_backward(
             dim=-2,
         )
         dbias = reduce_to_bias(pb.user_q(ds_full), bias)
-    dq, dk, dv = pb.user_q(dq5).to(q.dtype), pb.user_k(dk5).to(k.dtype), pb.user_k(dv5).to(v.dtype)
-    pb.check_gradients(dq=dq, dk=dk, dv=dv)  # as returned, as the first-order backward checks
+    grads = pb.user_q(dq5).to(q.dtype), pb.user_k(dk5).to(k.dtype), pb.user_k(dv5).to(v.dtype)
+    pb.check_gradients(**dict(zip(("dq", "dk", "dv"), grads)))  # as the first order checks
     if dbias is not None:
         pb.check_gradients(dbias=dbias)
-    return dq, dk, dv, dbias
+    return (*grads, dbias)
