@@ -131,8 +131,8 @@ def graph_backward(
             dim=-2,
         )
         dbias = reduce_to_bias(pb.user_q(ds_full), bias)
-    grads = pb.user_q(dq5).to(q.dtype), pb.user_k(dk5).to(k.dtype), pb.user_k(dv5).to(v.dtype)
-    pb.check_gradients(**dict(zip(("dq", "dk", "dv"), grads)))  # as the first order checks
+    gq, gk, gv = pb.user_q(dq5).to(q.dtype), pb.user_k(dk5).to(k.dtype), pb.user_k(dv5).to(v.dtype)
+    pb.check_gradients(dq=gq, dk=gk, dv=gv)  # as returned, as the first-order backward checks
     if dbias is not None:
         pb.check_gradients(dbias=dbias)
-    return (*grads, dbias)
+    return gq, gk, gv, dbias

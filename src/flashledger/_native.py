@@ -651,8 +651,7 @@ class Kernels:
         for n, t in tensors.items():
             setattr(args, n, t.data_ptr())
         if halves is not None:
-            dk16, dv16 = halves
-            args.dk = args.dvo = None  # the pass writes dk16 and dv16 only
+            dk16, dv16 = halves  # (dk and dvo stay unset: the pass writes these only)
             args.dk16, args.dv16, args.half = dk16.data_ptr(), dv16.data_ptr(), _HALF[dk16.dtype]
         if sched.terms and q.dtype in _HALF:
             raise ValueError("a tile's term is read by a float32/float64 pass")

@@ -333,17 +333,20 @@ class Problem:
             return (
                 f"{where} overflow {_dtype_name(self.dtype)} (or the score_mod gave +inf or "
                 "NaN) although q, k and v are finite: check what the score_mod returns"
-                + self._wider_hint()
+                + _wider_hint(self.dtype)
             )
         bound = self.score_bound()
         reach = f"may reach {bound:.3g}" if math.isfinite(bound) else "exceeds float64's range"
         return (
             f"{where} overflow {_dtype_name(self.dtype)} although q, k and v are finite: the "
-            f"inputs are too large (|scale·q·k| {reach}); scale q or k down" + self._wider_hint()
+            f"inputs are too large (|scale·q·k| {reach}); scale q or k down"
+            + _wider_hint(self.dtype)
         )
 
-    def _wider_hint(self) -> str:
-        return "" if self.dtype == torch.float64 else ", or compute in float64"
+
+def _wider_hint(acc: torch.dtype) -> str:
+    """What a message adds for results that overflow ``acc``: float64, where it is not."""
+    return "" if acc == torch.float64 else ", or compute in float64"
 
 
 def gradient_overflow(name: str, x: torch.Tensor, acc: torch.dtype) -> ValueError | None:
@@ -365,8 +368,7 @@ def gradient_overflow(name: str, x: torch.Tensor, acc: torch.dtype) -> ValueErro
         )
     return ValueError(
         f"the gradient {name}{at} overflows {_dtype_name(acc)} although every input is finite: "
-        "the inputs (q, k, v, o, do) are too large for it; scale them down"
-        + ("" if acc == torch.float64 else ", or compute in float64")
+        "the inputs (q, k, v, o, do) are too large for it; scale them down" + _wider_hint(acc)
     )
 
 
