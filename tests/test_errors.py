@@ -487,6 +487,31 @@ def test_finite_check_is_exact_whatever_the_sum(dtype):
     assert all_finite(z)  # a tensor that requires grad is read without a warning
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_half_tensor_is_checked_a_slab_at_a_time(dtype, monkeypatch):
+    """A half tensor is summed in float64 a slab at a time (PyTorch widens the whole operand
+    first: four times the tensor's memory at once): every slab is read, a bad value in the
+    last one is found, and the slabs are views of the tensor, whatever its strides."""
+    from flashledger import _checks
+
+    monkeypatch.setattr(_checks, "PIECE_ELEMS", 64)
+    x = torch.randn(3, 7, 40, dtype=torch.float32).to(dtype).transpose(1, 2)  # (3, 40, 7)
+    parts = list(_checks.pieces(x, 64))
+    assert len(parts) > 1 and all(p.numel() <= 64 for p in parts)
+    assert all(p.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for p in parts)
+    assert torch.equal(torch.cat(parts, dim=-2), x)
+    assert _checks.all_finite(x)
+    for bad in (math.nan, math.inf, -math.inf):
+        y = x.clone()
+        y[2, 39, 6] = bad  # the last slab's last element
+        assert not _checks.all_finite(y)
+        with pytest.raises(
+            ValueError, match=re.escape("y contains NaN or inf at index (2, 39, 6)")
+        ):
+            _checks.check_finite("y", y)
+    assert list(_checks.pieces(torch.ones((), dtype=dtype), 1)) != []
+
+
 # -- results that cannot be right: a foreign LSE, scores that overflow ------------------------
 @pytest.mark.parametrize("bad", [math.inf, -math.inf, 1e300, -1e300])
 def test_backward_rejects_an_lse_that_no_forward_gives(bad):

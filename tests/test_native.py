@@ -1469,6 +1469,97 @@ def test_half_inputs_get_dk_and_dv_in_their_dtype_from_the_pass(
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(hq=4, hk=2, lq=97, lk=113, d=24, dv=24, opts=dict(mask=fl.Causal())),
+        dict(hq=2, hk=2, lq=70, lk=90, d=16, dv=8, opts=dict(softcap=5.0)),
+        dict(hq=2, hk=1, lq=65, lk=80, d=16, dv=16, opts=dict(alibi_slopes=[0.5, 0.25])),
+        dict(hq=2, hk=2, lq=33, lk=50, d=16, dv=16, opts=dict(bias=True)),
+        dict(hq=1, hk=1, lq=40, lk=37, d=272, dv=264, opts={}),  # rows past 256 columns
+    ],
+    ids=["gqa-causal", "softcap", "alibi", "bias", "wide-head"],
+)
+def test_half_inputs_on_the_float32_step_are_widened_as_read(native, gen, monkeypatch, dtype, case):
+    """Half inputs on the float32 path are read in their dtype, each row widened as a pass
+    reads it (no float32 copy of q, k, v or dO, no Kᵀ or Vᵀ of the whole sequence in the
+    backward): the results are bit for bit those of the float32 step on the inputs
+    converted (O and the gradients rounded as PyTorch rounds them)."""
+    if "float32" not in native.gemm_names(dtype):
+        pytest.skip(f"no float32 path for {dtype} here")
+    hq, hk, lq, lk, d, dv = (case[n] for n in ("hq", "hk", "lq", "lk", "d", "dv"))
+    q = torch.randn(2, hq, lq, d, generator=gen).to(dtype)
+    k = torch.randn(2, hk, lk, d, generator=gen).to(dtype)
+    v = torch.randn(2, hk, lk, dv, generator=gen).to(dtype)
+    do = torch.randn(2, hq, lq, dv, generator=gen).to(dtype)
+    opts: dict[str, Any] = dict(case["opts"], block_q=32, block_k=16)
+    if "bias" in opts:
+        opts["bias"] = torch.randn(lq, lk, generator=gen).to(dtype)
+    if "alibi_slopes" in opts:
+        opts["alibi_slopes"] = torch.tensor(opts["alibi_slopes"])
+    calls: list[tuple[str, bool, tuple[torch.dtype, ...]]] = []
+    for name in ("forward", "backward"):
+        real = getattr(native, name)
+
+        def spy(*args: Any, _real: Any = real, _name: str = name, **kw: Any) -> Any:
+            calls.append((_name, kw.get("widen", False), tuple(a.dtype for a in args[:3])))
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(native, name, spy)
+    kept = native.gemm(dtype)
+    native.set_gemm(dtype, "float32")
+    try:
+        fwd = fl.blocked_forward(q, k, v, **opts)
+        bwd = fl.blocked_backward(q, k, v, fwd.o, fwd.lse, do, **opts)
+        wide = {
+            n: x.float() if isinstance(x, torch.Tensor) and n == "bias" else x
+            for n, x in opts.items()
+        }
+        q32, k32, v32 = (x.float() for x in (q, k, v))
+        f32 = fl.blocked_forward(q32, k32, v32, **wide)
+        b32 = fl.blocked_backward(q32, k32, v32, fwd.o.float(), fwd.lse, do.float(), **wide)
+    finally:
+        native.set_gemm(dtype, kept)
+    half = [c for c in calls if c[2][0] == dtype]
+    assert [c[0] for c in half] == ["forward", "backward"] and all(c[1] for c in half), calls
+    assert all(dt == dtype for c in half for dt in c[2])  # no float32 copy handed to the step
+    assert torch.equal(fwd.lse, f32.lse)
+    pairs = [("o", fwd.o, f32.o), ("dq", bwd.dq, b32.dq), ("dk", bwd.dk, b32.dk)]
+    for name, got, want in [*pairs, ("dv", bwd.dv, b32.dv)]:
+        assert got.dtype == dtype, name
+        want = want.to(dtype)
+        diff = got.view(torch.int16) != want.view(torch.int16)
+        assert not diff.any(), (
+            f"{name}: {int(diff.sum())} values differ, first at {diff.nonzero()[0].tolist()}"
+        )
+
+
+def test_a_widening_pass_takes_one_half_dtype(native):
+    """``widen`` reads q, k, v (and dO) of one half dtype, Kᵀ laid out; anything else is
+    refused with what was given."""
+    sched = _one_tile()
+    q, k, v = (torch.zeros(1, 8, 16, dtype=torch.float16) for _ in range(3))
+    common = dict(group=1, scale=0.25, heads_per_batch=1)
+    with pytest.raises(ValueError, match=r"one half dtype .* got torch.float16, torch.float32"):
+        native.forward(q, k.float(), v, sched, chunk=8, widen=True, **common)
+    with pytest.raises(ValueError, match="one half dtype"):
+        native.forward(q.float(), k.float(), v.float(), sched, chunk=8, widen=True, **common)
+    with pytest.raises(ValueError, match="keys in place"):
+        native.forward(q, k, v, sched, chunk=8, widen=True, keys_in_place=True, **common)
+    lam, dd = torch.zeros(1, 8), torch.zeros(1, 8)
+    with pytest.raises(ValueError, match="dout"):
+        native.backward(q, k, v, q.float(), lam, dd, _one_tile(), widen=True, **common)
+
+
+def _one_tile() -> _native.Schedule:
+    """A schedule of one full 8 x 8 tile."""
+    sched = _native.Schedule()
+    sched.add(0, 8, 0, 8, None)
+    sched.end_row(0, 8)
+    return sched
+
+
 def test_a_forward_takes_its_own_measured_tiles(native, gen, monkeypatch):
     """Without tiles given, a forward pass runs the forward's own measured tiles and a
     backward the forward + backward ones; with a mask_mod (whose evaluations are kept per

@@ -183,7 +183,7 @@ def gemm_name(gemm: str) -> str:
         "openblas": "OpenBLAS",
         "half": "in its dtype on MKL's half gemm",
         "amx": "in its dtype, forward on AMX tiles, backward on MKL's half gemm",
-        "float32": "converted to float32",
+        "float32": "on the float32 step, widened as read",
     }[gemm]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -54,10 +55,32 @@ def all_finite(x: torch.Tensor, *, allow_neg_inf: bool = False) -> bool:
         if top < math.inf:  # False for NaN and +inf
             return True
         return not bool((torch.isnan(x) | (x == math.inf)).any())
-    acc = torch.float64 if x.dtype in (torch.float16, torch.bfloat16) else None
-    if math.isfinite(float(x.sum(dtype=acc))):
+    if x.dtype in (torch.float16, torch.bfloat16):  # summed in float64, a slab at a time
+        if all(math.isfinite(float(p.sum(dtype=torch.float64))) for p in pieces(x)):
+            return True
+    elif math.isfinite(float(x.sum())):
         return True
     return bool(torch.isfinite(x).all())
+
+
+PIECE_ELEMS = 1 << 18
+"""Elements of one slab of a half-precision tensor that a check reduces in a wider dtype:
+PyTorch converts the whole operand first (a float16 tensor summed in float64 takes four
+times its own memory at once), so the checks go a slab of at most this many at a time."""
+
+
+def pieces(x: torch.Tensor, elems: int = PIECE_ELEMS) -> Iterator[torch.Tensor]:
+    """``x`` as views of about ``elems`` elements each (at least one index of its last
+    dimension but one, or of its only dimension, per view), split along that dimension;
+    ``x`` itself when it is that small. No copy, whatever its strides."""
+    n = x.numel()
+    if n <= elems or x.dim() == 0:
+        yield x
+        return
+    dim = -2 if x.dim() >= 2 else 0
+    size = x.shape[dim]
+    step = max(1, size * elems // n)
+    yield from x.split(step, dim=dim)
 
 
 def value_range(x: torch.Tensor) -> tuple[float, float]:

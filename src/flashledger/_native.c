@@ -57,6 +57,14 @@
  * to nearest, ties to even, subnormals kept (store_in: AVX512-BF16 / AVX-512 F16C where
  * built for them, the same rule in integers or _Float16 elsewhere). In the float builds
  * TIN = T and the rounded copies are the float buffers themselves.
+ *
+ * Half inputs on the float32 build (the path the calibration may choose instead, e.g.
+ * float16 where MKL's float16 gemm is the slower): the pass reads Q, K, V and dO in their
+ * dtype (q16, k16, v16, dout16) and widens each row as it needs it, exactly: the forward a
+ * work item's Q rows and each tile's V rows, Kᵀ laid out widened (fl_transpose_wide); the
+ * backward each key tile's K_j, Kᵀ_j and Vᵀ_j once per item and a block's Q and dO rows
+ * per block. The float32 step's arithmetic on the same float32 values, so the results are
+ * those of the inputs converted up front, bit for bit, without the float32 copies.
  */
 #include <math.h>
 #include <omp.h>
@@ -718,6 +726,9 @@ struct fl_args {
     unsigned short *dk16, *dv16; /* backward: dK and dV written in a half dtype instead of into
                                     dk, dvo (the half builds': theirs; the float32 build's:
                                     `half`), rounded as PyTorch's conversion rounds, or NULL */
+    const unsigned short *dout16; /* the float32 build's backward with half inputs widened as
+                                     read (q, k, dout NULL; q16, k16, dout16 in `half`; Kᵀ, Vᵀ
+                                     laid out widened by fl_transpose_wide), or NULL */
     long long heads, group, lq, lk, d, dv, work_stride;
     long long hq, iv_bstride; /* query heads per batch; the intervals' batch stride (0: shared) */
     long long rows;           /* rows of the schedule */
@@ -749,7 +760,10 @@ struct fl_args {
 struct rows {
     long long h0, r0, lrows;
     int nr;
-    const T *q; /* forward: the block's Q rows (nr x d) when not read from a->q, or NULL */
+    const T *q; /* the block's Q rows (nr x d) when not read from a->q (widened), or NULL */
+    const T *kt, *vt; /* backward, half inputs widened: the key tile's Kᵀ_j, Vᵀ_j (d x ld,
+                         d_v x ld; key k0 at column 0), laid out by the item, or NULL */
+    long long k0, ld;
 };
 static inline long long row_head(const struct rows *b, int r) { return b->h0 + (b->r0 + r) / b->lrows; }
 static inline long long row_pos(const struct rows *b, int r) { return (b->r0 + r) % b->lrows; }
@@ -871,8 +885,18 @@ static inline long long t_at(const struct fl_args *a, long long kh, long long n,
 static void scores(const struct fl_args *a, const struct rows *b, long long k0, int nc, T *s,
                    long long ls, double factor, int after) {
     const TIN *qh = a->q + row_base(a, b) * a->d;
+#if !FL_HALF
+    if (b->q) qh = b->q; /* rows widened from a half dtype */
+#endif
     long long lt;
-    const TIN *kt = a->kt + t_at(a, b->h0 / a->group, a->d, k0, &lt);
+    const TIN *kt;
+#if !FL_HALF
+    if (b->kt) {
+        kt = b->kt + (k0 - b->k0);
+        lt = b->ld;
+    } else
+#endif
+        kt = a->kt + t_at(a, b->h0 / a->group, a->d, k0, &lt);
     /* S (nr x nc, row-major, row stride ls) = Q_i K_jᵀ, formed as Sᵀ = (Kᵀ_j)ᵀ-columns
      * times Q's rows */
     mm(nc, b->nr, (int)a->d, after ? (T)1 : (T)factor, kt, lt, qh, 1, a->d, 0, s, ls);
@@ -1084,6 +1108,8 @@ static void mask_bytes(const struct fl_args *a, const long long *t, const struct
 struct keys {
     int on;      /* K read in place (a->kt NULL) */
     TIN *stage;  /* AMX: a 16 x d stage for a ragged row block's Q rows */
+    T *vw;       /* float32 build, V in a half dtype with Kᵀ laid out: a tile's V rows widened
+                    here (bk x d_v), or NULL */
 };
 
 /* The lanes' sum, in lane order (a shuffle tree, tried, moved a float64 decode
@@ -1318,6 +1344,54 @@ static inline T one_f16(unsigned short x) {
     _Float16 h;
     memcpy(&h, &x, sizeof h);
     return (T)h;
+}
+
+/* n values of a half dtype (half = 1: bfloat16, 2: float16) widened into dst (exact) */
+static void widen_n(const unsigned short *src, long long n, T *dst, long long half) {
+    long long i = 0;
+    if (half == 1) {
+        for (; i + W <= n; i += W) storev(dst + i, load_bf16(src + i));
+        for (; i < n; ++i) dst[i] = one_bf16(src[i]);
+    } else {
+        for (; i + W <= n; i += W) storev(dst + i, load_f16(src + i));
+        for (; i < n; ++i) dst[i] = one_f16(src[i]);
+    }
+}
+
+/* Rows [r0, r1) of src (a half dtype, cols values a row) widened and transposed into dst,
+ * row r's value c at dst[c · ld + r]: 8 rows (of at most FL_WIDE_COLS columns) at a time
+ * widened into a stack buffer, then transposed as transpose_span transposes (the same
+ * values: the widening is exact). */
+#define FL_WIDE_COLS 256
+static void widen_t(const unsigned short *src, long long cols, long long r0, long long r1, T *dst,
+                    long long ld, long long half) {
+    T buf[8 * FL_WIDE_COLS];
+    for (long long c0 = 0; c0 < cols; c0 += FL_WIDE_COLS) {
+        long long nc = cols - c0 < FL_WIDE_COLS ? cols - c0 : FL_WIDE_COLS;
+        for (long long r = r0; r < r1; r += 8) {
+            long long nr = r1 - r < 8 ? r1 - r : 8;
+            for (long long i = 0; i < nr; ++i)
+                widen_n(src + (r + i) * cols + c0, nc, buf + i * nc, half);
+            transpose_span(buf, nc, 0, nr, dst + c0 * ld + r, ld);
+        }
+    }
+}
+
+/* fl_transpose's layout of src in a half dtype (half = 1: bfloat16, 2: float16), widened:
+ * Kᵀ as the float32 step's forward reads it, with no float32 copy of K. Work items as
+ * fl_transpose's, each a widen_t. */
+void SUF(fl_transpose_wide)(const unsigned short *src, T *dst, long long n, long long rows,
+                            long long cols, long long ld, long long tile, long long half) {
+    if (tile <= 0 || tile > rows) tile = rows;
+    long long tiles = (rows + tile - 1) / tile, rb = (tile + 63) / 64;
+#pragma omp parallel for schedule(static)
+    for (long long w = 0; w < n * tiles * rb; ++w) {
+        long long bt = w / rb, b = bt / tiles, j = bt % tiles, t0 = j * tile;
+        long long t1 = t0 + tile < rows ? t0 + tile : rows;
+        long long r0 = t0 + (w % rb) * 64, r1 = r0 + 64 < t1 ? r0 + 64 : t1;
+        T *db = dst + bt * ld * cols - t0; /* column r of the tile at db[c · ld + r] */
+        widen_t(src + b * rows * cols, cols, r0, r1, db, ld, half);
+    }
 }
 
 FL_DOT_ROWS(dot_bf16, unsigned short, load_bf16, one_bf16)
@@ -1561,7 +1635,15 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
     }
     int w = hi - lo;
     long long ls = padded(w); /* S's (and P's) row stride */
-    const TIN *vh = a->v + (kh * a->lk + t[2] + lo) * a->dv;
+    long long vo = (kh * a->lk + t[2] + lo) * a->dv; /* V_j's first row */
+    const TIN *vh;
+#if !FL_DOUBLE && !FL_HALF
+    if (ks->vw) { /* the tile's V rows, widened from the half dtype (exact) */
+        widen_n(a->v16 + vo, (long long)w * a->dv, ks->vw, a->half);
+        vh = ks->vw;
+    } else
+#endif
+        vh = a->v + vo;
     int nrs = nr; /* rows of S written */
     T fs = 1;     /* S's factor still to apply (the AMX products are unscaled) */
 #if FL_AMX
@@ -1690,7 +1772,7 @@ static void forward_item(const struct fl_args *a, long long h0, long long r0, in
     char *more = (char *)(s + nrs * lb + nrs);
     TIN *ps = FL_HALF ? (TIN *)carve(&more, nrs * lb + 64, sizeof(TIN)) + (a->amx ? 32 : 0)
                       : (TIN *)s;
-    struct keys ks = {!a->kt, NULL}; /* keys in place (the half builds never read them so) */
+    struct keys ks = {!a->kt, NULL, NULL}; /* keys in place (the half builds never read them so) */
 #if FL_AMX
     if (a->amx) {
         ks.stage = carve(&more, 16 * a->d, sizeof(TIN));
@@ -1701,11 +1783,11 @@ static void forward_item(const struct fl_args *a, long long h0, long long r0, in
 #if !FL_DOUBLE && !FL_HALF
     if (!a->q) { /* Q's rows only in q16, K's half dtype: widened here (exact) */
         T *qw = carve(&more, nr * a->d, sizeof(T));
-        const unsigned short *src = a->q16 + row_base(a, &b) * a->d;
-        for (long long i = 0; i < nr * a->d; ++i)
-            qw[i] = a->half == 1 ? one_bf16(src[i]) : one_f16(src[i]);
+        widen_n(a->q16 + row_base(a, &b) * a->d, nr * a->d, qw, a->half);
         b.q = qw;
     }
+    if (!ks.on && a->v16) /* V in the half dtype, Kᵀ laid out widened: each tile's V widened */
+        ks.vw = carve(&more, bk * dv, sizeof(T));
 #endif
 
     for (int r = 0; r < nr; ++r) {
@@ -1884,11 +1966,13 @@ int SUF(fl_all_finite)(const T *x, long long n) {
  * float builds on the own kernel by Qᵀ and dOᵀ of the block ((d + d_v) · padded(nr), 64-byte
  * aligned). Returns the visible dots of a partial tile. */
 static long long backward_block(const struct fl_args *a, const long long *t, const struct rows *b,
-                                T *dkt, T *dvt, T *dq, T *s) {
+                                T *dkt, T *dvt, T *dq, T *s, const T *kw, const T *dw) {
     int nr = b->nr, id = (int)a->d, idv = (int)a->dv, nc = (int)(t[3] - t[2]), lo = 0, hi = nc;
     int ca[FL_PARTIAL_ROWS], cb[FL_PARTIAL_ROWS];
     unsigned char gap[FL_PARTIAL_ROWS];
     long long seen = 0;
+    (void)kw;
+    (void)dw;
     if (t[4]) {
         seen = row_ranges(a, t, b, ca, cb, gap, &lo, &hi);
         if (lo == hi) return seen; /* every P is 0: no contribution */
@@ -1916,9 +2000,20 @@ static long long backward_block(const struct fl_args *a, const long long *t, con
 #endif
     if (t[4]) mask_bytes(a, t, b, s, ls, lo, ca, cb, gap);
     long long base = row_base(a, b);
-    const TIN *doh = a->dout + base * a->dv;
-    const TIN *vt = a->vt + t_at(a, b->h0 / a->group, a->dv, t[2] + lo, &lt);
-    const TIN *qh = a->q + base * a->d;
+    const TIN *doh, *qh, *vt;
+#if !FL_HALF
+    if (dw) { /* rows widened from a half dtype by the item, Vᵀ_j laid out by it */
+        doh = dw;
+        qh = b->q;
+        vt = b->vt + (t[2] + lo - b->k0);
+        lt = b->ld;
+    } else
+#endif
+    {
+        doh = a->dout + base * a->dv;
+        qh = a->q + base * a->d;
+        vt = a->vt + t_at(a, b->h0 / a->group, a->dv, t[2] + lo, &lt);
+    }
     T sc = (T)a->scale;
     /* dP (nr x w) = dO V_jᵀ */
     mm(w, nr, idv, 1, vt, lt, doh, 1, idv, 0, dp, ls);
@@ -1955,7 +2050,13 @@ static long long backward_block(const struct fl_args *a, const long long *t, con
             so[j] = to_in(ds);
         }
     }
-    const TIN *kh = a->k + ((b->h0 / a->group) * a->lk + t[2] + lo) * a->d;
+    const TIN *kh;
+#if !FL_HALF
+    if (kw)
+        kh = kw + (long long)lo * a->d; /* K_j's rows widened by the item, key t[2] first */
+    else
+#endif
+        kh = a->k + ((b->h0 / a->group) * a->lk + t[2] + lo) * a->d;
     /* dV_jᵀ (d_v x w) += dOᵀ P;  dK_jᵀ (d x w) += scale Qᵀ dS;  dQ (nr x d) += scale dS K_j */
     /* B of the first two: dO and Q, row r at r · d_v and r · d (column stride 1), or their
      * transposes (row r at r, column stride sbn) */
@@ -2036,16 +2137,43 @@ static void backward_item(const struct fl_args *a, long long kh, long long j0, l
         T *dkt = a->work + omp_get_thread_num() * a->work_stride, *dvt = dkt + id * ldt;
         T *s = dvt + idv * ldt;
         memset(dkt, 0, (size_t)((id + idv) * ldt) * sizeof(T));
+        /* half inputs widened as read (dout16): K_j's rows, Kᵀ_j and Vᵀ_j once per key tile,
+         * a block's Q and dO rows per block, at the end of the thread's scratch (the caller
+         * sized it): no float32 copy of Q, K, V, dO, and no Kᵀ, Vᵀ of the whole sequence */
+        T *kw = NULL, *ktw = NULL, *vtw = NULL;
+#if !FL_DOUBLE && !FL_HALF
+        if (a->dout16) {
+            kw = dkt + a->work_stride - nc * id;
+            ktw = kw - (id + idv) * ldt;
+            vtw = ktw + id * ldt;
+            widen_n(a->k16 + ko, nc * id, kw, a->half);
+            widen_t(a->k16 + ko, id, 0, nc, ktw, ldt, a->half);
+            widen_t(a->v16 + vo, idv, 0, nc, vtw, ldt, a->half);
+        }
+#endif
         for (long long ti = ta; ti < tb; ++ti) {
             t = a->tiles + ti * FL_TILE;
             long long q0 = t[0], nrows = t[1] - t[0], seen = 0;
+            const T *kt0 = kw ? kw + (t[2] - k0) * id : NULL; /* key t[2]'s row */
             for (long long g = 0; g < G; ++g) {
                 long long h = kh * G + g;
                 int step = t[4] ? FL_PARTIAL_ROWS : (int)nrows;
                 for (long long c = 0; c < nrows; c += step) {
-                    struct rows b = {h, q0 + c, 1LL << 62,
-                                     (int)(nrows - c < step ? nrows - c : step), NULL};
-                    seen += backward_block(a, t, &b, dkt, dvt, dq + (h * a->lq + q0 + c) * id, s);
+                    struct rows b = {h,   q0 + c, 1LL << 62, (int)(nrows - c < step ? nrows - c : step),
+                                     NULL, ktw, vtw, k0,    ldt};
+                    T *dw = NULL;
+#if !FL_DOUBLE && !FL_HALF
+                    if (kw) { /* Q's and dO's rows of the block */
+                        long long at = h * a->lq + q0 + c;
+                        T *qw = ktw - (long long)b.nr * (id + idv);
+                        dw = qw + (long long)b.nr * id;
+                        widen_n(a->q16 + at * id, b.nr * id, qw, a->half);
+                        widen_n(a->dout16 + at * idv, b.nr * idv, dw, a->half);
+                        b.q = qw;
+                    }
+#endif
+                    seen += backward_block(a, t, &b, dkt, dvt, dq + (h * a->lq + q0 + c) * id, s,
+                                           kt0, dw);
                 }
             }
             if (seen) {

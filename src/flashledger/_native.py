@@ -15,8 +15,10 @@ compiler targets AVX-512, or AVX2 with FMA), the BLAS gemm PyTorch uses, or
 OpenBLAS; ``FLASHLEDGER_GEMM`` forces one.
 
 bfloat16 and float16 inputs take one of two paths, chosen by measurement
-(``_calibrate``): converted to float32 up front (the float32 step), or kept in
-their dtype, every product on MKL's mixed gemm (``gemm_bf16bf16f32_`` /
+(``_calibrate``): the float32 step, reading the inputs in their dtype and
+widening each row as a pass needs it (``widen``: the results of the inputs
+converted up front, bit for bit, without float32 copies of them), or the half
+step, every product on MKL's mixed gemm (``gemm_bf16bf16f32_`` /
 ``gemm_f16f16f32_`` in PyTorch's library: half operands, float32 sums), P and dS
 rounded to the dtype before the products that read them, everything else
 float32 (``FLASHLEDGER_HALF=half`` or ``float32`` forces one; without MKL's half
@@ -79,7 +81,7 @@ _off = threading.local()
 
 _POINTERS = (
     "q k kt v vt o lse dout lam dd dq dk dvo work iv_lo iv_hi k16 v16 q16 tiles row_start bounds "
-    "seen o16 bad kp vp mx al_slope al_center dk16 dv16"
+    "seen o16 bad kp vp mx al_slope al_center dk16 dv16 dout16"
 )
 _SIZES = (
     "heads group lq lk d dv work_stride hq iv_bstride rows chunk splits stacked half amx alibi "
@@ -327,6 +329,8 @@ class Kernels:
             getattr(lib, f"fl_pack_amx_{suffix}").argtypes = [vp, vp, vp, vp, ll, ll, ll, ll]
             getattr(lib, f"fl_pack_amx_{suffix}").restype = None
             getattr(lib, f"fl_amx_on_{suffix}").restype = i
+        lib.fl_transpose_wide_f32.argtypes = [vp, vp, ll, ll, ll, ll, ll, ll]
+        lib.fl_transpose_wide_f32.restype = None
         self.vector_bytes = int(lib.fl_vector_bytes_f32())
         # the own matmul kernel: built for AVX-512, or AVX2 with FMA
         self.own_built = bool(lib.fl_own_built_f32())
@@ -334,7 +338,7 @@ class Kernels:
         self.amx = bool(lib.fl_amx_on_bf16())
         self._gemm = {suffix: "blas" for suffix in ("f32", "f64")}
         self._forward_gemm: dict[str, str] = {}  # float32/float64: the forward's, where apart
-        # half inputs: converted to float32 until the calibration (or a setting) says else
+        # half inputs: on the float32 step until the calibration (or a setting) says else
         self._gemm.update({suffix: "float32" for suffix in _HALF_GEMMS})
 
     def gemm_names(self, dtype: torch.dtype = torch.float32) -> list[str]:
@@ -396,7 +400,7 @@ class Kernels:
 
     def half_step(self, dtype: torch.dtype) -> bool:
         """True when ``dtype`` (bfloat16/float16) inputs run in their dtype (the ``half``
-        path), False when they are converted to float32 (or ``dtype`` is not half)."""
+        path), False when they run on the float32 step (or ``dtype`` is not half)."""
         self.choose(dtype)
         return dtype in _HALF and self._gemm[_suffix(dtype)] in ("half", "amx")
 
@@ -539,36 +543,50 @@ class Kernels:
 
     def transposed(self, x: torch.Tensor, buf: torch.Tensor, tile: int = 0) -> torch.Tensor:
         """``x.mT`` of a contiguous ``(n, rows, cols)`` (any float dtype the step runs), on the
-        step's threads, in the flat scratch ``buf`` (``transposed_numel`` elements at least).
+        step's threads, in the flat scratch ``buf`` (``transposed_numel`` elements at least;
+        ``x`` in bfloat16/float16 and ``buf`` float32: widened as laid out, exactly).
         ``tile`` 0: laid out with row stride ``padded(rows)``, returns ``(n, cols, rows)``;
         else each ``tile`` rows apart, row stride ``padded(tile)``: returns ``(n, tiles, cols,
         tile)`` (views; the last tile's columns past ``rows`` are not written)."""
         n, rows, cols = x.shape
-        tile, tiles, ld = self._tiling(x, tile)
+        wide = x.dtype in _HALF and buf.dtype == torch.float32
+        if buf.dtype != x.dtype and not wide:
+            raise ValueError(f"{x.dtype} is laid out in {x.dtype} (or widened to float32)")
+        tile, tiles, ld = self._tiling(x, tile, buf.dtype)
         out = buf[: n * tiles * cols * ld].view(n, tiles, cols, ld)
-        self.fn("fl_transpose", _suffix(x.dtype))(
-            x.data_ptr(), out.data_ptr(), n, rows, cols, ld, tile
-        )
+        ptrs = (x.data_ptr(), out.data_ptr(), n, rows, cols, ld, tile)
+        if wide:
+            self.fn("fl_transpose_wide", "f32")(*ptrs, _HALF[x.dtype])
+        else:
+            self.fn("fl_transpose", _suffix(x.dtype))(*ptrs)
         return out[..., :tile] if tile else out[:, 0, :, :rows]
 
-    def transposed_numel(self, x: torch.Tensor, tile: int = 0) -> int:
-        """Elements of the buffer ``transposed(x, buf, tile)`` lays out."""
+    def transposed_numel(
+        self, x: torch.Tensor, tile: int = 0, dtype: torch.dtype | None = None
+    ) -> int:
+        """Elements of the buffer ``transposed(x, buf, tile)`` lays out (``buf`` in
+        ``dtype``, default ``x``'s)."""
         n, _, cols = x.shape
-        _, tiles, ld = self._tiling(x, tile)
+        _, tiles, ld = self._tiling(x, tile, dtype or x.dtype)
         return n * tiles * cols * ld
 
-    def _tiling(self, x: torch.Tensor, tile: int) -> tuple[int, int, int]:
+    def _tiling(self, x: torch.Tensor, tile: int, dtype: torch.dtype) -> tuple[int, int, int]:
         """``(tile, tiles, row stride)`` of ``x`` ``(n, rows, cols)`` transposed per ``tile``
-        rows: tile 0 (one tile of all the rows) where ``tile`` does not split them."""
+        rows into ``dtype``: tile 0 (one tile of all the rows) where ``tile`` does not split
+        them."""
         rows = x.shape[1]
         tile = tile if 0 < tile < rows else 0
-        return tile, -(-rows // tile) if tile else 1, self.padded(x.dtype, tile or rows)
+        return tile, -(-rows // tile) if tile else 1, self.padded(dtype, tile or rows)
 
-    def transposed_k(self, k: torch.Tensor, tile: int = 0) -> torch.Tensor:
+    def transposed_k(
+        self, k: torch.Tensor, tile: int = 0, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         """Kᵀ as the passes read it (S = Q Kᵀ), in the buffer the forward gave back (``k``
         ``(Hk, Lk, d)``, contiguous): ``(Hk, d, Lk)`` with rows ``padded(Lk)`` apart, or per
-        ``tile`` keys (``Schedule.key_tile``) ``(Hk, tiles, d, tile)``, views."""
-        buf = _pool.take("kv_t", self.transposed_numel(k, tile), k.dtype)
+        ``tile`` keys (``Schedule.key_tile``) ``(Hk, tiles, d, tile)``, views; in ``dtype``
+        (default ``k``'s; float32 for a half ``k`` widened as read)."""
+        dt = dtype or k.dtype
+        buf = _pool.take("kv_t", self.transposed_numel(k, tile, dt), dt)
         return self.transposed(k, buf, tile)
 
     def give_back_kt(self, kt: torch.Tensor) -> None:
@@ -577,14 +595,15 @@ class Kernels:
         _pool.give("kv_t", kt if kt._base is None else kt._base)
 
     def transposed_kv(
-        self, k: torch.Tensor, v: torch.Tensor, tile: int = 0
+        self, k: torch.Tensor, v: torch.Tensor, tile: int = 0, dtype: torch.dtype | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(Kᵀ, Vᵀ)`` as the backward reads them (for S = Q Kᵀ and dP = dO Vᵀ): ``(Hk, d,
         Lk)`` and ``(Hk, d_v, Lk)`` views, rows ``padded(Lk)`` apart, or both per ``tile``
-        keys as ``transposed_k``'s; both go when the caller lets them, before autograd's own
-        copies of the gradients."""
-        vt = self.transposed(v, scratch(self.transposed_numel(v, tile), v.dtype), tile)
-        return self.transposed_k(k, tile), vt
+        keys as ``transposed_k``'s, in ``dtype`` (as ``transposed_k``); both go when the
+        caller lets them, before autograd's own copies of the gradients."""
+        dt = dtype or v.dtype
+        vt = self.transposed(v, scratch(self.transposed_numel(v, tile, dt), dt), tile)
+        return self.transposed_k(k, tile, dt), vt
 
     def max_threads(self) -> int:
         """OpenMP threads a parallel region started from this thread uses: PyTorch's
@@ -611,12 +630,20 @@ class Kernels:
         sizes: dict[str, int],
         kv_t: tuple[torch.Tensor, torch.Tensor] | None = None,
         halves: tuple[torch.Tensor, torch.Tensor] | None = None,
+        widen: bool = False,
         **tensors: torch.Tensor,
     ) -> list[int]:
         """Lay out the backward's operands, run it in one native call; returns ``seen``.
         ``kv_t``: ``transposed_kv(k, v)`` made once for several calls (else made here).
-        ``halves``: dK and dV in a half dtype, written instead of ``dk``, ``dvo``."""
-        if kv_t is None:
+        ``halves``: dK and dV in a half dtype, written instead of ``dk``, ``dvo``.
+        ``widen``: half q, k, v, dout on the float32 step, widened as read."""
+        acc = torch.float32 if q.dtype in _HALF else q.dtype  # sums and results
+        lay = acc if widen else q.dtype  # the build the pass runs on
+        if widen:  # each item lays out its key tiles' Kᵀ_j, Vᵀ_j itself
+            if kv_t is not None:
+                raise ValueError("a backward widening half inputs lays out Kᵀ and Vᵀ itself")
+            kt, vt, tile = k, v, 0  # (not read)
+        elif kv_t is None:
             tile = sched.key_tile(k.shape[1])
             kt, vt = self.transposed_kv(k, v, tile)
         else:
@@ -624,9 +651,9 @@ class Kernels:
             tile = _layout_tile(kt, k, sched)
             if _layout_tile(vt, v, sched) != tile:
                 raise ValueError("Kᵀ and Vᵀ are laid out per tiles of different widths")
-        acc = torch.float32 if q.dtype in _HALF else q.dtype  # sums and results
         assert all(t.is_contiguous() for t in (q, k, v, *tensors.values()))
-        assert kt.dtype == vt.dtype == tensors["dout"].dtype == q.dtype == k.dtype == v.dtype
+        assert tensors["dout"].dtype == q.dtype == k.dtype == v.dtype
+        assert widen or kt.dtype == vt.dtype == lay
         assert all(t.dtype == acc for n, t in tensors.items() if n != "dout")
         assert halves is None or acc == torch.float32
         work = _pool.take("work", self.max_threads() * work_per_thread, acc)
@@ -643,6 +670,7 @@ class Kernels:
             sizes,
             alibi=alibi,
             softcap=softcap,
+            dtype=lay,
         )
         args.q, args.k, args.kt, args.v, args.vt, args.work = (
             t.data_ptr() for t in (q, k, kt, v, vt, work)
@@ -653,9 +681,13 @@ class Kernels:
         if halves is not None:
             dk16, dv16 = halves  # (dk and dvo stay unset: the pass writes these only)
             args.dk16, args.dv16, args.half = dk16.data_ptr(), dv16.data_ptr(), _HALF[dk16.dtype]
-        if sched.terms and q.dtype in _HALF:
+        if widen:  # the rows read in their dtype only
+            args.q16, args.k16, args.v16, args.dout16 = args.q, args.k, args.v, args.dout
+            args.q = args.k = args.v = args.dout = args.kt = args.vt = None
+            args.half = _HALF[q.dtype]
+        if sched.terms and lay in _HALF:
             raise ValueError("a tile's term is read by a float32/float64 pass")
-        self.fn("fl_backward", _suffix(q.dtype))(ctypes.byref(args))
+        self.fn("fl_backward", _suffix(lay))(ctypes.byref(args))
         del sched._alive[:]
         _pool.give("work", work)
         sched.seen = buffers[3].tolist()
@@ -685,6 +717,7 @@ class Kernels:
         alibi: Alibi | None = None,
         softcap: float | None = None,
         kt: torch.Tensor | None = None,
+        widen: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward pass of ``sched`` (rows: query tiles) in one native call.
 
@@ -706,7 +739,10 @@ class Kernels:
         (``Alibi``; float32/float64) adds ALiBi's to every tile's; ``softcap`` (c > 0,
         float32/float64) caps the scores, ``c · tanh(s / c)``, before any term. ``kt``:
         Kᵀ as ``transposed_k`` gives it, made once for a forward run in several calls
-        (float32/float64, keys not in place; else laid out here).
+        (float32/float64, keys not in place; else laid out here). ``widen``: q, k, v in one
+        half dtype run on the float32 step, widened as the pass reads them (Q's rows per
+        work item, V's per tile, Kᵀ laid out widened; ``kt`` then float32): the float32
+        step's results on the inputs converted, with no float32 copy of any of them.
         """
         fp = ForwardPass(
             self,
@@ -724,6 +760,7 @@ class Kernels:
             keys_in_place=keys_in_place,
             alibi=alibi,
             softcap=softcap,
+            widen=widen,
         )
         o, lse = fp.run(
             q,
@@ -780,6 +817,7 @@ class Kernels:
         softcap: float | None = None,
         kv_t: tuple[torch.Tensor, torch.Tensor] | None = None,
         out_dtype: torch.dtype | None = None,
+        widen: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The backward pass of ``sched`` (rows: key tiles) in one native call: ``(dq,
         dk, dv)`` ``(H, Lq, d)``, ``(Hk, Lk, d)``, ``(Hk, Lk, d_v)``. ``dout`` ``(H, Lq,
@@ -794,11 +832,20 @@ class Kernels:
         converted to float32): dK and dV come in it, rounded by the pass as PyTorch's
         conversion rounds (no float32 dK, dV, no conversion after; dQ, summed over the key
         tiles, stays float32); a value past the dtype's range comes as inf, for the
-        caller's check."""
+        caller's check. ``widen``: half q, k, v, dout run on the float32 step, each row
+        widened to float32 as the pass reads it (each key tile's K_j, Kᵀ_j and Vᵀ_j by
+        the item that runs it, a block's Q and dO rows by the block): the float32 step's
+        results on the inputs converted, with no float32 copy of any of them and no Kᵀ, Vᵀ
+        of the whole sequence (no ``kv_t`` then)."""
         self.choose(q.dtype)  # the back end this dtype's calibration chose, in force
         heads, lq, d = q.shape
         hk, lk, dv = v.shape
         acc = torch.float32 if q.dtype in _HALF else q.dtype
+        if widen and not (q.dtype in _HALF and q.dtype == k.dtype == v.dtype == dout.dtype):
+            raise ValueError(
+                "widen reads q, k, v and dout of one half dtype (bfloat16 or float16), got "
+                f"{q.dtype}, {k.dtype}, {v.dtype}, {dout.dtype}"
+            )
         if out_dtype is not None and (out_dtype not in _HALF or acc != torch.float32):
             raise ValueError(
                 f"dK and dV come in bfloat16 or float16 from a pass with float32 sums, not "
@@ -811,12 +858,15 @@ class Kernels:
         dv_ = torch.empty(hk, lk, dv, dtype=out_dtype or acc)  # (Hk, Lk, d_v)
         halves = None if out_dtype is None else (dk, dv_)
         bq, bk = sched.widest()
-        lb = self.padded(q.dtype, max(bk, 1))
+        lay = acc if widen else q.dtype  # the operands as the pass reads them
+        lb = self.padded(lay, max(bk, 1))
         work = (d + dv) * lb + (3 if softcap else 2) * bq * lb  # dK_jᵀ, dV_jᵀ; S, dP (, t)
-        if q.dtype in _HALF:
+        if lay in _HALF:
             work += 2 * _units(bq * lb, q.dtype, acc)  # P, dS in the input dtype
         else:  # Qᵀ and dOᵀ of a block of rows, for the own kernel
-            work += _units((d + dv) * self.padded(q.dtype, max(bq, 1)) + 16, q.dtype, acc)
+            work += _units((d + dv) * self.padded(lay, max(bq, 1)) + 16, lay, acc)
+        if widen:  # at the end: a block's Q and dO rows; Kᵀ_j, Vᵀ_j; K_j's rows, widened
+            work += bq * (d + dv) + (d + dv) * lb + bk * d
         self._run_backward(
             q,
             k,
@@ -835,6 +885,7 @@ class Kernels:
             lam=lam,
             dd=dd,
             halves=halves,
+            widen=widen,
             dq=dq,
             **({} if halves else dict(dk=dk, dvo=dv_)),
         )
@@ -928,23 +979,24 @@ def _static_args(
     half: int = 0,
     alibi: Alibi | None = None,
     softcap: float | None = None,
+    dtype: torch.dtype | None = None,
 ) -> tuple[_Args, list[Any]]:
     """A pass's ``_Args`` with every size set and the addresses of its schedule, interval
     mask and ALiBi rows (the operands' are the caller's to set), and the buffers those point
     into, alive as long as the arguments are used: ``[tiles, row_start, bounds, seen, iv_lo,
-    iv_hi, slopes, centers]``."""
+    iv_hi, slopes, centers]``. ``dtype``: the build the pass runs on (default ``q``'s;
+    float32 for half operands widened as read)."""
+    dt = dtype or q.dtype
     iv_lo = iv_hi = None
     if intervals is not None:
         iv_lo, iv_hi = (t.to(torch.int64).contiguous() for t in intervals)  # (B|1, Lq)
-    if (alibi is not None or softcap is not None) and q.dtype not in (torch.float32, torch.float64):
-        raise ValueError(
-            f"ALiBi and a softcap are applied by float32/float64 passes, not {q.dtype}"
-        )
+    if (alibi is not None or softcap is not None) and dt not in (torch.float32, torch.float64):
+        raise ValueError(f"ALiBi and a softcap are applied by float32/float64 passes, not {dt}")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"a softcap's c is positive, got {softcap!r}")
     slopes = centers = None
     if alibi is not None:
-        slopes, centers = _alibi_rows(alibi, q)
+        slopes, centers = _alibi_rows(alibi, q.shape[:2], dt)
     arrays = sched._arrays()
     tiles, row_start, bounds, seen = (a.buffer_info()[0] for a in arrays)
     args = _Args(
@@ -988,12 +1040,14 @@ class Alibi:
     form: int
 
 
-def _alibi_rows(alibi: Alibi, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``alibi``'s slopes and centers as contiguous ``(H, Lq)`` rows of a pass on ``q``."""
+def _alibi_rows(
+    alibi: Alibi, rows: torch.Size, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``alibi``'s slopes and centers as contiguous ``rows`` ``(H, Lq)`` of a ``dtype``
+    pass."""
     if alibi.form not in (1, 2):
         raise ValueError(f"ALiBi's form is 1 or 2, got {alibi.form}")
-    rows = q.shape[:2]  # (H, Lq)
-    slope = alibi.slope.to(q.dtype).expand(rows).contiguous()
+    slope = alibi.slope.to(dtype).expand(rows).contiguous()
     center = alibi.center.to(torch.int64).expand(rows).contiguous()
     return slope, center
 
@@ -1028,13 +1082,22 @@ class ForwardPass:
         keep_scratch: bool = False,
         alibi: Alibi | None = None,
         softcap: float | None = None,
+        widen: bool = False,
     ) -> None:
         kern.choose(q.dtype, k.dtype)  # the back ends the calibration chose, in force
         self.kern, self.in_place, self.keep_scratch = kern, keys_in_place, keep_scratch
-        # a float32 q reading a half K/V cache in place (widened as it is read); the half step
-        # itself has q, k, v all in the half dtype
-        half = _HALF.get(k.dtype, 0) if keys_in_place and q.dtype != k.dtype else 0
+        if widen and (keys_in_place or q.dtype not in _HALF or not q.dtype == k.dtype == v.dtype):
+            raise ValueError(
+                "widen reads q, k and v of one half dtype (bfloat16 or float16) with Kᵀ laid "
+                f"out, got {q.dtype}, {k.dtype}, {v.dtype}"
+                + (" and keys in place" if keys_in_place else "")
+            )
+        # a float32 q reading a half K/V cache in place (widened as it is read), or half q, k,
+        # v on the float32 step (``widen``: widened as read); the half step itself has q, k,
+        # v all in the half dtype
+        half = _HALF.get(k.dtype, 0) if (keys_in_place and q.dtype != k.dtype) or widen else 0
         assert k.dtype == v.dtype == (q.dtype if not half else k.dtype)
+        self.wide = widen
         self.dtypes = (q.dtype, k.dtype, v.dtype)
         self.sizes = (q.numel(), k.numel(), v.numel())
         self.acc = torch.float32 if q.dtype in _HALF else q.dtype  # sums, state, results
@@ -1046,6 +1109,7 @@ class ForwardPass:
         self.amx = (
             q.dtype == torch.bfloat16
             and not keys_in_place
+            and not widen
             and kern.gemm(q.dtype) == "amx"
             and d % 32 == 0
             and dv % 16 == 0
@@ -1055,12 +1119,14 @@ class ForwardPass:
             work = 2 * chunk + c16 * dv + 32 + c16 * lb + c16 + 16
             work += _units(c16 * lb + 64, q.dtype, self.acc) + _units(16 * d, q.dtype, self.acc)
         else:
-            lb = kern.padded(q.dtype, bk)  # S's (and P's) row stride
+            lb = kern.padded(self.acc if widen else q.dtype, bk)  # S's (and P's) row stride
             work = chunk * (2 + dv) + chunk * lb + chunk  # m, ℓ, acc; S/P; α
-            if q.dtype in _HALF:
+            if q.dtype in _HALF and not widen:
                 work += _units(chunk * lb, q.dtype, self.acc)  # P in the input dtype
         if half:  # q's rows widened from the cache's dtype (``run_rows``), 64-byte aligned
             work += chunk * d + 64 // self.acc.itemsize
+        if widen:  # a tile's V rows widened, 64-byte aligned
+            work += bk * dv + 64 // self.acc.itemsize
         self.work = work
         self.half = half
         # both passes read Kᵀ (for S = Q Kᵀ), per tile of keys where the schedule's tiles
@@ -1082,11 +1148,12 @@ class ForwardPass:
             half,
             alibi,
             softcap,
+            dtype=self.acc if widen else None,
         )
         self._args.amx = int(self.amx)
         self._n_tiles = len(self._buffers[3])
         self._sched = sched  # its partial tiles' bytes
-        self._fn = kern.fn("fl_forward", _suffix(q.dtype))
+        self._fn = kern.fn("fl_forward", _suffix(self.acc if widen else q.dtype))
         self._finite = kern.fn("fl_all_finite", _suffix(self.acc))
         # a pass run again and again (``_lane``'s plans) keeps one small scratch buffer of
         # its own: taken and put back by one list operation each (atomic under the GIL)
@@ -1123,6 +1190,8 @@ class ForwardPass:
         self._check(q, k, v, rows)
         if kt is not None and (self.in_place or self.amx):
             raise ValueError("kt is Kᵀ from transposed_k, for a pass that lays it out")
+        if kt is not None and kt.dtype != (self.acc if self.wide else q.dtype):
+            raise ValueError(f"kt in {kt.dtype} for a pass reading Kᵀ in {self.acc}")
         kt_tile = self.kt_tile if kt is None else _layout_tile(kt, k, self._sched)
         if q16 is not None and self.half == 1:
             self._check_q16(q16, torch.bfloat16)
@@ -1142,7 +1211,8 @@ class ForwardPass:
             o = torch.empty((*at, dv), dtype=self.acc)  # (S, H, Lq, d_v)
         q16 = q16 if self.half == 1 else None
         mx = None if row_max is None else torch.empty(at, dtype=self.acc)  # (S, H, Lq)
-        if self._sched.terms and (self.half or self.amx or self.in_place or q.dtype in _HALF):
+        narrow = q.dtype in _HALF and not self.wide  # the half step's
+        if self._sched.terms and (self.amx or self.in_place or narrow):
             raise ValueError("a tile's term is read by a float32/float64 pass with Kᵀ laid out")
         self._launch(q, k, v, o, lse, q16=q16, o16=o16, bad=bad, mx=mx, kt=kt, kt_tile=kt_tile)
         if o_finite is not None and bad is not None and not bad.value:
@@ -1265,8 +1335,8 @@ class ForwardPass:
             )
         elif kt is not None:
             args.kt, args.kt_tile = kt.data_ptr(), kt_tile
-        else:
-            kt_buf = self.kern.transposed_k(k, self.kt_tile)  # Kᵀ, per tile of keys or whole
+        else:  # Kᵀ, per tile of keys or whole (widened to float32 with ``widen``)
+            kt_buf = self.kern.transposed_k(k, self.kt_tile, self.acc if self.wide else None)
             args.kt, args.kt_tile = kt_buf.data_ptr(), self.kt_tile
         need = self.kern.max_threads() * self.work
         try:
@@ -1277,6 +1347,9 @@ class ForwardPass:
             work = _pool.take("work", need, self.acc)
         args.q = None if q is None else q.data_ptr()
         args.k, args.v, args.vt = k.data_ptr(), v.data_ptr(), v.data_ptr()
+        if self.wide:  # the rows read in their half dtype only
+            args.q16, args.k16, args.v16 = args.q, args.k, args.v
+            args.q = args.k = args.v = args.vt = None
         args.work, args.lse = work.data_ptr(), lse.data_ptr()
         args.o = None if o is None else o.data_ptr()
         args.o16 = None if o16 is None else o16.data_ptr()
@@ -1288,7 +1361,9 @@ class ForwardPass:
                 self._spare.append(work)
         else:
             _pool.give("work", work)
-        if kt_buf is not None:
+        if kt_buf is not None and not self.wide:
+            # (a widening pass lets its float32 Kᵀ go: its backward lays out each key tile's
+            # itself, and kept for the next forward it would sit beside the backward's buffers)
             self.kern.give_back_kt(kt_buf)
         if self._n_tiles:
             self._sched.seen = seen.tolist()

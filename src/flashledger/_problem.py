@@ -23,6 +23,7 @@ from ._checks import (
     check_float_tensor,
     check_qkv,
     check_qkv_finite,
+    pieces,
     plain,
     value_range,
 )
@@ -389,7 +390,11 @@ def _max_norm(x: torch.Tensor) -> float:
     1e-19 in float32: a norm of 0 would make every score bound 0), once more in float64 on
     ``x / max|x|``, whose squares do neither."""
     wide = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else None
-    n = float(torch.linalg.vector_norm(x.detach(), dim=-1, dtype=wide).amax())
+    # (a half x in slabs: PyTorch widens the whole operand before the norm otherwise)
+    parts = pieces(x.detach()) if wide else [x.detach()]
+    n = float(
+        torch.stack([torch.linalg.vector_norm(p, dim=-1, dtype=wide).amax() for p in parts]).amax()
+    )
     used = wide or x.dtype
     if math.isfinite(n) and n >= _SQUARES_SAFE[used]:
         return n

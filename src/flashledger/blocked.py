@@ -676,6 +676,21 @@ def _half_step(pb: Problem, kern: _native.Kernels | None) -> bool:
     )
 
 
+def _widened(pb: Problem, kern: _native.Kernels | None) -> bool:
+    """True when bfloat16/float16 inputs run on the float32 step (the path its calibration
+    chose for the dtype, not the half step) read in their dtype, each row widened to float32
+    as a pass reads it: the float32 step's results on the inputs converted, with no float32
+    copy of Q, K, V or dO (``Kernels.forward``'s and ``backward``'s ``widen``)."""
+    dt = pb.out_dtype
+    return (
+        kern is not None
+        and dt in _HALF
+        and pb.dtype == torch.float32
+        and pb.q_in.dtype == pb.k_in.dtype == pb.v_in.dtype == dt
+        and not kern.half_step(dt)
+    )
+
+
 def _resolve_tiles(
     pb: Problem,
     kern: _native.Kernels | None,
@@ -821,9 +836,9 @@ def _forward_operands(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q ``(B·Hq, Lq, d)``, k ``(B·Hkv, Lk, d)``, v ``(B·Hkv, Lk, d_v)`` as the native
     forward reads them: in the inputs' half dtype on the half path (K then laid out as
-    Kᵀ), else q in the loop's dtype and K/V too, or as they are when read in place (a
-    half-precision cache)."""
-    if _half_step(pb, kern) and not in_place:
+    Kᵀ) and on the float32 step widening them (``_widened``), else q in the loop's dtype
+    and K/V too, or as they are when read in place (a half-precision cache)."""
+    if (_half_step(pb, kern) or _widened(pb, kern)) and not in_place:
         qh, kh, vh = (_native_rows(pb, x, pb.out_dtype) for x in (pb.q_in, pb.k_in, pb.v_in))
         return qh, kh, vh
     q = _native_rows(pb, pb.q)
@@ -940,6 +955,7 @@ def _forward_native(
         out_dtype=q.dtype if half_o else None,
         o_finite=o_finite,
         row_max=got,
+        widen=_widened(pb, kern) and not in_place,
         **args,
     )  # (B·Hq, Lq, d_v), (B·Hq, Lq)
     if row_max is not None and got:
@@ -1013,8 +1029,10 @@ def _backward_native(
     qtiles, ktiles = _tiles(lq, block_q), _tiles(lk, block_k)
     sched, ran = _native_schedule(pb, book, ktiles, qtiles, kind_of, forward=False)
     splits = _backward_splits(len(ktiles), kern, b * hkv)
-    xs = (pb.q_in, pb.k_in, pb.v_in, do5) if half else (pb.q, pb.k, pb.v, do5)
-    q, k, v, do = (_native_rows(pb, x, pb.out_dtype if half else dt) for x in xs)
+    widen = _widened(pb, kern) and do5.dtype == pb.out_dtype
+    narrow = half or widen  # read in the inputs' half dtype
+    xs = (pb.q_in, pb.k_in, pb.v_in, do5) if narrow else (pb.q, pb.k, pb.v, do5)
+    q, k, v, do = (_native_rows(pb, x, pb.out_dtype if narrow else dt) for x in xs)
     # half inputs: dK and dV written in their dtype by the pass (dQ, summed over the key
     # tiles, stays float32 until the caller converts it)
     out = pb.out_dtype if pb.out_dtype in _HALF and dt == torch.float32 else None
@@ -1028,6 +1046,7 @@ def _backward_native(
         sched,
         splits=splits,
         out_dtype=out,
+        widen=widen,
         **_native_common(pb, ran),
     )
     _book_native(book, ran, sched.seen, d, dv, forward=False, outer=ktiles)
@@ -1190,13 +1209,15 @@ def _forward_native_scored(
     heads = b * hq
     qtiles, ktiles = _tiles(lq, block_q), _tiles(lk, block_k)
     q, k, v = _forward_operands(pb, kern, False)
+    widen = _widened(pb, kern)
     o = torch.empty(heads, lq, dv, dtype=pb.dtype)  # (B·Hq, Lq, d_v)
     lse = torch.empty(heads, lq, dtype=pb.dtype)  # (B·Hq, Lq)
     m_all = None if row_max is None else torch.empty(heads, lq, dtype=pb.dtype)
     threads, rows = kern.max_threads(), min(block_q, lq)
     terms = _ScoreTerms(pb)
     slabs = _slabs(pb, qtiles, ktiles, kind_of, forward=True, buffers=1)
-    kt = kern.transposed_k(k, block_k) if len(slabs) > 1 else None  # Kᵀ once, every slab
+    lay = pb.dtype if widen else None  # Kᵀ widened to float32, or in k's dtype
+    kt = kern.transposed_k(k, block_k, lay) if len(slabs) > 1 else None  # once, every slab
     for s0, s1 in slabs:
         slab = qtiles[s0:s1]
         sched, ran = _native_schedule(
@@ -1206,7 +1227,16 @@ def _forward_native_scored(
         chunk = _rows_per_item(heads * len(slab), rows, threads)
         got: list[torch.Tensor] | None = None if row_max is None else []
         o_s, lse_s = kern.forward(
-            q, k, v, sched, merge=True, row_max=got, chunk=chunk, kt=kt, **_native_common(pb, ran)
+            q,
+            k,
+            v,
+            sched,
+            merge=True,
+            row_max=got,
+            chunk=chunk,
+            kt=kt,
+            widen=widen,
+            **_native_common(pb, ran),
         )  # (B·Hq, Lq, d_v), (B·Hq, Lq): the slab's rows written
         o[:, r0:r1], lse[:, r0:r1] = o_s[:, r0:r1], lse_s[:, r0:r1]
         if m_all is not None and got:
@@ -1242,7 +1272,9 @@ def _backward_native_scored(
     heads = b * hq
     user = pb.smod.user
     qtiles, ktiles = _tiles(lq, block_q), _tiles(lk, block_k)
-    q, k, v, do = (_native_rows(pb, x, dt) for x in (pb.q, pb.k, pb.v, do5))
+    widen = _widened(pb, kern) and do5.dtype == pb.out_dtype
+    xs = (pb.q_in, pb.k_in, pb.v_in, do5) if widen else (pb.q, pb.k, pb.v, do5)
+    q, k, v, do = (_native_rows(pb, x, pb.out_dtype if widen else dt) for x in xs)
     lam = lse_safe.to(dt).reshape(heads, lq).contiguous()
     dd = d_eff.to(dt).reshape(heads, lq).contiguous()
     dq = torch.zeros(heads, lq, d, dtype=dt)  # (B·Hq, Lq, d)
@@ -1251,7 +1283,8 @@ def _backward_native_scored(
     grads = (user is not None and bool(user.captured)) or pb.smod.bias is not None
     terms = _ScoreTerms(pb, graphs=True, ds=grads)
     slabs = _slabs(pb, ktiles, qtiles, kind_of, forward=False, buffers=2 if grads else 1)
-    kv_t = kern.transposed_kv(k, v, block_k) if len(slabs) > 1 else None  # once, every slab
+    # Kᵀ and Vᵀ once for every slab (widening items lay out their key tiles' themselves)
+    kv_t = kern.transposed_kv(k, v, block_k) if len(slabs) > 1 and not widen else None
     for s0, s1 in slabs:
         slab = ktiles[s0:s1]
         sched, ran = _native_schedule(
@@ -1260,7 +1293,17 @@ def _backward_native_scored(
         c0, c1 = slab[0][0], slab[-1][1]
         splits = _backward_splits(len(slab), kern, b * hkv)
         dq_s, dk_s, dv_s = kern.backward(
-            q, k, v, do, lam, dd, sched, splits=splits, kv_t=kv_t, **_native_common(pb, ran)
+            q,
+            k,
+            v,
+            do,
+            lam,
+            dd,
+            sched,
+            splits=splits,
+            kv_t=kv_t,
+            widen=widen,
+            **_native_common(pb, ran),
         )
         dq += dq_s
         dk[:, c0:c1], dv_[:, c0:c1] = dk_s[:, c0:c1], dv_s[:, c0:c1]
