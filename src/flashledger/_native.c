@@ -727,8 +727,9 @@ struct fl_args {
                                     dk, dvo (the half builds': theirs; the float32 build's:
                                     `half`), rounded as PyTorch's conversion rounds, or NULL */
     const unsigned short *dout16; /* the float32 build's backward with half inputs widened as
-                                     read (q, k, dout NULL; q16, k16, dout16 in `half`; Kᵀ, Vᵀ
-                                     laid out widened by fl_transpose_wide), or NULL */
+                                     read (q, k, v, dout, kt, vt NULL; q16, k16, v16, dout16 in
+                                     `half`; each key tile's Kᵀ_j, Vᵀ_j laid out by its item),
+                                     or NULL */
     long long heads, group, lq, lk, d, dv, work_stride;
     long long hq, iv_bstride; /* query heads per batch; the intervals' batch stride (0: shared) */
     long long rows;           /* rows of the schedule */
@@ -1964,7 +1965,9 @@ int SUF(fl_all_finite)(const T *x, long long n) {
  * padded(bk) scratch (S, dP; with a softcap 3, its t after them), in the half builds
  * followed by P and dS in the input dtype (nr · padded(bk) each, 64-byte aligned), in the
  * float builds on the own kernel by Qᵀ and dOᵀ of the block ((d + d_v) · padded(nr), 64-byte
- * aligned). Returns the visible dots of a partial tile. */
+ * aligned). Half inputs on the float32 build (a->dout16): kw, K_j's rows widened from key
+ * t[2] on, dw, the block's dO rows widened, b->q its Q rows, b->kt, b->vt the key tile's
+ * Kᵀ_j, Vᵀ_j; else kw and dw NULL. Returns the visible dots of a partial tile. */
 static long long backward_block(const struct fl_args *a, const long long *t, const struct rows *b,
                                 T *dkt, T *dvt, T *dq, T *s, const T *kw, const T *dw) {
     int nr = b->nr, id = (int)a->d, idv = (int)a->dv, nc = (int)(t[3] - t[2]), lo = 0, hi = nc;
@@ -2154,13 +2157,13 @@ static void backward_item(const struct fl_args *a, long long kh, long long j0, l
         for (long long ti = ta; ti < tb; ++ti) {
             t = a->tiles + ti * FL_TILE;
             long long q0 = t[0], nrows = t[1] - t[0], seen = 0;
-            const T *kt0 = kw ? kw + (t[2] - k0) * id : NULL; /* key t[2]'s row */
+            const T *krow = kw ? kw + (t[2] - k0) * id : NULL; /* key t[2]'s row of K_j */
             for (long long g = 0; g < G; ++g) {
                 long long h = kh * G + g;
                 int step = t[4] ? FL_PARTIAL_ROWS : (int)nrows;
                 for (long long c = 0; c < nrows; c += step) {
-                    struct rows b = {h,   q0 + c, 1LL << 62, (int)(nrows - c < step ? nrows - c : step),
-                                     NULL, ktw, vtw, k0,    ldt};
+                    int nr = (int)(nrows - c < step ? nrows - c : step);
+                    struct rows b = {h, q0 + c, 1LL << 62, nr, NULL, ktw, vtw, k0, ldt};
                     T *dw = NULL;
 #if !FL_DOUBLE && !FL_HALF
                     if (kw) { /* Q's and dO's rows of the block */
@@ -2173,7 +2176,7 @@ static void backward_item(const struct fl_args *a, long long kh, long long j0, l
                     }
 #endif
                     seen += backward_block(a, t, &b, dkt, dvt, dq + (h * a->lq + q0 + c) * id, s,
-                                           kt0, dw);
+                                           krow, dw);
                 }
             }
             if (seen) {

@@ -347,7 +347,7 @@ class Kernels:
         ``scipy-openblas32`` package). bfloat16/float16 (``HALF_PATHS``): ``half`` (in the
         dtype, on MKL's half gemm, where PyTorch's library exports it), for bfloat16 ``amx``
         (the same, with the forward's products on AMX's tiles, where the CPU has them) and
-        ``float32`` (converted up front)."""
+        ``float32`` (the float32 step, each row widened as a pass reads it)."""
         if dtype in _HALF:
             have = _suffix(dtype) in self._gemms["blas"]
             amx = have and self.amx and dtype == torch.bfloat16
