@@ -314,8 +314,9 @@ def test_interval_masks_run_without_mask_tiles(
 
 def test_scratch_is_kept_between_passes_up_to_a_bound(native, monkeypatch, gen, assert_close):
     """The tile buffers and the forward's laid-out Kᵀ go back to the pool and are reused
-    by the next pass (no fresh pages); the backward takes the Kᵀ buffer and frees it; a
-    buffer above the bound is not kept; results are unaffected."""
+    by the next pass (no fresh pages); a backward lets the forward's Kᵀ go (its items lay
+    out their own key tiles); a buffer above the bound is not kept; results are
+    unaffected."""
     _native.release_scratch()
     pool = _native._pool.bufs
     q, k, v, do = (torch.randn(1, 2, 200, 16, dtype=f64, generator=gen) for _ in range(4))
@@ -366,11 +367,12 @@ def test_scratch_kept_is_bounded_whatever_the_threads(native, gen, assert_close)
 
 @pytest.mark.parametrize("dt", [torch.float32, f64])
 def test_k_laid_out_per_key_tile_reads_as_the_whole_length(native, monkeypatch, gen, dt):
-    """The passes lay Kᵀ (and the backward's Vᵀ) out per key tile where every tile of the
-    schedule lies in one (``Schedule.key_tile``), each tile's rows a short stride apart. On
-    the own kernel, whose sums do not depend on where their operands lie, every result
-    equals the one read from the layout of the whole key length bit for bit: a ragged last
-    tile, Lq != Lk, GQA, causal partial tiles, a dense mask with fully-masked rows, ALiBi."""
+    """A forward lays Kᵀ out per key tile where every tile of the schedule lies in one
+    (``Schedule.key_tile``), each tile's rows a short stride apart (a backward's items lay
+    out each key tile's Kᵀ_j and Vᵀ_j themselves). On the own kernel, whose sums do not
+    depend on where their operands lie, every result equals the one read from the layout of
+    the whole key length bit for bit: a ragged last tile, Lq != Lk, GQA, causal partial
+    tiles, a dense mask with fully-masked rows, ALiBi."""
     if not native.own_built:
         pytest.skip("no own kernel here: a BLAS's sums may depend on the operands' layout")
     b, hkv, g, lq, lk, d = 2, 2, 2, 150, 203, 24

@@ -762,8 +762,8 @@ struct rows {
     long long h0, r0, lrows;
     int nr;
     const T *q; /* the block's Q rows (nr x d) when not read from a->q (widened), or NULL */
-    const T *kt, *vt; /* backward, half inputs widened: the key tile's Kᵀ_j, Vᵀ_j (d x ld,
-                         d_v x ld; key k0 at column 0), laid out by the item, or NULL */
+    const TIN *kt, *vt; /* backward: the key tile's Kᵀ_j, Vᵀ_j (d x ld, d_v x ld; key k0 at
+                           column 0), laid out by its item, or NULL (the pass's kt, vt) */
     long long k0, ld;
 };
 static inline long long row_head(const struct rows *b, int r) { return b->h0 + (b->r0 + r) / b->lrows; }
@@ -891,12 +891,10 @@ static void scores(const struct fl_args *a, const struct rows *b, long long k0, 
 #endif
     long long lt;
     const TIN *kt;
-#if !FL_HALF
-    if (b->kt) {
+    if (b->kt) { /* the backward item's Kᵀ_j */
         kt = b->kt + (k0 - b->k0);
         lt = b->ld;
     } else
-#endif
         kt = a->kt + t_at(a, b->h0 / a->group, a->d, k0, &lt);
     /* S (nr x nc, row-major, row stride ls) = Q_i K_jᵀ, formed as Sᵀ = (Kᵀ_j)ᵀ-columns
      * times Q's rows */
@@ -2005,18 +2003,20 @@ static long long backward_block(const struct fl_args *a, const long long *t, con
     long long base = row_base(a, b);
     const TIN *doh, *qh, *vt;
 #if !FL_HALF
-    if (dw) { /* rows widened from a half dtype by the item, Vᵀ_j laid out by it */
+    if (dw) { /* rows widened from a half dtype by the item */
         doh = dw;
         qh = b->q;
-        vt = b->vt + (t[2] + lo - b->k0);
-        lt = b->ld;
     } else
 #endif
     {
         doh = a->dout + base * a->dv;
         qh = a->q + base * a->d;
-        vt = a->vt + t_at(a, b->h0 / a->group, a->dv, t[2] + lo, &lt);
     }
+    if (b->vt) { /* the item's Vᵀ_j */
+        vt = b->vt + (t[2] + lo - b->k0);
+        lt = b->ld;
+    } else
+        vt = a->vt + t_at(a, b->h0 / a->group, a->dv, t[2] + lo, &lt);
     T sc = (T)a->scale;
     /* dP (nr x w) = dO V_jᵀ */
     mm(w, nr, idv, 1, vt, lt, doh, 1, idv, 0, dp, ls);
@@ -2140,20 +2140,34 @@ static void backward_item(const struct fl_args *a, long long kh, long long j0, l
         T *dkt = a->work + omp_get_thread_num() * a->work_stride, *dvt = dkt + id * ldt;
         T *s = dvt + idv * ldt;
         memset(dkt, 0, (size_t)((id + idv) * ldt) * sizeof(T));
-        /* half inputs widened as read (dout16): K_j's rows, Kᵀ_j and Vᵀ_j once per key tile,
-         * a block's Q and dO rows per block, at the end of the thread's scratch (the caller
-         * sized it): no float32 copy of Q, K, V, dO, and no Kᵀ, Vᵀ of the whole sequence */
-        T *kw = NULL, *ktw = NULL, *vtw = NULL;
+        /* Kᵀ_j and Vᵀ_j laid out by the item (no kt given: no Kᵀ, Vᵀ of the whole
+         * sequence), once per key tile, at the end of the thread's scratch (the caller sized
+         * it); with half inputs on the float32 build (dout16) widened as they are laid out,
+         * and K_j's rows widened too, a block's Q and dO rows per block (below): no float32
+         * copy of Q, K, V or dO */
+        T *kw = NULL, *end = dkt + a->work_stride;
+        TIN *ktw = NULL, *vtw = NULL;
 #if !FL_DOUBLE && !FL_HALF
         if (a->dout16) {
-            kw = dkt + a->work_stride - nc * id;
-            ktw = kw - (id + idv) * ldt;
-            vtw = ktw + id * ldt;
-            widen_n(a->k16 + ko, nc * id, kw, a->half);
-            widen_t(a->k16 + ko, id, 0, nc, ktw, ldt, a->half);
-            widen_t(a->v16 + vo, idv, 0, nc, vtw, ldt, a->half);
+            kw = end - nc * id;
+            end = kw;
         }
 #endif
+        if (!a->kt) {
+            ktw = (TIN *)end - (id + idv) * ldt;
+            vtw = ktw + id * ldt;
+#if !FL_DOUBLE && !FL_HALF
+            if (kw) {
+                widen_n(a->k16 + ko, nc * id, kw, a->half);
+                widen_t(a->k16 + ko, id, 0, nc, ktw, ldt, a->half);
+                widen_t(a->v16 + vo, idv, 0, nc, vtw, ldt, a->half);
+            } else
+#endif
+            {
+                transpose_span(a->k + ko, id, 0, nc, ktw, ldt);
+                transpose_span(a->v + vo, idv, 0, nc, vtw, ldt);
+            }
+        }
         for (long long ti = ta; ti < tb; ++ti) {
             t = a->tiles + ti * FL_TILE;
             long long q0 = t[0], nrows = t[1] - t[0], seen = 0;
@@ -2168,7 +2182,7 @@ static void backward_item(const struct fl_args *a, long long kh, long long j0, l
 #if !FL_DOUBLE && !FL_HALF
                     if (kw) { /* Q's and dO's rows of the block */
                         long long at = h * a->lq + q0 + c;
-                        T *qw = ktw - (long long)b.nr * (id + idv);
+                        T *qw = (T *)ktw - (long long)b.nr * (id + idv);
                         dw = qw + (long long)b.nr * id;
                         widen_n(a->q16 + at * id, b.nr * id, qw, a->half);
                         widen_n(a->dout16 + at * idv, b.nr * idv, dw, a->half);

@@ -581,7 +581,7 @@ class Kernels:
     def transposed_k(
         self, k: torch.Tensor, tile: int = 0, dtype: torch.dtype | None = None
     ) -> torch.Tensor:
-        """Kᵀ as the passes read it (S = Q Kᵀ), in the buffer the forward gave back (``k``
+        """Kᵀ as a forward reads it (S = Q Kᵀ), in the buffer the last forward gave back (``k``
         ``(Hk, Lk, d)``, contiguous): ``(Hk, d, Lk)`` with rows ``padded(Lk)`` apart, or per
         ``tile`` keys (``Schedule.key_tile``) ``(Hk, tiles, d, tile)``, views; in ``dtype``
         (default ``k``'s; float32 for a half ``k`` widened as read)."""
@@ -590,20 +590,9 @@ class Kernels:
         return self.transposed(k, buf, tile)
 
     def give_back_kt(self, kt: torch.Tensor) -> None:
-        """Hand the buffer of a ``transposed_k`` back for the next pass (a forward's Kᵀ
-        buffer becomes the backward's, as a single forward call's does)."""
+        """Hand the buffer of a ``transposed_k`` back for the next forward (a backward lets
+        it go: its items lay out their own key tiles)."""
         _pool.give("kv_t", kt if kt._base is None else kt._base)
-
-    def transposed_kv(
-        self, k: torch.Tensor, v: torch.Tensor, tile: int = 0, dtype: torch.dtype | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(Kᵀ, Vᵀ)`` as the backward reads them (for S = Q Kᵀ and dP = dO Vᵀ): ``(Hk, d,
-        Lk)`` and ``(Hk, d_v, Lk)`` views, rows ``padded(Lk)`` apart, or both per ``tile``
-        keys as ``transposed_k``'s, in ``dtype`` (as ``transposed_k``); both go when the
-        caller lets them, before autograd's own copies of the gradients."""
-        dt = dtype or v.dtype
-        vt = self.transposed(v, scratch(self.transposed_numel(v, tile, dt), dt), tile)
-        return self.transposed_k(k, tile, dt), vt
 
     def max_threads(self) -> int:
         """OpenMP threads a parallel region started from this thread uses: PyTorch's
@@ -628,32 +617,21 @@ class Kernels:
         softcap: float | None,
         work_per_thread: int,
         sizes: dict[str, int],
-        kv_t: tuple[torch.Tensor, torch.Tensor] | None = None,
         halves: tuple[torch.Tensor, torch.Tensor] | None = None,
         widen: bool = False,
         **tensors: torch.Tensor,
     ) -> list[int]:
-        """Lay out the backward's operands, run it in one native call; returns ``seen``.
-        ``kv_t``: ``transposed_kv(k, v)`` made once for several calls (else made here).
-        ``halves``: dK and dV in a half dtype, written instead of ``dk``, ``dvo``.
-        ``widen``: half q, k, v, dout on the float32 step, widened as read."""
+        """Run the backward in one native call (each work item lays out the Kᵀ_j and Vᵀ_j
+        of its key tiles itself); returns ``seen``. ``halves``: dK and dV in a half dtype,
+        written instead of ``dk``, ``dvo``. ``widen``: half q, k, v, dout on the float32
+        step, widened as read."""
         acc = torch.float32 if q.dtype in _HALF else q.dtype  # sums and results
         lay = acc if widen else q.dtype  # the build the pass runs on
-        if widen:  # each item lays out its key tiles' Kᵀ_j, Vᵀ_j itself
-            if kv_t is not None:
-                raise ValueError("a backward widening half inputs lays out Kᵀ and Vᵀ itself")
-            kt, vt, tile = k, v, 0  # (not read)
-        elif kv_t is None:
-            tile = sched.key_tile(k.shape[1])
-            kt, vt = self.transposed_kv(k, v, tile)
-        else:
-            kt, vt = kv_t
-            tile = _layout_tile(kt, k, sched)
-            if _layout_tile(vt, v, sched) != tile:
-                raise ValueError("Kᵀ and Vᵀ are laid out per tiles of different widths")
+        # the Kᵀ a forward left in the pool for the next forward: no backward reads it, and
+        # kept it would sit beside this pass's buffers (a single forward's is let go so)
+        _pool.discard("kv_t", lay)
         assert all(t.is_contiguous() for t in (q, k, v, *tensors.values()))
         assert tensors["dout"].dtype == q.dtype == k.dtype == v.dtype
-        assert widen or kt.dtype == vt.dtype == lay
         assert all(t.dtype == acc for n, t in tensors.items() if n != "dout")
         assert halves is None or acc == torch.float32
         work = _pool.take("work", self.max_threads() * work_per_thread, acc)
@@ -672,10 +650,7 @@ class Kernels:
             softcap=softcap,
             dtype=lay,
         )
-        args.q, args.k, args.kt, args.v, args.vt, args.work = (
-            t.data_ptr() for t in (q, k, kt, v, vt, work)
-        )
-        args.kt_tile = tile
+        args.q, args.k, args.v, args.work = (t.data_ptr() for t in (q, k, v, work))
         for n, t in tensors.items():
             setattr(args, n, t.data_ptr())
         if halves is not None:
@@ -683,7 +658,7 @@ class Kernels:
             args.dk16, args.dv16, args.half = dk16.data_ptr(), dv16.data_ptr(), _HALF[dk16.dtype]
         if widen:  # the rows read in their dtype only
             args.q16, args.k16, args.v16, args.dout16 = args.q, args.k, args.v, args.dout
-            args.q = args.k = args.v = args.dout = args.kt = args.vt = None
+            args.q = args.k = args.v = args.dout = None
             args.half = _HALF[q.dtype]
         if sched.terms and lay in _HALF:
             raise ValueError("a tile's term is read by a float32/float64 pass")
@@ -815,7 +790,6 @@ class Kernels:
         splits: int = 1,
         alibi: Alibi | None = None,
         softcap: float | None = None,
-        kv_t: tuple[torch.Tensor, torch.Tensor] | None = None,
         out_dtype: torch.dtype | None = None,
         widen: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -826,17 +800,17 @@ class Kernels:
         v, dout in bfloat16/float16: the half step) give float32 gradients. Tiles may carry
         an additive term of their scores and where dS goes (``Schedule.add``); ``alibi``
         adds ALiBi's to every tile's scores and ``softcap`` caps them (as ``forward``). Rows
-        of dK and dV of key tiles the schedule leaves out are not written. ``kv_t``: Kᵀ and
-        Vᵀ from ``transposed_kv``, for a backward run in several calls. ``out_dtype``
-        (bfloat16 or float16, with float32 sums: the half step in that dtype, or its inputs
-        converted to float32): dK and dV come in it, rounded by the pass as PyTorch's
+        of dK and dV of key tiles the schedule leaves out are not written. Each work item
+        lays out the Kᵀ_j and Vᵀ_j of its key tiles in its own scratch as it starts them (no
+        Kᵀ, Vᵀ of the whole sequence). ``out_dtype`` (bfloat16 or float16, with float32
+        sums: the half step in that dtype, or its inputs on the float32 step): dK and dV
+        come in it, rounded by the pass as PyTorch's
         conversion rounds (no float32 dK, dV, no conversion after; dQ, summed over the key
         tiles, stays float32); a value past the dtype's range comes as inf, for the
         caller's check. ``widen``: half q, k, v, dout run on the float32 step, each row
         widened to float32 as the pass reads it (each key tile's K_j, Kᵀ_j and Vᵀ_j by
         the item that runs it, a block's Q and dO rows by the block): the float32 step's
-        results on the inputs converted, with no float32 copy of any of them and no Kᵀ, Vᵀ
-        of the whole sequence (no ``kv_t`` then)."""
+        results on the inputs converted, with no float32 copy of any of them."""
         self.choose(q.dtype)  # the back end this dtype's calibration chose, in force
         heads, lq, d = q.shape
         hk, lk, dv = v.shape
@@ -865,8 +839,9 @@ class Kernels:
             work += 2 * _units(bq * lb, q.dtype, acc)  # P, dS in the input dtype
         else:  # Qᵀ and dOᵀ of a block of rows, for the own kernel
             work += _units((d + dv) * self.padded(lay, max(bq, 1)) + 16, lay, acc)
-        if widen:  # at the end: a block's Q and dO rows; Kᵀ_j, Vᵀ_j; K_j's rows, widened
-            work += bq * (d + dv) + (d + dv) * lb + bk * d
+        work += _units((d + dv) * lb, lay, acc)  # at the end: the item's Kᵀ_j, Vᵀ_j
+        if widen:  # before them: a block's Q and dO rows; after: K_j's rows, widened
+            work += bq * (d + dv) + bk * d
         self._run_backward(
             q,
             k,
@@ -880,7 +855,6 @@ class Kernels:
             softcap=softcap,
             work_per_thread=work,
             sizes=dict(chunk=0, splits=splits, stacked=0),
-            kv_t=kv_t,
             dout=dout,
             lam=lam,
             dd=dd,
@@ -1441,6 +1415,11 @@ class _ScratchPool:
             old = self.bufs.get(key)
             if old is None or old.numel() < buf.numel():
                 self.bufs[key] = buf
+
+    def discard(self, slot: str, dtype: torch.dtype) -> None:
+        """Let go of the buffer kept for ``(slot, dtype)``, if any."""
+        with self._lock:
+            self.bufs.pop((slot, dtype), None)
 
     def release(self) -> int:
         """Drop every kept buffer; returns the bytes let go."""

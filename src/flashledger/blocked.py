@@ -1283,8 +1283,6 @@ def _backward_native_scored(
     grads = (user is not None and bool(user.captured)) or pb.smod.bias is not None
     terms = _ScoreTerms(pb, graphs=True, ds=grads)
     slabs = _slabs(pb, ktiles, qtiles, kind_of, forward=False, buffers=2 if grads else 1)
-    # Kᵀ and Vᵀ once for every slab (widening items lay out their key tiles' themselves)
-    kv_t = kern.transposed_kv(k, v, block_k) if len(slabs) > 1 and not widen else None
     for s0, s1 in slabs:
         slab = ktiles[s0:s1]
         sched, ran = _native_schedule(
@@ -1301,7 +1299,6 @@ def _backward_native_scored(
             dd,
             sched,
             splits=splits,
-            kv_t=kv_t,
             widen=widen,
             **_native_common(pb, ran),
         )
