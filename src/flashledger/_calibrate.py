@@ -29,9 +29,9 @@ quieter one.
 bfloat16 and float16 inputs have two paths (``HALF_PATHS``): ``half`` keeps
 them in their dtype and runs the products on MKL's half gemm (AMX or AVX512-BF16
 where the CPU has them), ``float32`` runs the float32 step with float32's choice,
-reading them in their dtype and widening each row as a pass needs it; bfloat16 has a third where the CPU has AMX, ``amx``:
-``half`` with the forward's products on the step's own AMX tile code (K and V laid
-out once per pass, no gemm call per tile). Which one is faster depends on the CPU and its MKL
+reading them in their dtype and widening each row as a pass needs it; bfloat16 has
+a third where the CPU has AMX, ``amx``: ``half`` with the forward's products on the
+step's own AMX tile code (K and V laid out once per pass, no gemm call per tile). Which one is faster depends on the CPU and its MKL
 (a CPU without bfloat16 arithmetic emulates it), so it is measured the same
 way, per half dtype, against float32's choice; where PyTorch's library has no
 half gemm the float32 path runs unmeasured. ``FLASHLEDGER_HALF`` (``half``,

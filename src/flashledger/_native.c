@@ -663,18 +663,39 @@ static inline void transpose_span(const TIN *src, long long cols, long long r0, 
  * threads, K of 4 x L x 64 into a warm buffer, median of 50-200 calls): float32 at L = 4096
  * (per key tile of 512) 0.30 ms value by value, 0.15-0.18 with the blocks; at L = 512
  * 63 µs, 33-39; float64 at L = 4096 0.6 ms either way, within the noise (memory-bound). */
+/* The work items of such a layout: `tile` made whole (0: all the rows), *items of them */
+struct layout {
+    long long tile, tiles, rb; /* rows per tile, tiles per matrix, 64-row spans per tile */
+};
+static inline struct layout layout_of(long long n, long long rows, long long tile,
+                                      long long *items) {
+    struct layout l;
+    l.tile = tile <= 0 || tile > rows ? rows : tile;
+    l.tiles = (rows + l.tile - 1) / l.tile;
+    l.rb = (l.tile + 63) / 64;
+    *items = n * l.tiles * l.rb;
+    return l;
+}
+/* item w's matrix b, rows [*r0, *r1), and the offset in dst (row stride ld, cols rows) of
+ * its tile's column 0 less its first row: row r's value c goes to dst[off + c · ld + r] */
+static inline long long layout_item(const struct layout *l, long long w, long long rows,
+                                    long long cols, long long ld, long long *b, long long *r0,
+                                    long long *r1) {
+    long long bt = w / l->rb, t0 = (bt % l->tiles) * l->tile;
+    long long t1 = t0 + l->tile < rows ? t0 + l->tile : rows;
+    *b = bt / l->tiles;
+    *r0 = t0 + (w % l->rb) * 64;
+    *r1 = *r0 + 64 < t1 ? *r0 + 64 : t1;
+    return bt * ld * cols - t0;
+}
 void SUF(fl_transpose)(const TIN *src, TIN *dst, long long n, long long rows, long long cols,
                       long long ld, long long tile) {
-    if (tile <= 0 || tile > rows) tile = rows;
-    long long tiles = (rows + tile - 1) / tile, rb = (tile + 63) / 64;
+    long long items;
+    struct layout l = layout_of(n, rows, tile, &items);
 #pragma omp parallel for schedule(static)
-    for (long long w = 0; w < n * tiles * rb; ++w) {
-        long long bt = w / rb, b = bt / tiles, j = bt % tiles, t0 = j * tile;
-        long long t1 = t0 + tile < rows ? t0 + tile : rows;
-        long long r0 = t0 + (w % rb) * 64, r1 = r0 + 64 < t1 ? r0 + 64 : t1;
-        const TIN *sb = src + b * rows * cols;
-        TIN *db = dst + bt * ld * cols - t0; /* column r of the tile at db[c · ld + r] */
-        transpose_span(sb, cols, r0, r1, db, ld);
+    for (long long w = 0; w < items; ++w) {
+        long long b, r0, r1, off = layout_item(&l, w, rows, cols, ld, &b, &r0, &r1);
+        transpose_span(src + b * rows * cols, cols, r0, r1, dst + off, ld);
     }
 }
 
@@ -1381,15 +1402,12 @@ static void widen_t(const unsigned short *src, long long cols, long long r0, lon
  * fl_transpose's, each a widen_t. */
 void SUF(fl_transpose_wide)(const unsigned short *src, T *dst, long long n, long long rows,
                             long long cols, long long ld, long long tile, long long half) {
-    if (tile <= 0 || tile > rows) tile = rows;
-    long long tiles = (rows + tile - 1) / tile, rb = (tile + 63) / 64;
+    long long items;
+    struct layout l = layout_of(n, rows, tile, &items);
 #pragma omp parallel for schedule(static)
-    for (long long w = 0; w < n * tiles * rb; ++w) {
-        long long bt = w / rb, b = bt / tiles, j = bt % tiles, t0 = j * tile;
-        long long t1 = t0 + tile < rows ? t0 + tile : rows;
-        long long r0 = t0 + (w % rb) * 64, r1 = r0 + 64 < t1 ? r0 + 64 : t1;
-        T *db = dst + bt * ld * cols - t0; /* column r of the tile at db[c · ld + r] */
-        widen_t(src + b * rows * cols, cols, r0, r1, db, ld, half);
+    for (long long w = 0; w < items; ++w) {
+        long long b, r0, r1, off = layout_item(&l, w, rows, cols, ld, &b, &r0, &r1);
+        widen_t(src + b * rows * cols, cols, r0, r1, dst + off, ld, half);
     }
 }
 
