@@ -44,8 +44,8 @@
  * (sgemm_/dgemm_), or OpenBLAS's. Every operand is laid out so that the kernel needs no
  * packing: A contiguous along m, B read along rows or columns. Layouts (row-major, contiguous),
  * H = B·Hq query heads, head h reading K/V head h / G: q, dO, O (H, Lq, ·); k (Hk, Lk, d),
- * kt = Kᵀ (Hk, d, Lk), v (Hk, Lk, d_v), and in the backward vt = Vᵀ (Hk, d_v, Lk); dQ
- * (H, Lq, d); λ, D (H, Lq); an item's acc (rows, d_v), dK_jᵀ, dV_jᵀ (·, bk).
+ * the forward's kt = Kᵀ (Hk, d, Lk), v (Hk, Lk, d_v); dQ (H, Lq, d); λ, D (H, Lq); an
+ * item's acc (rows, d_v), and in the backward its key tile's Kᵀ_j, Vᵀ_j, dK_jᵀ, dV_jᵀ (·, bk).
  *
  * Half inputs. Built twice more, -DFL_HALF=1 (bfloat16) and -DFL_HALF=2 (float16), the
  * same loops keep Q, K (Kᵀ), V (Vᵀ) and dO in the input dtype (TIN; T = float for all
@@ -658,7 +658,7 @@ static inline void transpose_span(const TIN *src, long long cols, long long r0, 
 /* dst = each of the n (rows x cols) matrices of src transposed, per tile of `tile` rows
  * (0 or rows: one tile): dst (n, tiles, cols, ld), tile j of matrix b the transpose of its
  * rows [j·tile, (j + 1)·tile), row stride ld >= tile (the last tile's rows may be fewer):
- * the Kᵀ / Vᵀ a pass reads (t_at), laid out once. Work items are (matrix, tile, 64 rows),
+ * the Kᵀ a forward reads (t_at), laid out once. Work items are (matrix, tile, 64 rows),
  * each a transpose_span. Measured (AMD EPYC family 25 model 1, 2
  * threads, K of 4 x L x 64 into a warm buffer, median of 50-200 calls): float32 at L = 4096
  * (per key tile of 512) 0.30 ms value by value, 0.15-0.18 with the blocks; at L = 512
@@ -714,8 +714,9 @@ void SUF(fl_transpose)(const TIN *src, TIN *dst, long long n, long long rows, lo
  * final scores goes, (H, rows, cols) contiguous, or with ds_heads not 0 where it lies as a
  * term does (a bias's gradient; the pass writes the positions it computes). */
 struct fl_args {
-    const TIN *q, *k, *kt, *v, *vt; /* (H, Lq, d), (Hk, Lk, d), (Hk, d, Lk), (Hk, Lk, d_v),
-                                       (Hk, d_v, Lk), in the input dtype */
+    const TIN *q, *k, *kt, *v; /* (H, Lq, d), (Hk, Lk, d), (Hk, d, Lk) (the forward's; a
+                                  backward's items lay out their key tiles'), (Hk, Lk, d_v), in
+                                  the input dtype */
     T *o, *lse;               /* forward: O (S, H, Lq, d_v) and λ (S, H, Lq), S = splits */
     const TIN *dout;          /* backward: dO (H, Lq, d_v), in the input dtype */
     const T *lam, *dd;        /* backward: λ (+inf on empty rows), D (H, Lq) */
@@ -748,8 +749,7 @@ struct fl_args {
                                     dk, dvo (the half builds': theirs; the float32 build's:
                                     `half`), rounded as PyTorch's conversion rounds, or NULL */
     const unsigned short *dout16; /* the float32 build's backward with half inputs widened as
-                                     read (q, k, v, dout, kt, vt NULL; q16, k16, v16, dout16 in
-                                     `half`; each key tile's Kᵀ_j, Vᵀ_j laid out by its item),
+                                     read (q, k, v, dout NULL; q16, k16, v16, dout16 in `half`),
                                      or NULL */
     long long heads, group, lq, lk, d, dv, work_stride;
     long long hq, iv_bstride; /* query heads per batch; the intervals' batch stride (0: shared) */
@@ -761,7 +761,7 @@ struct fl_args {
     long long amx;            /* forward, bfloat16 step: S and P V on AMX's tiles (kp, vp) */
     long long alibi;          /* float builds: 0, or ALiBi's form (1: -slope · |c - j|, 2:
                                  slope · (j - c), flash-attn 2's causal form; add_alibi) */
-    long long kt_tile;        /* kt and vt: 0, laid out (Hk, d, padded(Lk)), or per tile of
+    long long kt_tile;        /* kt: 0, laid out (Hk, d, padded(Lk)), or per tile of
                                  kt_tile keys, (Hk, tiles, d, padded(kt_tile)) (t_at) */
     double scale;
     long long scale_exact; /* scale is a power of two: exact as the matmul's alpha */
@@ -784,7 +784,7 @@ struct rows {
     int nr;
     const T *q; /* the block's Q rows (nr x d) when not read from a->q (widened), or NULL */
     const TIN *kt, *vt; /* backward: the key tile's Kᵀ_j, Vᵀ_j (d x ld, d_v x ld; key k0 at
-                           column 0), laid out by its item, or NULL (the pass's kt, vt) */
+                           column 0), laid out by its item; NULL in the forward (a->kt) */
     long long k0, ld;
 };
 static inline long long row_head(const struct rows *b, int r) { return b->h0 + (b->r0 + r) / b->lrows; }
@@ -884,8 +884,8 @@ static void add_term(const long long *t, const struct rows *b, long long k0, int
     for (int r = 0; r < b->nr; ++r) add_row(s + (long long)r * ls, term + term_at(t, b, r, k0), nc, f);
 }
 
-/* Offset, in values, of key k of K/V head kh in a transposed layout of n rows (kt's d,
- * vt's d_v): (Hk, n, padded(Lk)), or with kt_tile per tile of kt_tile keys, (Hk, tiles, n,
+/* Offset, in values, of key k of K/V head kh in the forward's Kᵀ (n = d rows):
+ * (Hk, n, padded(Lk)), or with kt_tile per tile of kt_tile keys, (Hk, tiles, n,
  * padded(kt_tile)), each tile a matrix of its own. *ld: the row stride there. A tile's rows
  * a short stride apart, a product's row block of Kᵀ reads the first- and second-level
  * caches better than when they lie a key length apart (S = Q Kᵀ at 84-86 % of the one-core
@@ -2019,7 +2019,8 @@ static long long backward_block(const struct fl_args *a, const long long *t, con
 #endif
     if (t[4]) mask_bytes(a, t, b, s, ls, lo, ca, cb, gap);
     long long base = row_base(a, b);
-    const TIN *doh, *qh, *vt;
+    const TIN *doh, *qh, *vt = b->vt + (t[2] + lo - b->k0); /* the item's Vᵀ_j */
+    lt = b->ld;
 #if !FL_HALF
     if (dw) { /* rows widened from a half dtype by the item */
         doh = dw;
@@ -2030,11 +2031,6 @@ static long long backward_block(const struct fl_args *a, const long long *t, con
         doh = a->dout + base * a->dv;
         qh = a->q + base * a->d;
     }
-    if (b->vt) { /* the item's Vᵀ_j */
-        vt = b->vt + (t[2] + lo - b->k0);
-        lt = b->ld;
-    } else
-        vt = a->vt + t_at(a, b->h0 / a->group, a->dv, t[2] + lo, &lt);
     T sc = (T)a->scale;
     /* dP (nr x w) = dO V_jᵀ */
     mm(w, nr, idv, 1, vt, lt, doh, 1, idv, 0, dp, ls);
@@ -2158,33 +2154,29 @@ static void backward_item(const struct fl_args *a, long long kh, long long j0, l
         T *dkt = a->work + omp_get_thread_num() * a->work_stride, *dvt = dkt + id * ldt;
         T *s = dvt + idv * ldt;
         memset(dkt, 0, (size_t)((id + idv) * ldt) * sizeof(T));
-        /* Kᵀ_j and Vᵀ_j laid out by the item (no kt given: no Kᵀ, Vᵀ of the whole
-         * sequence), once per key tile, at the end of the thread's scratch (the caller sized
+        /* Kᵀ_j and Vᵀ_j laid out by the item (no Kᵀ, Vᵀ of the whole sequence), once per
+         * key tile, at the end of the thread's scratch (the caller sized
          * it); with half inputs on the float32 build (dout16) widened as they are laid out,
          * and K_j's rows widened too, a block's Q and dO rows per block (below): no float32
          * copy of Q, K, V or dO */
         T *kw = NULL, *end = dkt + a->work_stride;
-        TIN *ktw = NULL, *vtw = NULL;
 #if !FL_DOUBLE && !FL_HALF
         if (a->dout16) {
             kw = end - nc * id;
             end = kw;
         }
 #endif
-        if (!a->kt) {
-            ktw = (TIN *)end - (id + idv) * ldt;
-            vtw = ktw + id * ldt;
+        TIN *ktw = (TIN *)end - (id + idv) * ldt, *vtw = ktw + id * ldt;
 #if !FL_DOUBLE && !FL_HALF
-            if (kw) {
-                widen_n(a->k16 + ko, nc * id, kw, a->half);
-                widen_t(a->k16 + ko, id, 0, nc, ktw, ldt, a->half);
-                widen_t(a->v16 + vo, idv, 0, nc, vtw, ldt, a->half);
-            } else
+        if (kw) {
+            widen_n(a->k16 + ko, nc * id, kw, a->half);
+            widen_t(a->k16 + ko, id, 0, nc, ktw, ldt, a->half);
+            widen_t(a->v16 + vo, idv, 0, nc, vtw, ldt, a->half);
+        } else
 #endif
-            {
-                transpose_span(a->k + ko, id, 0, nc, ktw, ldt);
-                transpose_span(a->v + vo, idv, 0, nc, vtw, ldt);
-            }
+        {
+            transpose_span(a->k + ko, id, 0, nc, ktw, ldt);
+            transpose_span(a->v + vo, idv, 0, nc, vtw, ldt);
         }
         for (long long ti = ta; ti < tb; ++ti) {
             t = a->tiles + ti * FL_TILE;

@@ -80,7 +80,7 @@ _off = threading.local()
 
 
 _POINTERS = (
-    "q k kt v vt o lse dout lam dd dq dk dvo work iv_lo iv_hi k16 v16 q16 tiles row_start bounds "
+    "q k kt v o lse dout lam dd dq dk dvo work iv_lo iv_hi k16 v16 q16 tiles row_start bounds "
     "seen o16 bad kp vp mx al_slope al_center dk16 dv16 dout16"
 )
 _SIZES = (
@@ -1320,10 +1320,10 @@ class ForwardPass:
         if work is None or work.numel() < need:
             work = _pool.take("work", need, self.acc)
         args.q = None if q is None else q.data_ptr()
-        args.k, args.v, args.vt = k.data_ptr(), v.data_ptr(), v.data_ptr()
+        args.k, args.v = k.data_ptr(), v.data_ptr()
         if self.wide:  # the rows read in their half dtype only
             args.q16, args.k16, args.v16 = args.q, args.k, args.v
-            args.q = args.k = args.v = args.vt = None
+            args.q = args.k = args.v = None
         args.work, args.lse = work.data_ptr(), lse.data_ptr()
         args.o = None if o is None else o.data_ptr()
         args.o16 = None if o16 is None else o16.data_ptr()

@@ -103,7 +103,7 @@ from typing import Any, Literal, Unpack
 import torch
 
 from . import _native, online
-from ._checks import check_size, plain
+from ._checks import check_size, pieces, plain
 from ._memory import empty_like_huge
 from ._mods import adds_to_score, find_captured
 from ._options import AttentionOptions, check_options
@@ -663,17 +663,22 @@ def _additive_scores(pb: Problem) -> bool:
     return sm.user.probe_additive(rows, keys)
 
 
+def _half_inputs(pb: Problem, kern: _native.Kernels | None) -> torch.dtype | None:
+    """The half dtype (bfloat16/float16) of q, k and v when the native step runs them with
+    float32 sums (on the half step or the float32 step: ``_half_step``, ``_widened``), else
+    None."""
+    dt = pb.out_dtype  # q's
+    if kern is None or dt not in _HALF or pb.dtype != torch.float32:
+        return None
+    return dt if pb.k_in.dtype == pb.v_in.dtype == dt else None
+
+
 def _half_step(pb: Problem, kern: _native.Kernels | None) -> bool:
     """True when the native step runs bfloat16/float16 inputs in their dtype (products on
     MKL's half gemm, float32 sums: the path its calibration chose for the dtype), False
-    when they are converted to float32 (or are not half)."""
-    dt = pb.out_dtype
-    return (
-        kern is not None
-        and pb.dtype == torch.float32
-        and pb.k_in.dtype == pb.v_in.dtype == dt
-        and kern.half_step(dt)
-    )
+    when they run on the float32 step (``_widened``) or are not half."""
+    dt = _half_inputs(pb, kern)
+    return dt is not None and kern is not None and kern.half_step(dt)
 
 
 def _widened(pb: Problem, kern: _native.Kernels | None) -> bool:
@@ -681,14 +686,8 @@ def _widened(pb: Problem, kern: _native.Kernels | None) -> bool:
     chose for the dtype, not the half step) read in their dtype, each row widened to float32
     as a pass reads it: the float32 step's results on the inputs converted, with no float32
     copy of Q, K, V or dO (``Kernels.forward``'s and ``backward``'s ``widen``)."""
-    dt = pb.out_dtype
-    return (
-        kern is not None
-        and dt in _HALF
-        and pb.dtype == torch.float32
-        and pb.q_in.dtype == pb.k_in.dtype == pb.v_in.dtype == dt
-        and not kern.half_step(dt)
-    )
+    dt = _half_inputs(pb, kern)
+    return dt is not None and kern is not None and not kern.half_step(dt)
 
 
 def _resolve_tiles(
@@ -740,21 +739,12 @@ def _native_vis(
     return tile, (tile.data_ptr(), g * area, area)
 
 
-ROW_DOT_ELEMS = 1 << 18
-"""The most elements ``_row_dots`` multiplies at once (1 MiB of float32)."""
-
-
 def _row_dots(x5: torch.Tensor, y5: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
-    """``rowsum(x ⊙ y)`` in ``dt`` of two ``(..., L, n)`` tensors (``D = rowsum(dO ⊙ O)``),
-    in slabs of rows of at most ``ROW_DOT_ELEMS`` elements: no product, and no copy of an
-    input in ``dt``, of the whole size. ``(..., L)``."""
-    *lead, length, n = x5.shape
-    out = torch.empty(*lead, length, dtype=dt, device=x5.device)
-    step = max(1, ROW_DOT_ELEMS // max(1, math.prod(lead) * n))
-    for r0 in range(0, length, step):
-        xs, ys = x5[..., r0 : r0 + step, :], y5[..., r0 : r0 + step, :]
-        out[..., r0 : r0 + step] = (xs.to(dt) * ys.to(dt)).sum(dim=-1)
-    return out
+    """``rowsum(x ⊙ y)`` in ``dt`` of two ``(..., L, n)`` tensors of one shape (``D =
+    rowsum(dO ⊙ O)``), in slabs of rows as the checks go (``_checks.pieces``): no product,
+    and no copy of an input in ``dt``, of the whole size. ``(..., L)``."""
+    parts = zip(pieces(x5), pieces(y5), strict=True)
+    return torch.cat([(xs.to(dt) * ys.to(dt)).sum(dim=-1) for xs, ys in parts], dim=-1)
 
 
 def _native_rows(pb: Problem, x5: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
