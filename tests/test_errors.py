@@ -531,6 +531,40 @@ def test_backward_rejects_an_lse_that_no_forward_gives(bad):
         )
 
 
+def test_the_autograd_backward_checks_do_and_takes_the_forward_s_own_o_and_lse(monkeypatch):
+    """Through autograd the backward reads the o and LSE its own forward formed and checked
+    (autograd refuses them modified in place): it judges the LSE no second time, where a
+    caller's LSE is judged; a dO that is not finite is still named by index."""
+    from flashledger._problem import Problem
+
+    judged: list[int] = []
+    real = Problem.check_saved_lse
+
+    def spy(self, lse, **kw):
+        judged.append(1)
+        return real(self, lse, **kw)
+
+    monkeypatch.setattr(Problem, "check_saved_lse", spy)
+    q, k, v = (x.detach().requires_grad_() for x in _qkv())
+    o = fl.flash_attention(q, k, v, mask=fl.Causal())
+    o.backward(torch.randn_like(o))
+    assert judged == [] and q.grad is not None and bool(torch.isfinite(q.grad).all())
+    qd, kd, vd = (x.detach() for x in (q, k, v))
+    fwd = fl.blocked_forward(qd, kd, vd, mask=fl.Causal())
+    fl.blocked_backward(qd, kd, vd, fwd.o, fwd.lse, torch.randn_like(fwd.o), mask=fl.Causal())
+    assert judged == [1]
+    o = fl.flash_attention(q, k, v, mask=fl.Causal())
+    bad = torch.randn_like(o)
+    bad[0, 1, 2] = math.nan
+    _raises(lambda: o.backward(bad), ValueError, "do contains NaN or inf at index (0, 1, 2)")
+    q2 = q.detach().clone().requires_grad_()
+    o2 = fl.flash_attention(q2, k, v)
+    with torch.no_grad():
+        q2.add_(1.0)  # a saved input changed in place: autograd refuses the backward
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        o2.sum().backward()
+
+
 def test_the_score_bound_reads_a_bias_s_finite_values_only():
     """The bound that judges a saved LSE takes a bias's largest finite magnitude, whatever
     the bias holds (-inf as a mask, NaN, all negative, nothing finite), and a backward with

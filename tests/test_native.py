@@ -1383,6 +1383,71 @@ def test_the_native_merge_of_key_splits_is_the_one_merge(
         assert bool((err <= bound).all()), f"{name}: {a[fin][worst]} vs {b[fin][worst]}"
 
 
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    rows=st.integers(1, 300),
+    n=st.sampled_from([1, 3, 16, 17, 64, 100, 256]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_native_row_dots_are_d_within_the_sum_s_bound(native, dtype, rows, n, seed):
+    """``row_dots`` (D = rowsum(dO ⊙ O), one native pass over both) agrees with the sum
+    formed in float64 within the bound of an n-term dot product in ``dtype`` (n·u·Σ|x y|,
+    whatever order the lanes take), and the backward reads it: its D is this call's."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, rows, n, generator=g, dtype=dtype)
+    y = torch.randn(2, rows, n, generator=g, dtype=dtype) * 1e3
+    got = native.row_dots(x, y)
+    assert got.shape == (2, rows) and got.dtype == dtype
+    exact = (x.double() * y.double()).sum(-1)
+    bound = (n + 1) * torch.finfo(dtype).eps * (x.double() * y.double()).abs().sum(-1)
+    err = (got.double() - exact).abs()
+    worst = int(torch.argmax(err - bound))
+    assert bool((err <= bound).all()), (
+        f"D{list(divmod(worst, rows))} = {got.flatten()[worst]}, float64 {exact.flatten()[worst]}"
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_native_row_dots_widen_half_rows_as_read(native, gen, dtype):
+    """Half rows are widened as read (exact) and summed in float32 as float32 rows are:
+    the same sums, bit for bit, as the call on the rows converted up front."""
+    for n in (1, 17, 64, 100):
+        x, y = (torch.randn(3, 41, n, generator=gen).to(dtype) for _ in range(2))
+        got = native.row_dots(x, y)
+        assert got.dtype == torch.float32
+        assert torch.equal(got, native.row_dots(x.float(), y.float())), n
+
+
+def test_the_native_backward_reads_the_native_row_dots(native, native_calls, gen):
+    """The native backward's D is ``row_dots`` of dO and O bit for bit; a traced backward
+    (the PyTorch step) keeps the tensor form's, which agrees within the sum's bound."""
+    q, k, v, do = (torch.randn(1, 2, 97, 24, generator=gen) for _ in range(4))
+    fwd = fl.blocked_forward(q, k, v, mask=fl.Causal())
+    want = native.row_dots(do.contiguous(), fwd.o.contiguous())
+    bwd = fl.blocked_backward(q, k, v, fwd.o, fwd.lse, do, mask=fl.Causal())
+    assert native_calls["backward"] == 1 and torch.equal(bwd.D, want)
+    traced = fl.blocked_backward(q, k, v, fwd.o, fwd.lse, do, mask=fl.Causal(), trace=True)
+    assert torch.equal(traced.D, (do * fwd.o).sum(-1))
+    bound = 25 * torch.finfo(torch.float32).eps * (do * fwd.o).abs().sum(-1)
+    assert bool(((traced.D - bwd.D).abs() <= bound).all())
+
+
+def test_the_native_row_dots_refuse_what_they_cannot_read(native):
+    x = torch.randn(3, 8)
+    for a, b, what in (
+        (x.half(), x.bfloat16(), "one floating dtype alike"),
+        (x, x.double(), "one floating dtype alike"),
+        (x.int(), x.int(), "one floating dtype alike"),
+        (x, x[:, :4], "one shape"),
+        (x.t(), x.t(), "contiguous"),
+    ):
+        with pytest.raises(ValueError, match=what):
+            native.row_dots(a, b)
+
+
 @pytest.mark.parametrize("path", ["half", "amx"])
 def test_the_half_step_checks_o_as_it_writes_it(native, gen, path):
     """The half step writes O in its dtype and checks O and the LSE as it writes them: a

@@ -1973,6 +1973,40 @@ int SUF(fl_all_finite)(const T *x, long long n) {
     return t == 0;
 }
 
+/* D = rowsum(x ⊙ y) of two (rows x n) arrays (dO and O) into out (rows), the rows in
+ * parallel on the step's threads: a row's products summed in W lanes, then the lanes in
+ * order. x and y in T, or in the float32 build both in a half dtype (half = 1 bfloat16, 2
+ * float16), widened as read (exact). One pass over both, where the tensor form
+ * (x * y).sum(-1) writes and reads the product once more (1.1 against 0.2 ms at 4 x 4096
+ * rows of 64 float32, 2 threads). */
+#if !FL_DOUBLE && !FL_HALF
+#define FL_DOT_LOAD(p, i) (half == 1 ? load_bf16((const unsigned short *)(p) + (i))        \
+                          : half == 2 ? load_f16((const unsigned short *)(p) + (i))       \
+                                      : loadv((const T *)(p) + (i)))
+#define FL_DOT_ONE(p, i) (half == 1 ? one_bf16(((const unsigned short *)(p))[i])           \
+                          : half == 2 ? one_f16(((const unsigned short *)(p))[i])          \
+                                      : ((const T *)(p))[i])
+#else
+#define FL_DOT_LOAD(p, i) loadv((const T *)(p) + (i))
+#define FL_DOT_ONE(p, i) (((const T *)(p))[i])
+#endif
+void SUF(fl_row_dots)(const void *x, const void *y, T *out, long long rows, long long n,
+                      long long half) {
+    (void)half;
+    size_t es = half ? 2 : sizeof(T);
+#pragma omp parallel for schedule(static) if (rows * n > (1LL << 15))
+    for (long long r = 0; r < rows; ++r) {
+        const char *xr = (const char *)x + r * n * es, *yr = (const char *)y + r * n * es;
+        VT acc = splat(0);
+        long long c = 0;
+        for (; c + W <= n; c += W) acc += FL_DOT_LOAD(xr, c) * FL_DOT_LOAD(yr, c);
+        T t = 0;
+        for (int j = 0; j < W; ++j) t += acc[j];
+        for (; c < n; ++c) t += FL_DOT_ONE(xr, c) * FL_DOT_ONE(yr, c);
+        out[r] = t;
+    }
+}
+
 /* -- backward ----------------------------------------------------------------------------- */
 
 /* The gradient of a block of rows (at most FL_PARTIAL_ROWS of a partial tile, or any number

@@ -305,6 +305,8 @@ class Kernels:
             getattr(lib, f"fl_merge_splits_{suffix}").restype = None
             getattr(lib, f"fl_all_finite_{suffix}").argtypes = [vp, ll]
             getattr(lib, f"fl_all_finite_{suffix}").restype = i
+            getattr(lib, f"fl_row_dots_{suffix}").argtypes = [vp, vp, vp, ll, ll, ll]
+            getattr(lib, f"fl_row_dots_{suffix}").restype = None
             getattr(lib, f"fl_set_threads_{suffix}").restype = None
             # m n k alpha A lda B sbk sbn beta C ldc
             mm = [i, i, i, d, vp, ll, vp, ll, ll, d, vp, ll]
@@ -757,6 +759,29 @@ class Kernels:
         if x.dtype not in (torch.float32, torch.float64) or not x.is_contiguous():
             raise ValueError(f"x must be a contiguous float32 or float64 tensor, got {x.dtype}")
         return bool(self.fn("fl_all_finite", _suffix(x.dtype))(x.data_ptr(), x.numel()))
+
+    def row_dots(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``D = rowsum(x ⊙ y)`` of two contiguous ``(..., n)`` tensors of one shape and
+        dtype, float32 or float64 (summed in it), or bfloat16 or float16 (widened as read,
+        summed in float32): ``(...)`` in the dtype of the sums, the rows in parallel on
+        PyTorch's threads, one pass over both."""
+        half = {torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 0)
+        if y.dtype != x.dtype or not (half or x.dtype in (torch.float32, torch.float64)):
+            raise ValueError(
+                f"x and y must be one floating dtype alike (float32, float64, bfloat16, "
+                f"float16), got {x.dtype}, {y.dtype}"
+            )
+        if x.shape != y.shape or x.dim() == 0 or not (x.is_contiguous() and y.is_contiguous()):
+            raise ValueError(
+                f"x and y must be contiguous tensors of one shape with a last dimension, got "
+                f"{tuple(x.shape)} and {tuple(y.shape)}"
+            )
+        dt = torch.float32 if half else x.dtype
+        out = torch.empty(x.shape[:-1], dtype=dt)
+        self.max_threads()
+        fn = self.fn("fl_row_dots", _suffix(dt))
+        fn(x.data_ptr(), y.data_ptr(), out.data_ptr(), out.numel(), x.shape[-1], half)
+        return out
 
     def merge_splits(self, o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The key splits of ``forward`` merged, by ``online.merge_partials``'s rule, in one

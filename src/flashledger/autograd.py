@@ -464,7 +464,7 @@ def _backward(
         pb.mask, pb.smod.user = bound
     elif pb.smod.user is not None:
         pb.smod.user.use_captured(())
-    res = _backward_problem(pb, o, lse, do.contiguous(), dlse, bias=bias, **loop)
+    res = _backward_problem(pb, o, lse, do.contiguous(), dlse, bias=bias, saved=True, **loop)
     if sink is not None:
         sink(res.ledger)
     return res

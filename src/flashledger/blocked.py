@@ -739,10 +739,18 @@ def _native_vis(
     return tile, (tile.data_ptr(), g * area, area)
 
 
-def _row_dots(x5: torch.Tensor, y5: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+def _row_dots(
+    x5: torch.Tensor, y5: torch.Tensor, dt: torch.dtype, kern: _native.Kernels | None = None
+) -> torch.Tensor:
     """``rowsum(x ⊙ y)`` in ``dt`` of two ``(..., L, n)`` tensors of one shape (``D =
-    rowsum(dO ⊙ O)``), in slabs of rows as the checks go (``_checks.pieces``): no product,
-    and no copy of an input in ``dt``, of the whole size. ``(..., L)``."""
+    rowsum(dO ⊙ O)``): with the native step's ``kern`` and both of one dtype, ``dt`` or a
+    half one with ``dt`` float32, its one pass over both (``Kernels.row_dots``); else in
+    slabs of rows as the checks go
+    (``_checks.pieces``): no product, and no copy of an input in ``dt``, of the whole
+    size. ``(..., L)``."""
+    half = dt == torch.float32 and x5.dtype in (torch.bfloat16, torch.float16)
+    if kern is not None and x5.dtype == y5.dtype and (x5.dtype == dt or half):
+        return kern.row_dots(x5.contiguous(), y5.contiguous())
     parts = zip(pieces(x5), pieces(y5), strict=True)
     return torch.cat([(xs.to(dt) * ys.to(dt)).sum(dim=-1) for xs, ys in parts], dim=-1)
 
@@ -1621,7 +1629,7 @@ def _backward(
     fold = pb.smod.softcap is None
     a = pb.smod.scale if fold else 1.0
     # -- preprocess: D = rowsum(dO ⊙ O); a gradient on the LSE folds into it --
-    D = _row_dots(do5, o5, dt)  # (B, Hkv, G, Lq)
+    D = _row_dots(do5, o5, dt, kern)  # (B, Hkv, G, Lq)
     d_eff = D if dlse5 is None else D - dlse5  # dS = P ⊙ (dP - D + dλ)
     book.io(read=lq * 2 * dv, write=lq)
     # a fully-masked row keeps every P = exp(-inf - λ) at 0, whatever LSE convention it carries
@@ -1929,19 +1937,24 @@ def _backward_problem(
     trace: bool | int | Trace = False,
     observer: Any = None,
     whole: bool = True,
+    saved: bool = False,
 ) -> BackwardResult:
     """``blocked_backward`` on a built problem (``flash_attention`` gives it the forward's
     bound mask, so that a mask_mod's tile classes and kept tiles serve both passes);
-    ``whole``: the call covers the whole sequence (no placement)."""
+    ``whole``: the call covers the whole sequence (no placement); ``saved``: ``o`` and
+    ``lse`` are the forward's own as autograd saved them (checked when the forward formed
+    them, and unchanged since: autograd refuses a saved tensor modified in place), so
+    their checks are not run again (dO's are)."""
     o, lse, do = plain(o), plain(lse), plain(do)  # the values as stored: read by pointer
     dlse = None if dlse is None else plain(dlse)
     # o and dO in the caller's dtype: converted where they are read (a half dO goes to the
     # half step as it is; D is summed slab by slab), never whole in the accumulation dtype
-    o5, do5, dlse5 = _backward_inputs(pb, o, lse, do, dlse, convert=False)
+    o5, do5, dlse5 = _backward_inputs(pb, o, lse, do, dlse, convert=False, saved=saved)
     if pb.smod.user is not None:
         pb.smod.user.reset_grads()
     lse5 = pb.to_internal_rows(lse.to(pb.dtype))
-    pb.check_saved_lse(lse5, whole=whole)
+    if not saved:
+        pb.check_saved_lse(lse5, whole=whole)
     dq, dk, dv, dbias5, D, ledger = _backward(
         pb,
         o5,

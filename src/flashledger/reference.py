@@ -208,10 +208,12 @@ def _backward_inputs(
     dlse: torch.Tensor | None,
     *,
     convert: bool = True,
+    saved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Check ``o``, ``lse``, ``do``, ``dlse`` against the problem and lay them out internally,
     in the accumulation dtype (``convert=False``: ``o`` and ``do`` in their own, for a caller
-    that converts them where it reads them)."""
+    that converts them where it reads them; ``saved``: ``o`` and ``lse`` are the forward's
+    own, their values checked when it formed them, so only their shapes are)."""
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
     want_o = (*_lead(pb), lq, dv)
     for name, x in (("o", o), ("do", do)):
@@ -227,9 +229,9 @@ def _backward_inputs(
             raise TypeError(f"{name} must be a floating-point tensor")
         if tuple(r.shape) != want_l:
             raise ValueError(f"{name} must have shape {want_l}, got {tuple(r.shape)}")
-    if bool(torch.isnan(lse).any()):
+    if not saved and bool(torch.isnan(lse).any()):
         raise ValueError("lse contains NaN; allowed: finite values or ±inf on fully-masked rows")
-    for name, t in (("o", o), ("do", do), ("dlse", dlse)):
+    for name, t in (("o", None if saved else o), ("do", do), ("dlse", dlse)):
         if t is not None:
             check_finite(name, t)  # names the first NaN or inf by index
     dt = pb.dtype
