@@ -4,7 +4,7 @@ A change to the native step is measured against the build before it on the same
 machine at the same moments: each tree runs in a worker process of its own (its own
 compiled library), both hold the same inputs, and the driver asks them in turn for
 ``--calls`` forward + backward passes per round (the order alternating), keeping each
-round's fastest. The back end and the tiles are forced alike in both (``--gemm``,
+round's fastest (``--forward``: forwards alone, under ``no_grad``). The back end and the tiles are forced alike in both (``--gemm``,
 ``--tiles``), so that two calibrations cannot differ where the trees do not. Prints,
 per configuration, each tree's median and the median and range of the rounds' ratios
 (b over a).
@@ -34,7 +34,9 @@ GEMMS = {
 TILES = {"float32": "256x512", "float64": "256x256", "bfloat16": "256x256", "float16": "256x512"}
 
 
-def worker(dtype: str, length: int, causal: bool, tiles: str, gemm: str | None) -> None:
+def worker(
+    dtype: str, length: int, causal: bool, tiles: str, gemm: str | None, forward: bool
+) -> None:
     """Hold one configuration's inputs and run ``n`` passes per line read, printing the
     fastest (the tree is the one on ``PYTHONPATH``)."""
     import torch
@@ -61,6 +63,10 @@ def worker(dtype: str, length: int, causal: bool, tiles: str, gemm: str | None) 
     mask = fl.Causal() if causal else None
 
     def step() -> None:
+        if forward:
+            with torch.no_grad():
+                fl.flash_attention(q, k, v, mask=mask, block_q=bq, block_k=bk)
+            return
         o = fl.flash_attention(q, k, v, mask=mask, block_q=bq, block_k=bk)
         o.backward(do)
         q.grad = k.grad = v.grad = None
@@ -88,11 +94,12 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=2, help="passes per round (the fastest kept)")
     p.add_argument("--tiles", default=None, help="e.g. 256x512 (default: per dtype, TILES)")
     p.add_argument("--gemm", default=None, help="force this back end (default: GEMMS)")
-    p.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
+    p.add_argument("--forward", action="store_true", help="time forwards alone (no_grad)")
+    p.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        dtype, length, causal, tiles, gemm = args.worker
-        worker(dtype, int(length), causal == "1", tiles, None if gemm == "-" else gemm)
+        dtype, length, causal, tiles, gemm, fwd = args.worker
+        worker(dtype, int(length), causal == "1", tiles, None if gemm == "-" else gemm, fwd == "1")
         return
     if not (args.a and args.b):
         p.error("--a and --b name the two trees' src folders")
@@ -104,6 +111,7 @@ def main() -> None:
             for c in causal:
                 tiles = args.tiles or TILES[dtype]
                 cfg = [dtype, str(length), "1" if c else "0", tiles, args.gemm or "-"]
+                cfg.append("1" if args.forward else "0")
                 procs = []
                 for src in (args.a, args.b):
                     env = dict(os.environ, PYTHONPATH=os.path.abspath(src))
@@ -132,7 +140,8 @@ def main() -> None:
                     proc.wait()
                 ratios = [b / a for a, b in zip(*got, strict=True)]
                 print(
-                    f"{dtype} L={length} {'causal' if c else 'no mask'} {tiles}: "
+                    f"{dtype} L={length} {'causal' if c else 'no mask'} {tiles}"
+                    f"{' forward' if args.forward else ''}: "
                     f"a {statistics.median(got[0]) * 1e3:.1f} ms, "
                     f"b {statistics.median(got[1]) * 1e3:.1f} ms, b / a "
                     f"{statistics.median(ratios):.3f} (rounds {min(ratios):.3f}-"

@@ -1383,6 +1383,55 @@ def test_the_native_merge_of_key_splits_is_the_one_merge(
         assert bool((err <= bound).all()), f"{name}: {a[fin][worst]} vs {b[fin][worst]}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_full_tile_s_maxima_from_the_product_are_the_pass_s(native, gen, dtype):
+    """The own kernel hands a forward's full tiles their rows' score maxima as it writes S
+    back: O, the LSE and the rows' maxima are bit for bit those the pass over S gives, with
+    tiles ragged at both ends, a causal mask's partial tiles beside full ones, GQA, a narrow
+    head, and scores all negative (where a ragged key vector's unused lanes, left in,
+    would be the maximum); and the product gave them (its count of blocks)."""
+    if "own" not in native.gemm_names(dtype):
+        pytest.skip("no own kernel here")
+    cases = [  # lq, lk, d, hq, hk, mask, scores all negative
+        (113, 97, 24, 2, 2, None, False),
+        (200, 300, 64, 4, 2, fl.Causal(), False),
+        (97, 113, 80, 2, 1, None, True),
+        (40, 257, 16, 1, 1, None, True),
+        (64, 96, 64, 2, 2, None, False),
+    ]
+    kept = native.gemm(dtype), native.gemm(dtype, forward=True)
+    native.set_gemm(dtype, kept[0], forward="own")
+    try:
+        for lq, lk, d, hq, hk, mask, negative in cases:
+            q = torch.randn(1, hq, lq, d, generator=gen, dtype=dtype)
+            k = torch.randn(1, hk, lk, d, generator=gen, dtype=dtype)
+            v = torch.randn(1, hk, lk, d, generator=gen, dtype=dtype)
+            if negative:
+                q, k = q.abs() + 0.5, -(k.abs() + 0.5)
+            opts: dict[str, Any] = dict(mask=mask, block_q=32, block_k=48, row_max=True)
+            native.product_maxima_blocks(dtype)
+            got = fl.blocked_forward(q, k, v, **opts)
+            blocks = native.product_maxima_blocks(dtype)
+            native.set_product_maxima(dtype, False)
+            try:
+                want = fl.blocked_forward(q, k, v, **opts)
+                assert native.product_maxima_blocks(dtype) == 0
+            finally:
+                native.set_product_maxima(dtype, True)
+            where = f"lq={lq} lk={lk} d={d} mask={mask}"
+            assert blocks > 0, f"{where}: no block took its maxima from the product"
+            assert got.row_max is not None and want.row_max is not None
+            if negative:
+                assert bool((got.row_max < 0).all()), where
+            for name, a, b in (("o", got.o, want.o), ("lse", got.lse, want.lse)):
+                assert torch.equal(a, b), f"{where}: {name} differs"
+            assert torch.equal(got.row_max, want.row_max), f"{where}: row maxima differ"
+    finally:
+        native.set_gemm(dtype, kept[0], forward=kept[1])
+    with pytest.raises(ValueError, match="float32/float64"):
+        native.set_product_maxima(torch.bfloat16, True)
+
+
 @settings(
     max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

@@ -395,6 +395,16 @@ static inline void storem(T *p, MT k, VT v) { _mm512_mask_storeu_ps(p, k, (__m51
 #endif
 /* the first x lanes */
 static inline MT lanes(int x) { return x >= W ? (MT)-1 : (MT)((1u << x) - 1); }
+/* x in the lanes of k, fill in the others */
+#if FL_DOUBLE
+static inline VT vkeep(MT k, VT x, VT fill) {
+    return (VT)_mm512_mask_blend_pd(k, (__m512d)fill, (__m512d)x);
+}
+#else
+static inline VT vkeep(MT k, VT x, VT fill) {
+    return (VT)_mm512_mask_blend_ps(k, (__m512)fill, (__m512)x);
+}
+#endif
 #else
 /* AVX2: no mask registers; a lane mask is a vector of all-ones / zero integers, read by
  * vmaskmov (only a tail's last vector of rows goes through it) */
@@ -408,10 +418,16 @@ static inline VT loadm(MT k, const T *p) { return (VT)_mm256_maskload_ps(p, (__m
 static inline void storem(T *p, MT k, VT v) { _mm256_maskstore_ps(p, (__m256i)k, (__m256)v); }
 static inline MT lanes(int x) { return (MT){0, 1, 2, 3, 4, 5, 6, 7} < (TI)x; }
 #endif
+static inline VT vkeep(MT k, VT x, VT fill) { return vsel(k, x, fill); }
 #endif
 /* One block of C: MV vectors of rows (vector r under mask mk[r]: a tail's last vector
  * partly; `full`: no masks) x NB columns in MV·NB registers, each entry summed over kk in
- * order with one fused multiply-add per term; C = alpha · sum (+ C). The unmasked loop is
+ * order with one fused multiply-add per term; C = alpha · sum (+ C). With cm (a forward's
+ * S = Q Kᵀ, C's columns its rows): each column's values as written back also merged into
+ * the column's vector of maxima at cm + c·W, lane by lane (a ragged vector's unused lanes
+ * left out), so that the softmax takes each row's maximum without a pass over S: a
+ * float32 forward at L = 4096 and 8192 in 0.96-0.97 x the time (Intel Xeon model 207,
+ * benchmarks/two_builds.py --forward, 11 rounds). The unmasked loop is
  * a copy of the masked one on purpose: loading every vector through its mask (all ones
  * for a full block) measured 3x slower (479 -> 163 GFLOP/s float32 on two threads). Every
  * loop over the registers is unrolled by name (FL_UNROLL): left to itself GCC rolls the
@@ -433,7 +449,7 @@ static inline MT lanes(int x) { return (MT){0, 1, 2, 3, 4, 5, 6, 7} < (TI)x; }
 #define FL_MM_BLOCK(MV, NB)                                                                  \
     static void mm_block_##MV##_##NB(int k, T alpha, const T *A, long long lda,              \
                                      const T *B, long long sbk, long long sbn, int accum,    \
-                                     T *C, long long ldc, const MT *mk, int full) {          \
+                                     T *C, long long ldc, const MT *mk, int full, T *cm) {   \
         VT acc[NB][MV], zero = {0};                                                          \
         FL_UNROLL for (int c = 0; c < NB; ++c)                                               \
             FL_UNROLL for (int r = 0; r < MV; ++r) acc[c][r] = zero;                         \
@@ -457,7 +473,25 @@ static inline MT lanes(int x) { return (MT){0, 1, 2, 3, 4, 5, 6, 7} < (TI)x; }
                 }                                                                            \
             }                                                                                \
         VT al = zero + alpha;                                                                \
-        if (full)                                                                            \
+        if (cm) /* and each column's maximum, lane by lane, merged into cm */                \
+            FL_UNROLL for (int c = 0; c < NB; ++c) {                                         \
+                VT top = loadv(cm + c * W);                                                  \
+                FL_UNROLL for (int r = 0; r < MV; ++r) {                                     \
+                    T *p = C + c * ldc + r * W;                                              \
+                    VT x = al * acc[c][r];                                                   \
+                    if (full) {                                                              \
+                        x = accum ? loadv(p) + x : x;                                        \
+                        storev(p, x);                                                        \
+                    } else {                                                                 \
+                        x = accum ? loadm(mk[r], p) + x : x;                                 \
+                        storem(p, mk[r], x);                                                 \
+                        x = vkeep(mk[r], x, splat(-INFINITY));                               \
+                    }                                                                        \
+                    top = vmax(top, x);                                                      \
+                }                                                                            \
+                storev(cm + c * W, top);                                                     \
+            }                                                                                \
+        else if (full)                                                                       \
             FL_UNROLL for (int c = 0; c < NB; ++c)                                           \
                 FL_UNROLL for (int r = 0; r < MV; ++r) {                                     \
                     T *p = C + c * ldc + r * W;                                              \
@@ -479,7 +513,7 @@ static inline MT lanes(int x) { return (MT){0, 1, 2, 3, 4, 5, 6, 7} < (TI)x; }
 #define FL_COLS_12(MV) \
     FL_COLS_8(MV) FL_MM_BLOCK(MV, 9) FL_MM_BLOCK(MV, 10) FL_MM_BLOCK(MV, 11) FL_MM_BLOCK(MV, 12)
 typedef void (*mm_block_fn)(int, T, const T *, long long, const T *, long long, long long, int,
-                            T *, long long, const MT *, int);
+                            T *, long long, const MT *, int, T *);
 #define FL_TABLE_6(MV) 0, mm_block_##MV##_1, mm_block_##MV##_2, mm_block_##MV##_3, \
     mm_block_##MV##_4, mm_block_##MV##_5, mm_block_##MV##_6
 #define FL_TABLE_8(MV) FL_TABLE_6(MV), mm_block_##MV##_7, mm_block_##MV##_8
@@ -512,7 +546,7 @@ static inline int mm_vectors(int left) { return left < 2 ? left : 2; }
 #endif
 
 static void own_mm(int m, int n, int k, T alpha, const T *A, long long lda, const T *B,
-                   long long sbk, long long sbn, int accum, T *C, long long ldc) {
+                   long long sbk, long long sbn, int accum, T *C, long long ldc, T *cm) {
     /* C's rows in blocks of mm_vectors vectors, with more columns for a narrower last
      * block. A block of A's rows runs over all of n. (Passes over k of 64-256 at a time,
      * to keep the block in L1 when k is 512, measured no faster on either vendor: the L2
@@ -525,7 +559,8 @@ static void own_mm(int m, int n, int k, T alpha, const T *A, long long lda, cons
         for (int j0 = 0; j0 < n; j0 += nr) {
             int nb = n - j0 < nr ? n - j0 : nr;
             mm_blocks[mv][nb](k, alpha, A + i0, lda, B + j0 * sbn, sbk, sbn, accum,
-                              C + i0 + j0 * ldc, ldc, mk, rows == mv * W);
+                              C + i0 + j0 * ldc, ldc, mk, rows == mv * W,
+                              cm ? cm + (long long)j0 * W : NULL);
         }
         i0 += rows;
     }
@@ -550,17 +585,34 @@ int SUF(fl_set_own_gemm)(int on) { return use_own = FL_OWN && on; }
 int SUF(fl_set_forward_own_gemm)(int on) { return own_fwd = on < 0 ? -1 : FL_OWN && on; }
 /* 1 where the own kernel was built (AVX-512, or AVX2 with FMA; not the half builds) */
 int SUF(fl_own_built)(void) { return FL_OWN; }
+/* 1: a forward's full tiles take their rows' score maxima from the own kernel's write-back
+ * of S (no pass over S for them); 0: from a pass over S, as every other tile (the tests
+ * compare the two). Returns the setting in force. */
+static int product_maxima = 1;
+int SUF(fl_set_product_maxima)(int on) { return product_maxima = on != 0; }
+/* blocks of rows whose maxima came from the product, since the last call (which resets it) */
+static long long product_maxima_blocks;
+long long SUF(fl_product_maxima_blocks)(void) {
+    long long n;
+#pragma omp atomic capture
+    {
+        n = product_maxima_blocks;
+        product_maxima_blocks = 0;
+    }
+    return n;
+}
 
-static void mm(int m, int n, int k, T alpha, const TIN *A, long long lda, const TIN *B,
-               long long sbk, long long sbn, T beta, T *C, long long ldc) {
+static int mm(int m, int n, int k, T alpha, const TIN *A, long long lda, const TIN *B,
+              long long sbk, long long sbn, T beta, T *C, long long ldc, T *cm) {
     int fwd = in_forward && own_fwd >= 0; /* the forward's own back end */
     gemm_fn gemm = fwd && gemm_fwd ? gemm_fwd : GEMM;
+    (void)cm;
 #if FL_OWN
     /* a small product (a decode step's, a partial tile's narrow span) costs a BLAS call
      * more to enter than to run: it takes the own kernel, whichever back end is chosen */
     if ((fwd ? own_fwd : use_own) || (long long)m * n * k <= FL_SMALL_MM) {
-        own_mm(m, n, k, alpha, A, lda, B, sbk, sbn, beta != 0, C, ldc);
-        return;
+        own_mm(m, n, k, alpha, A, lda, B, sbk, sbn, beta != 0, C, ldc, cm);
+        return cm != NULL;
     }
 #endif
     /* B as BLAS sees it: "N" (column j at b + j·ldb) when it runs along kk, else "T"; a
@@ -568,12 +620,13 @@ static void mm(int m, int n, int k, T alpha, const TIN *A, long long lda, const 
     int bn = sbk == 1 && (n == 1 || sbn >= k);
     int ia = (int)lda, ic = (int)ldc, ib = (int)(bn ? (n == 1 ? (k > 1 ? k : 1) : sbn) : sbk);
     gemm("N", bn ? "N" : "T", &m, &n, &k, &alpha, A, &ia, B, &ib, &beta, C, &ic);
+    return 0;
 }
 
 /* The step's matmul on its own (tests, and the bench's rate): mm on the calling thread. */
 void SUF(fl_matmul)(int m, int n, int k, double alpha, const TIN *A, long long lda,
                     const TIN *B, long long sbk, long long sbn, double beta, T *C, long long ldc) {
-    mm(m, n, k, (T)alpha, A, lda, B, sbk, sbn, (T)beta, C, ldc);
+    mm(m, n, k, (T)alpha, A, lda, B, sbk, sbn, (T)beta, C, ldc, NULL);
 }
 
 /* A row stride for x elements that is not a power of two times a cache line's worth of
@@ -593,7 +646,7 @@ void SUF(fl_matmul_rate)(const TIN *ab, T *c, int n, int reps) {
         long long me = omp_get_thread_num();
         const TIN *a = ab + me * 2 * sz, *b = a + sz;
         T *cm = c + me * sz;
-        for (int r = 0; r < reps; ++r) mm(n, n, n, 1, a, ld, b, 1, ld, 1, cm, ld);
+        for (int r = 0; r < reps; ++r) mm(n, n, n, 1, a, ld, b, 1, ld, 1, cm, ld, NULL);
     }
 }
 
@@ -903,9 +956,11 @@ static inline long long t_at(const struct fl_args *a, long long kh, long long n,
 }
 
 /* S = factor · Q Kᵀ for a block of rows and keys [k0, k0 + nc), the factor riding on the
- * matmul, or, with `after`, (Q Kᵀ) · factor as the reference rounds it. */
-static void scores(const struct fl_args *a, const struct rows *b, long long k0, int nc, T *s,
-                   long long ls, double factor, int after) {
+ * matmul, or, with `after`, (Q Kᵀ) · factor as the reference rounds it. With cm (and not
+ * `after`), each row's maximum so far, W lanes a row, merged with the row's scores as the
+ * product writes them back; returns 1 when it was (the own kernel), else 0. */
+static int scores(const struct fl_args *a, const struct rows *b, long long k0, int nc, T *s,
+                  long long ls, double factor, int after, T *cm) {
     const TIN *qh = a->q + row_base(a, b) * a->d;
 #if !FL_HALF
     if (b->q) qh = b->q; /* rows widened from a half dtype */
@@ -919,12 +974,14 @@ static void scores(const struct fl_args *a, const struct rows *b, long long k0, 
         kt = a->kt + t_at(a, b->h0 / a->group, a->d, k0, &lt);
     /* S (nr x nc, row-major, row stride ls) = Q_i K_jᵀ, formed as Sᵀ = (Kᵀ_j)ᵀ-columns
      * times Q's rows */
-    mm(nc, b->nr, (int)a->d, after ? (T)1 : (T)factor, kt, lt, qh, 1, a->d, 0, s, ls);
+    int tops = mm(nc, b->nr, (int)a->d, after ? (T)1 : (T)factor, kt, lt, qh, 1, a->d, 0, s,
+                  ls, after ? NULL : cm);
     if (after) {
         T f = (T)factor;
         for (int r = 0; r < b->nr; ++r)
             for (int j = 0; j < nc; ++j) s[(long long)r * ls + j] *= f;
     }
+    return tops;
 }
 
 /* The row's maximum; with f != 1 the row is first scaled by f in place (each product
@@ -960,6 +1017,14 @@ static T row_max(T *row, int nc, T f) {
     T t = -INFINITY;
     for (int i = 0; i < W; ++i) t = t0[i] > t ? t0[i] : t;
     for (; j < nc; ++j) t = row[j] > t ? row[j] : t;
+    return t;
+}
+
+/* The largest of a row's W lane maxima (as row_max ends: the same value, no NaN among
+ * them) */
+static inline T lanes_max(const T *v) {
+    T t = -INFINITY;
+    for (int i = 0; i < W; ++i) t = v[i] > t ? v[i] : t;
     return t;
 }
 
@@ -1130,6 +1195,7 @@ struct keys {
     TIN *stage;  /* AMX: a 16 x d stage for a ragged row block's Q rows */
     T *vw;       /* float32 build, V in a half dtype with Kᵀ laid out: a tile's V rows widened
                     here (bk x d_v), or NULL */
+    T *cm;       /* the item's rows' score maxima, W lanes a row (nr x W), or NULL (AMX) */
 };
 
 /* The lanes' sum, in lane order (a shuffle tree, tried, moved a float64 decode
@@ -1663,6 +1729,7 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
         vh = a->v + vo;
     int nrs = nr; /* rows of S written */
     T fs = 1;     /* S's factor still to apply (the AMX products are unscaled) */
+    int tops = 0; /* 1: each row's maximum is in ks->cm (W lanes a row), from the product */
 #if FL_AMX
     /* AMX: the keys [ka, ka + cw) around [k0, k0 + w), 32-aligned, key k0 at column 0 */
     long long k0 = t[2] + lo, ka = k0 / 32 * 32;
@@ -1703,10 +1770,20 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
 #endif
     {
         (void)ks;
-        if (a->softcap > 0) /* the scores the backward forms, then capped */
-            scores(a, b, t[2] + lo, w, s, ls, a->scale, !a->scale_exact);
-        else
-            scores(a, b, t[2] + lo, w, s, ls, a->scale * LOG2E, 0);
+        if (a->softcap > 0) { /* the scores the backward forms, then capped */
+            scores(a, b, t[2] + lo, w, s, ls, a->scale, !a->scale_exact, NULL);
+        } else {
+            /* a full tile's plain scores: their row maxima come with the product, where
+             * the own kernel forms it (no pass over S for them) */
+            int plain = !t[4] && !t[8] && !a->alibi && ks->cm;
+            if (plain)
+                for (int r = 0; r < nr; ++r) storev(ks->cm + (long long)r * W, splat(-INFINITY));
+            tops = scores(a, b, t[2] + lo, w, s, ls, a->scale * LOG2E, 0, plain ? ks->cm : NULL);
+            if (tops) {
+#pragma omp atomic
+                ++product_maxima_blocks;
+            }
+        }
     }
 #if !FL_HALF
     if (a->softcap > 0) softcap_rows(nr, w, s, ls, (T)a->softcap, (T)LOG2E, NULL);
@@ -1720,7 +1797,8 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
     for (int r = 0; r < nr; ++r) {
         T *row = s + (long long)r * ls;
         int c0r = t[4] ? ca[r] : 0, c1r = t[4] ? cb[r] : w; /* the row's columns */
-        T m_old = m[r], top = row_max(row + c0r, c1r - c0r, fs);
+        T m_old = m[r], top = tops ? lanes_max(ks->cm + (long long)r * W)
+                                   : row_max(row + c0r, c1r - c0r, fs);
         T m_new = m_old > top ? m_old : top, m_sub = m_new == -INFINITY ? 0 : m_new;
         alpha[r] = m_old == m_sub ? 1 : exp2s(m_old - m_sub); /* 1: the max did not move */
         TIN *prow = ps + (long long)r * ls;
@@ -1763,7 +1841,7 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
         pv_t_rows(ps, ls, nr, vh, w, idv, acc);
     else
 #endif
-        mm(idv, nr, w, 1, vh, idv, ps, 1, ls, 1, acc, idv);
+        mm(idv, nr, w, 1, vh, idv, ps, 1, ls, 1, acc, idv, NULL);
     return seen;
 }
 
@@ -1789,7 +1867,7 @@ static void forward_item(const struct fl_args *a, long long h0, long long r0, in
     char *more = (char *)(s + nrs * lb + nrs);
     TIN *ps = FL_HALF ? (TIN *)carve(&more, nrs * lb + 64, sizeof(TIN)) + (a->amx ? 32 : 0)
                       : (TIN *)s;
-    struct keys ks = {!a->kt, NULL, NULL}; /* keys in place (the half builds never read them so) */
+    struct keys ks = {!a->kt, NULL, NULL, NULL}; /* keys in place (the half builds never read them so) */
 #if FL_AMX
     if (a->amx) {
         ks.stage = carve(&more, 16 * a->d, sizeof(TIN));
@@ -1805,6 +1883,9 @@ static void forward_item(const struct fl_args *a, long long h0, long long r0, in
     }
     if (!ks.on && a->v16) /* V in the half dtype, Kᵀ laid out widened: each tile's V widened */
         ks.vw = carve(&more, bk * dv, sizeof(T));
+#endif
+#if FL_OWN
+    if (!ks.on && !a->amx && product_maxima) ks.cm = carve(&more, (long long)nr * W, sizeof(T));
 #endif
 
     for (int r = 0; r < nr; ++r) {
@@ -2039,7 +2120,7 @@ static long long backward_block(const struct fl_args *a, const long long *t, con
     TIN *dss = FL_HALF ? carve(&more, (long long)nr * ls, sizeof(TIN)) : (TIN *)dp; /* dS */
     /* the scores the PyTorch step (and the reference) form: the scale on the matmul only
      * when it is a power of two, so that a forward run with that step is matched exactly */
-    scores(a, b, t[2] + lo, w, s, ls, a->scale, !a->scale_exact);
+    scores(a, b, t[2] + lo, w, s, ls, a->scale, !a->scale_exact, NULL);
     T *tb = NULL; /* a softcap's t = tanh(s / c), for dS's 1 - t² */
 #if !FL_HALF
     if (a->softcap > 0) {
@@ -2067,7 +2148,7 @@ static long long backward_block(const struct fl_args *a, const long long *t, con
     }
     T sc = (T)a->scale;
     /* dP (nr x w) = dO V_jᵀ */
-    mm(w, nr, idv, 1, vt, lt, doh, 1, idv, 0, dp, ls);
+    mm(w, nr, idv, 1, vt, lt, doh, 1, idv, 0, dp, ls, NULL);
     const T *lam = a->lam + base, *dd = a->dd + base;
     for (int r = 0; r < nr; ++r) {
         const T *pr = s + (long long)r * ls, *dr = dp + (long long)r * ls;
@@ -2132,9 +2213,9 @@ static long long backward_block(const struct fl_args *a, const long long *t, con
         dsk = qsk = 1;
     }
 #endif
-    mm(w, idv, nr, 1, ps, ls, dob, dsk, sbn, 1, dvt + lo, ldt);
-    mm(w, id, nr, sc, dss, ls, qb, qsk, sbn, 1, dkt + lo, ldt);
-    mm(id, nr, w, sc, kh, id, dss, 1, ls, 1, dq, id);
+    mm(w, idv, nr, 1, ps, ls, dob, dsk, sbn, 1, dvt + lo, ldt, NULL);
+    mm(w, id, nr, sc, dss, ls, qb, qsk, sbn, 1, dkt + lo, ldt, NULL);
+    mm(id, nr, w, sc, kh, id, dss, 1, ls, 1, dq, id, NULL);
     return seen;
 }
 

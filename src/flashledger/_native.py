@@ -300,6 +300,9 @@ class Kernels:
             getattr(lib, f"fl_padded_{suffix}").argtypes = [ll]
             getattr(lib, f"fl_padded_{suffix}").restype = ll
             getattr(lib, f"fl_set_own_gemm_{suffix}").argtypes = [i]
+            getattr(lib, f"fl_set_product_maxima_{suffix}").argtypes = [i]
+            getattr(lib, f"fl_set_product_maxima_{suffix}").restype = i
+            getattr(lib, f"fl_product_maxima_blocks_{suffix}").restype = ll
             getattr(lib, f"fl_set_threads_{suffix}").argtypes = [i]
             getattr(lib, f"fl_merge_splits_{suffix}").argtypes = [vp, vp, ll, ll, ll]
             getattr(lib, f"fl_merge_splits_{suffix}").restype = None
@@ -386,6 +389,22 @@ class Kernels:
                 self.fn("fl_set_forward_own_gemm", suffix)(-1)
                 self._forward_gemm.pop(suffix, None)
         self._gemm[suffix] = name
+
+    def set_product_maxima(self, dtype: torch.dtype, on: bool) -> None:
+        """Where a float32/float64 forward's full tiles take their rows' score maxima: from
+        the own kernel's write-back of S as it forms it (``on``, the default: no pass over
+        S for them), or from a pass over S, as every other tile (the two agree bit for
+        bit; the tests compare them)."""
+        if dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"the product's maxima are the float32/float64 steps', not {dtype}'s")
+        self.fn("fl_set_product_maxima", _suffix(dtype))(int(bool(on)))
+
+    def product_maxima_blocks(self, dtype: torch.dtype) -> int:
+        """Blocks of rows of ``dtype`` forwards whose maxima came from the product since the
+        last call (which starts the count again)."""
+        if dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"the product's maxima are the float32/float64 steps', not {dtype}'s")
+        return int(self.fn("fl_product_maxima_blocks", _suffix(dtype))())
 
     def settings(self) -> tuple[str, ...]:
         """The matmul back end in force for each dtype (and a forward's, where apart): with the
@@ -1122,6 +1141,9 @@ class ForwardPass:
             work = chunk * (2 + dv) + chunk * lb + chunk  # m, ℓ, acc; S/P; α
             if q.dtype in _HALF and not widen:
                 work += _units(chunk * lb, q.dtype, self.acc)  # P in the input dtype
+            # the rows' score maxima from the own kernel's products, a vector a row, aligned
+            lanes = kern.vector_bytes // self.acc.itemsize
+            work += chunk * lanes + 64 // self.acc.itemsize
         if half:  # q's rows widened from the cache's dtype (``run_rows``), 64-byte aligned
             work += chunk * d + 64 // self.acc.itemsize
         if widen:  # a tile's V rows widened, 64-byte aligned
