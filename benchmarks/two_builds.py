@@ -4,15 +4,17 @@ A change to the native step is measured against the build before it on the same
 machine at the same moments: each tree runs in a worker process of its own (its own
 compiled library), both hold the same inputs, and the driver asks them in turn for
 ``--calls`` forward + backward passes per round (the order alternating), keeping each
-round's fastest (``--forward``: forwards alone, under ``no_grad``). The back end and the tiles are forced alike in both (``--gemm``,
-``--tiles``), so that two calibrations cannot differ where the trees do not. Prints,
-per configuration, each tree's median and the median and range of the rounds' ratios
-(b over a).
+round's fastest (``--forward``: forwards alone, under ``no_grad``). The back end and the
+tiles are forced alike in both (``--gemm``, ``--tiles``), so that two calibrations
+cannot differ where the trees do not. Prints, per configuration, each tree's median and
+the median and range of the rounds' ratios (b over a).
 
     git worktree add /tmp/before HEAD~1
     .venv/bin/python benchmarks/two_builds.py --a /tmp/before/src --b src
     .venv/bin/python benchmarks/two_builds.py --a /tmp/before/src --b src \\
         --dtypes float32 --lengths 8192 --causal yes --rounds 9
+    .venv/bin/python benchmarks/two_builds.py --a /tmp/before/src --b src --forward \\
+        --dtypes float32,float64 --rounds 11 --calls 3
 """
 
 from __future__ import annotations

@@ -1428,8 +1428,10 @@ def test_a_full_tile_s_maxima_from_the_product_are_the_pass_s(native, gen, dtype
             assert torch.equal(got.row_max, want.row_max), f"{where}: row maxima differ"
     finally:
         native.set_gemm(dtype, kept[0], forward=kept[1])
-    with pytest.raises(ValueError, match="float32/float64"):
+    with pytest.raises(ValueError, match="only the float32 and float64 steps"):
         native.set_product_maxima(torch.bfloat16, True)
+    with pytest.raises(ValueError, match="only the float32 and float64 steps"):
+        native.product_maxima_blocks(torch.float16)
 
 
 @settings(

@@ -1020,8 +1020,8 @@ static T row_max(T *row, int nc, T f) {
     return t;
 }
 
-/* The largest of a row's W lane maxima (as row_max ends: the same value, no NaN among
- * them) */
+/* The largest of a row's W lane maxima: what row_max gives for the row where no score is
+ * NaN (a maximum is exact in any order) */
 static inline T lanes_max(const T *v) {
     T t = -INFINITY;
     for (int i = 0; i < W; ++i) t = v[i] > t ? v[i] : t;
@@ -1867,7 +1867,8 @@ static void forward_item(const struct fl_args *a, long long h0, long long r0, in
     char *more = (char *)(s + nrs * lb + nrs);
     TIN *ps = FL_HALF ? (TIN *)carve(&more, nrs * lb + 64, sizeof(TIN)) + (a->amx ? 32 : 0)
                       : (TIN *)s;
-    struct keys ks = {!a->kt, NULL, NULL, NULL}; /* keys in place (the half builds never read them so) */
+    /* keys in place (the half builds never read them so) */
+    struct keys ks = {!a->kt, NULL, NULL, NULL};
 #if FL_AMX
     if (a->amx) {
         ks.stage = carve(&more, 16 * a->d, sizeof(TIN));

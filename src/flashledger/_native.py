@@ -395,16 +395,12 @@ class Kernels:
         the own kernel's write-back of S as it forms it (``on``, the default: no pass over
         S for them), or from a pass over S, as every other tile (the two agree bit for
         bit; the tests compare them)."""
-        if dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"the product's maxima are the float32/float64 steps', not {dtype}'s")
-        self.fn("fl_set_product_maxima", _suffix(dtype))(int(bool(on)))
+        self.fn("fl_set_product_maxima", _float_suffix(dtype))(int(bool(on)))
 
     def product_maxima_blocks(self, dtype: torch.dtype) -> int:
         """Blocks of rows of ``dtype`` forwards whose maxima came from the product since the
         last call (which starts the count again)."""
-        if dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"the product's maxima are the float32/float64 steps', not {dtype}'s")
-        return int(self.fn("fl_product_maxima_blocks", _suffix(dtype))())
+        return int(self.fn("fl_product_maxima_blocks", _float_suffix(dtype))())
 
     def settings(self) -> tuple[str, ...]:
         """The matmul back end in force for each dtype (and a forward's, where apart): with the
@@ -1640,6 +1636,14 @@ def _openblas() -> dict[str, int] | None:
 
 
 def _suffix(dtype: torch.dtype) -> str:
+    return _SUFFIX[dtype]
+
+
+def _float_suffix(dtype: torch.dtype) -> str:
+    """The float32/float64 build's suffix; a ValueError for another dtype (what only those
+    builds have: the own kernel's row maxima)."""
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"only the float32 and float64 steps have this, not {dtype}")
     return _SUFFIX[dtype]
 
 

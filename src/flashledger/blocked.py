@@ -745,9 +745,8 @@ def _row_dots(
     """``rowsum(x ⊙ y)`` in ``dt`` of two ``(..., L, n)`` tensors of one shape (``D =
     rowsum(dO ⊙ O)``): with the native step's ``kern`` and both of one dtype, ``dt`` or a
     half one with ``dt`` float32, its one pass over both (``Kernels.row_dots``); else in
-    slabs of rows as the checks go
-    (``_checks.pieces``): no product, and no copy of an input in ``dt``, of the whole
-    size. ``(..., L)``."""
+    slabs of rows as the checks go (``_checks.pieces``). No product, and no copy of an
+    input in ``dt``, of the whole size. ``(..., L)``."""
     half = dt == torch.float32 and x5.dtype in (torch.bfloat16, torch.float16)
     if kern is not None and x5.dtype == y5.dtype and (x5.dtype == dt or half):
         return kern.row_dots(x5.contiguous(), y5.contiguous())
@@ -1948,7 +1947,8 @@ def _backward_problem(
     o, lse, do = plain(o), plain(lse), plain(do)  # the values as stored: read by pointer
     dlse = None if dlse is None else plain(dlse)
     # o and dO in the caller's dtype: converted where they are read (a half dO goes to the
-    # half step as it is; D is summed slab by slab), never whole in the accumulation dtype
+    # half step as it is; D widens their rows as it reads them), never whole in the
+    # accumulation dtype
     o5, do5, dlse5 = _backward_inputs(pb, o, lse, do, dlse, convert=False, saved=saved)
     if pb.smod.user is not None:
         pb.smod.user.reset_grads()
