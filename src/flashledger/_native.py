@@ -780,7 +780,7 @@ class Kernels:
         dtype, float32 or float64 (summed in it), or bfloat16 or float16 (widened as read,
         summed in float32): ``(...)`` in the dtype of the sums, the rows in parallel on
         PyTorch's threads, one pass over both."""
-        half = {torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 0)
+        half = _HALF.get(x.dtype, 0)
         if y.dtype != x.dtype or not (half or x.dtype in (torch.float32, torch.float64)):
             raise ValueError(
                 f"x and y must be one floating dtype alike (float32, float64, bfloat16, "

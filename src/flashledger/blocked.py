@@ -747,7 +747,7 @@ def _row_dots(
     half one with ``dt`` float32, its one pass over both (``Kernels.row_dots``); else in
     slabs of rows as the checks go (``_checks.pieces``). No product, and no copy of an
     input in ``dt``, of the whole size. ``(..., L)``."""
-    half = dt == torch.float32 and x5.dtype in (torch.bfloat16, torch.float16)
+    half = dt == torch.float32 and x5.dtype in _HALF
     if kern is not None and x5.dtype == y5.dtype and (x5.dtype == dt or half):
         return kern.row_dots(x5.contiguous(), y5.contiguous())
     parts = zip(pieces(x5), pieces(y5), strict=True)
