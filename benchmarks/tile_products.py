@@ -70,9 +70,9 @@ int main(int argc, char **argv) {
         for (int r = 0; r < reps; r++) {
             long long k0 = (long long)(r % (lk / bk)) * bk;
             double a = now();
-            mm(bk, nr, d, (T)0.18, kt + k0, lt, q, 1, d, 0, s, ls);
+            mm(bk, nr, d, (T)0.18, kt + k0, lt, q, 1, d, 0, s, ls, NULL);
             double b = now();
-            mm(d, nr, bk, 1, v + k0 * d, d, s, 1, ls, 1, acc, d);
+            mm(d, nr, bk, 1, v + k0 * d, d, s, 1, ls, 1, acc, d, NULL);
             double c = now();
             qk = b - a < qk ? b - a : qk;
             pv = c - b < pv ? c - b : pv;

@@ -50,11 +50,11 @@ def worker(
     kern = _native.kernels()
     if kern is None:
         raise SystemExit("the native step does not run here")
-    name, forward = GEMMS[dtype] if gemm is None else (gemm, None)
+    name, forward_gemm = GEMMS[dtype] if gemm is None else (gemm, None)
     if dt == torch.float16 and name == "float32":  # its float32 step's back ends too
         kern.set_gemm(torch.float32, GEMMS["float32"][0], forward=GEMMS["float32"][1])
     if dt in (torch.float32, torch.float64):
-        kern.set_gemm(dt, name, forward=forward)
+        kern.set_gemm(dt, name, forward=forward_gemm)
     else:
         kern.set_gemm(dt, name)
     bq, bk = (int(x) for x in tiles.split("x"))
