@@ -245,6 +245,52 @@ def test_extreme_scores_underflow_exactly_as_in_the_pytorch_step(native, gen, as
             assert_close(got, want, rtol=TOL, name=f"{name}, native vs oracle")
 
 
+@pytest.mark.parametrize("dtype", [f64, torch.float32])
+def test_the_softmax_s_exp2_is_within_a_unit_in_the_last_place(native, dtype) -> None:
+    """The step's 2^x (float64 on AVX-512: a table of 2^(j/16) and a degree-6 polynomial;
+    elsewhere one polynomial on [-1/2, 1/2]) against mpmath: within one unit in the last
+    place over the exponents the softmax forms (0 down to the cut, densely around the
+    table's steps and the rounding's ties) and positive ones; exact at the integers;
+    exactly 0 below the cut (-1000 in float64, -100 in float32) and for -inf; above the
+    largest exponent inf (AVX-512) or the largest power of two (the clamped form); NaN
+    stays NaN."""
+    mpmath = pytest.importorskip("mpmath")
+    g = torch.Generator().manual_seed(5)
+    cut = -1000.0 if dtype == f64 else -100.0
+    steps = torch.arange(-64, 65, dtype=f64) / 32  # j/16 and the ties half-way between
+    near = (steps[:, None] + torch.tensor([-1e-13, 0.0, 1e-13], dtype=f64)).flatten()
+    x = torch.cat(
+        [
+            near,
+            torch.rand(6000, generator=g, dtype=f64) * cut,  # the softmax's exponents
+            torch.rand(2000, generator=g, dtype=f64) * 2 - 1,
+            torch.rand(500, generator=g, dtype=f64) * (100 if dtype == f64 else 60),
+        ]
+    ).to(dtype)
+    got = native.exp2(x)
+    mpmath.mp.dps = 40
+    want = torch.tensor(
+        [float(mpmath.power(2, mpmath.mpf(float(v)))) for v in x.tolist()], dtype=f64
+    )
+    w = want.to(dtype)
+    ulp = (w.nextafter(torch.tensor(math.inf, dtype=dtype)) - w).to(f64)
+    err = (got.to(f64) - want.to(f64)).abs() / ulp
+    worst = int(err.argmax())
+    assert float(err.max()) <= 1.0, (
+        f"2^{x[worst].item()!r} = {got[worst].item()!r}, want {want[worst].item()!r}: "
+        f"{err[worst].item():.2f} units in the last place"
+    )
+    ints = torch.arange(-60, 61, dtype=dtype)
+    assert torch.equal(native.exp2(ints), torch.pow(2.0, ints.to(f64)).to(dtype))
+    special = torch.tensor([cut - 1, cut - 1e-3, -math.inf, 2000.0, math.nan], dtype=dtype)
+    out = native.exp2(special).tolist()
+    assert out[:3] == [0.0, 0.0, 0.0] and math.isnan(out[4])
+    top = 2.0 ** (1023 if dtype == f64 else 127)  # the clamped form's; AVX-512 saturates
+    assert out[3] in (math.inf, top), out[3]
+    with pytest.raises(ValueError, match=r"2\^x of float32 or float64 values, not torch.bfloat16"):
+        native.exp2(x.to(torch.bfloat16))
+
+
 def test_non_contiguous_inputs_run_on_both_steps(gen, assert_close):
     """Heads sliced out of a larger tensor (strided K/V) are laid out once, for either step."""
     q, k, v, do = (torch.randn(2, 4, 97, 24, dtype=f64, generator=gen) for _ in range(4))

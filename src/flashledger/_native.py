@@ -321,8 +321,9 @@ class Kernels:
                 getattr(lib, f"fl_fma_peak_{suffix}").argtypes = [ll]
                 getattr(lib, f"fl_fma_peak_{suffix}").restype = d
                 getattr(lib, f"fl_fma_flops_per_rep_{suffix}").restype = d
-                getattr(lib, f"fl_tanh_{suffix}").argtypes = [vp, vp, ll]
-                getattr(lib, f"fl_tanh_{suffix}").restype = None
+                for fn in ("fl_tanh", "fl_exp2"):
+                    getattr(lib, f"{fn}_{suffix}").argtypes = [vp, vp, ll]
+                    getattr(lib, f"{fn}_{suffix}").restype = None
             else:
                 getattr(lib, f"fl_round_{suffix}").argtypes = [vp, vp, ll]
                 getattr(lib, f"fl_round_{suffix}").restype = None
@@ -433,11 +434,18 @@ class Kernels:
 
     def tanh(self, x: torch.Tensor) -> torch.Tensor:
         """``tanh`` of a float32/float64 ``x`` as the step's softcap computes it (tests)."""
+        return self._elementwise("fl_tanh", "tanh", x)
+
+    def exp2(self, x: torch.Tensor) -> torch.Tensor:
+        """``2^x`` of a float32/float64 ``x`` as the step's softmax computes it (tests)."""
+        return self._elementwise("fl_exp2", "2^x", x)
+
+    def _elementwise(self, fn: str, what: str, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"tanh of float32 or float64 values, not {x.dtype}")
+            raise ValueError(f"{what} of float32 or float64 values, not {x.dtype}")
         x = x.contiguous()
         out = torch.empty_like(x)
-        self.fn("fl_tanh", _suffix(x.dtype))(x.data_ptr(), out.data_ptr(), x.numel())
+        self.fn(fn, _suffix(x.dtype))(x.data_ptr(), out.data_ptr(), x.numel())
         return out
 
     def use_own_gemm(self, on: bool) -> bool:
