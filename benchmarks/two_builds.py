@@ -5,9 +5,10 @@ machine at the same moments: each tree runs in a worker process of its own (its 
 compiled library), both hold the same inputs, and the driver asks them in turn for
 ``--calls`` forward + backward passes per round (the order alternating), keeping each
 round's fastest (``--forward``: forwards alone, under ``no_grad``). The back end and the
-tiles are forced alike in both (``--gemm``, ``--tiles``), so that two calibrations
-cannot differ where the trees do not. Prints, per configuration, each tree's median and
-the median and range of the rounds' ratios (b over a).
+tiles are forced alike in both (``--gemm``, ``--tiles``; ``--scores own``: a backward's
+score products on the own kernel, in a tree that has the setting), so that two
+calibrations cannot differ where the trees do not. Prints, per configuration, each
+tree's median and the median and range of the rounds' ratios (b over a).
 
     git worktree add /tmp/before HEAD~1
     .venv/bin/python benchmarks/two_builds.py --a /tmp/before/src --b src
@@ -25,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+from inspect import signature
 
 # the back ends each dtype runs on, forced alike in both trees: (name, the forward's)
 GEMMS = {
@@ -37,7 +39,13 @@ TILES = {"float32": "256x512", "float64": "256x256", "bfloat16": "256x256", "flo
 
 
 def worker(
-    dtype: str, length: int, causal: bool, tiles: str, gemm: str | None, forward: bool
+    dtype: str,
+    length: int,
+    causal: bool,
+    tiles: str,
+    gemm: str | None,
+    forward: bool,
+    scores: str | None,
 ) -> None:
     """Hold one configuration's inputs and run ``n`` passes per line read, printing the
     fastest (the tree is the one on ``PYTHONPATH``)."""
@@ -53,8 +61,10 @@ def worker(
     name, forward_gemm = GEMMS[dtype] if gemm is None else (gemm, None)
     if dt == torch.float16 and name == "float32":  # its float32 step's back ends too
         kern.set_gemm(torch.float32, GEMMS["float32"][0], forward=GEMMS["float32"][1])
+    # a backward's score products on the own kernel, where the tree has that setting
+    apart = {"scores": scores} if scores and "scores" in signature(kern.set_gemm).parameters else {}
     if dt in (torch.float32, torch.float64):
-        kern.set_gemm(dt, name, forward=forward_gemm)
+        kern.set_gemm(dt, name, forward=forward_gemm, **apart)
     else:
         kern.set_gemm(dt, name)
     bq, bk = (int(x) for x in tiles.split("x"))
@@ -97,11 +107,24 @@ def main() -> None:
     p.add_argument("--tiles", default=None, help="e.g. 256x512 (default: per dtype, TILES)")
     p.add_argument("--gemm", default=None, help="force this back end (default: GEMMS)")
     p.add_argument("--forward", action="store_true", help="time forwards alone (no_grad)")
-    p.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--scores",
+        default=None,
+        help="own: a backward's score products on the own kernel (in a tree that has it)",
+    )
+    p.add_argument("--worker", nargs=7, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        dtype, length, causal, tiles, gemm, fwd = args.worker
-        worker(dtype, int(length), causal == "1", tiles, None if gemm == "-" else gemm, fwd == "1")
+        dtype, length, causal, tiles, gemm, fwd, scores = args.worker
+        worker(
+            dtype,
+            int(length),
+            causal == "1",
+            tiles,
+            None if gemm == "-" else gemm,
+            fwd == "1",
+            None if scores == "-" else scores,
+        )
         return
     if not (args.a and args.b):
         p.error("--a and --b name the two trees' src folders")
@@ -113,7 +136,7 @@ def main() -> None:
             for c in causal:
                 tiles = args.tiles or TILES[dtype]
                 cfg = [dtype, str(length), "1" if c else "0", tiles, args.gemm or "-"]
-                cfg.append("1" if args.forward else "0")
+                cfg += ["1" if args.forward else "0", args.scores or "-"]
                 procs = []
                 for src in (args.a, args.b):
                     env = dict(os.environ, PYTHONPATH=os.path.abspath(src))

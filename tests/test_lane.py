@@ -194,14 +194,14 @@ def test_the_plan_follows_the_thread_count_and_the_matmul_back_end(native, lane_
             assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref), n
     finally:
         torch.set_num_threads(threads)
-    was = native.gemm(f32)
+    was = [native.gemm(f32), native.gemm(f32, forward=True), native.gemm(f32, scores=True)]
     try:
         for name in native.gemm_names(f32):
             native.set_gemm(f32, name)
             (o, lse), (o_ref, lse_ref) = _both(q, k, v, _opts())
             assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref), name
     finally:
-        native.set_gemm(f32, was)
+        native.set_gemm(f32, was[0], forward=was[1], scores=was[2])
     assert len(lane_runs) >= 2
 
 

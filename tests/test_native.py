@@ -541,13 +541,18 @@ def test_large_scratch_is_its_own_base_on_huge_page_boundaries(native, gen, asse
 
 @contextlib.contextmanager
 def _gemms_kept(native: _native.Kernels) -> Any:
-    """Put back each dtype's matmul back end (and its forward's) afterwards."""
-    before = {dt: (native.gemm(dt), native.gemm(dt, forward=True)) for dt in _calibrate.DTYPES}
+    """Put back each dtype's matmul back end (and its forward's, and its backward score
+    products') afterwards."""
+    before = {
+        dt: (native.gemm(dt), native.gemm(dt, forward=True), native.gemm(dt, scores=True))
+        for dt in _calibrate.DTYPES
+    }
     try:
         yield
     finally:
-        for dt, (name, fwd) in before.items():
-            native.set_gemm(dt, name, forward=None if fwd == name else fwd)
+        for dt, (name, fwd, sco) in before.items():
+            apart = dict(forward=None if fwd == name else fwd, scores=None if sco == name else sco)
+            native.set_gemm(dt, name, **apart)
 
 
 @pytest.fixture(params=list(_calibrate.GEMMS))
@@ -688,10 +693,14 @@ def test_the_choice_is_measured_once_then_read_back(native, tmp_path, small_cali
         names = native.gemm_names()
         fq, fk = _calibrate.FORWARD_GEMM_TILES
         # each stage's rates under keys of their own: the back ends (at the first tile
-        # candidate), the tiles on the winner, the forward's back ends, its tiles on that
+        # candidate), the tiles on the winner, on a BLAS a backward's score products on it
+        # or on the own kernel (at those tiles), the forward's back ends, its tiles on that
+        tiles = f"{c.block_q}x{c.block_k}"
+        mixed = c.gemm != "own" and "own" in names
         stages = {
             "gemm": {g: f"{g} 64x64" for g in names} if len(names) > 1 else {},
             "tiles": {t: f"tiles {t}" for t in ("64x64", "32x48")},
+            "scores": {g: f"scores {g} {tiles}" for g in (c.gemm, "own")} if mixed else {},
             "forward gemm": {g: f"forward {g} {fq}x{fk}" for g in names} if len(names) > 1 else {},
             "forward tiles": {
                 f"{q}x{k}": f"forward {q}x{k}" for q, k in _calibrate.FORWARD_TILE_CANDIDATES
@@ -702,14 +711,18 @@ def test_the_choice_is_measured_once_then_read_back(native, tmp_path, small_cali
         kept = {
             "gemm": c.gemm,
             "tiles": f"{c.block_q}x{c.block_k}",
+            "scores": c.scores_gemm or c.gemm,
             "forward gemm": c.forward_gemm,
             "forward tiles": f"{c.forward_block_q}x{c.forward_block_k}",
         }
+        assert c.scores_gemm in (("", "own") if mixed else ("",))
         _stages_kept(c, stages, kept)
-        # the choice in force: a back end apart for the forward where it won there
+        # the choice in force: a back end apart for the forward, and for a backward's score
+        # products, where each won there
         with _gemms_kept(native):
-            native.set_gemm(dt, c.gemm, forward=c.forward_gemm)
+            native.set_gemm(dt, c.gemm, forward=c.forward_gemm, scores=c.scores_gemm or None)
             assert native.gemm(dt) == c.gemm and native.gemm(dt, forward=True) == c.forward_gemm
+            assert native.gemm(dt, scores=True) == (c.scores_gemm or c.gemm)
     for dt in (torch.bfloat16, torch.float16):
         assert again[dt] == replace(first[dt], how="cached")
         _half_stages_kept(first[dt], first[torch.float32], native.gemm_names(dt))
@@ -899,6 +912,69 @@ def test_the_forward_runs_on_its_own_back_end_and_the_backward_on_the_other(nati
         assert native.gemm(torch.float32, forward=True) == "own"
     with pytest.raises(ValueError, match="no matmul back end 'nonesuch'"):
         native.set_gemm(torch.float32, "own", forward="nonesuch")
+
+
+@pytest.mark.parametrize("dt", [torch.float32, f64])
+def test_a_backward_s_score_products_run_on_the_own_kernel_beside_a_blas(native, gen, dt):
+    """With ``set_gemm(dt, blas, scores="own")`` a backward's score products (S again and
+    dP) run on the own kernel and the rest on the BLAS: the own kernel counts them (none
+    with the BLAS alone, none with the own kernel for everything); dS (a bias's gradient,
+    formed from those two products) is bit for bit the all-own pass's, and every gradient
+    agrees with the oracle. A forward is not touched; a later ``set_gemm`` without
+    ``scores`` puts them back on the back end; a half dtype has no such setting."""
+    names = native.gemm_names(dt)
+    if "own" not in names or len(names) < 2:
+        pytest.skip(f"no own kernel beside a BLAS here ({names})")
+    other = next(g for g in names if g != "own")
+    b, h, lq, lk, d = 1, 2, 200, 170, 64
+    q, do = (torch.randn(b, h, lq, d, generator=gen, dtype=f64) for _ in range(2))
+    k, v = (torch.randn(b, h, lk, d, generator=gen, dtype=f64) for _ in range(2))
+    bias = torch.randn(b, h, lq, lk, generator=gen, dtype=f64)
+    q, k, v, do, bias = (x.to(dt) for x in (q, k, v, do, bias))
+    opts = dict(block_q=128, block_k=96, mask=fl.Causal(), bias=bias)
+
+    def run(name: str, scores: str | None) -> tuple[Any, int]:
+        native.set_gemm(dt, name, scores=scores)
+        native.scores_own_products(dt)
+        fl.blocked_forward(q, k, v, **opts)
+        assert native.scores_own_products(dt) == 0, "a forward ran a backward's products"
+        got = fl.blocked_backward(q, k, v, f.o, f.lse, do, **opts)  # one forward's O, LSE
+        return got, native.scores_own_products(dt)
+
+    with _gemms_kept(native):
+        f = fl.blocked_forward(q, k, v, **opts)
+        own, n_own = run("own", None)
+        blas, n_blas = run(other, None)
+        mixed, n_mixed = run(other, "own")
+        assert native.gemm(dt, scores=True) == "own" and native.gemm(dt) == other
+        assert f"{_native._SUFFIX[dt]} scores own" in native.settings()
+        assert n_own == n_blas == 0 and n_mixed > 0, (n_own, n_blas, n_mixed)
+        assert torch.equal(mixed.dbias, own.dbias), "dS is not the own kernel's"
+        native.set_gemm(dt, other)  # scores on the back end again
+        assert native.gemm(dt, scores=True) == other
+        assert f"{_native._SUFFIX[dt]} scores own" not in native.settings()
+    tol = TOL if dt == f64 else 2e-4
+    ref = fl.reference_forward(
+        q.double(), k.double(), v.double(), mask=fl.Causal(), bias=bias.double()
+    )
+    want = fl.reference_backward(
+        q.double(),
+        k.double(),
+        v.double(),
+        ref.o,
+        ref.lse,
+        do.double(),
+        mask=fl.Causal(),
+        bias=bias.double(),
+    )
+    for name in ("dq", "dk", "dv", "dbias"):
+        got = getattr(mixed, name).double()
+        err = float(((got - getattr(want, name)).abs() / (getattr(want, name).abs().max())).max())
+        assert err <= tol, f"{name}: {err:.3g} of its largest magnitude, past {tol}"
+    with pytest.raises(ValueError, match="score products run on the own kernel or on"):
+        native.set_gemm(dt, other, scores=next((g for g in names if g not in ("own", other)), "x"))
+    with pytest.raises(ValueError, match=r"no matmul back end 'own' for torch\.bfloat16"):
+        native.set_gemm(torch.bfloat16, native.gemm(torch.bfloat16), scores="own")
 
 
 def test_a_choice_no_longer_possible_is_measured_again(native, tmp_path, small_calibration):
@@ -1445,9 +1521,8 @@ def test_a_full_tile_s_maxima_from_the_product_are_the_pass_s(native, gen, dtype
         (40, 257, 16, 1, 1, None, True),
         (64, 96, 64, 2, 2, None, False),
     ]
-    kept = native.gemm(dtype), native.gemm(dtype, forward=True)
-    native.set_gemm(dtype, kept[0], forward="own")
-    try:
+    with _gemms_kept(native):
+        native.set_gemm(dtype, native.gemm(dtype), forward="own")
         for lq, lk, d, hq, hk, mask, negative in cases:
             q = torch.randn(1, hq, lq, d, generator=gen, dtype=dtype)
             k = torch.randn(1, hk, lk, d, generator=gen, dtype=dtype)
@@ -1472,8 +1547,6 @@ def test_a_full_tile_s_maxima_from_the_product_are_the_pass_s(native, gen, dtype
             for name, a, b in (("o", got.o, want.o), ("lse", got.lse, want.lse)):
                 assert torch.equal(a, b), f"{where}: {name} differs"
             assert torch.equal(got.row_max, want.row_max), f"{where}: row maxima differ"
-    finally:
-        native.set_gemm(dtype, kept[0], forward=kept[1])
     with pytest.raises(ValueError, match="only the float32 and float64 steps"):
         native.set_product_maxima(torch.bfloat16, True)
     with pytest.raises(ValueError, match="only the float32 and float64 steps"):

@@ -95,9 +95,10 @@ _ROUNDS = 3
 BUSY = 0.1
 """Above this share of all CPUs' time taken by other processes while a choice was measured,
 the machine was busy: the choice is measured again once it is quiet."""
-_FORMAT = 4  # the cache's layout (2: the tile stage's rates apart, "tiles 512x512"; 3: the
+_FORMAT = 5  # the cache's layout (2: the tile stage's rates apart, "tiles 512x512"; 3: the
 # problem at L = 2048, H = threads; 4: settings in STEERING keyed apart, so a plain entry
-# that one of them may have measured is measured again)
+# that one of them may have measured is measured again; 5: a backward's score products'
+# back end measured, scores_gemm)
 _LOOK_S = 0.25  # how long a cached busy choice looks at the machine before measuring again
 STEERING = (
     "MKL_ENABLE_INSTRUCTIONS",
@@ -140,6 +141,10 @@ class Choice:
     forward_gemm: str = ""
     """float32/float64: the back end of a forward pass, measured by forward passes alone
     (``""``: ``gemm``, as for the half paths and before it was measured)."""
+    scores_gemm: str = ""
+    """float32/float64 on a BLAS: ``"own"`` where a backward's score products (``S = Q
+    K_jᵀ`` again, ``dP = dO V_jᵀ``) run on the own kernel, measured by forward + backward
+    passes at the chosen tiles (``""``: on ``gemm``)."""
 
     @property
     def forward_tiles(self) -> tuple[int, int]:
@@ -154,6 +159,8 @@ class Choice:
         (calibrated)"``."""
         tiles = (self.block_q, self.block_k)
         more = forward_note(tiles, self.forward_tiles, self.gemm, self.forward_gemm or self.gemm)
+        if self.scores_gemm and self.scores_gemm != self.gemm:
+            more += f", backward's score products on {gemm_name(self.scores_gemm)}"
         return f"{gemm_name(self.gemm)}, tiles {tiles[0]}x{tiles[1]}{more} ({self.how})"
 
     def busy_note(self) -> str:
@@ -390,6 +397,7 @@ def _usable(saved: Any, dt: torch.dtype, names: list[str]) -> Choice | None:
             and c.forward_block_q > 0
             and c.forward_block_k > 0
             and (dt in _HALF or c.forward_gemm in names)
+            and c.scores_gemm in ("", *names)
         )
     except (TypeError, ValueError):
         return None
@@ -471,7 +479,7 @@ def _with_forward(kern: Kernels, dtype: torch.dtype, choice: Choice, names: list
     (_, fq, fk), by = _fastest(kern, dtype, cands, backward=False)
     rates.update({f"forward {bq}x{bk}": r for (_, bq, bk), r in by.items()})
     if dtype not in _HALF:
-        kern.set_gemm(dtype, choice.gemm, forward=fwd)
+        kern.set_gemm(dtype, choice.gemm, forward=fwd, scores=choice.scores_gemm or None)
     return replace(
         choice,
         forward_block_q=fq,
@@ -504,7 +512,34 @@ def _tiles_then_forward(
     rates = {**rates, **{f"tiles {q}x{k}": r for (_, q, k), r in by.items()}}
     kern.set_gemm(dtype, gemm)
     choice = Choice(gemm=gemm, block_q=bq, block_k=bk, how="calibrated", rates=rates)
-    return _with_forward(kern, dtype, choice, names)
+    return _with_forward(kern, dtype, _with_scores(kern, dtype, choice, names), names)
+
+
+def _with_scores(kern: Kernels, dtype: torch.dtype, choice: Choice, names: list[str]) -> Choice:
+    """``choice`` (float32/float64 on a BLAS, where the own kernel is built and among
+    ``names``) with a backward's score products on the own kernel where forward + backward
+    passes at its tiles ran faster so (interleaved rounds, each side's fastest), and that
+    in force; ``choice`` itself elsewhere."""
+    if dtype in _HALF or choice.gemm == "own" or "own" not in names:
+        return choice
+    from .blocked import blocked_backward, blocked_forward
+
+    q, k, v, do = _inputs(kern, dtype, 4)
+    flop = 4.0 * _L * _L * _D * q.shape[1] * 3.5
+    bq, bk = choice.block_q, choice.block_k
+
+    def run(scores: str) -> Callable[[], None]:
+        def once() -> None:
+            kern.set_gemm(dtype, choice.gemm, scores=scores)
+            f = blocked_forward(q, k, v, block_q=bq, block_k=bk)
+            blocked_backward(q, k, v, f.o, f.lse, do, block_q=bq, block_k=bk)
+
+        return once
+
+    best, by = _fastest_of({g: run(g) for g in (choice.gemm, "own")}, flop, _ROUNDS)
+    kern.set_gemm(dtype, choice.gemm, scores=best)
+    rates = {**choice.rates, **{f"scores {g} {bq}x{bk}": r for g, r in by.items()}}
+    return replace(choice, rates=rates, scores_gemm="" if best == choice.gemm else best)
 
 
 def _measure_half(kern: Kernels, dtype: torch.dtype, paths: list[str], base: Choice) -> Choice:
@@ -514,7 +549,9 @@ def _measure_half(kern: Kernels, dtype: torch.dtype, paths: list[str], base: Cho
     possible (no half gemm here)."""
     if paths == ["float32"]:
         kern.set_gemm(dtype, "float32")
-        return replace(base, gemm="float32", how="calibrated", rates={}, forward_gemm="")
+        return replace(
+            base, gemm="float32", how="calibrated", rates={}, forward_gemm="", scores_gemm=""
+        )
     cands = [
         (p, *(TILE_CANDIDATES[0] if p != "float32" else (base.block_q, base.block_k)))
         for p in paths
@@ -523,7 +560,9 @@ def _measure_half(kern: Kernels, dtype: torch.dtype, paths: list[str], base: Cho
     rates = {f"{p} {bq}x{bk}": r for (p, bq, bk), r in by.items()}
     if path == "float32":  # float32's choice, forward tiles and all
         kern.set_gemm(dtype, path)
-        return replace(base, gemm="float32", how="calibrated", rates=rates, forward_gemm="")
+        return replace(
+            base, gemm="float32", how="calibrated", rates=rates, forward_gemm="", scores_gemm=""
+        )
     return _tiles_then_forward(kern, dtype, path, rates, [path])
 
 

@@ -603,6 +603,28 @@ static int use_own = FL_OWN;
 static int own_fwd = -1;
 /* set while this thread runs a forward work item (mm takes the forward's back end) */
 static _Thread_local int in_forward;
+/* 1: a backward block's score products (S = Q K_jᵀ again and dP = dO V_jᵀ, k = d, the
+ * forward's S product's shape) run on the own kernel whatever the back end; the three
+ * products that sum over the block's rows or keys (dV_j, dK_j, dQ) stay on it. The
+ * calibration measures it where the back end is a BLAS: a BLAS call packs both operands
+ * of each such product (K_jᵀ and V_jᵀ again for every block of rows), which the own kernel
+ * reads in place; on Intel Xeon model 207 (MKL, L = 4096, 2 threads) a float64 forward +
+ * backward ran in 0.95-0.99 x the time so, float32 in 0.98-0.99 x. */
+static int scores_own;
+/* set while this thread forms a backward block's score products (scores_own's) */
+static _Thread_local int in_scores;
+/* score products the own kernel ran for scores_own alone (not small enough to run there
+ * anyway), since the last call (which resets it) */
+static long long scores_own_products;
+long long SUF(fl_scores_own_products)(void) {
+    long long n;
+#pragma omp atomic capture
+    {
+        n = scores_own_products;
+        scores_own_products = 0;
+    }
+    return n;
+}
 /* m·n·k at or below which a product runs on the own kernel even with a BLAS chosen */
 #define FL_SMALL_MM (1LL << 18)
 #define FL_MAX_SPLITS 64 /* key splits of a forward pass, at most (the caller asks 16) */
@@ -610,6 +632,9 @@ static _Thread_local int in_forward;
 int SUF(fl_set_own_gemm)(int on) { return use_own = FL_OWN && on; }
 /* the forward pass's: 1 own, 0 BLAS (fl_set_forward_gemm's), -1 as the rest of the step */
 int SUF(fl_set_forward_own_gemm)(int on) { return own_fwd = on < 0 ? -1 : FL_OWN && on; }
+/* 1: a backward's score products on the own kernel (where built), 0: on the back end.
+ * Returns the setting in force. */
+int SUF(fl_set_scores_own_gemm)(int on) { return scores_own = FL_OWN && on; }
 /* 1 where the own kernel was built (AVX-512, or AVX2 with FMA; not the half builds) */
 int SUF(fl_own_built)(void) { return FL_OWN; }
 /* 1: a forward's full tiles take their rows' score maxima from the own kernel's write-back
@@ -637,7 +662,12 @@ static int mm(int m, int n, int k, T alpha, const TIN *A, long long lda, const T
 #if FL_OWN
     /* a small product (a decode step's, a partial tile's narrow span) costs a BLAS call
      * more to enter than to run: it takes the own kernel, whichever back end is chosen */
-    if ((fwd ? own_fwd : use_own) || (long long)m * n * k <= FL_SMALL_MM) {
+    int small = (long long)m * n * k <= FL_SMALL_MM;
+    if ((fwd ? own_fwd : use_own) || in_scores || small) {
+        if (in_scores && !small) { /* here for scores_own alone */
+#pragma omp atomic
+            ++scores_own_products;
+        }
         own_mm(m, n, k, alpha, A, lda, B, sbk, sbn, beta != 0, C, ldc, cm);
         return cm != NULL;
     }
@@ -2156,6 +2186,7 @@ static long long backward_block(const struct fl_args *a, const long long *t, con
     TIN *dss = FL_HALF ? carve(&more, (long long)nr * ls, sizeof(TIN)) : (TIN *)dp; /* dS */
     /* the scores the PyTorch step (and the reference) form: the scale on the matmul only
      * when it is a power of two, so that a forward run with that step is matched exactly */
+    in_scores = scores_own; /* S and dP (below) on the own kernel, where so chosen */
     scores(a, b, t[2] + lo, w, s, ls, a->scale, !a->scale_exact, NULL);
     T *tb = NULL; /* a softcap's t = tanh(s / c), for dS's 1 - t² */
 #if !FL_HALF
@@ -2185,6 +2216,7 @@ static long long backward_block(const struct fl_args *a, const long long *t, con
     T sc = (T)a->scale;
     /* dP (nr x w) = dO V_jᵀ */
     mm(w, nr, idv, 1, vt, lt, doh, 1, idv, 0, dp, ls, NULL);
+    in_scores = 0;
     const T *lam = a->lam + base, *dd = a->dd + base;
     for (int r = 0; r < nr; ++r) {
         const T *pr = s + (long long)r * ls, *dr = dp + (long long)r * ls;

@@ -300,6 +300,9 @@ class Kernels:
             getattr(lib, f"fl_padded_{suffix}").argtypes = [ll]
             getattr(lib, f"fl_padded_{suffix}").restype = ll
             getattr(lib, f"fl_set_own_gemm_{suffix}").argtypes = [i]
+            getattr(lib, f"fl_set_scores_own_gemm_{suffix}").argtypes = [i]
+            getattr(lib, f"fl_set_scores_own_gemm_{suffix}").restype = i
+            getattr(lib, f"fl_scores_own_products_{suffix}").restype = ll
             getattr(lib, f"fl_set_product_maxima_{suffix}").argtypes = [i]
             getattr(lib, f"fl_set_product_maxima_{suffix}").restype = i
             getattr(lib, f"fl_product_maxima_blocks_{suffix}").restype = ll
@@ -344,6 +347,7 @@ class Kernels:
         self.amx = bool(lib.fl_amx_on_bf16())
         self._gemm = {suffix: "blas" for suffix in ("f32", "f64")}
         self._forward_gemm: dict[str, str] = {}  # float32/float64: the forward's, where apart
+        self._scores_gemm: dict[str, str] = {}  # float32/float64: a backward's score products'
         # half inputs: on the float32 step until the calibration (or a setting) says else
         self._gemm.update({suffix: "float32" for suffix in _HALF_GEMMS})
 
@@ -361,23 +365,51 @@ class Kernels:
         own = ["own"] if self.own_built else []
         return own + [name for name in _calibrate.GEMMS if name in self._gemms]
 
-    def set_gemm(self, dtype: torch.dtype, name: str, *, forward: str | None = None) -> None:
+    def set_gemm(
+        self,
+        dtype: torch.dtype,
+        name: str,
+        *,
+        forward: str | None = None,
+        scores: str | None = None,
+    ) -> None:
         """Run the ``dtype`` step's matmuls on back end ``name`` (see ``gemm_names``), those
-        of its forward passes on ``forward`` (float32/float64; default: ``name`` too). The
-        calibration's choice for ``dtype`` is made first (where it was not yet), so that it
-        does not replace this setting later."""
+        of its forward passes on ``forward`` (float32/float64; default: ``name`` too), a
+        backward's score products (``S = Q K_jᵀ`` again and ``dP = dO V_jᵀ``) on ``scores``
+        (float32/float64: ``"own"`` or ``name``; default: ``name``). The calibration's
+        choice for ``dtype`` is made first (where it was not yet), so that it does not
+        replace this setting later."""
         self.choose(dtype)
-        self._set_gemm(dtype, name, forward=forward)
+        self._set_gemm(dtype, name, forward=forward, scores=scores)
 
-    def _set_gemm(self, dtype: torch.dtype, name: str, *, forward: str | None = None) -> None:
+    def _set_gemm(
+        self,
+        dtype: torch.dtype,
+        name: str,
+        *,
+        forward: str | None = None,
+        scores: str | None = None,
+    ) -> None:
         names = self.gemm_names(dtype)
-        for n in (name, forward):
+        for n in (name, forward, scores):
             if n is not None and n not in names:
                 raise ValueError(f"no matmul back end {n!r} for {dtype} here; one of {names}")
         suffix = _suffix(dtype)
-        if forward is not None and dtype in _HALF:
-            raise ValueError(f"{dtype} has no forward back end of its own; pass only a path")
+        if (forward is not None or scores is not None) and dtype in _HALF:
+            raise ValueError(
+                f"{dtype} has no forward or score products' back end of its own; pass only a path"
+            )
+        if scores not in (None, name, "own"):
+            raise ValueError(
+                f"a backward's score products run on the own kernel or on {name!r}, not {scores!r}"
+            )
         if dtype not in _HALF:
+            apart = scores is not None and scores != name  # "own" beside a BLAS
+            self.fn("fl_set_scores_own_gemm", suffix)(int(apart))
+            if apart:
+                self._scores_gemm[suffix] = "own"
+            else:
+                self._scores_gemm.pop(suffix, None)
             if name != "own":
                 self.fn("fl_set_gemm", suffix)(self._gemms[name][suffix])
             self.fn("fl_set_own_gemm", suffix)(int(name == "own"))
@@ -403,18 +435,29 @@ class Kernels:
         last call (which starts the count again)."""
         return int(self.fn("fl_product_maxima_blocks", _float_suffix(dtype))())
 
+    def scores_own_products(self, dtype: torch.dtype) -> int:
+        """A float32/float64 backward's score products the own kernel ran beside a BLAS
+        (``set_gemm(..., scores="own")``) since the last call (which starts the count
+        again)."""
+        return int(self.fn("fl_scores_own_products", _float_suffix(dtype))())
+
     def settings(self) -> tuple[str, ...]:
         """The matmul back end in force for each dtype (and a forward's, where apart): with the
         thread count, what a planned pass depends on besides its shapes (``ForwardPass``)."""
         fwd = tuple(f"{s} forward {n}" for s, n in sorted(self._forward_gemm.items()))
-        return (*self._gemm.values(), *fwd)
+        sco = tuple(f"{s} scores {n}" for s, n in sorted(self._scores_gemm.items()))
+        return (*self._gemm.values(), *fwd, *sco)
 
-    def gemm(self, dtype: torch.dtype, *, forward: bool = False) -> str:
+    def gemm(self, dtype: torch.dtype, *, forward: bool = False, scores: bool = False) -> str:
         """The back end running the ``dtype`` step's matmuls now; ``forward``: those of a
-        forward pass."""
+        forward pass; ``scores``: a backward's score products."""
         self.choose(dtype)
         suffix = _suffix(dtype)
-        return self._forward_gemm.get(suffix, self._gemm[suffix]) if forward else self._gemm[suffix]
+        if forward:
+            return self._forward_gemm.get(suffix, self._gemm[suffix])
+        if scores:
+            return self._scores_gemm.get(suffix, self._gemm[suffix])
+        return self._gemm[suffix]
 
     def half_step(self, dtype: torch.dtype) -> bool:
         """True when ``dtype`` (bfloat16/float16) inputs run in their dtype (the ``half``
@@ -472,7 +515,9 @@ class Kernels:
             return
         for dt, c in _calibrate.choose(self, self._choices_file, want).items():
             if dt not in self.choices:
-                self._set_gemm(dt, c.gemm, forward=c.forward_gemm or None)
+                self._set_gemm(
+                    dt, c.gemm, forward=c.forward_gemm or None, scores=c.scores_gemm or None
+                )
                 self.choices[dt] = c
 
     def tiles(self, dtype: torch.dtype, *, forward: bool = False) -> tuple[int, int]:
@@ -1531,6 +1576,8 @@ def native_status() -> str:
         fwd = _calibrate.forward_note(
             (bq, bk), (fq, fk), kern.gemm(dt), kern.gemm(dt, forward=True)
         )
+        if dt not in _HALF and kern.gemm(dt, scores=True) != kern.gemm(dt):
+            fwd += f", backward's score products on {_calibrate.gemm_name('own')}"
         tiles = "" if kern.gemm(dt) == "float32" else f", tiles {bq}x{bk}{fwd}"
         c = kern.choices.get(dt)
         busy = f" ({note})" if c is not None and (note := c.busy_note()) else ""
@@ -1649,7 +1696,7 @@ def _suffix(dtype: torch.dtype) -> str:
 
 def _float_suffix(dtype: torch.dtype) -> str:
     """The float32/float64 build's suffix; a ValueError for another dtype (what only those
-    builds have: the own kernel's row maxima)."""
+    builds have: the own kernel's row maxima, its score products beside a BLAS)."""
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"only the float32 and float64 steps have this, not {dtype}")
     return _SUFFIX[dtype]
