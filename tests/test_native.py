@@ -915,7 +915,9 @@ def test_the_forward_runs_on_its_own_back_end_and_the_backward_on_the_other(nati
 
 
 @pytest.mark.parametrize("dt", [torch.float32, f64])
-def test_a_backward_s_score_products_run_on_the_own_kernel_beside_a_blas(native, gen, dt):
+def test_a_backward_s_score_products_run_on_the_own_kernel_beside_a_blas(
+    native, gen, dt, assert_close
+):
     """With ``set_gemm(dt, blas, scores="own")`` a backward's score products (S again and
     dP) run on the own kernel and the rest on the BLAS: the own kernel counts them (none
     with the BLAS alone, none with the own kernel for everything); dS (a bias's gradient,
@@ -953,7 +955,6 @@ def test_a_backward_s_score_products_run_on_the_own_kernel_beside_a_blas(native,
         native.set_gemm(dt, other)  # scores on the back end again
         assert native.gemm(dt, scores=True) == other
         assert f"{_native._SUFFIX[dt]} scores own" not in native.settings()
-    tol = TOL if dt == f64 else 2e-4
     ref = fl.reference_forward(
         q.double(), k.double(), v.double(), mask=fl.Causal(), bias=bias.double()
     )
@@ -968,11 +969,18 @@ def test_a_backward_s_score_products_run_on_the_own_kernel_beside_a_blas(native,
         bias=bias.double(),
     )
     for name in ("dq", "dk", "dv", "dbias"):
-        got = getattr(mixed, name).double()
-        err = float(((got - getattr(want, name)).abs() / (getattr(want, name).abs().max())).max())
-        assert err <= tol, f"{name}: {err:.3g} of its largest magnitude, past {tol}"
-    with pytest.raises(ValueError, match="score products run on the own kernel or on"):
-        native.set_gemm(dt, other, scores=next((g for g in names if g not in ("own", other)), "x"))
+        got, plain, exact = (getattr(r, name).double() for r in (mixed, blas, want))
+        if dt == f64:
+            assert_close(got, exact, rtol=TOL, name=f"{name}, score products on the own kernel")
+        else:  # float32: as near the oracle as the pass on the BLAS alone
+            err, err_blas = float((got - exact).abs().max()), float((plain - exact).abs().max())
+            assert err <= 2 * err_blas + 1e-6, f"{name}: {err:.3g}, the BLAS pass {err_blas:.3g}"
+    third = [g for g in names if g not in ("own", other)]  # OpenBLAS beside PyTorch's BLAS
+    if third:
+        with pytest.raises(ValueError, match="score products run on the own kernel or on"):
+            native.set_gemm(dt, other, scores=third[0])
+    with pytest.raises(ValueError, match="no matmul back end 'x'"):
+        native.set_gemm(dt, other, scores="x")
     with pytest.raises(ValueError, match=r"no matmul back end 'own' for torch\.bfloat16"):
         native.set_gemm(torch.bfloat16, native.gemm(torch.bfloat16), scores="own")
 

@@ -294,7 +294,7 @@ static inline void store_in(TIN *p, VT v) { storev(p, v); }
 static inline VT vexp2_(VT x, int upper) {
 #if FL_DOUBLE
     const T lo = FL_EXP2_MIN, hi = 1023.0;
-    /* q's coefficients, f^0 first: p = 1 + f q(f) */
+    /* p = 1 + f q(f) as one polynomial, f^0 first */
     static const T c[] = {1.0, 0.6931471805599453, 0.24022650695910097, 0.0555041086648216,
                           0.009618129107606888, 0.0013333558146416936, 0.0001540353044173605,
                           1.525273382983612e-05, 1.321544258792169e-06, 1.0178062445845774e-07,
@@ -334,10 +334,12 @@ static inline VT vexp2_(VT x, int upper) {
      * negative r too), the index the permute reads; scalef's 2^floor(r) puts n back */
     const VT big = splat(0x1.8p48);
     VT t = x + big, r = t - big, f = x - r;
-    VT tj = (VT)_mm512_permutex2var_pd(_mm512_loadu_pd(tab), (__m512i)t, _mm512_loadu_pd(tab + 8));
+    __m512d lo8 = _mm512_loadu_pd(tab), hi8 = _mm512_loadu_pd(tab + 8);
+    VT tj = (VT)_mm512_permutex2var_pd(lo8, (__m512i)t, hi8);
     VT q = splat(e[5]);
     for (int i = 4; i >= 0; --i) q = q * f + e[i];
-    return vscale_from(tj * (q * f) + tj, r, x, lo); /* 2^(j/16) (1 + f q), one rounding */
+    /* 2^(j/16) (1 + f q): the last step one fused multiply-add */
+    return vscale_from(tj * (q * f) + tj, r, x, lo);
 #else
     VT r = vround(x), f = x - r;
     VT p = splat(c[deg]);
@@ -614,18 +616,20 @@ static _Thread_local int in_forward;
 static int scores_own;
 /* set while this thread forms a backward block's score products (scores_own's) */
 static _Thread_local int in_scores;
-/* score products the own kernel ran for scores_own alone (not small enough to run there
- * anyway), since the last call (which resets it) */
-static long long scores_own_products;
-long long SUF(fl_scores_own_products)(void) {
+/* *c, set back to 0 in the same atomic step (the counts below, read by the tests) */
+static long long take_count(long long *c) {
     long long n;
 #pragma omp atomic capture
     {
-        n = scores_own_products;
-        scores_own_products = 0;
+        n = *c;
+        *c = 0;
     }
     return n;
 }
+/* score products the own kernel ran for scores_own alone (not small enough to run there
+ * anyway), since the last call (which resets it) */
+static long long scores_own_products;
+long long SUF(fl_scores_own_products)(void) { return take_count(&scores_own_products); }
 /* m·n·k at or below which a product runs on the own kernel even with a BLAS chosen */
 #define FL_SMALL_MM (1LL << 18)
 #define FL_MAX_SPLITS 64 /* key splits of a forward pass, at most (the caller asks 16) */
@@ -645,15 +649,7 @@ static int product_maxima = 1;
 int SUF(fl_set_product_maxima)(int on) { return product_maxima = on != 0; }
 /* blocks of rows whose maxima came from the product, since the last call (which resets it) */
 static long long product_maxima_blocks;
-long long SUF(fl_product_maxima_blocks)(void) {
-    long long n;
-#pragma omp atomic capture
-    {
-        n = product_maxima_blocks;
-        product_maxima_blocks = 0;
-    }
-    return n;
-}
+long long SUF(fl_product_maxima_blocks)(void) { return take_count(&product_maxima_blocks); }
 
 static int mm(int m, int n, int k, T alpha, const TIN *A, long long lda, const TIN *B,
               long long sbk, long long sbn, T beta, T *C, long long ldc, T *cm) {

@@ -380,31 +380,24 @@ class Kernels:
         choice for ``dtype`` is made first (where it was not yet), so that it does not
         replace this setting later."""
         self.choose(dtype)
-        self._set_gemm(dtype, name, forward=forward, scores=scores)
+        self._set_gemm(dtype, name, forward, scores)
 
-    def _set_gemm(
-        self,
-        dtype: torch.dtype,
-        name: str,
-        *,
-        forward: str | None = None,
-        scores: str | None = None,
-    ) -> None:
+    def _set_gemm(self, dtype: torch.dtype, name: str, fwd: str | None, sco: str | None) -> None:
         names = self.gemm_names(dtype)
-        for n in (name, forward, scores):
+        for n in (name, fwd, sco):
             if n is not None and n not in names:
                 raise ValueError(f"no matmul back end {n!r} for {dtype} here; one of {names}")
         suffix = _suffix(dtype)
-        if (forward is not None or scores is not None) and dtype in _HALF:
+        if (fwd is not None or sco is not None) and dtype in _HALF:
             raise ValueError(
                 f"{dtype} has no forward or score products' back end of its own; pass only a path"
             )
-        if scores not in (None, name, "own"):
+        if sco not in (None, name, "own"):
             raise ValueError(
-                f"a backward's score products run on the own kernel or on {name!r}, not {scores!r}"
+                f"a backward's score products run on the own kernel or on {name!r}, not {sco!r}"
             )
         if dtype not in _HALF:
-            apart = scores is not None and scores != name  # "own" beside a BLAS
+            apart = sco is not None and sco != name  # "own" beside a BLAS
             self.fn("fl_set_scores_own_gemm", suffix)(int(apart))
             if apart:
                 self._scores_gemm[suffix] = "own"
@@ -413,11 +406,11 @@ class Kernels:
             if name != "own":
                 self.fn("fl_set_gemm", suffix)(self._gemms[name][suffix])
             self.fn("fl_set_own_gemm", suffix)(int(name == "own"))
-            if forward is not None and forward != name:  # the forward's apart
-                if forward != "own":
-                    self.fn("fl_set_forward_gemm", suffix)(self._gemms[forward][suffix])
-                self.fn("fl_set_forward_own_gemm", suffix)(int(forward == "own"))
-                self._forward_gemm[suffix] = forward
+            if fwd is not None and fwd != name:  # the forward's apart
+                if fwd != "own":
+                    self.fn("fl_set_forward_gemm", suffix)(self._gemms[fwd][suffix])
+                self.fn("fl_set_forward_own_gemm", suffix)(int(fwd == "own"))
+                self._forward_gemm[suffix] = fwd
             else:
                 self.fn("fl_set_forward_own_gemm", suffix)(-1)
                 self._forward_gemm.pop(suffix, None)
@@ -442,8 +435,9 @@ class Kernels:
         return int(self.fn("fl_scores_own_products", _float_suffix(dtype))())
 
     def settings(self) -> tuple[str, ...]:
-        """The matmul back end in force for each dtype (and a forward's, where apart): with the
-        thread count, what a planned pass depends on besides its shapes (``ForwardPass``)."""
+        """The matmul back end in force for each dtype (and a forward's and a backward's score
+        products', where apart): with the thread count, what a planned pass depends on
+        besides its shapes (``ForwardPass``)."""
         fwd = tuple(f"{s} forward {n}" for s, n in sorted(self._forward_gemm.items()))
         sco = tuple(f"{s} scores {n}" for s, n in sorted(self._scores_gemm.items()))
         return (*self._gemm.values(), *fwd, *sco)
@@ -515,9 +509,7 @@ class Kernels:
             return
         for dt, c in _calibrate.choose(self, self._choices_file, want).items():
             if dt not in self.choices:
-                self._set_gemm(
-                    dt, c.gemm, forward=c.forward_gemm or None, scores=c.scores_gemm or None
-                )
+                self._set_gemm(dt, c.gemm, c.forward_gemm or None, c.scores_gemm or None)
                 self.choices[dt] = c
 
     def tiles(self, dtype: torch.dtype, *, forward: bool = False) -> tuple[int, int]:
