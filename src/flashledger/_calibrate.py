@@ -73,6 +73,7 @@ __all__ = [
     "forward_note",
     "gemm_name",
     "others_share",
+    "scores_note",
 ]
 
 GEMMS = ("own", "blas", "openblas")
@@ -159,8 +160,7 @@ class Choice:
         (calibrated)"``."""
         tiles = (self.block_q, self.block_k)
         more = forward_note(tiles, self.forward_tiles, self.gemm, self.forward_gemm or self.gemm)
-        if self.scores_gemm and self.scores_gemm != self.gemm:
-            more += f", backward's score products on {gemm_name(self.scores_gemm)}"
+        more += scores_note(self.gemm, self.scores_gemm or self.gemm)
         return f"{gemm_name(self.gemm)}, tiles {tiles[0]}x{tiles[1]}{more} ({self.how})"
 
     def busy_note(self) -> str:
@@ -180,6 +180,12 @@ def forward_note(
     if forward_tiles == tiles and not on:
         return ""
     return f", forward {forward_tiles[0]}x{forward_tiles[1]}{on}"
+
+
+def scores_note(gemm: str, scores_gemm: str) -> str:
+    """Where a backward's score products run apart from the rest of its matmuls: ``""``
+    where they do not, else e.g. ``", backward's score products on own matmul kernel"``."""
+    return "" if scores_gemm == gemm else f", backward's score products on {gemm_name(scores_gemm)}"
 
 
 def gemm_name(gemm: str) -> str:

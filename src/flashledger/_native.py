@@ -1568,8 +1568,7 @@ def native_status() -> str:
         fwd = _calibrate.forward_note(
             (bq, bk), (fq, fk), kern.gemm(dt), kern.gemm(dt, forward=True)
         )
-        if dt not in _HALF and kern.gemm(dt, scores=True) != kern.gemm(dt):
-            fwd += f", backward's score products on {_calibrate.gemm_name('own')}"
+        fwd += _calibrate.scores_note(kern.gemm(dt), kern.gemm(dt, scores=True))
         tiles = "" if kern.gemm(dt) == "float32" else f", tiles {bq}x{bk}{fwd}"
         c = kern.choices.get(dt)
         busy = f" ({note})" if c is not None and (note := c.busy_note()) else ""
