@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
 
-.PHONY: native run test test-all test-backend test-backends lint format typecheck bench verify clean browser-deps
+.PHONY: native run test test-all test-backend test-backends test-avx2 lint format typecheck bench verify clean browser-deps
 
 # the numerical tests: what a matmul back end or the PyTorch step can change
 NUMERIC_TESTS := tests/test_blocked.py tests/test_native.py tests/test_features.py \
@@ -51,14 +51,25 @@ test-backend: $(STAMP)
 	else echo "== FLASHLEDGER_GEMM=$$g"; \
 	  FLASHLEDGER_GEMM=$$g $(BIN)/python -m pytest -n 2 -m "not slow" $(NUMERIC_TESTS); fi
 
-# the numerical tests on every back end, on the PyTorch step, and with MKL held to AVX2
-test-backends: $(STAMP)
+# the numerical tests on the native step's AVX2 form (an AMD EPYC's without AVX-512) where
+# this CPU has AVX-512 (where it has not, make test ran that form already)
+test-avx2: $(STAMP)
+	@if grep -qw avx512f /proc/cpuinfo && grep -qw avx2 /proc/cpuinfo; then \
+	  echo "== FLASHLEDGER_NATIVE_ARCH=x86-64-v3"; \
+	  FLASHLEDGER_NATIVE_ARCH=x86-64-v3 $(BIN)/python -m pytest -q -n 2 -m "not slow" $(NUMERIC_TESTS); \
+	else echo "no AVX-512 here: make test ran the native step's AVX2 form"; fi
+
+# the numerical tests on every back end, on the PyTorch step, with MKL held to AVX2, and on
+# the native step's AVX2 and SSE forms
+test-backends: $(STAMP) test-avx2
 	@for g in $(GEMMS); do echo "== FLASHLEDGER_GEMM=$$g"; \
 	  FLASHLEDGER_GEMM=$$g $(BIN)/python -m pytest -q -n 2 -m "not slow" $(NUMERIC_TESTS) || exit 1; done
 	@echo "== FLASHLEDGER_NATIVE=0"
 	FLASHLEDGER_NATIVE=0 $(BIN)/python -m pytest -q -n 2 -m "not slow" $(NUMERIC_TESTS)
 	@echo "== MKL_ENABLE_INSTRUCTIONS=AVX2"
 	MKL_ENABLE_INSTRUCTIONS=AVX2 $(BIN)/python -m pytest -q -n 2 -m "not slow" $(NUMERIC_TESTS)
+	@echo "== FLASHLEDGER_NATIVE_ARCH=x86-64 (SSE2 only: no FMA, no own kernel)"
+	FLASHLEDGER_NATIVE_ARCH=x86-64 $(BIN)/python -m pytest -q -n 2 -m "not slow" $(NUMERIC_TESTS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

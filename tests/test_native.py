@@ -276,7 +276,10 @@ def test_the_softmax_s_exp2_is_within_a_unit_in_the_last_place(native, dtype) ->
     ulp = (w.nextafter(torch.tensor(math.inf, dtype=dtype)) - w).to(f64)
     err = (got.to(f64) - want.to(f64)).abs() / ulp
     worst = int(err.argmax())
-    assert float(err.max()) <= 1.0, (
+    # without FMA (the SSE and AVX forms) each Horner step rounds its product and its sum
+    # apart: half a unit more from the last product, the earlier ones scaled by |f| <= 1/2
+    bound = 1.0 if native.fused else 2.0
+    assert float(err.max()) <= bound, (
         f"2^{x[worst].item()!r} = {got[worst].item()!r}, want {want[worst].item()!r}: "
         f"{err[worst].item():.2f} units in the last place"
     )
@@ -622,12 +625,20 @@ def test_step_matmul_rejects_bad_operands(native):
 
 def test_own_kernel_is_offered_wherever_the_cpu_has_avx2_and_fma(native):
     """The step's own kernel is built for AVX-512 and for AVX2 with FMA (the library is
-    compiled for the CPU it runs on): wherever the CPU has AVX2 and FMA, ``own`` is a back
-    end, and it is the first one the calibration measures."""
-    isa = _calibrate.cpu_info()["isa"].split()
-    if not {"AVX2", "FMA"} <= set(isa):
-        pytest.skip(f"the CPU has neither AVX2 with FMA nor AVX-512 ({' '.join(isa)})")
-    assert native.own_built, f"no own kernel built on a CPU with {' '.join(isa)}"
+    compiled for the CPU it runs on, or the target FLASHLEDGER_NATIVE_ARCH names): wherever
+    the build has AVX2 and FMA, ``own`` is a back end, and it is the first one the
+    calibration measures; without them (the SSE and AVX forms) it is none."""
+    macros = native.isa_macros
+    assert "__SSE2__" in macros, f"no instruction-set macros recorded for {native.target}"
+    if native.target == "native":  # built for this CPU: its ISA as /proc/cpuinfo names it
+        isa = set(_calibrate.cpu_info()["isa"].split())
+        assert ({"AVX2", "FMA"} <= isa) == ({"__AVX2__", "__FMA__"} <= macros), (isa, macros)
+    if not {"__AVX2__", "__FMA__"} <= macros:
+        assert not native.own_built and "own" not in native.gemm_names(torch.float32)
+        assert native.vector_bytes < 64 and not native.fused, (native.vector_bytes, macros)
+        return
+    assert native.own_built, f"no own kernel built for {native.target} ({sorted(macros)})"
+    assert native.fused and native.vector_bytes == (64 if "__AVX512F__" in macros else 32)
     for dt in (torch.float32, f64):
         assert native.gemm_names(dt)[0] == "own", native.gemm_names(dt)
     assert native.gemm_names(torch.bfloat16)[0] != "own"  # the half builds have none

@@ -78,3 +78,77 @@ def test_every_build_compiles_for(march, tmp_path):
     failed = {name: errors[name].strip()[-2000:] for name, p in procs.items() if p.returncode}
     assert not failed, f"-march={march}: " + "\n".join(f"{n}: {e}" for n, e in failed.items())
     assert all((tmp_path / f"{name}.o").stat().st_size > 0 for name in BUILDS)
+
+
+# ----------------------------------------------------------------------------------------
+# FLASHLEDGER_NATIVE_ARCH: the step built for another target than this CPU
+# ----------------------------------------------------------------------------------------
+HOST = {"__SSE2__", "__AVX__", "__AVX2__", "__FMA__", "__F16C__"}  # an AVX2 CPU, as AMD Zen 3
+
+
+def _fake_macros(monkeypatch, targets: dict[str, set[str]]) -> None:
+    """``_isa_macros`` as a compiler that knows ``targets`` (and native: ``HOST``) says."""
+    known = {"native": HOST, **targets}
+    monkeypatch.setattr(_native, "_isa_macros", lambda cc, arch="native": known.get(arch))
+
+
+@pytest.mark.parametrize("value", [None, "", "native", "  native "])
+def test_the_step_is_built_for_this_cpu_by_default(monkeypatch, value):
+    if value is None:
+        monkeypatch.delenv("FLASHLEDGER_NATIVE_ARCH", raising=False)
+    else:
+        monkeypatch.setenv("FLASHLEDGER_NATIVE_ARCH", value)
+    assert _native._target("gcc") == (_native._FLAGS, "")
+
+
+def test_a_target_within_this_cpu_replaces_march_native(monkeypatch):
+    _fake_macros(monkeypatch, {"x86-64-v3": HOST, "x86-64": {"__SSE2__"}})
+    for arch in ("x86-64-v3", "x86-64"):
+        monkeypatch.setenv("FLASHLEDGER_NATIVE_ARCH", arch)
+        flags, got = _native._target("gcc")
+        assert got == arch
+        assert "-march=native" not in flags and f"-march={arch}" in flags, flags
+        assert "-mtune=native" in flags  # the target's instructions, scheduled for this CPU
+        assert set(_native._FLAGS) - {"-march=native"} <= set(flags), flags
+
+
+@pytest.mark.parametrize(
+    "arch, why",
+    [
+        ("skylake-avx512", r"uses AVX512F, which this CPU does not have"),
+        ("nosuchcpu", r"is not a target gcc knows \(-march=nosuchcpu\)"),
+        ("x86-64 -O0", r"is not a -march value"),
+        ("$(reboot)", r"is not a -march value"),
+    ],
+)
+def test_a_target_this_cpu_cannot_run_is_refused_with_the_reason(monkeypatch, arch, why):
+    """Its code would stop on an illegal instruction: a warning says why and what is
+    allowed, and the step is built for this CPU."""
+    _fake_macros(monkeypatch, {"skylake-avx512": HOST | {"__AVX512F__"}})
+    monkeypatch.setenv("FLASHLEDGER_NATIVE_ARCH", arch)
+    with pytest.warns(UserWarning, match=why) as seen:
+        assert _native._target("/usr/bin/gcc") == (_native._FLAGS, "")
+    assert "Allowed: 'native'" in str(seen[0].message) and "x86-64-v3" in str(seen[0].message)
+
+
+def test_a_compiler_that_does_not_run_leaves_the_flags_to_the_build(monkeypatch):
+    """The build itself then fails and says so (``native_status``); no warning about the
+    target first."""
+    monkeypatch.setattr(_native, "_isa_macros", lambda cc, arch="native": None)
+    monkeypatch.setenv("FLASHLEDGER_NATIVE_ARCH", "x86-64-v3")
+    assert _native._target("false") == (_native._FLAGS, "")
+
+
+def test_the_real_compiler_names_the_macros_of_a_target():
+    cc = _compiler()
+    if _native._isa_macros(cc, "haswell") is None:
+        pytest.skip(f"{Path(cc).name} has no -march=haswell (not an x86-64 compiler?)")
+    assert _native._isa_macros(cc, "haswell") == {
+        "__SSE2__",
+        "__AVX__",
+        "__AVX2__",
+        "__FMA__",
+        "__F16C__",
+    }
+    assert "__AVX512F__" in (_native._isa_macros(cc, "skylake-avx512") or set())
+    assert _native._isa_macros(cc, "nosuchcpu") is None

@@ -129,6 +129,15 @@ int SUF(fl_max_threads)(void) { return omp_get_max_threads(); }
  * does not see torch.set_num_threads from the main thread) */
 void SUF(fl_set_threads)(int n) { omp_set_num_threads(n > 0 ? n : 1); }
 int SUF(fl_vector_bytes)(void) { return VBYTES; }
+/* 1 where the step's vector arithmetic fuses multiply-adds (FMA: every build but the SSE
+ * and AVX-only ones, whose Horner steps round the product and the sum apart) */
+int SUF(fl_fused)(void) {
+#if defined(__FMA__)
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 static const double LOG2E = 1.4426950408889634, LN2 = 0.6931471805599453;
 

@@ -31,7 +31,10 @@ and cached under ``$FLASHLEDGER_CACHE_DIR`` (default
 load). Without a compiler, or on a platform where that cannot be arranged, the
 loop keeps its PyTorch step: ``native_status()``
 (``flashledger.native_status()``) says which and why. ``FLASHLEDGER_NATIVE=0``
-turns the native step off.
+turns the native step off. ``FLASHLEDGER_NATIVE_ARCH`` builds it for another
+target than this CPU (a ``gcc -march`` value whose instructions this CPU has, e.g.
+``x86-64-v3``: the AVX2 form an AMD EPYC without AVX-512 runs, on a CPU with it),
+cached and calibrated apart.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +78,20 @@ __all__ = [
 
 _SOURCE = Path(__file__).with_name("_native.c")
 _FLAGS = ["-O3", "-march=native", "-fPIC", "-fopenmp", "-fno-math-errno"]
+# the instruction sets _native.c branches on: a target given by FLASHLEDGER_NATIVE_ARCH
+# must not define one that -march=native does not
+_ISA_MACROS = (
+    "__SSE2__",
+    "__AVX__",
+    "__AVX2__",
+    "__FMA__",
+    "__F16C__",
+    "__AVX512F__",
+    "__AVX512BF16__",
+    "__AVX512FP16__",
+    "__AMX_TILE__",
+    "__AMX_BF16__",
+)
 _lock = threading.Lock()
 _loaded: tuple[Kernels | None, str] | None = None
 _off = threading.local()
@@ -341,6 +359,12 @@ class Kernels:
         lib.fl_transpose_wide_f32.argtypes = [vp, vp, ll, ll, ll, ll, ll, ll]
         lib.fl_transpose_wide_f32.restype = None
         self.vector_bytes = int(lib.fl_vector_bytes_f32())
+        # fused multiply-adds (FMA) in the step's vector arithmetic
+        self.fused = bool(lib.fl_fused_f32())
+        # the -march it was compiled for, and that target's instruction-set macros
+        # (_ISA_MACROS; set by _build_and_load)
+        self.target = "native"
+        self.isa_macros: set[str] = set()
         # the own matmul kernel: built for AVX-512, or AVX2 with FMA
         self.own_built = bool(lib.fl_own_built_f32())
         # built with AMX's instructions, and the kernel lets this process use its tiles
@@ -1628,7 +1652,8 @@ def _build_and_load() -> tuple[Kernels | None, str]:
     if openblas is not None:
         gemms["openblas"] = openblas
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    parts = [_SOURCE.read_text(), " ".join(_FLAGS), version, str(gomp), torch.__version__]
+    flags, arch = _target(cc)
+    parts = [_SOURCE.read_text(), " ".join(flags), version, str(gomp), torch.__version__]
     parts += [_calibrate.cpu_model(), _cpu_flags()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     cache = Path(
@@ -1639,14 +1664,60 @@ def _build_and_load() -> tuple[Kernels | None, str]:
     if not _intact(lib_path):  # missing, or not the file that was built (truncated, edited)
         try:
             cache.mkdir(parents=True, exist_ok=True)
-            _compile(cc, gomp, lib_path)
+            _compile(cc, flags, gomp, lib_path)
         except OSError:  # an unwritable cache: build for this process only
             lib_path = Path(tempfile.mkdtemp(prefix="flashledger-")) / lib_path.name
-            _compile(cc, gomp, lib_path)
+            _compile(cc, flags, gomp, lib_path)
     lib = ctypes.CDLL(str(lib_path))
     kern = Kernels(lib, gemms, lib_path.with_suffix(".json"))
-    isa = {64: "AVX-512", 32: "AVX2"}.get(kern.vector_bytes, "SSE")
+    kern.target, kern.isa_macros = arch or "native", _isa_macros(cc, arch or "native") or set()
+    isa = {64: "AVX-512", 32: "AVX2" if kern.fused else "AVX"}.get(kern.vector_bytes, "SSE")
+    if arch:
+        isa += f" (FLASHLEDGER_NATIVE_ARCH={arch})"
     return kern, f"{isa}, {kern.max_threads()} threads, {lib_path}"
+
+
+def _target(cc: str) -> tuple[list[str], str]:
+    """The compiler flags, and the target ``FLASHLEDGER_NATIVE_ARCH`` named ("" for this
+    CPU's own, ``-march=native``). A target the compiler does not know, or one with an
+    instruction set this CPU lacks (its code would stop on an illegal instruction), is
+    refused with a warning that says why, and the step is built for this CPU."""
+    arch = os.environ.get("FLASHLEDGER_NATIVE_ARCH", "").strip()
+    if arch in ("", "native"):
+        return _FLAGS, ""
+    if (have := _isa_macros(cc)) is None:
+        return _FLAGS, ""  # the compiler does not run: the build says so
+    why = ""
+    if not all(c.isalnum() or c in "-_." for c in arch):
+        why = "is not a -march value (letters, digits, '-', '_', '.')"
+    elif (want := _isa_macros(cc, arch)) is None:
+        why = f"is not a target {Path(cc).name} knows (-march={arch})"
+    elif lack := [m.strip("_") for m in _ISA_MACROS if m in want - have]:
+        why = f"uses {', '.join(lack)}, which this CPU does not have"
+    if why:
+        warnings.warn(
+            f"FLASHLEDGER_NATIVE_ARCH={arch!r} {why}; the native step is built for this CPU "
+            "(-march=native). Allowed: 'native', or a target within this CPU's instructions "
+            "(e.g. x86-64-v3 for the AVX2 form)",
+            stacklevel=2,
+        )
+        return _FLAGS, ""
+    flags = [f for f in _FLAGS if f != "-march=native"]
+    return [*flags, f"-march={arch}", "-mtune=native"], arch
+
+
+def _isa_macros(cc: str, arch: str = "native") -> set[str] | None:
+    """The instruction-set macros ``cc -march=<arch>`` predefines (``_ISA_MACROS``); None
+    where the compiler refuses the target."""
+    done = subprocess.run(
+        [cc, f"-march={arch}", "-dM", "-E", "-x", "c", os.devnull],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode:
+        return None
+    defined = {line.split()[1] for line in done.stdout.splitlines() if line.startswith("#define ")}
+    return defined & set(_ISA_MACROS)
 
 
 def _address(fn: Any) -> int:
@@ -1711,7 +1782,7 @@ def _intact(lib: Path) -> bool:
         return False
 
 
-def _compile(cc: str, gomp: Path, out: Path) -> None:
+def _compile(cc: str, flags: list[str], gomp: Path, out: Path) -> None:
     """Compile the float32, float64, bfloat16 and float16 objects (one source: -DFL_DOUBLE,
     -DFL_HALF), link them against the loaded libgomp, and write the library's SHA-256
     beside it (checked before every load: ``_intact``)."""
@@ -1720,7 +1791,7 @@ def _compile(cc: str, gomp: Path, out: Path) -> None:
         for name, double, half in (("f32", 0, 0), ("f64", 1, 0), ("bf16", 0, 1), ("f16", 0, 2)):
             obj = Path(tmp) / f"{name}.o"
             defs = [f"-DFL_DOUBLE={double}", f"-DFL_HALF={half}"]
-            cmds.append([cc, *_FLAGS, *defs, "-c", str(_SOURCE), "-o", str(obj)])
+            cmds.append([cc, *flags, *defs, "-c", str(_SOURCE), "-o", str(obj)])
             objs.append(str(obj))
         _run_all(cmds)  # the four objects at once (a few seconds each)
         tmp_lib = Path(tmp) / out.name
