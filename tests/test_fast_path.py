@@ -332,6 +332,9 @@ def test_bench_runs_a_tiny_configuration_and_writes_json_and_png(
     tmp_path: Path, capsys, monkeypatch
 ):
     monkeypatch.setenv("COLUMNS", "250")  # a wide plain table, whatever the runner's terminal
+    # a steering variable is named beside the figures (this one changes nothing once the
+    # threads are up)
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
     args = _bench_args(
         "--lengths", "128", "--dtypes", "float32", "--causal", "no", "--repeats", "1",
         "--tiles", "64x64", "--out", str(tmp_path),
@@ -342,6 +345,10 @@ def test_bench_runs_a_tiny_configuration_and_writes_json_and_png(
     report = json.loads((tmp_path / "bench.json").read_text())
     assert set(report) >= {"machine", "settings", "gemm_peak_gflops", "results", "traced"}
     assert report["machine"]["threads"] == torch.get_num_threads()
+    env = report["machine"]["environment"]
+    assert env["OMP_NUM_THREADS"] == str(torch.get_num_threads()), env
+    assert "COLUMNS" not in env  # only what steers the run
+    assert f"set: {' '.join(f'{k}={v}' for k, v in env.items())}" in " ".join(out.split())
     assert report["gemm_peak_gflops"]["float32"] > 0
     step_mm = report["step_matmul_gflops"]["float32"]
     assert (step_mm is None) == (_native.kernels() is None), step_mm

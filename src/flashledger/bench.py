@@ -542,7 +542,34 @@ def machine_info() -> dict[str, Any]:
         "platform": platform.platform(),
         "native_step": _native.native_status(),
         "native_choices": choices,
+        "environment": environment(),
     }
+
+
+# what changes which code runs (the native step's, PyTorch's kernels', the BLAS libraries')
+# or how the threads wait: a run made with one of them set says so beside its figures
+_ENVIRONMENT = (
+    "FLASHLEDGER_NATIVE",
+    "FLASHLEDGER_NATIVE_ARCH",
+    "FLASHLEDGER_GEMM",
+    "FLASHLEDGER_HALF",
+    *_calibrate.STEERING,
+    "OMP_WAIT_POLICY",
+    "OMP_NUM_THREADS",
+)
+
+
+def environment() -> dict[str, str]:
+    """The environment variables set in this process that steer what the run measures
+    (``_ENVIRONMENT``: the native step's target and back ends, PyTorch's CPU capability, MKL,
+    oneDNN and OpenBLAS held to other code, OpenMP's waiting), e.g. a run held to AVX2."""
+    return {v: os.environ[v] for v in _ENVIRONMENT if os.environ.get(v)}
+
+
+def environment_note(machine: dict[str, Any]) -> str:
+    """``"; set: A=1 B=2"`` for a report's machine run with such variables, else ``""``."""
+    held = machine.get("environment") or {}
+    return "; set: " + " ".join(f"{k}={v}" for k, v in held.items()) if held else ""
 
 
 def _configs(args: argparse.Namespace) -> list[Config]:
@@ -1036,7 +1063,7 @@ def print_table(report: dict[str, Any]) -> None:
         "tiles: forward/forward + backward where the forward has its own; "
         "matmuls alone: the tiles' matmuls as batched PyTorch calls, nothing else, / SDPA",
         caption=f"{report['machine']['cpu']} ({report['machine'].get('isa', '')}), "
-        f"{report['machine']['threads']} threads. % FMA and % GEMM: of the peaks timed in "
+        f"{report['machine']['threads']} threads{environment_note(report['machine'])}. % FMA and % GEMM: of the peaks timed in "
         "each round beside the attention (median of the rounds' shares; FMA/GEMM "
         "GFLOP/s: the rounds' median peaks). Peaks at the start of the run: FMA on registers "
         + ", ".join(f"{dt} {_fmt(v, '.0f')}" for dt, v in report.get("fma_peak_gflops", {}).items())
@@ -1382,6 +1409,7 @@ def _run_side_benchmark(args: argparse.Namespace, out: Path) -> int:
         raise ValueError(f"--out {out}: cannot write {name} there: {problem}")
     machine = machine_info()
     head = f"{machine['cpu']} ({machine['isa']}), {machine['threads']} threads, torch {machine['torch']}"
+    head += environment_note(machine)
     report: dict[str, Any] = {"machine": machine}
     tables: list[Any] = []
     if args.decode:
