@@ -2,7 +2,7 @@
 register FMA peak.
 
 Compiles a small C harness that includes ``src/flashledger/_native.c`` (the same flags the
-step is built with) and times, on one thread, the forward's ``S = Q Kᵀ`` (``k = d``) and
+step is built with, ``FLASHLEDGER_NATIVE_ARCH``'s target included) and times, on one thread, the forward's ``S = Q Kᵀ`` (``k = d``) and
 ``acc += P V`` (``k`` = the key tile) through the step's ``mm`` (its own kernel where it is
 built) on operands laid out as the step lays them out (padded row strides, Kᵀ of the
 whole key length, on 2 MiB-aligned huge-page-advised buffers), against the register-only
@@ -109,7 +109,8 @@ def main() -> None:
         src.write_text(HARNESS.replace("@SOURCE@", str(SOURCE)))
         double = "1" if args.dtype == "float64" else "0"
         cc = os.environ.get("CC", "gcc")
-        cmd = [cc, *_native._FLAGS, f"-DFL_DOUBLE={double}", "-o", str(exe), str(src), "-lm"]
+        flags, _ = _native._target(cc)  # the step's flags (FLASHLEDGER_NATIVE_ARCH's target)
+        cmd = [cc, *flags, f"-DFL_DOUBLE={double}", "-o", str(exe), str(src), "-lm"]
         build = subprocess.run(cmd, capture_output=True, text=True)
         if build.returncode:
             sys.exit(f"tile_products: the harness did not build:\n{build.stderr[-2000:]}")
