@@ -628,7 +628,7 @@ def test_own_kernel_is_offered_wherever_the_cpu_has_avx2_and_fma(native):
     compiled for the CPU it runs on, or the target FLASHLEDGER_NATIVE_ARCH names): wherever
     the build has AVX2 and FMA, ``own`` is a back end, and it is the first one the
     calibration measures; without them (the SSE and AVX forms) it is none."""
-    macros = native.isa_macros
+    macros = native.isa_macros()
     assert "__SSE2__" in macros, f"no instruction-set macros recorded for {native.target}"
     if native.target == "native":  # built for this CPU: its ISA as /proc/cpuinfo names it
         isa = set(_calibrate.cpu_info()["isa"].split())

@@ -361,10 +361,8 @@ class Kernels:
         self.vector_bytes = int(lib.fl_vector_bytes_f32())
         # fused multiply-adds (FMA) in the step's vector arithmetic
         self.fused = bool(lib.fl_fused_f32())
-        # the -march it was compiled for, and that target's instruction-set macros
-        # (_ISA_MACROS; set by _build_and_load)
-        self.target = "native"
-        self.isa_macros: set[str] = set()
+        # the -march it was compiled for, and by which compiler (set by _build_and_load)
+        self.target, self.cc = "native", ""
         # the own matmul kernel: built for AVX-512, or AVX2 with FMA
         self.own_built = bool(lib.fl_own_built_f32())
         # built with AMX's instructions, and the kernel lets this process use its tiles
@@ -500,6 +498,11 @@ class Kernels:
     def exp2(self, x: torch.Tensor) -> torch.Tensor:
         """``2^x`` of a float32/float64 ``x`` as the step's softmax computes it (tests)."""
         return self._elementwise("fl_exp2", "2^x", x)
+
+    def isa_macros(self) -> set[str]:
+        """The instruction-set macros (``__AVX2__``, ``__AVX512F__``, ...) of the target the
+        step was compiled for: the branches of ``_native.c`` it runs."""
+        return (_isa_macros(self.cc, self.target) if self.cc else None) or set()
 
     def _elementwise(self, fn: str, what: str, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in (torch.float32, torch.float64):
@@ -1670,7 +1673,7 @@ def _build_and_load() -> tuple[Kernels | None, str]:
             _compile(cc, flags, gomp, lib_path)
     lib = ctypes.CDLL(str(lib_path))
     kern = Kernels(lib, gemms, lib_path.with_suffix(".json"))
-    kern.target, kern.isa_macros = arch or "native", _isa_macros(cc, arch or "native") or set()
+    kern.target, kern.cc = arch or "native", cc
     isa = {64: "AVX-512", 32: "AVX2" if kern.fused else "AVX"}.get(kern.vector_bytes, "SSE")
     if arch:
         isa += f" (FLASHLEDGER_NATIVE_ARCH={arch})"

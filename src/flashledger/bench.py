@@ -1063,9 +1063,9 @@ def print_table(report: dict[str, Any]) -> None:
         "tiles: forward/forward + backward where the forward has its own; "
         "matmuls alone: the tiles' matmuls as batched PyTorch calls, nothing else, / SDPA",
         caption=f"{report['machine']['cpu']} ({report['machine'].get('isa', '')}), "
-        f"{report['machine']['threads']} threads{environment_note(report['machine'])}. % FMA and % GEMM: of the peaks timed in "
-        "each round beside the attention (median of the rounds' shares; FMA/GEMM "
-        "GFLOP/s: the rounds' median peaks). Peaks at the start of the run: FMA on registers "
+        f"{report['machine']['threads']} threads{environment_note(report['machine'])}. "
+        "% FMA and % GEMM: of the peaks timed in each round beside the attention (median of "
+        "the rounds' shares; FMA/GEMM GFLOP/s: the rounds' median peaks). Peaks at the start of the run: FMA on registers "
         + ", ".join(f"{dt} {_fmt(v, '.0f')}" for dt, v in report.get("fma_peak_gflops", {}).items())
         + " GFLOP/s; PyTorch's 2048² matmul "
         + ", ".join(f"{dt} {v:.0f}" for dt, v in peaks.items())
