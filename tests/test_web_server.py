@@ -617,7 +617,8 @@ def test_openapi_documents_the_error_body_and_every_status(client: TestClient) -
     assert set(item["properties"]["kind"]["enum"]) == set(sc.ERROR_KINDS)
     for (method, path), op in _operations(client).items():
         codes = set(op["responses"])
-        want = {"200", "400", "503"} | ({"408", "413", "422"} if method == "POST" else set())
+        posted = {"408", "413", "415", "422"} if method == "POST" else set()
+        want = {"200", "400", "431", "503"} | posted
         assert codes == want, f"{method} {path}: documents {sorted(codes)}"
         for code in want - {"200"}:
             ref = op["responses"][code]["content"]["application/json"]["schema"]["$ref"]
@@ -733,3 +734,99 @@ def test_empty_dense_grid_means_no_grid(client: TestClient) -> None:
         "/api/backward", json=_seed_backward(mask={"kind": "none", "dense": [[True]]})
     )
     assert "leave it out" in _error(res, 422)["detail"]
+
+
+def test_a_ragged_custom_grid_names_its_row(client: TestClient) -> None:
+    grid = [[True] * 5] * 4 + [[True] * 3]
+    for path, body in (
+        ("/api/storage", {"lq": 5, "lk": 5, "mask": {"kind": "custom", "dense": grid}}),
+        ("/api/backward", _seed_backward(mask={"kind": "custom", "dense": grid})),
+    ):
+        (err,) = _error(client.post(path, json=body), 422)["errors"]
+        assert err["kind"] == "ragged" and err["field"] == "mask", (path, err)
+        assert err["limits"] == {"row": 5, "got": 3, "expected": 5}, (path, err)
+        assert "row 5 has 3 entries but row 1 has 5" in err["message"], err
+    res = client.post(
+        "/api/storage", json={"lq": 5, "lk": 5, "mask": {"kind": "custom"} | {"dense": grid[:4]}}
+    )
+    assert "the custom grid is 4 x 5; it must be 5 x 5" in _error(res, 422)["detail"]
+
+
+def test_the_schema_says_what_the_api_reads(client: TestClient) -> None:
+    """A mask as an object or its kind alone, the defaults that come from a factory, no
+    ``conventions`` where every preset runs, the limits as integers."""
+    schemas = client.get("/openapi.json").json()["components"]["schemas"]
+    mask = schemas["MaskSpec"]["anyOf"]
+    assert mask[0]["type"] == "object" and "dense" in mask[0]["properties"], mask
+    assert mask[1]["type"] == "string" and "causal_top_left" in mask[1]["enum"], mask
+    for kind in mask[1]["enum"]:  # each one the API takes as written
+        body = {"lq": 4, "lk": 4, "d": 2, "block_q": 2, "block_k": 2, "mask": kind}
+        res = client.post("/api/storage", json=body)
+        assert res.status_code == (422 if kind == "custom" else 200), (kind, res.text[:200])
+    assert schemas["StorageRequest"]["properties"]["mask"]["default"] == "causal_top_left"
+    assert schemas["RingRequest"]["properties"]["mask"]["default"] == "causal"
+    assert "conventions" not in schemas["ConventionsRequest"]["properties"]
+    assert "conventions" in schemas["BackwardRequest"]["properties"]
+    limits = client.get("/api/examples").json()["limits"]
+    assert all(type(v) is int for v in limits.values()), limits
+
+
+def test_errors_say_what_was_wrong_and_what_is_allowed(client: TestClient) -> None:
+    json_type = {"Content-Type": "application/json"}
+    res = client.post("/api/ledger", content=b'{"scores": [1,2,', headers=json_type)
+    (err,) = _error(res, 422)["errors"]
+    assert err["kind"] == "invalid_json" and err["path"] == "", err
+    assert err["message"].endswith("Expecting value at character 16"), err
+    data = _error(client.get("/api/nope"), 404)
+    assert "'/api/nope'" in data["detail"] and "POST /api/ring" in data["detail"], data
+    assert "GET /api/examples" in data["detail"], data
+    data = _error(client.get("/api/ledger"), 405)
+    assert data["detail"] == "GET is not answered on /api/ledger; allowed: POST", data
+    (err,) = _error(client.post("/api/storage", json={"zzz": 1}), 422)["errors"]
+    assert err["message"] == (
+        "zzz: unknown field; allowed: lq, lk, d, d_v, block_q, block_k, mask, dtype"
+    ), err
+    (err,) = _error(client.post("/api/storage", json={"mask": {"zzz": 1}}), 422)["errors"]
+    assert err["message"] == "mask.zzz: unknown field; allowed: kind, left, right, align, dense"
+    body = _seed_backward(conventions=2)
+    (err,) = _error(client.post("/api/backward", json=body), 422)["errors"]
+    assert err["kind"] == "not_allowed" and "flash_attn_2" in err["limits"]["allowed"], err
+    assert "2 (not a string)" in err["message"], err
+    res = client.post("/api/ledger", json={"scores": [10**400], "values": [[1.0]]})
+    (err,) = _error(res, 422)["errors"]
+    assert err["message"] == (
+        "scores[0]: must be a finite number within ±1.8e308, not a 401-digit integer"
+    ), err
+
+
+def test_long_names_and_values_are_not_echoed_in_full(client: TestClient) -> None:
+    res = client.post("/api/storage", json={"z" * 100_000: 1})
+    data = _error(res, 422)
+    assert len(res.content) < 2000, len(res.content)
+    assert data["errors"][0]["field"] == "z" * 37 + "...", data["errors"][0]["field"]
+    res = client.post("/api/backward", json=_seed_backward(conventions="x" * 5000))
+    assert len(_error(res, 422)["detail"]) < 300
+
+
+def test_every_answer_carries_the_security_headers(client: TestClient) -> None:
+    """The guards' refusals too (Host, size, media type), not only the app's answers."""
+    big = b"[" + b"1," * sc.MAX_BODY_BYTES + b"1]"
+    json_type, text = {"Content-Type": "application/json"}, {"Content-Type": "text/plain"}
+    for want, res in (
+        (400, client.get("/api/examples", headers={"Host": "evil.example"})),
+        (413, client.post("/api/ledger", content=big, headers=json_type)),
+        (415, client.post("/api/ledger", content=b"a=1", headers=text)),
+        (404, client.get("/nope")),
+        (200, client.get("/")),
+    ):
+        assert res.status_code == want, (want, res.status_code, res.text[:200])
+        assert res.headers.get("x-content-type-options") == "nosniff", want
+        assert "default-src 'self'" in res.headers.get("content-security-policy", ""), want
+
+
+def test_a_get_with_a_body_is_answered_and_the_page_file_is_rendered(client: TestClient) -> None:
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    assert client.request("GET", "/api/examples", content=b"a=1", headers=form).status_code == 200
+    page, copy = client.get("/"), client.get("/static/index.html")
+    assert copy.status_code == 200 and "<!--formula:" not in copy.text
+    assert copy.text == page.text

@@ -85,7 +85,8 @@ def _raw_response(
     extra = "retry-after: 1\r\n" if status == 503 else ""
     head = (
         f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
-        f"content-length: {len(body)}\r\nconnection: close\r\n{extra}\r\n"
+        f"content-length: {len(body)}\r\nx-content-type-options: nosniff\r\n"
+        f"connection: close\r\n{extra}\r\n"
     )
     return head.encode() + body
 
@@ -246,7 +247,8 @@ class BodyGuard:
                 await self._too_large(send, len(body))
                 return
         media = _media_type(scope)
-        if body and media and media != "application/json" and not media.endswith("+json"):
+        json_ok = media == "application/json" or media.endswith("+json")
+        if body and media and not json_ok and scope.get("method") not in ("GET", "HEAD"):
             reason = (
                 f"the request body was sent as {media}; the API reads JSON: send it with "
                 "the header Content-Type: application/json"

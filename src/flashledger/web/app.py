@@ -27,9 +27,12 @@ Invalid input gets status 422 and ``{"detail": "<one line>", "errors":
 [{"field", "path", "message", "kind", "limits"}]}``: ``kind`` names the rule
 broken and ``limits`` its numbers (``schemas.ERROR_KINDS``), so that a page
 can say it in its own language. Every other error answer has the same body:
-400 (a ``Host`` that is not the explorer's: DNS rebinding), 408 (a body not
-sent within ``BODY_TIMEOUT_S``), 413 (a body over 192 KiB), 503 with
-``Retry-After`` (the queue is full). The OpenAPI schema documents exactly these.
+400 (a ``Host`` that is not the explorer's: DNS rebinding), 404 (no such path:
+the message lists the endpoints), 405 (a method the path does not answer: the
+message and ``Allow`` name the one it does), 408 (a body not sent within
+``BODY_TIMEOUT_S``), 413 (a body over 192 KiB), 415 (a body labelled as
+anything but JSON), 431 (a request line and headers over 16 KiB), 503 with
+``Retry-After`` (the queue is full). The OpenAPI schema documents them.
 
 Requests that compute go through bounded queues (``_queue.Lanes``): as many
 run at once as there are cores (at most ``MAX_WORKERS``), ``WAITING_PER_WORKER``
@@ -77,6 +80,8 @@ CSP = (
     "img-src 'self' data:; connect-src 'self'; font-src 'self'; object-src 'none'; "
     "base-uri 'none'; frame-ancestors 'none'"
 )
+SECURITY_HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff"}
+"""On every answer (the protocol level's refusals too: ``serve``)."""
 _FORMULA = re.compile(r"<!--formula:(\w+)-->")
 
 MAX_WORKERS = 4
@@ -106,9 +111,12 @@ _ERRORS = {
     400: "the Host header is not a name of this explorer (DNS rebinding guard)",
     408: f"the request body did not arrive within {BODY_TIMEOUT_S:g} s",
     413: f"the request body is over {sc.MAX_BODY_BYTES} bytes",
+    415: "the request body is labelled as something other than JSON "
+    "(send Content-Type: application/json)",
     422: "invalid input: each error names the field, what was wrong and what is allowed "
     "(shapes that must agree, tiles no larger than the sequence and the work limit are "
     "checked beyond what this schema can say)",
+    431: "the request line and headers are over 16 KiB",
     503: "the explorer is busy (its queue is full) or going away: try again after Retry-After",
 }
 _RETRY_AFTER = {
@@ -129,8 +137,8 @@ def _responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     return out
 
 
-_GET_ERRORS = _responses(400, 503)
-_POST_ERRORS = _responses(400, 408, 413, 422, 503)
+_GET_ERRORS = _responses(400, 431, 503)
+_POST_ERRORS = _responses(400, 408, 413, 415, 422, 431, 503)
 
 
 def _json(model: BaseModel) -> Response:
@@ -148,13 +156,33 @@ def _error(
 
 
 def _path(loc: tuple[Any, ...]) -> str:
-    """``("body", "scores", 3)`` -> ``"scores[3]"``."""
+    """``("body", "scores", 3)`` -> ``"scores[3]"`` (a name over 40 characters cut short)."""
     out = ""
     for part in loc:
         if part == "body" and not out:
             continue
+        if isinstance(part, str) and len(part) > 40:
+            part = part[:37] + "..."
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out
+
+
+def _fields_at(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> list[str]:
+    """The field names of the request object at ``loc`` (the body's, or a nested one's:
+    ``("body", "mask", "x")`` -> the mask's), or [] where that is not a known model."""
+    parts = [p for p in loc[:-1] if p != "body"]
+    for part in parts:
+        if model is None or not isinstance(part, str) or part not in model.model_fields:
+            return []
+        model = _model_in(model.model_fields[part].annotation)
+    return list(model.model_fields) if model is not None else []
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The request model an annotation holds (``MaskSpec``, ``MaskSpec | None``), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next(filter(None, (_model_in(a) for a in getattr(annotation, "__args__", ()))), None)
 
 
 _WANTED = {
@@ -162,6 +190,7 @@ _WANTED = {
     "finite_number": "a finite number",
     "int_type": "an integer (a JSON number without a fraction, not a string or a boolean)",
     "bool_type": "true or false",
+    "string_type": "a string",
 }
 """What a strictly typed field wants, by pydantic's error type."""
 
@@ -179,7 +208,12 @@ MAX_ERRORS = 20
 """Most errors one 422 lists; one more item counts the rest (kind ``more_errors``)."""
 
 
-def _validation_errors(exc: RequestValidationError) -> list[dict[str, Any]]:
+def _validation_errors(
+    exc: RequestValidationError, model: type[BaseModel] | None = None
+) -> list[dict[str, Any]]:
+    """The error items of a request's validation errors (at most ``MAX_ERRORS``, then one
+    that counts the rest); ``model`` (the endpoint's request) names the fields allowed
+    where one is unknown."""
     errors: list[dict[str, Any]] = []
     found = exc.errors()
     for err in found[:MAX_ERRORS]:
@@ -190,8 +224,12 @@ def _validation_errors(exc: RequestValidationError) -> list[dict[str, Any]]:
             errors.append(cause.as_error())
             continue
         kind = err.get("type", "")
-        if kind == "json_invalid":
-            message = f"the request body is not valid JSON ({err.get('msg', '')})"
+        if kind == "json_invalid":  # loc: ("body", character offset)
+            why = (err.get("ctx") or {}).get("error") or err.get("msg", "")
+            at = loc[-1] if loc and isinstance(loc[-1], int) else None
+            where = f" at character {at}" if at is not None else ""
+            message = f"the request body is not valid JSON: {why}{where}"
+            path = ""
         elif kind == "missing" and not path:
             message = "a JSON object is required as the request body"
         elif kind in ("model_type", "model_attributes_type", "dict_type"):
@@ -199,12 +237,22 @@ def _validation_errors(exc: RequestValidationError) -> list[dict[str, Any]]:
             where = f"{path}: must be" if path else "the request body must be"
             message = f"{where} a JSON object {{...}}, not {got}"
         elif kind == "extra_forbidden":
-            message = f"{path}: unknown field; see /docs for the fields allowed"
+            names = _fields_at(model, loc)
+            allowed = (
+                f"allowed: {', '.join(names)}" if names else "see /docs for the fields allowed"
+            )
+            message = f"{path}: unknown field; {allowed}"
+        elif kind == "float_type" and type(err.get("input")) is int:  # past float64's range
+            digits = len(str(abs(err["input"])))
+            message = (
+                f"{path}: must be a finite number within ±1.8e308, not a {digits}-digit integer"
+            )
         elif kind in _WANTED:
             message = f"{path}: must be {_WANTED[kind]}, not {_shown(err.get('input'))}"
         else:
             message = f"{path}: {err.get('msg', 'invalid value')}" if path else err.get("msg", "")
         field = next((p for p in loc if isinstance(p, str) and p != "body"), "")
+        field = field if len(field) <= 40 else field[:37] + "..."
         errors.append({"field": field, "path": path, "message": message} | sc.error_details(err))
     if len(found) > MAX_ERRORS:
         more = len(found) - MAX_ERRORS
@@ -293,12 +341,22 @@ def create_app(
             return _error(503, [{"field": "", "path": "", "message": "the client went away"}])
         return Response(body, media_type="application/json")
 
+    models: dict[str, type[BaseModel]] = {
+        "/api/ledger": sc.LedgerRequest,
+        "/api/backward": sc.BackwardRequest,
+        "/api/storage": sc.StorageRequest,
+        "/api/conventions": sc.ConventionsRequest,
+        "/api/measure": sc.MeasureRequest,
+        "/api/ring": sc.RingRequest,
+    }
+    endpoints = ", ".join(["GET /api/examples", *(f"POST {path}" for path in models)])
+
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error(422, _validation_errors(exc))
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(422, _validation_errors(exc, models.get(request.url.path)))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 400:  # FastAPI could not parse the body as JSON
             message = (
                 "the request body could not be read as JSON (not UTF-8 text, nested "
@@ -310,6 +368,12 @@ def create_app(
         headers = dict(exc.headers or {})
         if "GET" in headers.get("Allow", "").split(", ") and "HEAD" not in headers["Allow"]:
             headers["Allow"] += ", HEAD"  # answered by HeadAsGet
+        where = request.url.path[:80]
+        if exc.status_code == 404:
+            message = f"no such path {where!r}; the page is GET /, the API: {endpoints}"
+        elif exc.status_code == 405:
+            allowed = headers.get("Allow", "")
+            message = f"{request.method} is not answered on {where}; allowed: {allowed}"
         return _error(exc.status_code, [{"field": "", "path": "", "message": message}], headers)
 
     @app.exception_handler(ValueError)
@@ -418,6 +482,14 @@ def create_app(
         return await run(lanes.heavy, request, lambda check: compute.ring(req, check=check))
 
     static = _static_files(static_dir)
+    # the page as / serves it (its formulas rendered), not the template
+    page_file = static["index.html"]
+    rendered = index.encode()
+    static["index.html"] = (
+        rendered,
+        page_file[1],
+        f'"{hashlib.sha256(rendered).hexdigest()[:20]}"',
+    )
 
     @app.get("/static/{name}", include_in_schema=False)
     async def static_file(name: str, request: Request) -> Response:
@@ -432,11 +504,8 @@ def create_app(
             return Response(status_code=304, headers=headers)
         return Response(data, media_type=media_type, headers=headers)
 
-    # outermost first: the Host check, early refusal when full, the body, the headers
-    app.add_middleware(
-        _guard.SecurityHeaders,
-        headers={"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff"},
-    )
+    # outermost first: the security headers (on every answer, the guards' refusals too),
+    # the Host check, early refusal when full, the body
     app.add_middleware(
         _guard.BodyGuard,
         limit=sc.MAX_BODY_BYTES,
@@ -446,6 +515,7 @@ def create_app(
     app.add_middleware(_queue.Admission, routes=routes)
     app.add_middleware(_guard.HeadAsGet)
     app.add_middleware(_guard.HostCheck, rule=_guard.HostRule(host, allow_hosts))
+    app.add_middleware(_guard.SecurityHeaders, headers=SECURITY_HEADERS)
     return app
 
 

@@ -16,11 +16,12 @@ its ``kind`` and the numbers of the rule broken (``limits``, see
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -91,11 +92,11 @@ MAX_SEED = 2**31 - 1
 MAX_STORAGE_DIM = 1024
 """Largest head dimension of the storage and work ledger."""
 
-LIMITS: dict[str, float] = {
+LIMITS: dict[str, int | float] = {
     "max_body_bytes": MAX_BODY_BYTES,
     "max_trace_len": MAX_TRACE_LEN,
     "max_head_dim": MAX_HEAD_DIM,
-    "max_abs_input": MAX_ABS_INPUT,
+    "max_abs_input": int(MAX_ABS_INPUT),
     "max_storage_len": MAX_STORAGE_LEN,
     "max_storage_tiles": MAX_STORAGE_TILES,
     "max_measure_len": MAX_MEASURE_LEN,
@@ -201,6 +202,17 @@ def _short(x: float) -> float | str:
         sign = "-" if x < 0 else ""
         return f"{sign}{digits[:6]}... ({len(digits)} digits)"
     return x
+
+
+def _shown(value: Any) -> str:
+    """A value of any JSON type as an error echoes it, cut to 40 characters."""
+    text = json.dumps(value) if isinstance(value, int | float | bool | None) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _text(value: str, most: int = 40) -> str:
+    """A string an error echoes, quoted, cut to ``most`` characters."""
+    return repr(value if len(value) <= most else value[: most - 3] + "...")
 
 
 def _fmt(x: float | str) -> str:
@@ -328,7 +340,7 @@ def _entries(n: int) -> str:
     return f"{n} entry" if n == 1 else f"{n} entries"
 
 
-def _check_rectangular(name: str, rows: list[list[float]]) -> int:
+def _check_rectangular(name: str, rows: Sequence[Sequence[Any]]) -> int:
     """The common row length of ``rows``; a ragged row is an error that counts rows from 1,
     as a person reads the lines of a matrix (``limits.row`` too)."""
     width = len(rows[0])
@@ -389,6 +401,8 @@ class MaskSpec(_Request):
                 "mask: kind 'custom' needs 'dense', an Lq x Lk grid of true/false",
                 "mask_dense",
             )
+        if self.kind == "custom" and self.dense:
+            _check_rectangular("mask", self.dense)  # before any shape: the rows disagree
         if self.kind != "custom" and self.dense:
             raise InputError(
                 "mask",
@@ -400,8 +414,18 @@ class MaskSpec(_Request):
             self.dense = None  # an empty grid is no grid
         return self
 
+    @classmethod
+    def __get_pydantic_json_schema__(
+        cls, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        """The object, or its kind alone as a string (``"causal"``), as the API reads it."""
+        obj = handler(schema)
+        kinds = {"type": "string", "enum": list(get_args(MaskKind)), "title": "MaskKind"}
+        return {"anyOf": [obj, kinds], "description": obj.get("description", "")}
+
     def check_shape(self, lq: int, lk: int) -> None:
-        """Raise :class:`InputError` unless a custom grid is ``(lq, lk)``."""
+        """Raise :class:`InputError` unless a custom grid is ``(lq, lk)`` (its rows of one
+        length: checked when it was read)."""
         if self.dense is None:
             return
         if len(self.dense) != lq or any(len(row) != lk for row in self.dense):
@@ -498,7 +522,7 @@ class AttentionProblem(_Request):
     q: Matrix
     k: Matrix
     v: Matrix
-    mask: MaskSpec = Field(default_factory=MaskSpec)
+    mask: MaskSpec = Field(default_factory=MaskSpec, json_schema_extra={"default": "none"})
     conventions: str = Field(default="seed", json_schema_extra={"enum": list(PRESETS)})
     dropout_p: Annotated[float, Field(allow_inf_nan=False), Range(0.0, 0.9)] = 0.0
     seed: Annotated[int, Range(0, MAX_SEED)] = 0
@@ -508,13 +532,14 @@ class AttentionProblem(_Request):
     alibi: bool = False
     alibi_slope: Annotated[float, Field(allow_inf_nan=False), Range(0.0, 16.0, open_lo=True)] = 0.5
 
-    @field_validator("conventions")
+    @field_validator("conventions", mode="before")
     @classmethod
-    def _known_preset(cls, value: str) -> str:
-        if value not in PRESETS:
+    def _known_preset(cls, value: Any) -> Any:
+        if not isinstance(value, str) or value not in PRESETS:
+            got = _text(value) if isinstance(value, str) else f"{_shown(value)} (not a string)"
             raise InputError(
                 "conventions",
-                f"conventions: unknown preset {value!r}; allowed: {', '.join(PRESETS)}",
+                f"conventions: unknown preset {got}; allowed: {', '.join(PRESETS)}",
                 "not_allowed",
                 allowed=", ".join(PRESETS),
             )
@@ -703,7 +728,10 @@ class StorageRequest(_Request):
     d_v: Annotated[int, Range(1, MAX_STORAGE_DIM)] | None = None
     block_q: int = Field(default=2, json_schema_extra=_bounds(1, MAX_STORAGE_LEN))
     block_k: int = Field(default=2, json_schema_extra=_bounds(1, MAX_STORAGE_LEN))
-    mask: MaskSpec = Field(default_factory=lambda: MaskSpec(kind="causal_top_left"))
+    mask: MaskSpec = Field(
+        default_factory=lambda: MaskSpec(kind="causal_top_left"),
+        json_schema_extra={"default": "causal_top_left"},
+    )
     dtype: StorageDtype = "float64"
 
     @model_validator(mode="after")
@@ -746,8 +774,15 @@ class StorageResponse(_Response):
 # ----------------------------------------------------------------------------- section 6
 
 
+def _without_conventions(schema: dict[str, Any]) -> None:
+    """The schema of a request that runs every preset: no ``conventions`` field to give."""
+    schema.get("properties", {}).pop("conventions", None)
+
+
 class ConventionsRequest(AttentionProblem):
     """An attention problem evaluated under every conventions preset, in tiles."""
+
+    model_config = ConfigDict(json_schema_extra=_without_conventions)
 
     block_q: int = Field(default=2, json_schema_extra=_bounds(1, MAX_TRACE_LEN))
     block_k: int = Field(default=2, json_schema_extra=_bounds(1, MAX_TRACE_LEN))
@@ -855,7 +890,7 @@ class ExamplesResponse(_Response):
     ledger: dict[str, list[float] | list[list[float]] | int | float]
     backward: dict[str, list[list[float]] | int | str]
     presets: list[dict[str, str | float | bool]]
-    limits: dict[str, float]
+    limits: dict[str, int | float]
 
 
 # ----------------------------------------------------------------------------- section 7
@@ -877,7 +912,9 @@ class RingRequest(_Request):
     length: int = Field(default=16, json_schema_extra=_bounds(1, MAX_TRACE_LEN))
     d: Annotated[int, Range(1, MAX_HEAD_DIM)] = 4
     block: int = Field(default=4, json_schema_extra=_bounds(1, MAX_TRACE_LEN))
-    mask: MaskSpec = Field(default_factory=lambda: MaskSpec(kind="causal"))
+    mask: MaskSpec = Field(
+        default_factory=lambda: MaskSpec(kind="causal"), json_schema_extra={"default": "causal"}
+    )
     data: Literal["random", "example"] = "random"
     seed: Annotated[int, Range(0, MAX_SEED)] = 0
 
