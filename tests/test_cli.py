@@ -918,3 +918,63 @@ def test_account_names_the_alignment_a_preset_gives_the_mask(
     assert code == 0 and "mask=causal(bottom_right, from flash_attn_2)" in out, out
     code, out, _ = run(capsys, "account")
     assert code == 0 and "mask=causal " in out, out
+
+
+# ----------------------------------------------------------------------------------------
+# sizes and options a command would not survive or would not read: refused up front
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["bench", "--calls", "5"], ["--calls would be ignored", "--decode's"]),
+        (["bench", "--decode", "--tiles", "64x64"], ["--tiles would be ignored by --decode"]),
+        (["bench", "--decode", "--heads", "8", "--causal", "yes"], ["--causal, --heads"]),
+        (["bench", "--contention", "--lengths", "1024"], ["--lengths would be ignored"]),
+        (["bench", "--no-naive", "--naive-max-gb", "1"], ["--naive-max-gb would be ignored"]),
+        (["bench", "--lengths", "64,,128"], ["no empty item"]),
+        (["bench", "--dtypes", "float32,"], ["--dtypes"]),
+        (["bench", "--lengths", "100000"], ["over 65536", "allowed: 1..65536"]),
+        (["bench", "--decode", "--lengths", "1000000"], ["over 262144"]),
+        (["bench", "--out", ""], ["the path is empty"]),
+        (["ring", "--seq", "100000000", "--world", "2"], ["dense reference", "lower --seq"]),
+        (["ring", "--window", "-2,0"], ["--window LEFT must be -1 (unbounded) or an integer"]),
+        (["ring", "--world", "abc"], ["--world: expected an integer >= 1, got 'abc'"]),
+        (["ring", "--conventions", "nope"], ["unknown preset 'nope'; allowed: flash_attn_2"]),
+        (
+            ["account", "--check", "--mask", "none", "--lq", "2147483647", "--heads", "2147483647"],
+            ["--check's random inputs", "GiB", "or drop --check"],
+        ),
+        (["traffic", "--sweep", "--out", "plot.pdf"], ["--out plot.pdf: the sweep draws a PNG"]),
+        (["explore", "--host", "not..a..host"], ["not a valid host name"]),
+    ],
+)
+def test_what_a_command_cannot_do_is_one_line_before_it_starts(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    argv: list[str],
+    words: list[str],
+) -> None:
+    monkeypatch.chdir(tmp_path)  # nothing may be written; where it would be is a scratch folder
+    code, out, err = run(capsys, *argv)
+    assert_usage_error(code, out, err, *words)
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+
+
+def test_ring_reads_a_preset_as_the_other_commands_do(capsys: pytest.CaptureFixture[str]) -> None:
+    from flashledger import _ring_cli
+
+    argv = ("ring", "--seq", "12", "--world", "2", "--causal", "--conventions")
+    want = run_json(capsys, *argv, "flash_attn_2")
+    for name in ("FLASH_ATTN_2", "flash-attn-2"):
+        assert _ring_cli._preset(name) == "flash_attn_2"
+        assert run_json(capsys, *argv, name) == want, name
+
+
+def test_an_os_error_is_its_reason_without_the_errno(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    (tmp_path / "file").write_text("x")
+    code, out, err = run(capsys, "bench", "--lengths", "64", "--out", str(tmp_path / "file" / "b"))
+    assert_usage_error(code, out, err, "cannot create the directory (Not a directory)")
+    assert "[Errno" not in err

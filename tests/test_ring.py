@@ -714,8 +714,19 @@ def test_cli_window_side_may_be_negative(capsys: pytest.CaptureFixture[str]) -> 
     ],
 )
 def test_cli_bad_options_raise_value_error(argv: tuple[str, ...], message: str) -> None:
+    """``run_cli`` checks a namespace built without the parser too (the parser refuses a
+    size below 1 itself, naming the option)."""
     with pytest.raises(ValueError, match=message):
-        run_cli(_args(*argv))
+        run_cli(_namespace(*argv))
+
+
+def _namespace(*argv: str) -> argparse.Namespace:
+    """The parser's namespace for the options, sizes taken as given (not checked by it)."""
+    args = _args()
+    for name, value in zip(argv[::2], argv[1::2]):
+        key = name.removeprefix("--").replace("-", "_")
+        setattr(args, key, int(value) if value.lstrip("-").isdigit() else value)
+    return args
 
 
 # ---------------------------------------------------------------------------------------

@@ -611,6 +611,10 @@ def test_model_command(capsys):
         (["--dtype", "int8"], "--dtype must be one of float32, float64, bfloat16"),
         (["--arch", "llama", "--window", "4"], "llama has no sliding window"),
         (["--arch", "mistral", "--window", "1", "--generate", "2"], "use --window 2 or more"),
+        (["--heads", "32"], "the head dim hidden // heads is 1: llama rotates it in pairs"),
+        (["--layers", "1000000"], "the weights alone would take about"),
+        (["--generate", "100000000"], "FLOPs, over the 2e+13 this command takes on"),
+        (["--seq", "2000000"], "lower --seq, --layers, --hidden, --batch or --generate"),
     ],
 )
 def test_model_command_errors(args, message, capsys):
@@ -619,6 +623,28 @@ def test_model_command_errors(args, message, capsys):
     assert cli.main(["model", "--hidden", "32", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
+
+
+def test_the_model_command_s_estimate_counts_the_work_it_asks_for():
+    """Weights and FLOPs grow as the options say: layers and width, the backward three
+    times the forward, each generated token a step against a longer cache."""
+    import argparse
+
+    from flashledger import model as fm
+
+    base = dict(arch="llama", layers=2, hidden=64, heads=4, seq=32, batch=1, generate=0)
+    base |= dict(backward=False, dtype="float32")
+
+    def est(**kw: Any) -> tuple[float, float]:
+        return fm._estimate(argparse.Namespace(**(base | kw)), 2)
+
+    w, f = est()
+    assert est(layers=4) == (2 * w, 2 * f)
+    assert est(dtype="float64")[0] == 2 * w
+    assert est(backward=True)[1] == 3 * f
+    assert est(generate=8)[1] > f and est(generate=16)[1] > 2 * (est(generate=8)[1] - f) + f
+    assert est(arch="gpt_oss")[0] > 2 * w  # four experts
+    assert fm._estimate(argparse.Namespace(**base), 4)[0] > w  # more K/V heads
 
 
 def test_a_window_of_one_is_refused_when_decoding_and_says_why(capsys):

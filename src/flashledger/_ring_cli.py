@@ -17,10 +17,11 @@ from typing import Any
 import torch
 
 from ._checks import check_size
-from ._progress import join_dash_values
+from ._limits import check_fits
+from ._progress import int_arg, join_dash_values
 from ._ring_core import simulate_ring
 from ._ring_layout import LAYOUTS, num_chunks
-from .conventions import PRESETS
+from .conventions import PRESETS, get_conventions
 from .ledger import jsonable
 from .masks import Causal, Mask, SlidingWindow
 from .reference import reference_backward, reference_forward
@@ -33,20 +34,22 @@ _TOL = {"float64": 1e-10, "float32": 1e-4}
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of the ring command (``--world 4 --layout zigzag --seq 64 --d 16 --causal``)."""
-    parser.add_argument("--world", type=int, default=4, help="number of ranks W (default 4)")
+    parser.add_argument("--world", type=int_arg(1), default=4, help="number of ranks W (default 4)")
     parser.add_argument(
         "--layout", choices=LAYOUTS, default="zigzag", help="sharding layout (default zigzag)"
     )
-    parser.add_argument("--seq", type=int, default=64, help="query sequence length Lq (default 64)")
     parser.add_argument(
-        "--seq-k", type=int, default=None, help="key sequence length Lk (default: Lq)"
+        "--seq", type=int_arg(1), default=64, help="query sequence length Lq (default 64)"
     )
-    parser.add_argument("--d", type=int, default=16, help="head dim d (default 16)")
-    parser.add_argument("--d-v", type=int, default=None, help="value head dim (default: d)")
-    parser.add_argument("--batch", type=int, default=1, help="batch size B (default 1)")
-    parser.add_argument("--heads", type=int, default=1, help="query heads (default 1)")
     parser.add_argument(
-        "--kv-heads", type=int, default=None, help="key/value heads, divides --heads (GQA)"
+        "--seq-k", type=int_arg(1), default=None, help="key sequence length Lk (default: Lq)"
+    )
+    parser.add_argument("--d", type=int_arg(1), default=16, help="head dim d (default 16)")
+    parser.add_argument("--d-v", type=int_arg(1), default=None, help="value head dim (default: d)")
+    parser.add_argument("--batch", type=int_arg(1), default=1, help="batch size B (default 1)")
+    parser.add_argument("--heads", type=int_arg(1), default=1, help="query heads (default 1)")
+    parser.add_argument(
+        "--kv-heads", type=int_arg(1), default=None, help="key/value heads, divides --heads (GQA)"
     )
     parser.add_argument("--causal", action="store_true", help="causal mask")
     parser.add_argument(
@@ -61,18 +64,31 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="LEFT,RIGHT",
         help="sliding window, keys c-LEFT..c+RIGHT (-1 = unbounded), e.g. 8,0",
     )
-    parser.add_argument("--block-q", type=int, default=8, help="query tile rows (default 8)")
-    parser.add_argument("--block-k", type=int, default=8, help="key tile columns (default 8)")
+    parser.add_argument("--block-q", type=int_arg(1), default=8, help="query tile rows (default 8)")
     parser.add_argument(
-        "--conventions", choices=sorted(PRESETS), default="seed", help="conventions preset"
+        "--block-k", type=int_arg(1), default=8, help="key tile columns (default 8)"
     )
+    parser.add_argument(
+        "--conventions", type=_preset, default="seed", metavar="PRESET",
+        help=f"conventions preset: {', '.join(sorted(PRESETS))} (default seed)",
+    )  # fmt: skip
     parser.add_argument("--dropout", type=float, default=0.0, help="dropout probability p")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float64", help="input dtype")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    parser.add_argument("--seed", type=int_arg(0), default=0, help="seed of the random inputs")
     parser.add_argument(
         "--forward-only", action="store_true", help="skip the backward pass (no gradients)"
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def _preset(text: str) -> str:
+    """A preset's name as the other commands read it (``FLASH_ATTN_2``, ``flash-attn-2``)."""
+    try:
+        return get_conventions(text).name
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"unknown preset {text!r}; allowed: {', '.join(sorted(PRESETS))}"
+        ) from None
 
 
 def _mask(args: argparse.Namespace) -> Mask | None:
@@ -85,6 +101,11 @@ def _mask(args: argparse.Namespace) -> Mask | None:
             raise ValueError(
                 f"--window must be two integers LEFT,RIGHT (-1 = unbounded), got {args.window!r}"
             ) from None
+        for side, value in (("LEFT", left), ("RIGHT", right)):
+            if value < -1:
+                raise ValueError(
+                    f"--window {side} must be -1 (unbounded) or an integer >= 0, got {value}"
+                )
         win = SlidingWindow(left, right, align=args.align)
         mask = win if mask is None else mask & win
     return mask
@@ -130,6 +151,12 @@ def run_cli(args: argparse.Namespace) -> int:
     if not 0.0 <= float(args.dropout) < 1.0:
         raise ValueError(f"--dropout must be a number in [0, 1), got {args.dropout!r}")
     seed = check_size("--seed", args.seed, low=0)
+    scores = b * hq * lq * lk  # the dense reference's: S, P and their gradients, float64
+    check_fits(
+        f"--seq {lq}: the dense reference the ring is checked against ({scores:,} scores)",
+        4 * 8 * scores,
+        "lower --seq, --seq-k, --heads or --batch",
+    )
     mask = _mask(args)
     dt = _DTYPES[args.dtype]
     gen = torch.Generator().manual_seed(seed)

@@ -1192,20 +1192,27 @@ def plot(report: dict[str, Any], path: Path) -> bool:
 # ----------------------------------------------------------------------------------------
 # command line
 # ----------------------------------------------------------------------------------------
+MAX_LENGTH = 65536
+"""Longest sequence of the attention benchmark (SDPA alone takes minutes a call beyond)."""
+MAX_DECODE_LENGTH = 262144
+"""Longest KV cache of the decode benchmark (B = 8 in float32: 8.6 GiB of keys and values)."""
+
+
 def _int_list(text: str) -> tuple[int, ...]:
     try:
-        vals = tuple(_positive_int(x) for x in text.split(",") if x.strip())
+        vals = tuple(_positive_int(x) for x in text.split(","))
     except argparse.ArgumentTypeError:
         vals = ()
     if not vals:
         raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers in 1..{MAX_SIZE}, got {text!r}"
+            f"expected comma-separated integers in 1..{MAX_DECODE_LENGTH} (no empty item; "
+            f"the attention benchmark takes lengths up to {MAX_LENGTH}), got {text!r}"
         )
     return vals
 
 
 def _dtype_list(text: str) -> tuple[str, ...]:
-    vals = tuple(x.strip() for x in text.split(",") if x.strip())
+    vals = tuple(x.strip() for x in text.split(","))
     bad = [x for x in vals if x not in DTYPES]
     if not vals or bad:
         raise argparse.ArgumentTypeError(
@@ -1249,6 +1256,34 @@ def _positive_float(text: str) -> float:
     if not (val > 0 and math.isfinite(val)):
         raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
     return val
+
+
+def _out_dir(text: str) -> Path:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the path is empty; name the directory for the results")
+    return Path(text)
+
+
+def _unused_options(args: argparse.Namespace) -> list[str]:
+    """The options given (away from their defaults) that the benchmark asked for does not
+    read: ``--calls`` is ``--decode``'s; ``--decode`` has its own heads, head dim, batch
+    and no tiles or mask; ``--contention`` its own fixed set."""
+    defaults = argparse.ArgumentParser()
+    add_cli_arguments(defaults)
+    base = vars(defaults.parse_args([]))
+    shape = ["causal", "batch", "heads", "head_dim", "tiles", "budget_s"]
+    naive = ["naive_max_length", "naive_max_gb", "no_naive"]
+    if args.decode:
+        unread = [*shape, *naive]
+    elif args.contention:
+        unread = ["lengths", "dtypes", *shape, *naive, "no_memory", "calls"]
+    else:
+        unread = ["calls", *(naive[:2] if args.no_naive else [])]
+    return [
+        "--" + name.replace("_", "-")
+        for name in unread
+        if getattr(args, name) != base[name] and not (name == "calls" and args.decode)
+    ]
 
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
@@ -1303,7 +1338,7 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
         "--lengths or --dtypes",
     )  # fmt: skip
     parser.add_argument(
-        "--out", type=Path, default=Path("flashledger-bench"), metavar="DIR",
+        "--out", type=_out_dir, default=Path("flashledger-bench"), metavar="DIR",
         help="directory for bench.json and bench.png (default ./flashledger-bench; the "
         "repository's published results are written with --out benchmarks/results)",
     )  # fmt: skip
@@ -1372,11 +1407,36 @@ def run_cli(args: argparse.Namespace) -> int:
         return 0
     if args.decode and args.contention:
         raise ValueError("--decode and --contention are two benchmarks: run one at a time")
+    unused = _unused_options(args)
+    if unused:
+        which = (
+            "--decode (Lq = 1, 32/8 heads, d = 128, B = 1 and 8, no mask or tiles)"
+            if args.decode
+            else "--contention (its own fixed set, --repeats rounds)"
+            if args.contention
+            else "--no-naive"
+            if "--calls" not in unused
+            else "this benchmark (--calls is --decode's)"
+        )
+        raise ValueError(
+            f"{', '.join(unused)} would be ignored by {which}: drop "
+            f"{'it' if len(unused) == 1 else 'them'}"
+        )
     _resolve_sizes(args)
+    top = MAX_DECODE_LENGTH if args.decode else MAX_LENGTH
+    if max(args.lengths) > top:
+        raise ValueError(
+            f"--lengths: {max(args.lengths)} is over {top}, the longest "
+            f"{'KV cache the decode benchmark' if args.decode else 'sequence this benchmark'} "
+            f"runs; allowed: 1..{top}"
+        )
     out: Path = args.out
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; it names the directory for bench.json/.png")
-    out.mkdir(parents=True, exist_ok=True)  # before the run: a bad path fails now, not later
+    try:  # before the run: a bad path fails now, not later
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--out {out}: cannot create the directory ({exc.strerror})") from None
     if args.decode or args.contention:
         return _run_side_benchmark(args, out)
     for name in ("bench.json", "bench.png"):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from ._limits import BACKWARD_CLI_MAX_SCORES, MAX_SIZE
+from ._limits import BACKWARD_CLI_MAX_SCORES, MAX_SIZE, check_fits
 from ._progress import (
     int_arg,
     join_dash_values,
@@ -821,6 +821,15 @@ def _observed(
     lead = (args.batch, args.heads)
     kv = (args.batch, args.kv_heads or args.heads)
     dv = args.dv or args.d
+    # Q, K, V, dO and the loop's O, dQ, dK, dV: twice the inputs
+    elements = 2 * (
+        lead[0] * lead[1] * args.lq * (args.d + dv) + kv[0] * kv[1] * args.lk * (args.d + dv)
+    )
+    check_fits(
+        f"--check's random inputs and gradients ({elements:,} values)",
+        elements * args.dtype.itemsize,
+        "lower --lq, --lk, --d, --heads or --batch, or drop --check",
+    )
     q = torch.randn(*lead, args.lq, args.d, generator=gen, dtype=args.dtype)
     k = torch.randn(*kv, args.lk, args.d, generator=gen, dtype=args.dtype)
     v = torch.randn(*kv, args.lk, dv, generator=gen, dtype=args.dtype)
@@ -1010,6 +1019,11 @@ def _traffic_sweep(args: argparse.Namespace) -> int:
             f"{', '.join(unused)} would be ignored; drop {'it' if len(unused) == 1 else 'them'}"
         )
     args.out = "traffic.png" if args.out is None else args.out
+    if Path(args.out).suffix.lower() not in ("", ".png"):
+        raise UsageError(
+            f"--out {args.out}: the sweep draws a PNG; name a .png file (or a path without an "
+            "extension, such as a device)"
+        )
     problem = output_problem(args.out)
     if problem:
         raise UsageError(f"cannot write --out {args.out}: {problem}")
@@ -1348,7 +1362,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
-    except (ValueError, TypeError, OSError, ImportError) as exc:
+    except OSError as exc:  # its text without the "[Errno N]" prefix
+        where = f": {exc.filename}" if exc.filename else ""
+        _fail(f"{PROG} {command}: error: {f'{exc.strerror}{where}' if exc.strerror else exc}")
+        return 2
+    except (ValueError, TypeError, ImportError) as exc:
         _fail(f"{PROG} {command}: error: {exc}")
         return 2
     except KeyboardInterrupt:

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ._limits import check_fits
 from .accounting import _Report
 from .ledger import Counters, Ledger
 
@@ -346,6 +347,43 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
+MAX_FLOP = 2e13
+"""Most work ``flashledger model`` takes on (about seven minutes at 50 GFLOP/s, eager
+PyTorch on a few cores): more is refused with the estimate, before anything is built."""
+
+
+def _estimate(args: argparse.Namespace, kv_heads: int) -> tuple[float, float]:
+    """``(bytes of weights, FLOPs)`` of the run ``args`` asks for, roughly: per layer the
+    projections (Q, O; K, V at ``kv_heads``) and a gated MLP of twice the width (gpt_oss: 4
+    experts); attention's two products over the whole sequence; the backward twice the
+    forward; each generated token one step against the cache."""
+    h, hd = args.hidden, args.hidden // args.heads
+    mlp = 3 * h * 2 * h * (4 if args.arch == "gpt_oss" else 1)
+    per_layer = 2 * h * h + 2 * h * kv_heads * hd + mlp
+    itemsize = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    weights = float(args.layers * per_layer * itemsize)
+    tokens, seq, n = args.batch * args.seq, args.seq, args.generate
+    forward = args.layers * (2 * tokens * per_layer + 4 * args.batch * seq * seq * h)
+    flop = forward * (3 if args.backward else 1)
+    flop += n * args.layers * args.batch * (2 * per_layer + 4 * (seq + n) * h)
+    return weights, float(flop)
+
+
+def _check_size(args: argparse.Namespace, kv_heads: int) -> None:
+    """Refuse a model whose weights would not fit in half this machine's memory, or a run
+    over ``MAX_FLOP``, naming the estimate and what to lower."""
+    weights, flop = _estimate(args, kv_heads)
+    sizes = f"--layers {args.layers}, --hidden {args.hidden}"
+    check_fits(f"{sizes}: the weights alone", weights, "lower --layers or --hidden")
+    if flop > MAX_FLOP:
+        raise ValueError(
+            f"{sizes}, --seq {args.seq}, --batch {args.batch}"
+            + (f", --generate {args.generate}" if args.generate else "")
+            + f": about {flop:.1e} FLOPs, over the {MAX_FLOP:.0e} this command takes on (minutes "
+            "on a CPU); lower --seq, --layers, --hidden, --batch or --generate"
+        )
+
+
 def run_cli(args: argparse.Namespace) -> int:
     """Build the model, run it under ``ledger_of`` and print the ledger; exit status 0."""
     try:
@@ -374,6 +412,7 @@ def run_cli(args: argparse.Namespace) -> int:
     kv_heads = args.kv_heads
     if kv_heads is None:
         kv_heads = args.heads if args.arch == "bert" else (2 if args.heads % 2 == 0 else 1)
+    _check_size(args, kv_heads)
     model = hf.random_model(
         args.arch,
         layers=args.layers,
@@ -395,7 +434,8 @@ def run_cli(args: argparse.Namespace) -> int:
     cfg = model.config
     hkv = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
     title = (
-        f"Attention ledger: {args.arch}, {args.layers} layers, hidden {args.hidden}, heads "
+        f"Attention ledger: {args.arch}, {args.layers} layer{'s' if args.layers > 1 else ''}, "
+        f"hidden {args.hidden}, heads "
         f"{cfg.num_attention_heads}/{hkv}, batch {args.batch}, seq {args.seq}"
         + (f" ({args.pad} padding)" if args.pad else "")
         + f", {args.dtype}"

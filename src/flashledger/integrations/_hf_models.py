@@ -77,6 +77,11 @@ def random_model(
             f"got {dtype!r}"
         )
     head_dim = hidden // heads
+    if arch != "bert" and head_dim % 2:
+        raise ValueError(
+            f"the head dim hidden // heads is {head_dim}: {arch} rotates it in pairs (RoPE), "
+            "so it must be even"
+        )
     common: dict[str, Any] = dict(
         vocab_size=vocab,
         hidden_size=hidden,

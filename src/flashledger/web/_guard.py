@@ -419,6 +419,11 @@ def listen(host: str, port: int) -> socket.socket:
         raise OSError(
             f"cannot listen on {host!r}: not a known host name ({exc.strerror})"
         ) from None
+    except UnicodeError:  # a label empty or over 63 characters ("a..b")
+        raise OSError(
+            f"cannot listen on {host[:80]!r}: not a valid host name (dot-separated labels of "
+            "1 to 63 characters, or an IP address)"
+        ) from None
     family, kind, proto, _, address = infos[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
