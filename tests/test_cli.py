@@ -91,6 +91,31 @@ def test_subcommand_help_has_examples(capsys: pytest.CaptureFixture[str], comman
     assert code == 0 and "examples:" in out and f"flashledger {command}" in out
 
 
+@pytest.mark.parametrize("command", ["verify", "bench", "ring", "model"])
+def test_a_delegated_command_s_help_describes_it_and_its_examples_parse(
+    capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    """Its description and examples as the other commands show theirs; every example's
+    options are the command's own (parsed by its parser, not run)."""
+    import argparse
+    import importlib
+    import shlex
+
+    from flashledger import cli
+
+    code, out, _ = run(capsys, command, "--help")
+    assert code == 0 and "examples:" in out, out
+    assert out.split("\n\n")[1][0].isupper(), out  # a description, as a sentence
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    importlib.import_module(f"flashledger.{command}").add_cli_arguments(parser)
+    lines = [ln for ln in cli.DELEGATED_EXAMPLES[command].splitlines()[1:] if ln.strip()]
+    assert lines
+    for line in lines:
+        words = shlex.split(line.split("  (")[0].split("   ")[0])
+        assert words[:2] == ["flashledger", command], line
+        parser.parse_args(words[2:])  # raises on an option the command does not have
+
+
 # ----------------------------------------------------------------------------------------
 # online
 # ----------------------------------------------------------------------------------------

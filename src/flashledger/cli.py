@@ -1077,7 +1077,12 @@ def _run_delegated(name: str, rest: list[str]) -> int:
         raise UsageError(
             f"not available: flashledger.{name} has no command line (add_cli_arguments / run_cli)"
         )
-    parser = _Parser(prog=f"{PROG} {name}", description=DELEGATED[name], formatter_class=_Formatter)
+    parser = _Parser(
+        prog=f"{PROG} {name}",
+        description=_describe(DELEGATED_DESCRIPTIONS[name]),
+        epilog=DELEGATED_EXAMPLES[name],
+        formatter_class=_Formatter,
+    )
     add(parser)
     ns = parser.parse_args(rest)
     return int(run(ns) or 0)
@@ -1110,6 +1115,49 @@ DESCRIPTIONS = {  # shown by each subcommand's --help
         "only to loopback names and the address it listens on (add names with "
         "--allow-host); listening beyond this machine (--host 0.0.0.0) prints a warning."
     ),
+}
+DELEGATED_DESCRIPTIONS = {
+    "verify": "Check attention implementations (flashledger's own paths, PyTorch's SDPA back "
+    "ends and FlexAttention) against an exact float64 answer, each under its own conventions "
+    "(masked rows, causal alignment, LSE), with error bounds derived case by case; exit "
+    "status 1 on a failure.",
+    "bench": "Time flashledger's attention against PyTorch's SDPA (and a naive materialised "
+    "version) in one process, interleaved rounds, medians; beside each ratio the FMA and "
+    "GEMM peaks of this machine and the native step's choices. --decode and --contention "
+    "run the decode and busy-machine benchmarks instead.",
+    "ring": "Ring attention's in-process twin: every rank's shard, hop and saved state, the "
+    "communication counted against its closed form, the result checked against the dense "
+    "reference (the distributed form runs under torchrun: examples/ring_demo.py).",
+    "model": "Run a random-initialised transformers model (llama, mistral, qwen2, gemma2, bert, "
+    "gpt_oss) with flashledger's attention and print the ledger of every attention call: "
+    "masks, tiles run and skipped, dot products, FLOPs, memory kept and moved.",
+}
+DELEGATED_EXAMPLES = {
+    "verify": """\
+examples:
+  flashledger verify --quick                every system and convention, small cases (seconds)
+  flashledger verify                        the full sweep
+  flashledger verify --quick --html report.html
+""",
+    "bench": """\
+examples:
+  flashledger bench --quick                 one minute: L = 1024, 2048, float32
+  flashledger bench --lengths 4096,8192 --dtypes float32,float64 --no-naive
+  flashledger bench --decode                one query row against a KV cache
+  flashledger bench --contention            with one other busy process beside it
+""",
+    "ring": """\
+examples:
+  flashledger ring --world 3 --layout zigzag --seq 24 --d 8 --causal
+  flashledger ring --world 4 --layout contiguous --seq 64 --causal   (unbalanced work)
+  flashledger ring --window 8,0 --conventions flash_attn_2 --json
+""",
+    "model": """\
+examples:
+  flashledger model --arch llama --layers 4 --seq 2048
+  flashledger model --arch mistral --window 64 --backward
+  flashledger model --arch qwen2 --generate 8 --json
+""",
 }
 ONLINE_EXAMPLES = """\
 examples:

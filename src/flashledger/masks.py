@@ -1429,6 +1429,8 @@ def _demo() -> None:
         m.Causal("bottom_right") & m.Padding([9], [7]),
         MaskMod(two_documents) | m.SlidingWindow(1, 1),
     )
+    print("Tile classes, Lq = 12 queries by Lk = 16 keys in 4 x 4 tiles (rows: query tiles, "
+          "columns: key tiles): F full (every pair visible), p partial, . empty (skipped)")  # fmt: skip
     for mask in shown:
         print(repr(mask))
         for row in mask.tile_classes(12, 16, 4, 4).tolist():

@@ -703,7 +703,8 @@ def run_cli(args: argparse.Namespace) -> int:
         problem = output_problem(html_path)
         if problem:
             print(
-                f"flashledger verify: cannot write --html {html_path}: {problem}", file=sys.stderr
+                f"flashledger verify: error: cannot write --html {html_path}: {problem}",
+                file=sys.stderr,
             )
             return 2
     quick = bool(getattr(args, "quick", False))
