@@ -987,12 +987,12 @@ def test_what_a_command_cannot_do_is_one_line_before_it_starts(
 
 
 def test_ring_reads_a_preset_as_the_other_commands_do(capsys: pytest.CaptureFixture[str]) -> None:
-    from flashledger import _ring_cli
+    from flashledger.conventions import preset_arg
 
     argv = ("ring", "--seq", "12", "--world", "2", "--causal", "--conventions")
     want = run_json(capsys, *argv, "flash_attn_2")
     for name in ("FLASH_ATTN_2", "flash-attn-2"):
-        assert _ring_cli._preset(name) == "flash_attn_2"
+        assert preset_arg(name) == "flash_attn_2"
         assert run_json(capsys, *argv, name) == want, name
 
 

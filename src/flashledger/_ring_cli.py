@@ -21,7 +21,7 @@ from ._limits import check_fits
 from ._progress import int_arg, join_dash_values
 from ._ring_core import simulate_ring
 from ._ring_layout import LAYOUTS, num_chunks
-from .conventions import PRESETS, get_conventions
+from .conventions import PRESETS, preset_arg
 from .ledger import jsonable
 from .masks import Causal, Mask, SlidingWindow
 from .reference import reference_backward, reference_forward
@@ -69,7 +69,7 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
         "--block-k", type=int_arg(1), default=8, help="key tile columns (default 8)"
     )
     parser.add_argument(
-        "--conventions", type=_preset, default="seed", metavar="PRESET",
+        "--conventions", type=preset_arg, default="seed", metavar="PRESET",
         help=f"conventions preset: {', '.join(sorted(PRESETS))} (default seed)",
     )  # fmt: skip
     parser.add_argument("--dropout", type=float, default=0.0, help="dropout probability p")
@@ -79,16 +79,6 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
         "--forward-only", action="store_true", help="skip the backward pass (no gradients)"
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
-
-
-def _preset(text: str) -> str:
-    """A preset's name as the other commands read it (``FLASH_ATTN_2``, ``flash-attn-2``)."""
-    try:
-        return get_conventions(text).name
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"unknown preset {text!r}; allowed: {', '.join(sorted(PRESETS))}"
-        ) from None
 
 
 def _mask(args: argparse.Namespace) -> Mask | None:

@@ -163,14 +163,9 @@ def _dtype(text: str) -> torch.dtype:
 
 
 def _conventions(text: str) -> str:
-    from .conventions import PRESETS, get_conventions
+    from .conventions import preset_arg
 
-    try:
-        return get_conventions(text).name
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"unknown preset {text!r}; allowed: {', '.join(sorted(PRESETS))}"
-        ) from None
+    return preset_arg(text)
 
 
 @dataclass(frozen=True)

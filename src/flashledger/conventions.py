@@ -174,6 +174,19 @@ def get_conventions(value: Conventions | str | None) -> Conventions:
     )
 
 
+def preset_arg(text: str) -> str:
+    """An argparse ``type``: a preset's name as ``get_conventions`` reads it (``FLASH_ATTN_2``,
+    ``flash-attn-2``), returned as its canonical name."""
+    import argparse
+
+    try:
+        return get_conventions(text).name
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"unknown preset {text!r}; allowed: {', '.join(sorted(PRESETS))}"
+        ) from None
+
+
 def _demo() -> None:
     """Every preset's edge conventions, one line each."""
     for c in PRESETS.values():
