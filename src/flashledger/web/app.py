@@ -46,7 +46,6 @@ connections at the protocol level (``_guard``).
 from __future__ import annotations
 
 import hashlib
-import json
 import mimetypes
 import re
 import sys
@@ -195,15 +194,6 @@ _WANTED = {
 """What a strictly typed field wants, by pydantic's error type."""
 
 
-def _shown(value: Any) -> str:
-    """A rejected input as the client wrote it (JSON), shortened."""
-    try:
-        text = json.dumps(value)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
 MAX_ERRORS = 20
 """Most errors one 422 lists; one more item counts the rest (kind ``more_errors``)."""
 
@@ -233,7 +223,7 @@ def _validation_errors(
         elif kind == "missing" and not path:
             message = "a JSON object is required as the request body"
         elif kind in ("model_type", "model_attributes_type", "dict_type"):
-            got = _shown(err.get("input"))
+            got = sc.shown(err.get("input"))
             where = f"{path}: must be" if path else "the request body must be"
             message = f"{where} a JSON object {{...}}, not {got}"
         elif kind == "extra_forbidden":
@@ -248,7 +238,7 @@ def _validation_errors(
                 f"{path}: must be a finite number within ±1.8e308, not a {digits}-digit integer"
             )
         elif kind in _WANTED:
-            message = f"{path}: must be {_WANTED[kind]}, not {_shown(err.get('input'))}"
+            message = f"{path}: must be {_WANTED[kind]}, not {sc.shown(err.get('input'))}"
         else:
             message = f"{path}: {err.get('msg', 'invalid value')}" if path else err.get("msg", "")
         field = next((p for p in loc if isinstance(p, str) and p != "body"), "")

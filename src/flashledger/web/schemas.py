@@ -204,9 +204,12 @@ def _short(x: float) -> float | str:
     return x
 
 
-def _shown(value: Any) -> str:
-    """A value of any JSON type as an error echoes it, cut to 40 characters."""
-    text = json.dumps(value) if isinstance(value, int | float | bool | None) else repr(value)
+def shown(value: Any) -> str:
+    """A rejected input as the client wrote it (JSON), cut to 40 characters."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
 
@@ -536,7 +539,7 @@ class AttentionProblem(_Request):
     @classmethod
     def _known_preset(cls, value: Any) -> Any:
         if not isinstance(value, str) or value not in PRESETS:
-            got = _text(value) if isinstance(value, str) else f"{_shown(value)} (not a string)"
+            got = _text(value) if isinstance(value, str) else f"{shown(value)} (not a string)"
             raise InputError(
                 "conventions",
                 f"conventions: unknown preset {got}; allowed: {', '.join(PRESETS)}",
