@@ -42,15 +42,12 @@ def _compiler() -> str:
 
 
 def _macros(cc: str, march: str) -> set[str]:
-    """The macros ``cc -march=<march>`` predefines, or a skip where it has no such target."""
-    done = subprocess.run(
-        [cc, f"-march={march}", "-dM", "-E", "-x", "c", "/dev/null"],
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode:
+    """The instruction-set macros ``cc -march=<march>`` predefines (the step's own reading,
+    ``_native._isa_macros``), or a skip where it has no such target."""
+    found = _native._isa_macros(cc, march)
+    if found is None:
         pytest.skip(f"{Path(cc).name} has no -march={march} (not an x86-64 compiler?)")
-    return {line.split()[1] for line in done.stdout.splitlines() if line.startswith("#define ")}
+    return found
 
 
 def _flags(march: str) -> list[str]:

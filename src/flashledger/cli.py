@@ -35,6 +35,7 @@ from ._progress import (
     progress,
     titled_table,
 )
+from .conventions import preset_arg
 
 if TYPE_CHECKING:
     import torch
@@ -160,12 +161,6 @@ def _dtype(text: str) -> torch.dtype:
         raise argparse.ArgumentTypeError(f"expected one of {', '.join(DTYPES)}, got {text!r}")
     dtype: torch.dtype = getattr(torch, text)
     return dtype
-
-
-def _conventions(text: str) -> str:
-    from .conventions import preset_arg
-
-    return preset_arg(text)
 
 
 @dataclass(frozen=True)
@@ -1220,7 +1215,7 @@ def _add_shape(sp: argparse.ArgumentParser) -> None:
         help=f"element type for bytes: {', '.join(DTYPES)}",
     )  # fmt: skip
     sp.add_argument(
-        "--conventions", type=_conventions, default="seed", metavar="PRESET",
+        "--conventions", type=preset_arg, default="seed", metavar="PRESET",
         help="conventions preset (sets causal alignment)",
     )  # fmt: skip
     sp.add_argument(
@@ -1294,7 +1289,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bw.add_argument(
         "--conventions",
-        type=_conventions,
+        type=preset_arg,
         default="seed",
         metavar="PRESET",
         help="conventions preset",
