@@ -9,6 +9,7 @@ same native pass on the same operands, on any CPU and matmul back end.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -180,6 +181,81 @@ def test_repeated_calls_reuse_one_plan_and_read_their_own_tensors(native, lane_r
     assert len(lane_runs) == 2
     assert not torch.equal(o1, o2)
     assert torch.equal(o2, o2_ref) and torch.equal(lse2, lse2_ref)
+
+
+@pytest.fixture
+def frame_keys(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry per plan-cache key the lane built (a call not run as a repeat)."""
+    keys: list[int] = []
+    real = _lane._frame_key
+
+    def counted(*a: Any, **kw: Any) -> Any:
+        keys.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(_lane, "_frame_key", counted)
+    return keys
+
+
+def test_a_repeat_of_the_last_call_runs_its_plan_without_the_cache_key(
+    native, lane_runs, frame_keys, gen
+):
+    """The next layer's or token's call (same shapes, dtypes and options, each with its
+    type; a mask equal in value) runs the last call's plan on its own tensors, without
+    building the plan cache's key: the general path's bits. Another shape, an option of
+    another value or type, or an option that is not a plain value builds the key."""
+    q, k, v = _inputs(gen, 1, 8, 2, 1, 300, 16, 16, f32)
+    with torch.no_grad():
+        fl.flash_attention(q, k, v, mask=fl.Causal("bottom_right"), scale=0.25)
+        assert len(frame_keys) == 1
+        for step in range(3):  # a fresh mask object of the same value each call
+            q2, k2 = q * (step + 2), k.flip(2)
+            o = fl.flash_attention(q2, k2, v, mask=fl.Causal("bottom_right"), scale=0.25)
+            general = _opts(mask=fl.Causal("bottom_right"), scale=0.25)
+            o_ref, _ = _FlashAttention.apply(q2, k2, v, None, general, lambda ledger: None)
+            assert torch.equal(o, o_ref)
+        assert len(frame_keys) == 1, "the repeats ran without a key"
+        keys = len(frame_keys)
+        for other in (
+            dict(mask=fl.Causal("bottom_right"), scale=0.5),  # another value
+            dict(mask=fl.Causal("top_left"), scale=0.25),  # another mask
+            dict(mask=fl.Causal("bottom_right"), scale=1),  # after scale=0.5: a new value
+            dict(mask=fl.Causal("bottom_right"), scale=True),  # equal to 1, another type
+        ):
+            if other["scale"] is True:
+                with pytest.raises(ValueError, match="scale must be a finite number"):
+                    fl.flash_attention(q, k, v, **other)
+            else:
+                fl.flash_attention(q, k, v, **other)
+        assert len(frame_keys) == keys + 4
+        fl.flash_attention(q[..., :8], k[..., :8], v, scale=0.25)  # another shape
+        fl.flash_attention(q, k, v, scale=torch.tensor(0.25))  # a tensor option: no signature
+        fl.flash_attention(q, k, v, scale=torch.tensor(0.25))
+        assert len(frame_keys) == keys + 4 + 3
+    assert len(lane_runs) == 1 + 3 + 3 + 1  # (scale=True is refused; a tensor scale is not taken)
+
+
+def test_repeats_from_several_threads_run_their_own_plans(native, gen):
+    """Threads that alternate two call shapes (the last call's plan shared between them):
+    each call gets the bits of its own shape's plan."""
+    calls = [_inputs(gen, 1, 8, 2, 1, n, 16, 16, f32) for n in (300, 700)]
+    with torch.no_grad():
+        want = [fl.flash_attention(q, k, v) for q, k, v in calls]
+    bad: list[int] = []
+
+    def work(first: int) -> None:
+        with torch.no_grad():
+            for i in range(60):
+                j = (first + i) % 2
+                if not torch.equal(fl.flash_attention(*calls[j]), want[j]):
+                    bad.append(j)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad
 
 
 def test_the_plan_follows_the_thread_count_and_the_matmul_back_end(native, lane_runs, gen):

@@ -320,6 +320,10 @@ def test_torch_compile_runs_the_op_as_eager_around_a_graph_break() -> None:
     def f(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return fl.flash_attention(q * 1.0, k, v, mask=fl.Causal(), block_q=4, block_k=4)  # type: ignore[return-value]
 
+    torch._dynamo.reset()  # dynamo skips the op (one break, its reason the op) and goes on
+    explained = torch._dynamo.explain(lambda q, k, v: f(q, k, v) * 2)(q, k, v)
+    reasons = [b.reason for b in explained.break_reasons]
+    assert explained.graph_break_count == 1 and "function `<function flash_attention" in reasons[0]
     torch._dynamo.reset()
     compiled = torch.compile(f, backend="eager")
     got = [x.clone().requires_grad_(True) for x in (q, k, v)]

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from ._checks import check_float_tensor
+from ._eager import opaque_to_compile
 from ._maskmod import MaskMod, is_block_mask
 from ._mods import ScoreModFn
 from .autograd import _attend
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 __all__ = ["flex_attention"]
 
 
-@torch.compiler.disable  # opaque to torch.compile, as flash_attention
+@opaque_to_compile  # as flash_attention
 def flex_attention(
     query: torch.Tensor,
     key: torch.Tensor,

@@ -51,6 +51,7 @@ from typing import Any, Literal, Unpack
 import torch
 
 from ._checks import all_finite, check_finite, check_float_tensor, check_size
+from ._eager import opaque_to_compile
 from ._options import AttentionOptions, check_options
 from ._problem import Placement, check_option_values
 from .blocked import (
@@ -276,7 +277,7 @@ def _check_paged_writes(
             )
 
 
-@torch.compiler.disable  # opaque to torch.compile, as flash_attention
+@opaque_to_compile  # as flash_attention
 def attention_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,

@@ -372,6 +372,9 @@ class Kernels:
         self._scores_gemm: dict[str, str] = {}  # float32/float64: a backward's score products'
         # half inputs: on the float32 step until the calibration (or a setting) says else
         self._gemm.update({suffix: "float32" for suffix in _HALF_GEMMS})
+        # settings(), made again whole by every change (_set_gemm): a reader on another
+        # thread sees the tuple before a change or the one after it
+        self._settings = self._settings_now()
 
     def gemm_names(self, dtype: torch.dtype = torch.float32) -> list[str]:
         """How the ``dtype`` step's matmuls can run here. float32/float64: ``own`` (built for
@@ -437,6 +440,7 @@ class Kernels:
                 self.fn("fl_set_forward_own_gemm", suffix)(-1)
                 self._forward_gemm.pop(suffix, None)
         self._gemm[suffix] = name
+        self._settings = self._settings_now()
 
     def set_product_maxima(self, dtype: torch.dtype, on: bool) -> None:
         """Where a float32/float64 forward's full tiles take their rows' score maxima: from
@@ -460,6 +464,9 @@ class Kernels:
         """The matmul back end in force for each dtype (and a forward's and a backward's score
         products', where apart): with the thread count, what a planned pass depends on
         besides its shapes (``ForwardPass``)."""
+        return self._settings
+
+    def _settings_now(self) -> tuple[str, ...]:
         fwd = tuple(f"{s} forward {n}" for s, n in sorted(self._forward_gemm.items()))
         sco = tuple(f"{s} scores {n}" for s, n in sorted(self._scores_gemm.items()))
         return (*self._gemm.values(), *fwd, *sco)
@@ -1605,6 +1612,9 @@ def native_status() -> str:
 
 def _load() -> tuple[Kernels | None, str]:
     global _loaded
+    loaded = _loaded  # (set once, whole: read without the lock once it is)
+    if loaded is not None:
+        return loaded
     with _lock:
         if _loaded is None:
             try:

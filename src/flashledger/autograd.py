@@ -50,6 +50,7 @@ import torch
 from . import _lane
 from ._backward_graph import graph_backward
 from ._checks import check_qkv_finite
+from ._eager import opaque_to_compile
 from ._mods import find_captured
 from ._options import AttentionOptions, check_options
 from ._problem import Problem, build_problem
@@ -496,11 +497,10 @@ def _match(
     )
 
 
-# opaque to torch.compile: dynamo breaks the graph around each call and runs it eagerly
-# (tracing into it fails inside dynamo: the override of apply, the native step's ctypes
-# calls); so are flex_attention, attention_with_kvcache and the transformers
+# opaque to torch.compile (_eager): dynamo breaks the graph around each call and runs it
+# eagerly; so are flex_attention, attention_with_kvcache and the transformers
 # integration's attention_forward
-@torch.compiler.disable
+@opaque_to_compile
 def flash_attention(
     q: torch.Tensor,
     k: torch.Tensor,

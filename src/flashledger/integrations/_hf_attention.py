@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from .._eager import opaque_to_compile
 from ..autograd import _FlashAttention
 from ..blocked import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q
 from ..conventions import SEED
@@ -93,7 +94,7 @@ def _planned(
     return None, attention_mask
 
 
-@torch.compiler.disable  # opaque to torch.compile, as flash_attention
+@opaque_to_compile  # as flash_attention
 def attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
