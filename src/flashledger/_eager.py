@@ -16,11 +16,11 @@ def opaque_to_compile(fn: Callable[P, R]) -> Callable[P, R]:
     """``fn``, which dynamo does not trace into: under ``torch.compile`` the call goes
     through ``torch.compiler.disable(fn)`` (the graph breaks around it and it runs as it
     does eagerly: tracing into it fails, at ``autograd.Function.apply``'s override and
-    the native step's ctypes calls); outside it, ``fn`` itself. The disabled wrapper
-    swaps dynamo's frame hook on every call: 1.3 µs of a decode call's 36 warm, and 15 µs
-    of its 190 right after an SDPA call at 1024 keys (bfloat16, 32/8 heads, d = 128,
-    Intel Xeon model 207), where dynamo reads ``torch.compiler.is_compiling()`` as True
-    and takes the disabled call."""
+    the native step's ctypes calls); outside it, ``fn`` itself, where the disabled wrapper
+    would swap dynamo's frame hook on every call (1.3 µs of a decode call's 36, 2-3 of its
+    190 right after an SDPA call at 1024 keys: bfloat16, 32/8 heads, d = 128, Intel Xeon
+    model 207). Dynamo reads ``torch.compiler.is_compiling()`` as True and takes the
+    disabled call."""
     disabled = torch.compiler.disable(fn)
 
     @functools.wraps(fn)
