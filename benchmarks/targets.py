@@ -96,6 +96,17 @@ def verdict(
     return Verdict(target, len(seen), failed, worst, name(row), unit)
 
 
+def at_most(
+    target: str,
+    rows: Iterable[dict[str, Any]],
+    field: str,
+    bound: float,
+    name: Callable[[dict[str, Any]], str] = row_name,
+) -> Verdict:
+    """``target``: every row's ``field`` (a ratio to SDPA's) at most ``bound``."""
+    return verdict(target, rows, lambda r: r.get(field), lambda v: v <= bound, name, unit=" x")
+
+
 def memory_exponents(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per configuration (dtype, mask) with peak memory at two lengths or more: the exponent
     ``e`` of flashledger's peak extra memory ~ L^e between its shortest and longest length."""
@@ -175,22 +186,8 @@ def verdicts(found: dict[str, list[tuple[Path, dict[str, Any]]]]) -> list[Verdic
     out = []
     for dtype, bound in TIME_BOUNDS.items():
         mine = [r for r in long if r["dtype"] == dtype]
-        out += [
-            verdict(
-                f"fwd+bwd <= {bound} x SDPA, {dtype}",
-                mine,
-                lambda r: r.get("ratio_fwdbwd"),
-                lambda v, b=bound: v <= b,
-                unit=" x",
-            ),
-            verdict(
-                f"forward <= {bound} x SDPA, {dtype}",
-                mine,
-                lambda r: r.get("ratio_fwd"),
-                lambda v, b=bound: v <= b,
-                unit=" x",
-            ),
-        ]
+        for what, field in (("fwd+bwd", "ratio_fwdbwd"), ("forward", "ratio_fwd")):
+            out.append(at_most(f"{what} <= {bound} x SDPA, {dtype}", mine, field, bound))
         if dtype in ("float32", "float64"):
             out.append(
                 verdict(
@@ -203,13 +200,7 @@ def verdicts(found: dict[str, list[tuple[Path, dict[str, Any]]]]) -> list[Verdic
                 )
             )
     out += [
-        verdict(
-            "peak extra memory <= 1.5 x SDPA",
-            rows,
-            lambda r: r.get("mem_ratio"),
-            lambda v: v <= 1.5,
-            unit=" x",
-        ),
+        at_most("peak extra memory <= 1.5 x SDPA", rows, "mem_ratio", 1.5),
         verdict(
             f"memory linear in L (L^e, e <= {LINEAR_EXPONENT})",
             memory_exponents(rows),
@@ -223,24 +214,22 @@ def verdicts(found: dict[str, list[tuple[Path, dict[str, Any]]]]) -> list[Verdic
     ]
     busy = [r for _, rep in found["contention.json"] for r in rep["results"]]
     out.append(
-        verdict(
+        at_most(
             "busy machine: slowdown <= 1.5 x SDPA's",
             busy,
-            lambda r: r.get("slowdown_ratio"),
-            lambda v: v <= 1.5,
+            "slowdown_ratio",
+            1.5,
             lambda r: f"L={r['length']} d={r['head_dim']} tiles {r['tiles']}",
-            unit=" x",
         )
     )
     dec = [r for _, rep in found["decode.json"] for r in rep["results"]]
     out.append(
-        verdict(
+        at_most(
             "decode <= 1.0 x SDPA",
             dec,
-            lambda r: r.get("ratio"),
-            lambda v: v <= 1.0,
+            "ratio",
+            1.0,
             lambda r: f"Lk={r['lk']} {r['dtype']} B={r['batch']}",
-            unit=" x",
         )
     )
     return out

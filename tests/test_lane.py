@@ -25,18 +25,23 @@ from flashledger.conventions import SEED
 f32, f64, bf16, f16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
 
 
+def _counted(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """One entry per call of ``_lane``'s function ``name`` from now on."""
+    calls: list[int] = []
+    real = getattr(_lane, name)
+
+    def counted(*a: Any, **kw: Any) -> Any:
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(_lane, name, counted)
+    return calls
+
+
 @pytest.fixture
 def lane_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """One entry per call the lane ran (its pass), whatever came of it."""
-    runs: list[int] = []
-    real = _lane._run
-
-    def counted(*a: Any, **kw: Any) -> Any:
-        runs.append(1)
-        return real(*a, **kw)
-
-    monkeypatch.setattr(_lane, "_run", counted)
-    return runs
+    return _counted(monkeypatch, "_run")
 
 
 def _opts(**kw: Any) -> dict[str, Any]:
@@ -186,15 +191,7 @@ def test_repeated_calls_reuse_one_plan_and_read_their_own_tensors(native, lane_r
 @pytest.fixture
 def frame_keys(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """One entry per plan-cache key the lane built (a call not run as a repeat)."""
-    keys: list[int] = []
-    real = _lane._frame_key
-
-    def counted(*a: Any, **kw: Any) -> Any:
-        keys.append(1)
-        return real(*a, **kw)
-
-    monkeypatch.setattr(_lane, "_frame_key", counted)
-    return keys
+    return _counted(monkeypatch, "_frame_key")
 
 
 def test_a_repeat_of_the_last_call_runs_its_plan_without_the_cache_key(
