@@ -60,7 +60,7 @@ test-avx2: $(STAMP)
 	else echo "no AVX-512 here: make test ran the native step's AVX2 form"; fi
 
 # the numerical tests on every back end, on the PyTorch step, with MKL held to AVX2, and on
-# the native step's AVX2 and SSE forms
+# the native step's plain AVX-512 (no BF16, FP16 or AMX instructions), AVX2 and SSE forms
 test-backends: $(STAMP) test-avx2
 	@for g in $(GEMMS); do echo "== FLASHLEDGER_GEMM=$$g"; \
 	  FLASHLEDGER_GEMM=$$g $(BIN)/python -m pytest -q -n 2 -m "not slow" $(NUMERIC_TESTS) || exit 1; done
@@ -68,6 +68,10 @@ test-backends: $(STAMP) test-avx2
 	FLASHLEDGER_NATIVE=0 $(BIN)/python -m pytest -q -n 2 -m "not slow" $(NUMERIC_TESTS)
 	@echo "== MKL_ENABLE_INSTRUCTIONS=AVX2"
 	MKL_ENABLE_INSTRUCTIONS=AVX2 $(BIN)/python -m pytest -q -n 2 -m "not slow" $(NUMERIC_TESTS)
+	@if grep -qw avx512bw /proc/cpuinfo; then \
+	  echo "== FLASHLEDGER_NATIVE_ARCH=x86-64-v4 (AVX-512 F/BW/CD/DQ/VL only)"; \
+	  FLASHLEDGER_NATIVE_ARCH=x86-64-v4 $(BIN)/python -m pytest -q -n 2 -m "not slow" $(NUMERIC_TESTS); \
+	else echo "no AVX-512 here: no plain AVX-512 form to test"; fi
 	@echo "== FLASHLEDGER_NATIVE_ARCH=x86-64 (SSE2 only: no FMA, no own kernel)"
 	FLASHLEDGER_NATIVE_ARCH=x86-64 $(BIN)/python -m pytest -q -n 2 -m "not slow" $(NUMERIC_TESTS)
 
