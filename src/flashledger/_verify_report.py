@@ -191,7 +191,7 @@ class VerifyReport:
                 g.convention,
                 n,
                 g.dtypes,
-                " ".join(checked) if " ".join(checked) != "tile classes" else w.checked,
+                " ".join(checked),
                 err,
                 bound,
                 f"{w.worst} @ {case}",

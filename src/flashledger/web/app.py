@@ -160,8 +160,8 @@ def _path(loc: tuple[Any, ...]) -> str:
     for part in loc:
         if part == "body" and not out:
             continue
-        if isinstance(part, str) and len(part) > 40:
-            part = part[:37] + "..."
+        if isinstance(part, str):
+            part = sc.cut(part)
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out
 
@@ -242,7 +242,7 @@ def _validation_errors(
         else:
             message = f"{path}: {err.get('msg', 'invalid value')}" if path else err.get("msg", "")
         field = next((p for p in loc if isinstance(p, str) and p != "body"), "")
-        field = field if len(field) <= 40 else field[:37] + "..."
+        field = sc.cut(field)
         errors.append({"field": field, "path": path, "message": message} | sc.error_details(err))
     if len(found) > MAX_ERRORS:
         more = len(found) - MAX_ERRORS

@@ -204,18 +204,19 @@ def _short(x: float) -> float | str:
     return x
 
 
+def cut(text: str, most: int = 40) -> str:
+    """``text``, or its first ``most - 3`` characters and ``...`` where it is longer: what an
+    error echoes of a client's input."""
+    return text if len(text) <= most else text[: most - 3] + "..."
+
+
 def shown(value: Any) -> str:
     """A rejected input as the client wrote it (JSON), cut to 40 characters."""
     try:
         text = json.dumps(value)
     except (TypeError, ValueError):
         text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _text(value: str, most: int = 40) -> str:
-    """A string an error echoes, quoted, cut to ``most`` characters."""
-    return repr(value if len(value) <= most else value[: most - 3] + "...")
+    return cut(text)
 
 
 def _fmt(x: float | str) -> str:
@@ -539,7 +540,7 @@ class AttentionProblem(_Request):
     @classmethod
     def _known_preset(cls, value: Any) -> Any:
         if not isinstance(value, str) or value not in PRESETS:
-            got = _text(value) if isinstance(value, str) else f"{shown(value)} (not a string)"
+            got = repr(cut(value)) if isinstance(value, str) else f"{shown(value)} (not a string)"
             raise InputError(
                 "conventions",
                 f"conventions: unknown preset {got}; allowed: {', '.join(PRESETS)}",
