@@ -1241,6 +1241,54 @@ def test_decode_reads_a_half_precision_cache_in_place(native, monkeypatch, gen, 
     assert got.ledger.counters == want.ledger.counters
 
 
+@pytest.mark.parametrize("lk", [1, 31, 32, 33, 97, 700])
+@pytest.mark.parametrize(("g", "lq"), [(1, 1), (4, 1), (5, 4), (8, 6)], ids=lambda x: str(x))
+def test_a_bfloat16_caches_scores_on_amx_keep_the_rule(native, g, lq, lk):
+    """Where the step has AMX, a bfloat16 cache read in place with bfloat16 q forms its
+    scores on the tiles (K's rows as A operands, 32 keys at a time, the last ``lk % 32`` on
+    the pair dot products; 1 to 48 rows of a group, past one 16-row block): O and the
+    LSE within verify's rule of the float64 oracle, on the tiles and on the pair products
+    alike (the two sum the same exact products in float, in another order)."""
+    from flashledger._verify_cases import Shape
+    from flashledger.verify import assert_attention_close, make_case
+
+    if not native.amx_dot:
+        pytest.skip("no AMX tiles in this native step")
+    assert "a bfloat16 cache read in place: scores on AMX tiles" in _native.native_status()
+    seen: list[bool] = []
+    real = _native.ForwardPass.run_rows
+
+    def spy(self: _native.ForwardPass, *a: Any, **kw: Any) -> Any:
+        seen.append(self.amx_dot and kw.get("q16") is not None)
+        return real(self, *a, **kw)
+
+    lses: list[torch.Tensor] = []
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: Any) -> Any:
+        with torch.no_grad():
+            out = fl.flash_attention(q, k, v, mask=c.mask, scale=c.scale, return_lse=True)
+        lses.append(out[1])
+        return out
+
+    case = make_case(Shape(1, 2 * g, 2, lq, lk + lq, 128), "causal_bottom_right", torch.bfloat16)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_native.ForwardPass, "run_rows", spy)
+        for on in (True, False):
+            native.set_amx_dot(on)
+            try:
+                assert_attention_close(fn, cases=[case], check_grads=False)
+            finally:
+                native.set_amx_dot(True)
+    assert seen == [True, False], seen
+    # the LSE (float32) of the two orders within float32 error of the scores: a score off by
+    # a factor or a row of Sᵀ read for another shows here, below bfloat16's rule for O
+    diff = (lses[0] - lses[1]).abs()
+    worst = int(torch.argmax(diff))
+    assert torch.allclose(lses[0], lses[1], rtol=1e-5, atol=1e-5), (
+        f"LSE[{worst}] on AMX {lses[0].flatten()[worst]} vs pairs {lses[1].flatten()[worst]}"
+    )
+
+
 @settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

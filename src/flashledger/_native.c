@@ -879,6 +879,8 @@ struct fl_args {
                                  slope · (j - c), flash-attn 2's causal form; add_alibi) */
     long long kt_tile;        /* kt: 0, laid out (Hk, d, padded(Lk)), or per tile of
                                  kt_tile keys, (Hk, tiles, d, padded(kt_tile)) (t_at) */
+    long long amx_dot;        /* float32 build, a bfloat16 cache read in place with q16: S on
+                                 AMX's tiles (amx_dot_scores) where the build has them */
     double scale;
     long long scale_exact; /* scale is a power of two: exact as the matmul's alpha */
     double softcap;        /* float builds: 0, or c of a softcap, s = c · tanh(s / c) */
@@ -1259,6 +1261,10 @@ struct keys {
     T *vw;       /* float32 build, V in a half dtype with Kᵀ laid out: a tile's V rows widened
                     here (bk x d_v), or NULL */
     T *cm;       /* the item's rows' score maxima, W lanes a row (nr x W), or NULL (AMX) */
+    const unsigned int *qt; /* float32 build, `amx_dot`: the item's q16 rows as B operands
+                               (amx_dot_pairs), or NULL */
+    T *cbuf;                /* and a 32 x 16 stage for Sᵀ's tiles */
+    long long qr0;          /* the item's first row (qt's row 0) */
 };
 
 /* The lanes' sum, in lane order (a shuffle tree, tried, moved a float64 decode
@@ -1314,7 +1320,7 @@ static inline void swap_blocks(VT *v, int b) {
             v[r + b] = __builtin_shuffle(a, c, hi);
         }
 }
-static inline void hsum16(const VT *v, T *out) {
+static inline __attribute__((always_inline)) void hsum16(const VT *v, T *out) {
     for (int g = 0; g < 16; g += LANES) {
         VT t[LANES];
         for (int i = 0; i < LANES && g + i < 16; ++i) t[i] = v[g + i];
@@ -1349,6 +1355,12 @@ static inline void hsum16(const VT *v, T *out) {
             hsum16(&acc[0][0], sums);                                                       \
         else                                                                                \
             for (int i = 0; i < RN * JN; ++i) sums[i] = hsum(acc[i / JN][i % JN]);          \
+        if (c == d) { /* d in whole vectors: the sums scaled at once, a row's JN stored */    \
+            for (int i = 0; i < RN * JN; ++i) sums[i] *= alpha;                             \
+            for (int r = 0; r < RN; ++r)                                                    \
+                memcpy(s + (long long)r * ls, sums + r * JN, sizeof(T) * JN);               \
+            return;                                                                         \
+        }                                                                                   \
         for (int r = 0; r < RN; ++r)                                                        \
             for (int j = 0; j < JN; ++j) {                                                  \
                 T x = sums[r * JN + j];                                                     \
@@ -1567,8 +1579,8 @@ FL_DOT_ROWS(dot_bf16, unsigned short, load_bf16, one_bf16)
             hsum16(&acc[0][0], sums);                                                       \
         else                                                                                \
             for (int i = 0; i < RN * JN; ++i) sums[i] = hsum(acc[i / JN][i % JN]);          \
-        for (int r = 0; r < RN; ++r)                                                        \
-            for (int j = 0; j < JN; ++j) s[(long long)r * ls + j] = alpha * sums[r * JN + j]; \
+        for (int i = 0; i < RN * JN; ++i) sums[i] *= alpha;                                 \
+        for (int r = 0; r < RN; ++r) memcpy(s + (long long)r * ls, sums + r * JN, sizeof(T) * JN); \
     }
 FL_DOT_PAIRS(4, 4)
 FL_DOT_PAIRS(1, 4)
@@ -1593,16 +1605,16 @@ FL_PV_ROWS(pv_bf16, unsigned short, one_bf16)
 FL_PV_ROWS(pv_f16, unsigned short, one_f16)
 #endif
 
-#if FL_HALF == 1 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define FL_AMX 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && (FL_HALF == 1 || FL_BF16_PAIRS)
+#define FL_TILES 1
 #include <sys/syscall.h>
 #include <unistd.h>
-/* AMX (Intel's tile matrix unit, bfloat16): the bfloat16 step's forward products on it.
+/* AMX (Intel's tile matrix unit, bfloat16): the bfloat16 step's forward products on it,
+ * and the float32 build's scores of a bfloat16 cache read in place (amx_keys_scores).
  * Eight tile registers of 16 rows x 64 bytes; _tile_dpbf16ps(C, A, B) adds to C (16 x 16
  * float) A (16 x 32 bfloat16) times B (32 x 16, stored as 16 rows of 16 pairs: B's rows
  * 2i and 2i + 1 interleaved), each lane's pair of exact products summed into it in float.
- * K and V are laid out in that pair layout once per pass (fl_pack_amx); Q's rows and P's
- * are A operands as they lie. Linux hands a process the tile registers on request. */
+ * Linux hands a process the tile registers on request. */
 int SUF(fl_amx_on)(void) {
     static int state = -1;
     if (state < 0) /* ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA */
@@ -1625,6 +1637,14 @@ static void amx_begin(void) {
     }
     _tile_loadconfig(&c);
 }
+#else
+#define FL_TILES 0
+#endif
+
+#if FL_HALF == 1 && FL_TILES
+#define FL_AMX 1
+/* The bfloat16 step's forward on AMX: K and V are laid out in the pair layout once per
+ * pass (fl_pack_amx); Q's rows and P's are A operands as they lie. */
 static inline long long amx_keys(long long lk) { return (lk + 31) / 32 * 32; }
 
 /* K (Hk, Lk, d) and V (Hk, Lk, d_v) in the pair layout, keys padded with zeros to a
@@ -1758,11 +1778,78 @@ static void amx_pv(const struct fl_args *a, const TIN *p, long long ls, int nr, 
 }
 #else
 #define FL_AMX 0
+#if !FL_TILES
 int SUF(fl_amx_on)(void) { return 0; }
+#endif
 void SUF(fl_pack_amx)(const TIN *k, const TIN *v, TIN *kp, TIN *vp, long long hk, long long lk,
                       long long d, long long dv) {
     (void)k, (void)v, (void)kp, (void)vp, (void)hk, (void)lk, (void)d, (void)dv;
 }
+#endif
+
+#if FL_TILES && !FL_HALF
+#define FL_AMX_DOT 1
+/* A bfloat16 cache read in place (decode), on AMX (the float32 build): Sᵀ = K Qᵀ, K's
+ * rows A operands as they lie (16 keys x 32 of d, no layout of the cache), Q's rows B
+ * operands in the pair layout, laid out once per work item. */
+
+/* qt: nr rows of q (bfloat16, row stride d) as B operands: per 16 rows (the last zero-
+ * padded), d / 32 blocks of 16 x 16 pairs, qt[g][c][i][n] = (q[16g + n][32c + 2i],
+ * q[16g + n][32c + 2i + 1]). d a multiple of 32. */
+static void amx_dot_pairs(const unsigned short *q, int nr, int d, unsigned int *qt) {
+    int blocks = d / 32;
+    for (int g = 0; 16 * g < nr; ++g)
+        for (int c = 0; c < blocks; ++c) {
+            unsigned int *b = qt + ((long long)g * blocks + c) * 256;
+            for (int i = 0; i < 16; ++i)
+                for (int n = 0; n < 16; ++n) {
+                    unsigned int x = 0;
+                    if (16 * g + n < nr) memcpy(&x, q + (long long)(16 * g + n) * d + 32 * c + 2 * i, 4);
+                    b[i * 16 + n] = x;
+                }
+        }
+}
+
+/* S = alpha · Q K_jᵀ for nr rows (qt: their B operands; q: the rows, for the tail) against
+ * w keys of K read in place (k: row stride d), into s (row stride ls): 32 keys at a time,
+ * two C tiles (Sᵀ, 16 keys x 16 rows each) summed over d in blocks of 32 and stored in
+ * cbuf (32 x 16), then written scaled into S's rows; the last w % 32 keys on the pair dot
+ * products. Each score a sum of exact products in float, as dotp's (another order). */
+static void amx_dot_scores(const unsigned short *q, const unsigned int *qt, int nr,
+                           const unsigned short *k, int w, int d, T alpha, T *s, long long ls,
+                           T *cbuf) {
+    int blocks = d / 32, whole = w / 32 * 32;
+    if (whole) {
+        amx_begin();
+        for (int g = 0; 16 * g < nr; ++g) {
+            int ng = nr - 16 * g < 16 ? nr - 16 * g : 16;
+            const unsigned int *qg = qt + (long long)g * blocks * 256;
+            T *sg = s + 16LL * g * ls;
+            for (int j = 0; j < whole; j += 32) {
+                const unsigned short *k0 = k + (long long)j * d, *k1 = k0 + 16LL * d;
+                _tile_zero(0);
+                _tile_zero(1);
+                for (int c = 0; c < blocks; ++c) {
+                    _tile_loadd(4, qg + c * 256, 64);
+                    _tile_loadd(6, k0 + 32 * c, d * 2);
+                    _tile_loadd(7, k1 + 32 * c, d * 2);
+                    _tile_dpbf16ps(0, 6, 4);
+                    _tile_dpbf16ps(1, 7, 4);
+                }
+                _tile_stored(0, cbuf, 64);
+                _tile_stored(1, cbuf + 256, 64);
+                for (int r = 0; r < ng; ++r) {
+                    T *row = sg + (long long)r * ls + j;
+                    for (int x = 0; x < 32; ++x) row[x] = alpha * cbuf[x * 16 + r];
+                }
+            }
+        }
+        _tile_release();
+    }
+    if (whole < w) dotp_scores(q, nr, k + (long long)whole * d, w - whole, d, alpha, s + whole, ls);
+}
+#else
+#define FL_AMX_DOT 0
 #endif
 
 /* The online update of a block of rows (at most FL_PARTIAL_ROWS rows of a partial tile, or
@@ -1816,10 +1903,16 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
     T alpha2 = (T)(a->softcap > 0 ? a->scale : a->scale * LOG2E);
 #if !FL_DOUBLE
 #if FL_BF16_PAIRS
-    if (ks->on && a->half == 1 && a->q16 && a->d % (2 * W) == 0) /* bfloat16 q and cache */
-        dotp_scores(a->q16 + row_base(a, b) * a->d, nr, a->k16 + ko, w, (int)a->d, alpha2, s,
-                    ls);
-    else
+    if (ks->on && a->half == 1 && a->q16 && a->d % (2 * W) == 0) { /* bfloat16 q and cache */
+        const unsigned short *q16 = a->q16 + row_base(a, b) * a->d;
+#if FL_AMX_DOT
+        if (ks->qt && (b->r0 - ks->qr0) % 16 == 0) /* (the item's rows: one block, at qr0) */
+            amx_dot_scores(q16, ks->qt + (b->r0 - ks->qr0) / 16 * (a->d / 32) * 256, nr,
+                           a->k16 + ko, w, (int)a->d, alpha2, s, ls, ks->cbuf);
+        else
+#endif
+            dotp_scores(q16, nr, a->k16 + ko, w, (int)a->d, alpha2, s, ls);
+    } else
 #endif
     if (ks->on && a->half == 1) /* a bfloat16 cache, widened as it is read */
         dot_bf16_scores(qr, nr, a->k16 + ko, w, (int)a->d, alpha2, s, ls);
@@ -1931,7 +2024,7 @@ static void forward_item(const struct fl_args *a, long long h0, long long r0, in
     TIN *ps = FL_HALF ? (TIN *)carve(&more, nrs * lb + 64, sizeof(TIN)) + (a->amx ? 32 : 0)
                       : (TIN *)s;
     /* keys in place (the half builds never read them so) */
-    struct keys ks = {!a->kt, NULL, NULL, NULL};
+    struct keys ks = {!a->kt, NULL, NULL, NULL, NULL, NULL, 0};
 #if FL_AMX
     if (a->amx) {
         ks.stage = carve(&more, 16 * a->d, sizeof(TIN));
@@ -1947,6 +2040,15 @@ static void forward_item(const struct fl_args *a, long long h0, long long r0, in
     }
     if (!ks.on && a->v16) /* V in the half dtype, Kᵀ laid out widened: each tile's V widened */
         ks.vw = carve(&more, bk * dv, sizeof(T));
+#endif
+#if FL_AMX_DOT
+    if (ks.on && a->amx_dot && a->half == 1 && a->q16 && a->d % 32 == 0) {
+        unsigned int *qt = carve(&more, (nr + 15) / 16 * 16 * a->d / 2, sizeof(unsigned int));
+        amx_dot_pairs(a->q16 + row_base(a, &b) * a->d, nr, (int)a->d, qt);
+        ks.qt = qt;
+        ks.cbuf = carve(&more, 512, sizeof(T));
+        ks.qr0 = r0;
+    }
 #endif
 #if FL_OWN
     if (!ks.on && !a->amx && product_maxima) ks.cm = carve(&more, (long long)nr * W, sizeof(T));

@@ -103,7 +103,7 @@ _POINTERS = (
 )
 _SIZES = (
     "heads group lq lk d dv work_stride hq iv_bstride rows chunk splits stacked half amx alibi "
-    "kt_tile"
+    "kt_tile amx_dot"
 )
 _HALF = {torch.bfloat16: 1, torch.float16: 2}
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -367,6 +367,9 @@ class Kernels:
         self.own_built = bool(lib.fl_own_built_f32())
         # built with AMX's instructions, and the kernel lets this process use its tiles
         self.amx = bool(lib.fl_amx_on_bf16())
+        # a bfloat16 cache read in place (decode) with bfloat16 q: its scores on AMX's tiles
+        # (the float32 step built with them, and the tiles granted; ``set_amx_dot``)
+        self.amx_dot = bool(lib.fl_amx_on_f32())
         self._gemm = {suffix: "blas" for suffix in ("f32", "f64")}
         self._forward_gemm: dict[str, str] = {}  # float32/float64: the forward's, where apart
         self._scores_gemm: dict[str, str] = {}  # float32/float64: a backward's score products'
@@ -469,7 +472,21 @@ class Kernels:
     def _settings_now(self) -> tuple[str, ...]:
         fwd = tuple(f"{s} forward {n}" for s, n in sorted(self._forward_gemm.items()))
         sco = tuple(f"{s} scores {n}" for s, n in sorted(self._scores_gemm.items()))
-        return (*self._gemm.values(), *fwd, *sco)
+        amx = ("bf16 cache scores amx",) if self.amx_dot else ()
+        return (*self._gemm.values(), *fwd, *sco, *amx)
+
+    def set_amx_dot(self, on: bool) -> None:
+        """Whether a forward reading a bfloat16 cache in place with bfloat16 q (decode) forms
+        its scores on AMX's tiles (``on``, the default where the step was built with them
+        and the kernel grants them) or on AVX512-BF16's pair dot products; both sum exact
+        products in float, in another order. Raises ValueError for ``on`` where the step
+        has no AMX."""
+        if on and not bool(self.fn("fl_amx_on", "f32")()):
+            raise ValueError(
+                "this native step has no AMX tiles (built without them, or not granted)"
+            )
+        self.amx_dot = bool(on)
+        self._settings = self._settings_now()
 
     def gemm(self, dtype: torch.dtype, *, forward: bool = False, scores: bool = False) -> str:
         """The back end running the ``dtype`` step's matmuls now; ``forward``: those of a
@@ -1221,6 +1238,10 @@ class ForwardPass:
             work += chunk * lanes + 64 // self.acc.itemsize
         if half:  # q's rows widened from the cache's dtype (``run_rows``), 64-byte aligned
             work += chunk * d + 64 // self.acc.itemsize
+        # a bfloat16 cache's scores on AMX (with q16): the rows as B operands, Sᵀ's stage
+        self.amx_dot = keys_in_place and half == 1 and kern.amx_dot and d % 32 == 0
+        if self.amx_dot:
+            work += _units(-(-chunk // 16) * 16 * d, torch.bfloat16, self.acc) + 512 + 16
         if widen:  # a tile's V rows widened, 64-byte aligned
             work += bk * dv + 64 // self.acc.itemsize
         self.work = work
@@ -1247,6 +1268,7 @@ class ForwardPass:
             dtype=self.acc if widen else None,
         )
         self._args.amx = int(self.amx)
+        self._args.amx_dot = int(self.amx_dot)
         self._n_tiles = len(self._buffers[3])
         self._sched = sched  # its partial tiles' bytes
         self._fn = kern.fn("fl_forward", _suffix(self.acc if widen else q.dtype))
@@ -1607,6 +1629,8 @@ def native_status() -> str:
         c = kern.choices.get(dt)
         busy = f" ({note})" if c is not None and (note := c.busy_note()) else ""
         parts.append(f"{str(dt)[6:]}: {how}{tiles}{busy}")
+    if kern.amx_dot:
+        parts.append("a bfloat16 cache read in place: scores on AMX tiles")
     return f"native tile step: on ({head}; {'; '.join(parts)}; {path})"
 
 
