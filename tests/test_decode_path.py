@@ -177,6 +177,30 @@ def test_decode_helpers_keep_their_layout():
     assert torch.equal(blocked._native_rows(pb, strided), strided.reshape(6, 4, 5))
 
 
+def test_decode_rounds_hold_enough_calls_to_outlast_the_clock():
+    """``bench.calls_per_round``: each runner is called twice (a warm-up, then one timed
+    call), and a round holds enough calls for the fastest runner's to last the time asked
+    for: a call of 5 ms at most 4 in 20 ms, a call of a few microseconds hundreds."""
+    import time
+
+    from flashledger import bench
+
+    calls = {"slow": 0, "fast": 0}
+
+    def slow() -> None:
+        calls["slow"] += 1
+        time.sleep(0.005)
+
+    def fast() -> None:
+        calls["fast"] += 1
+
+    assert 1 <= bench.calls_per_round({"slow": slow}, 0.02) <= 4
+    assert calls == {"slow": 2, "fast": 0}
+    assert bench.calls_per_round({"slow": slow, "fast": fast}, 0.02) > 100
+    assert calls == {"slow": 4, "fast": 2}
+    assert bench.calls_per_round({"slow": slow}, 0.0) == 1
+
+
 def test_decode_benchmark_reports_the_fixed_cost_and_the_sweep(tmp_path, capsys):
     """``flashledger bench --decode``: the fixed cost of a call (Lk = 64: flashledger, SDPA,
     the native pass and what is around it) and the Lk sweep, in one process, into
@@ -200,6 +224,9 @@ def test_decode_benchmark_reports_the_fixed_cost_and_the_sweep(tmp_path, capsys)
         ("float32", 8, bench.FIXED_COST_LK),
     ]
     assert [(r["lk"], r["batch"]) for r in sweep] == [(96, 1), (96, 8)]
+    for r in sweep:  # a round of a 96-key call holds many calls (it takes microseconds)
+        assert isinstance(r["calls_per_round"], int) and r["calls_per_round"] > 1, r
+        assert r["ratio"] == pytest.approx(r["flashledger"]["ms"] / r["sdpa"]["ms"])
     for r in fixed:
         assert r["flashledger_us"] > 0 and r["sdpa_us"] > 0
         assert r["ratio"] == pytest.approx(r["flashledger_us"] / r["sdpa_us"])
