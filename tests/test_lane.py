@@ -130,6 +130,25 @@ def test_a_decode_step_of_a_causal_cache_takes_the_lane(native, lane_runs, gen):
     assert len(lane_runs) == 4
 
 
+@pytest.mark.parametrize("dt", [f32, bf16])
+def test_a_key_split_a_row_cannot_see_merges_in_the_pass(native, lane_runs, gen, dt):
+    """Key splits are merged and checked in the pass's own call: with 64-key tiles over
+    193 keys and a window of 16, two tiles run, one a part; the first of two rows (its
+    window ending one key before the last) sees nothing of the second part (its LSE there
+    -inf), and the merged result is finite, taken, and the general path's bits."""
+    q, k, v = _inputs(gen, 1, 8, 2, 2, 193, 64, 64, dt)
+    opts = _opts(mask=fl.SlidingWindow(16, 0, "bottom_right"), block_k=64)
+    _, (o_ref, lse_ref) = _both(q, k, v, opts)
+    with torch.no_grad():
+        got = _lane.forward(q, k, v, opts)  # None: handed back as not finite
+    assert got is not None and len(lane_runs) == 2
+    plan = next(reversed(_lane._PLANS._frames.values()))
+    assert isinstance(plan, _lane._Plan) and plan.run.o_shape[0] == 2, plan
+    o, lse = got
+    assert bool(torch.isfinite(lse).all())
+    assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref)
+
+
 @pytest.mark.parametrize("dt", [f32, f64])
 def test_a_prefill_takes_the_lane_with_k_laid_out(native, lane_runs, gen, dt):
     """A causal prefill (GQA, a ragged last query and key tile, q transposed as transformers

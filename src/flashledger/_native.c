@@ -881,6 +881,9 @@ struct fl_args {
                                  kt_tile keys, (Hk, tiles, d, padded(kt_tile)) (t_at) */
     long long amx_dot;        /* float32 build, a bfloat16 cache read in place with q16: S on
                                  AMX's tiles (amx_dot_scores) where the build has them */
+    long long merge;          /* forward with splits > 1: the parts merged into part 0 after
+                                 the items (fl_merge_splits), and with `bad` the merged O and
+                                 λ checked */
     double scale;
     long long scale_exact; /* scale is a power of two: exact as the matmul's alpha */
     double softcap;        /* float builds: 0, or c of a softcap, s = c · tanh(s / c) */
@@ -2107,7 +2110,7 @@ static void forward_item(const struct fl_args *a, long long h0, long long r0, in
             finite &= isfinite(orow[c]);
         }
     }
-    if (!finite && a->bad) {
+    if (!finite && a->bad && a->splits == 1) { /* (parts: checked once merged, fl_forward) */
 #pragma omp atomic write
         *a->bad = 1;
     }
@@ -2125,6 +2128,9 @@ static inline void part_of(long long a0, long long a1, long long s, long long n,
     *t0 = a0 + len * s / n;
     *t1 = a0 + len * (s + 1) / n;
 }
+
+void SUF(fl_merge_splits)(T *o, T *lse, long long n, long long dv, long long splits);
+int SUF(fl_all_finite)(const T *x, long long n);
 
 /* The whole forward pass, one parallel region. Work items are (query tile, split, unit,
  * chunk of `chunk` rows), unit a query head, or with `stacked` a K/V head whose group's
@@ -2173,6 +2179,12 @@ void SUF(fl_forward)(const struct fl_args *a) {
         forward_item(a, h0, r0, (int)nr, t0, t1, split);
     }
     free(buf);
+    if (a->merge && a->splits > 1) { /* one call where a merge and a check were three more */
+        long long n = a->heads * a->lq;
+        SUF(fl_merge_splits)(a->o, a->lse, n, a->dv, a->splits);
+        if (a->bad && !(SUF(fl_all_finite)(a->o, n * a->dv) && SUF(fl_all_finite)(a->lse, n)))
+            *a->bad = 1;
+    }
 }
 
 /* The key splits' partial results (O (S, n, d_v), λ (S, n), n = H·Lq rows) merged into

@@ -103,7 +103,7 @@ _POINTERS = (
 )
 _SIZES = (
     "heads group lq lk d dv work_stride hq iv_bstride rows chunk splits stacked half amx alibi "
-    "kt_tile amx_dot"
+    "kt_tile amx_dot merge"
 )
 _HALF = {torch.bfloat16: 1, torch.float16: 2}
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -1332,7 +1332,9 @@ class ForwardPass:
         narrow = q.dtype in _HALF and not self.wide  # the half step's
         if self._sched.terms and (self.amx or self.in_place or narrow):
             raise ValueError("a tile's term is read by a float32/float64 pass with Kᵀ laid out")
-        self._launch(q, k, v, o, lse, q16=q16, o16=o16, bad=bad, mx=mx, kt=kt, kt_tile=kt_tile)
+        self._launch(
+            q, k, v, o, lse, q16=q16, o16=o16, bad=bad, mx=mx, kt=kt, kt_tile=kt_tile, merge=merge
+        )  # with ``merge``, the parts merged into part 0 in the same call (merge_splits' rule)
         if o_finite is not None and bad is not None and not bad.value:
             o_finite.append(True)
         if row_max is not None and mx is not None:
@@ -1342,8 +1344,6 @@ class ForwardPass:
         assert o is not None
         if not merge:
             return o, lse
-        if splits > 1:  # in place, into part 0 (the one merge's rule: merge_splits)
-            self.kern.merge_splits(o.view(splits, heads, lq, dv), lse.view(splits, heads, lq))
         return o[0], lse[0]
 
     def run_rows(
@@ -1375,14 +1375,14 @@ class ForwardPass:
             if half_dtype is None:
                 raise ValueError("q16 is read by a pass reading a half cache in place only")
             self._check_q16(q16, half_dtype)
-        if splits > 1:  # the parts merged, then checked (a part may see no key)
+        if splits > 1:  # the parts merged, then checked (a part may see no key), in the pass
             o = torch.empty((splits, *rows, dv), dtype=self.acc)
             lse = torch.empty((splits, *rows), dtype=self.acc)
-            self._launch(q, k, v, o, lse, q16=q16)
-            self.kern.merge_splits(o.view(splits, heads, lq, dv), lse.view(splits, heads, lq))
-            o, lse = o[0], lse[0]
-            if not self.finite(lse, o):
+            bad = ctypes.c_longlong(0)
+            self._launch(q, k, v, o, lse, q16=q16, bad=bad, merge=True)
+            if bad.value:
                 return None
+            o, lse = o[0], lse[0]
             return (o, lse) if q is not None else (o.to(half_dtype), lse)
         o_out = torch.empty((*rows, dv), dtype=self.acc if q is not None else half_dtype)
         lse = torch.empty(rows, dtype=self.acc)
@@ -1432,10 +1432,13 @@ class ForwardPass:
         mx: torch.Tensor | None = None,
         kt: torch.Tensor | None = None,
         kt_tile: int = 0,
+        merge: bool = False,
     ) -> None:
         """The C call on checked operands and results (``q`` None: its rows from ``q16``;
         ``mx``: where each row's final running max goes, shaped as ``lse``; ``kt``: Kᵀ laid
-        out before, per ``kt_tile`` keys or (0) whole)."""
+        out before, per ``kt_tile`` keys or (0) whole; ``merge``: the parts merged into part
+        0 after the work items, as ``Kernels.merge_splits`` merges them, and with ``bad`` the
+        merged values checked)."""
         args = _Args.from_buffer_copy(self._args)
         seen = array.array("q", bytes(8 * self._n_tiles))
         args.seen = seen.buffer_info()[0]
@@ -1473,6 +1476,7 @@ class ForwardPass:
         args.o16 = None if o16 is None else o16.data_ptr()
         args.bad = None if bad is None else ctypes.addressof(bad)
         args.mx = None if mx is None else mx.data_ptr()
+        args.merge = int(merge)
         self._fn(ctypes.byref(args))
         if self.keep_scratch and work.numel() * work.element_size() <= SPARE_BYTES:
             if not self._spare:
