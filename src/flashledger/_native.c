@@ -1800,17 +1800,14 @@ void SUF(fl_pack_amx)(const TIN *k, const TIN *v, TIN *kp, TIN *vp, long long hk
  * padded), d / 32 blocks of 16 x 16 pairs, qt[g][c][i][n] = (q[16g + n][32c + 2i],
  * q[16g + n][32c + 2i + 1]). d a multiple of 32. */
 static void amx_dot_pairs(const unsigned short *q, int nr, int d, unsigned int *qt) {
-    int blocks = d / 32;
-    for (int g = 0; 16 * g < nr; ++g)
-        for (int c = 0; c < blocks; ++c) {
-            unsigned int *b = qt + ((long long)g * blocks + c) * 256;
-            for (int i = 0; i < 16; ++i)
-                for (int n = 0; n < 16; ++n) {
-                    unsigned int x = 0;
-                    if (16 * g + n < nr) memcpy(&x, q + (long long)(16 * g + n) * d + 32 * c + 2 * i, 4);
-                    b[i * 16 + n] = x;
-                }
-        }
+    int groups = (nr + 15) / 16;
+    memset(qt, 0, (size_t)groups * 16 * d * sizeof(unsigned short)); /* the padding rows */
+    for (int r = 0; r < nr; ++r) {
+        const unsigned short *qr = q + (long long)r * d;
+        unsigned int *b = qt + (long long)(r / 16) * 8 * d + r % 16; /* 16 x d / 2 a group */
+        for (int p = 0; p < d / 2; ++p) /* pair p: block p / 16, its row p % 16 */
+            memcpy(b + p * 16, qr + 2 * p, 4);
+    }
 }
 
 /* S = alpha · Q K_jᵀ for nr rows (qt: their B operands; q: the rows, for the tail) against
