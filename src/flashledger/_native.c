@@ -1358,7 +1358,7 @@ static inline __attribute__((always_inline)) void hsum16(const VT *v, T *out) {
             hsum16(&acc[0][0], sums);                                                       \
         else                                                                                \
             for (int i = 0; i < RN * JN; ++i) sums[i] = hsum(acc[i / JN][i % JN]);          \
-        if (c == d) { /* d in whole vectors: the sums scaled at once, a row's JN stored */    \
+        if (c == d) { /* d in whole vectors: the sums scaled at once, a row's JN stored */  \
             for (int i = 0; i < RN * JN; ++i) sums[i] *= alpha;                             \
             for (int r = 0; r < RN; ++r)                                                    \
                 memcpy(s + (long long)r * ls, sums + r * JN, sizeof(T) * JN);               \
@@ -1583,7 +1583,8 @@ FL_DOT_ROWS(dot_bf16, unsigned short, load_bf16, one_bf16)
         else                                                                                \
             for (int i = 0; i < RN * JN; ++i) sums[i] = hsum(acc[i / JN][i % JN]);          \
         for (int i = 0; i < RN * JN; ++i) sums[i] *= alpha;                                 \
-        for (int r = 0; r < RN; ++r) memcpy(s + (long long)r * ls, sums + r * JN, sizeof(T) * JN); \
+        for (int r = 0; r < RN; ++r)                                                        \
+            memcpy(s + (long long)r * ls, sums + r * JN, sizeof(T) * JN);                   \
     }
 FL_DOT_PAIRS(4, 4)
 FL_DOT_PAIRS(1, 4)
@@ -1613,7 +1614,7 @@ FL_PV_ROWS(pv_f16, unsigned short, one_f16)
 #include <sys/syscall.h>
 #include <unistd.h>
 /* AMX (Intel's tile matrix unit, bfloat16): the bfloat16 step's forward products on it,
- * and the float32 build's scores of a bfloat16 cache read in place (amx_keys_scores).
+ * and the float32 build's scores of a bfloat16 cache read in place (amx_dot_scores).
  * Eight tile registers of 16 rows x 64 bytes; _tile_dpbf16ps(C, A, B) adds to C (16 x 16
  * float) A (16 x 32 bfloat16) times B (32 x 16, stored as 16 rows of 16 pairs: B's rows
  * 2i and 2i + 1 interleaved), each lane's pair of exact products summed into it in float.
@@ -1846,7 +1847,8 @@ static void amx_dot_scores(const unsigned short *q, const unsigned int *qt, int 
         }
         _tile_release();
     }
-    if (whole < w) dotp_scores(q, nr, k + (long long)whole * d, w - whole, d, alpha, s + whole, ls);
+    if (whole < w)
+        dotp_scores(q, nr, k + (long long)whole * d, w - whole, d, alpha, s + whole, ls);
 }
 #else
 #define FL_AMX_DOT 0

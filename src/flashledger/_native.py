@@ -1272,7 +1272,6 @@ class ForwardPass:
         self._n_tiles = len(self._buffers[3])
         self._sched = sched  # its partial tiles' bytes
         self._fn = kern.fn("fl_forward", _suffix(self.acc if widen else q.dtype))
-        self._finite = kern.fn("fl_all_finite", _suffix(self.acc))
         # a pass run again and again (``_lane``'s plans) keeps one small scratch buffer of
         # its own: taken and put back by one list operation each (atomic under the GIL)
         self._spare: list[torch.Tensor] = []
@@ -1489,11 +1488,6 @@ class ForwardPass:
             self.kern.give_back_kt(kt_buf)
         if self._n_tiles:
             self._sched.seen = seen.tolist()
-
-    def finite(self, *xs: torch.Tensor) -> bool:
-        """True when no value of the results ``xs`` (as ``run`` gave them) is NaN or
-        infinite (``Kernels.all_finite``, without its checks)."""
-        return all(self._finite(x.data_ptr(), x.numel()) for x in xs)
 
 
 SCRATCH_KEEP_BYTES = 64 << 20  # the largest scratch buffer kept between passes

@@ -919,9 +919,8 @@ def decode(
     memory: bool,
 ) -> list[dict[str, Any]]:
     """Decode (forward only, no grad) of flashledger and SDPA: interleaved rounds of
-    ``calls_per_round`` calls each (the two methods' calls back to back, as a model's
-    layers call them), medians of the rounds' time per call; with ``memory`` the peak
-    extra memory of each in a fresh process."""
+    ``calls_per_round`` calls of each method back to back, medians of the rounds' time
+    per call; with ``memory`` the peak extra memory of each in a fresh process."""
     rows = []
     for dt in dtypes:
         for b in batches:
