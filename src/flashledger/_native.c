@@ -854,7 +854,8 @@ struct fl_args {
     long long *seen;            /* per tile: visible dots of a partial tile, all heads */
     unsigned short *o16;        /* forward, one part (S = 1): O written in a half dtype instead
                                    of into o (the half builds': theirs; the float32 build's, keys
-                                   in place: `half`), or NULL */
+                                   in place: `half`); with parts and `merge`, the merged O rounded
+                                   into it as well; or NULL */
     long long *bad;             /* forward: set to 1 when a row's λ or O is not finite, or NULL */
     const TIN *kp, *vp;         /* forward with `amx`: K and V in AMX's pair layout (fl_pack_amx) */
     T *mx;                      /* forward: each row's final running max m (S, H, Lq), natural
@@ -2089,7 +2090,7 @@ static void forward_item(const struct fl_args *a, long long h0, long long r0, in
         lse[r] = empty ? -INFINITY : m[r] * (T)LN2 + LOG(l);
         finite &= isfinite(lse[r]);
 #if !FL_DOUBLE
-        if (a->o16) { /* rounded as PyTorch's conversion rounds */
+        if (a->o16 && a->splits == 1) { /* rounded as PyTorch's conversion rounds */
             unsigned short *orow = a->o16 + (base + r) * dv;
             for (long long c = 0; c < dv; ++c) {
                 T x = empty ? 0 : arow[c] / l;
@@ -2183,6 +2184,15 @@ void SUF(fl_forward)(const struct fl_args *a) {
         SUF(fl_merge_splits)(a->o, a->lse, n, a->dv, a->splits);
         if (a->bad && !(SUF(fl_all_finite)(a->o, n * a->dv) && SUF(fl_all_finite)(a->lse, n)))
             *a->bad = 1;
+#if !FL_DOUBLE
+        if (a->o16) /* the merged O in the half dtype, rounded as PyTorch's conversion rounds */
+            for (long long i = 0; i < n * a->dv; ++i)
+#if FL_HALF
+                a->o16[i] = to_in(a->o[i]);
+#else
+                a->o16[i] = a->half == 1 ? bf16_bits(a->o[i]) : f16_bits(a->o[i]);
+#endif
+#endif
     }
 }
 

@@ -1374,15 +1374,15 @@ class ForwardPass:
             if half_dtype is None:
                 raise ValueError("q16 is read by a pass reading a half cache in place only")
             self._check_q16(q16, half_dtype)
-        if splits > 1:  # the parts merged, then checked (a part may see no key), in the pass
+        if splits > 1:  # the parts merged, checked (a part may see no key) and rounded, in the pass
             o = torch.empty((splits, *rows, dv), dtype=self.acc)
             lse = torch.empty((splits, *rows), dtype=self.acc)
+            o16 = None if q is not None else torch.empty((*rows, dv), dtype=half_dtype)
             bad = ctypes.c_longlong(0)
-            self._launch(q, k, v, o, lse, q16=q16, bad=bad, merge=True)
+            self._launch(q, k, v, o, lse, q16=q16, o16=o16, bad=bad, merge=True)
             if bad.value:
                 return None
-            o, lse = o[0], lse[0]
-            return (o, lse) if q is not None else (o.to(half_dtype), lse)
+            return (o[0] if o16 is None else o16), lse[0]
         o_out = torch.empty((*rows, dv), dtype=self.acc if q is not None else half_dtype)
         lse = torch.empty(rows, dtype=self.acc)
         bad = ctypes.c_longlong(0)
