@@ -854,8 +854,8 @@ struct fl_args {
     long long *seen;            /* per tile: visible dots of a partial tile, all heads */
     unsigned short *o16;        /* forward, one part (S = 1): O written in a half dtype instead
                                    of into o (the half builds': theirs; the float32 build's, keys
-                                   in place: `half`); with parts and `merge`, the merged O rounded
-                                   into it as well; or NULL */
+                                   in place: `half`; with parts and `merge`, there the merged O
+                                   rounded into it), or NULL */
     long long *bad;             /* forward: set to 1 when a row's λ or O is not finite, or NULL */
     const TIN *kp, *vp;         /* forward with `amx`: K and V in AMX's pair layout (fl_pack_amx) */
     T *mx;                      /* forward: each row's final running max m (S, H, Lq), natural
@@ -2184,14 +2184,10 @@ void SUF(fl_forward)(const struct fl_args *a) {
         SUF(fl_merge_splits)(a->o, a->lse, n, a->dv, a->splits);
         if (a->bad && !(SUF(fl_all_finite)(a->o, n * a->dv) && SUF(fl_all_finite)(a->lse, n)))
             *a->bad = 1;
-#if !FL_DOUBLE
-        if (a->o16) /* the merged O in the half dtype, rounded as PyTorch's conversion rounds */
+#if !FL_DOUBLE && !FL_HALF
+        if (a->o16) /* a half cache's merged O in its dtype, rounded as PyTorch's conversion */
             for (long long i = 0; i < n * a->dv; ++i)
-#if FL_HALF
-                a->o16[i] = to_in(a->o[i]);
-#else
                 a->o16[i] = a->half == 1 ? bf16_bits(a->o[i]) : f16_bits(a->o[i]);
-#endif
 #endif
     }
 }
