@@ -1312,7 +1312,7 @@ class ForwardPass:
         kt_tile = self.kt_tile if kt is None else _layout_tile(kt, k, self._sched)
         if q16 is not None and self.half == 1:
             self._check_q16(q16, torch.bfloat16)
-        splits, heads, lq, dv = self.o_shape
+        splits, dv = self.o_shape[0], self.o_shape[3]
         at = (splits, *rows) if merge and rows is not None else self.lse_shape
         lse = torch.empty(at, dtype=self.acc)  # (S, H, Lq)
         bad = ctypes.c_longlong(0) if splits == 1 else None
@@ -1359,10 +1359,9 @@ class ForwardPass:
         value of either is not finite. ``q`` None: a call whose q, K and V all come in the
         half dtype of a cache read in place, q's rows in ``q16`` only; the pass widens them
         itself and ``o`` comes in that dtype (rounded as PyTorch's conversion rounds).
-        With one part the pass checks the values as it writes them (and rounds them): a
-        decode step's call costs no tensor operation besides its two results
-        (``_lane``)."""
-        splits, heads, lq, dv = self.o_shape
+        The pass checks the values (with one part as it writes them) and rounds them: a
+        decode step's call costs no tensor operation besides its results (``_lane``)."""
+        splits, dv = self.o_shape[0], self.o_shape[3]
         if q is None:
             if not self.half:
                 raise ValueError("q may be left out only of a pass reading a half cache in place")
@@ -1374,23 +1373,21 @@ class ForwardPass:
             if half_dtype is None:
                 raise ValueError("q16 is read by a pass reading a half cache in place only")
             self._check_q16(q16, half_dtype)
-        if splits > 1:  # the parts merged, checked (a part may see no key) and rounded, in the pass
-            o = torch.empty((splits, *rows, dv), dtype=self.acc)
-            lse = torch.empty((splits, *rows), dtype=self.acc)
-            o16 = None if q is not None else torch.empty((*rows, dv), dtype=half_dtype)
-            bad = ctypes.c_longlong(0)
-            self._launch(q, k, v, o, lse, q16=q16, o16=o16, bad=bad, merge=True)
-            if bad.value:
-                return None
-            return (o[0] if o16 is None else o16), lse[0]
-        o_out = torch.empty((*rows, dv), dtype=self.acc if q is not None else half_dtype)
-        lse = torch.empty(rows, dtype=self.acc)
+        # with parts, merged into part 0, checked (a part may see no key) and rounded in the
+        # pass; q left out: O in the half dtype (a float O only for the parts to merge)
+        parts = (splits,) if splits > 1 else ()  # one part: the results as they are
+        o16 = None if q is not None else torch.empty((*rows, dv), dtype=half_dtype)
+        o = torch.empty((*parts, *rows, dv), dtype=self.acc) if o16 is None or parts else None
+        lse = torch.empty((*parts, *rows), dtype=self.acc)
         bad = ctypes.c_longlong(0)
-        if q is None:
-            self._launch(None, k, v, None, lse, q16=q16, o16=o_out, bad=bad)
-        else:
-            self._launch(q, k, v, o_out, lse, q16=q16, bad=bad)
-        return None if bad.value else (o_out, lse)
+        self._launch(q, k, v, o, lse, q16=q16, o16=o16, bad=bad, merge=splits > 1)
+        if bad.value:
+            return None
+        lse = lse[0] if parts else lse
+        if o16 is not None:
+            return o16, lse
+        assert o is not None
+        return (o[0] if parts else o), lse
 
     def _check(
         self, q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, rows: tuple[int, ...] | None

@@ -360,7 +360,7 @@ def _estimate(args: argparse.Namespace, kv_heads: int) -> tuple[float, float]:
     h, hd = args.hidden, args.hidden // args.heads
     mlp = 3 * h * 2 * h * (4 if args.arch == "gpt_oss" else 1)
     per_layer = 2 * h * h + 2 * h * kv_heads * hd + mlp
-    itemsize = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    itemsize = getattr(torch, args.dtype).itemsize
     weights = float(args.layers * per_layer * itemsize)
     tokens, seq, n = args.batch * args.seq, args.seq, args.generate
     forward = args.layers * (2 * tokens * per_layer + 4 * args.batch * seq * seq * h)
