@@ -827,6 +827,16 @@ def test_a_block_mask_s_grid_and_counts_are_derived_once_and_follow_its_changes(
     bm.kv_num_blocks = num.clone()  # a new tensor: back to the first blocks
     assert torch.equal(fl.flex_attention(q, k, v, block_mask=bm, block_q=64, block_k=64), first)
     assert len(made) == 4
+    version = bm.kv_num_blocks._version
+    bm.kv_num_blocks.data[0, 0, 1] = 1  # through .data: its version counter stays
+    assert bm.kv_num_blocks._version == version, "the write moved the counter"
+    assert_close(
+        fl.flex_attention(q, k, v, block_mask=bm, block_q=64, block_k=64),
+        want,
+        rtol=FWD,
+        name="after a change through .data",
+    )
+    assert len(made) == 5, "a change through .data was not seen"
 
 
 def test_block_mask_errors():

@@ -604,6 +604,34 @@ def test_a_document_table_changed_in_place_is_bounded_anew():
         assert torch.equal(got, exact), lengths
 
 
+def test_a_document_table_written_past_its_version_counter_is_bounded_anew():
+    """Writes that leave a tensor's version counter as it was (through NumPy's view of it,
+    or through ``.data``) still rebuild its kept range tables: a kept table is used only
+    where it was built from the values the mask_mod reads now. Kept tables that passed on
+    the counter alone classified the new documents' tiles by the old ones."""
+    ids = _doc_ids([40, 30, 43, 1, 19]).numpy().copy()
+    doc = torch.from_numpy(ids)
+    shared = torch.zeros(133, dtype=torch.int64)
+
+    def doc_mask(b, h, q, k):
+        return doc[q] == doc[k]
+
+    def shared_mask(b, h, q, k):
+        return shared[q] == shared[k]
+
+    def exact(fn):
+        return tile_classes_from_dense(flex_visible(fn, 1, 1, 133, 133), 32, 32)
+
+    for lengths in ([40, 30, 43, 1, 19], [64, 69], [5, 120, 8], [133]):
+        before = doc._version, shared._version
+        ids[:] = _doc_ids(lengths).numpy()  # through NumPy: the counter does not move
+        shared.data[:] = _doc_ids(lengths)  # through .data: nor here
+        assert (doc._version, shared._version) == before, "the writes moved a counter"
+        for fn in (doc_mask, shared_mask):
+            got = fl.MaskMod(fn).tile_classes(133, 133, 32, 32)
+            assert torch.equal(got, exact(fn)), (lengths, fn.__name__)
+
+
 def test_mask_mods_and_score_mods_get_int32_indices():
     """Every call of a user callable gets int32 indices (Flex's compiled convention): tile
     by tile, sub-blocks, the score_mod on its tiles and the captured-tensor probe."""

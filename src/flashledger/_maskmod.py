@@ -105,19 +105,34 @@ _DERIVED: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], dict[Any, Any]]]
 def _derived(bm: BlockMask) -> dict[Any, Any]:
     """What was derived from ``bm``'s blocks before (its grid, its tiles' counts), kept
     with the ``BlockMask`` (made once, used every step) while those blocks are as they were:
-    the same tensors, their version counters unchanged (an in-place change, or a new
+    the same lengths and block sizes, and each block tensor equal to a copy taken when the
+    derivation was kept (a change in place, through ``.data`` or NumPy included, or a new
     tensor set as an attribute, starts afresh)."""
     tensors = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
-    state = (
-        tuple(bm.seq_lengths),
-        tuple(bm.BLOCK_SIZE),
-        *((None,) if t is None else (id(t), t._version, t.data_ptr()) for t in tensors),
-    )
+    shape = (tuple(bm.seq_lengths), tuple(bm.BLOCK_SIZE))
     kept = _DERIVED.get(bm)
-    if kept is None or kept[0] != state:
-        kept = (state, {})
-        _DERIVED[bm] = kept
-    return kept[1]
+    if kept is not None and kept[0][0] == shape and _same_blocks(kept[0][1], tensors):
+        return kept[1]
+    copies = tuple(None if t is None else t.detach().clone() for t in tensors)
+    fresh: dict[Any, Any] = {}
+    _DERIVED[bm] = ((shape, copies), fresh)
+    return fresh
+
+
+def _same_blocks(
+    copies: tuple[torch.Tensor | None, ...], tensors: tuple[torch.Tensor | None, ...]
+) -> bool:
+    """Each of ``tensors`` is None where its copy is, else the copy's shape, dtype and
+    values."""
+    for a, b in zip(copies, tensors, strict=True):
+        if a is None or b is None:
+            if a is not b:
+                return False
+            continue
+        same_kind = a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+        if not (same_kind and bool(torch.equal(a, b))):
+            return False
+    return True
 
 
 def padded_as_flex(

@@ -350,7 +350,7 @@ def _range_table(x: torch.Tensor, reduce: Callable[..., torch.Tensor]) -> torch.
     return torch.stack(rows)
 
 
-_TABLES: dict[tuple[int, int, str], tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
+_TABLES: dict[tuple[int, int, str], tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
 TABLE_KEEP_BYTES = 8 << 20
 """Largest range table kept between calls (a longer captured tensor's is built each time)."""
 
@@ -359,22 +359,29 @@ def _table_of(
     t: torch.Tensor, x: torch.Tensor, reduce: Callable[..., torch.Tensor], name: str
 ) -> torch.Tensor:
     """``_range_table(x, reduce)`` for ``x`` reduced from the captured tensor ``t``, kept
-    while ``t`` lives unchanged (a mask_mod's ``doc[q_idx]`` and ``doc[kv_idx]``, and the
-    classifications of one call at two tile sizes, build it once), up to 16 tables of at
-    most ``TABLE_KEEP_BYTES`` each."""
-    if t.is_inference():  # no version counter to tell a change by: built each time
-        return _range_table(x, reduce)
+    while ``t`` lives and ``x`` is what the table was built from (a mask_mod's ``doc[q_idx]``
+    and ``doc[kv_idx]``, and the classifications of one call at two tile sizes, build it
+    once), up to 16 tables of at most ``TABLE_KEEP_BYTES`` each. The table's first row is
+    ``x`` itself, and a kept table is used only where it equals the ``x`` of this call: a
+    write that leaves ``t``'s version counter as it was (through NumPy's view of it, or
+    ``t.data``) cannot make a stale table pass for current."""
     key = (id(t), t.data_ptr(), name)
     got = _TABLES.get(key)
-    if got is not None and got[0]() is t and got[1] == t._version:
-        return got[2]
+    if got is not None and got[0]() is t and _same(got[1][0], x):
+        return got[1]
     table = _range_table(x, reduce)
     if table.numel() * table.element_size() > TABLE_KEEP_BYTES:
         return table
     if len(_TABLES) >= 16:
         _TABLES.clear()
-    _TABLES[key] = (weakref.ref(t), t._version, table)
+    _TABLES[key] = (weakref.ref(t), table)
     return table
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` hold the same values in the same shape and dtype (NaN counts as
+    unequal: a table with one is built again)."""
+    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
 
 
 def _range_query(table: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, reduce: Any) -> Any:
