@@ -23,6 +23,8 @@ from flashledger import PRESETS, examples
 from flashledger.web import require_web_extra
 from flashledger.web.__main__ import main as web_main
 from flashledger.web.app import create_app, serve
+from flashledger.web.compute import backward_steps
+from flashledger.web.schemas import BackwardRequest
 
 
 @pytest.fixture(scope="module")
@@ -424,6 +426,42 @@ _BAD: list[tuple[str, str, Any, str, str]] = [
         "mask",
         "mask.left",
     ),
+    (  # a field the kind does not read is refused, not ignored
+        "causal-align",
+        "/api/backward",
+        _seed_backward(mask={"kind": "causal", "align": "bottom_right"}),
+        "mask",
+        "'align' only shape kind 'sliding_window', not 'causal'; leave it out; a causal mask "
+        "aligned bottom-right is kind 'causal_bottom_right'",
+    ),
+    (
+        "none-window-sides",
+        "/api/backward",
+        _seed_backward(mask={"kind": "none", "left": 1, "right": 0}),
+        "mask",
+        "'left' and 'right' only shape kind 'sliding_window', not 'none'",
+    ),
+    (
+        "seed-without-dropout",
+        "/api/backward",
+        _seed_backward(seed=5),
+        "seed",
+        "dropout_p is 0",
+    ),
+    (
+        "slope-without-alibi",
+        "/api/backward",
+        _seed_backward(alibi_slope=3.0),
+        "alibi_slope",
+        "alibi is off",
+    ),
+    (
+        "conventions-seed-without-dropout",
+        "/api/conventions",
+        {"q": [[1.0]], "k": [[1.0]], "v": [[1.0]], "seed": 3},
+        "seed",
+        "dropout_p is 0",
+    ),
     ("conventions", "/api/backward", _seed_backward(conventions="xformers"), "conventions", "seed"),
     ("dropout-one", "/api/backward", _seed_backward(dropout_p=1.0), "dropout_p", "0.9"),
     ("softcap-zero", "/api/backward", _seed_backward(softcap=0), "softcap", "allowed: (0, 10000]"),
@@ -492,6 +530,32 @@ def test_malformed_and_missing_bodies(client: TestClient) -> None:
     assert res.status_code == 422 and "request body" in res.json()["detail"], res.text
     res = client.post("/api/ledger", json=[1, 2, 3])
     assert res.status_code == 422, res.text
+
+
+def test_a_key_named_twice_or_an_encoded_body_is_refused(client: TestClient) -> None:
+    """A JSON object that names a key twice would have its last value win unseen: 422,
+    the key named. A body with a Content-Encoding the API does not decode: 415, the
+    header named (it was read as if it were plain, or failed as not UTF-8)."""
+    body = b'{"scores": [1], "values": [[1]], "scores": [5]}'
+    res = client.post("/api/ledger", content=body, headers={"Content-Type": "application/json"})
+    assert res.status_code == 422, res.text
+    err = res.json()["errors"][0]
+    assert err["kind"] == "invalid_json" and "'scores' more than once" in err["message"], err
+    nested = b'{"lq": 8, "mask": {"kind": "none", "kind": "causal"}}'
+    res = client.post("/api/storage", content=nested)
+    assert res.status_code == 422 and "'kind' more than once" in res.json()["detail"], res.text
+    for coding in ("gzip", "br"):
+        res = client.post(
+            "/api/storage",
+            content=b'{"lq": 8}',
+            headers={"Content-Type": "application/json", "Content-Encoding": coding},
+        )
+        assert res.status_code == 415, res.text
+        assert f"Content-Encoding '{coding}'" in res.json()["detail"], res.text
+    plain = client.post(
+        "/api/storage", content=b'{"lq": 8}', headers={"Content-Encoding": "identity"}
+    )
+    assert _ok(plain) == _ok(client.post("/api/storage", json={"lq": 8}))
 
 
 def test_bodies_that_are_not_json_objects_are_named(client: TestClient) -> None:
@@ -601,6 +665,29 @@ def test_gradient_check_tolerance_follows_the_scores_magnitude(client: TestClien
     assert seed["tolerance"] <= 1e-10 * 10, seed["tolerance"]  # ordinary inputs: 1e-10 rel
 
 
+def test_gradient_check_tolerance_follows_the_terms_a_gradient_cancels() -> None:
+    """Rows that each see one key with a score near 6e11 (P = 1 within the scores'
+    rounding, 1e-4 relative): dV[0] = P[0,0] g[0] + P[1,0] g[1] cancels to 0 from terms of
+    1e6, so the blocked and the autograd dV differ by about 1e2 where every gradient is
+    near 0. The tolerance scales with the terms summed, not with the (cancelled) result."""
+    body = {
+        "q": [[1e6, -1, 0], [1e6, 0, 1], [0, -358393.75, 1]],
+        "k": [[1e6, 977199.125, 0], [1e-300, -1, 0], [0, 1.5767, 2.0304]],
+        "v": [[3.0857941140421747], [-1], [0]],
+        "g": [[1e6], [-1e6], [0]],
+        "block_q": 1,
+        "block_k": 1,
+    }
+    req = BackwardRequest.model_validate(body)
+    data = backward_steps(req).model_dump()
+    largest = max(abs(x) for grad in data["grads"].values() for row in grad for x in row)
+    assert data["autograd"]["max_diff"] > 1e-10 * max(1.0, largest), (
+        "the case no longer cancels: it checks nothing"
+    )
+    assert data["autograd"]["ok"], data["autograd"]
+    assert data["grad_max_diff"] <= data["tolerance"], (data["grad_max_diff"], data["tolerance"])
+
+
 def test_oversized_headers_are_431(client: TestClient) -> None:
     res = client.get("/api/examples", headers={"X-Pad": "x" * 60_000})
     assert res.status_code == 431, res.status_code
@@ -671,6 +758,29 @@ def test_serve_and_module_reject_bad_port(capsys: pytest.CaptureFixture[str]) ->
         web_main(["--port", "70000"])
     assert exc.value.code == 2
     assert "--port must be in 0..65535" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "text"),
+    [
+        (["--host", ""], "--host is empty"),
+        (["--host", "  "], "--host is empty"),
+        (["--allow-host", ""], "is not a host name"),
+        (["--allow-host", "a b"], "is not a host name"),
+    ],
+)
+def test_serve_and_module_reject_what_explore_rejects(
+    capsys: pytest.CaptureFixture[str], argv: list[str], text: str
+) -> None:
+    """``python -m flashledger.web`` refuses the hosts ``flashledger explore`` refuses
+    (an empty --host would listen on every interface), before any port is bound."""
+    with pytest.raises(SystemExit) as exc:
+        web_main([*argv, "--port", "0"])
+    assert exc.value.code == 2
+    assert text in capsys.readouterr().err
+    host, allow = (argv[1], ()) if argv[0] == "--host" else ("127.0.0.1", (argv[1],))
+    with pytest.raises(ValueError, match=text):
+        serve(host=host, port=0, allow_hosts=allow)
 
 
 # ----------------------------------------------------------------------------- section 07
@@ -854,6 +964,18 @@ _RING_BAD: list[tuple[str, dict[str, Any], str, str]] = [
     ("example-length", {"data": "example", "length": 8}, "data", "length 5 and d 2"),
     ("data-kind", {"data": "file"}, "data", "'random' or 'example'"),
     ("seed-negative", {"seed": -1}, "seed", "seed"),
+    (
+        "seed-with-example",
+        {"data": "example", "length": 5, "d": 2, "world_size": 2, "seed": 5},
+        "seed",
+        "data is 'example'",
+    ),
+    (
+        "causal-align",
+        {"mask": {"kind": "causal", "align": "top_left"}},
+        "mask",
+        "kind 'causal_bottom_right'",
+    ),
     ("unknown-field", {"heads": 2}, "heads", "unknown field"),
 ]
 

@@ -487,7 +487,16 @@ def test_traced_backward_and_conventions_stop_at_the_check() -> None:
 
 
 @pytest.mark.parametrize(
-    "host", ["evil.example", "evil.example:8000", "127.0.0.1.evil.example", "192.168.1.7"]
+    "host",
+    [
+        "evil.example",
+        "evil.example:8000",
+        "127.0.0.1.evil.example",
+        "192.168.1.7",
+        "127.0.0.1:abc",  # a port that is not a number: not a Host header of this server
+        "localhost:99999",
+        "[::1]:x",
+    ],
 )
 def test_foreign_host_is_refused(client: TestClient, host: str) -> None:
     for method, path in (("GET", "/"), ("GET", "/api/examples"), ("POST", "/api/ledger")):

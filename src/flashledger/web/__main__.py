@@ -26,10 +26,14 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in 0..65535, got {args.port}")
     try:
-        from flashledger.web.app import serve
+        from flashledger.web.app import check_hosts, serve
     except ImportError as exc:
         print(f"flashledger: {exc}", file=sys.stderr)
         return 2
+    try:
+        check_hosts(args.host, args.allow_host)
+    except ValueError as exc:
+        parser.error(str(exc))
     try:
         serve(host=args.host, port=args.port, open_browser=args.open, allow_hosts=args.allow_host)
     except (OSError, ValueError) as exc:

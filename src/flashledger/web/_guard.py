@@ -115,13 +115,23 @@ def is_loopback(host: str) -> bool:
 
 
 def _host_name(value: str) -> str:
-    """The name in a ``Host`` header, without the port: ``[::1]:8000`` -> ``::1``."""
+    """The name in a ``Host`` header, without the port: ``[::1]:8000`` -> ``::1``; ""
+    (no name allowed) where a port is there but not a number of 0..65535."""
     value = value.strip().lower()
     if value.startswith("["):
-        return value[1:].split("]", 1)[0]
+        name, _, rest = value[1:].partition("]")
+        return name if rest == "" or _port_part(rest) else ""
     if value.count(":") == 1:
-        value = value.split(":", 1)[0]
+        value, _, port = value.partition(":")
+        if not _port_part(":" + port):
+            return ""
     return value.rstrip(".")
+
+
+def _port_part(text: str) -> bool:
+    """``text`` is ``:PORT`` with PORT a number of 0..65535."""
+    port = text[1:]
+    return text.startswith(":") and port.isascii() and port.isdigit() and int(port) <= 65535
 
 
 class HostRule:
@@ -255,6 +265,23 @@ class BodyGuard:
             )
             await send_error(send, 415, reason, "media_type", {"got": media[:60]})
             return
+        coding = dict(scope.get("headers") or []).get(b"content-encoding", b"")
+        coding_name = coding.decode("latin-1").strip().lower()
+        if body and coding_name not in ("", "identity"):
+            reason = (
+                f"the request body was sent with Content-Encoding {coding_name[:40]!r}; the "
+                "API reads plain JSON: send it without a Content-Encoding header"
+            )
+            await send_error(send, 415, reason, "media_type", {"got": coding_name[:60]})
+            return
+        twice = _repeated_key(bytes(body)) if body and (json_ok or not media) else None
+        if twice is not None:
+            reason = (
+                f"the request body names the key {twice[:40]!r} more than once in one object "
+                "(only the last would count); give each key once"
+            )
+            await send_error(send, 422, reason, "invalid_json", {})
+            return
         if body and not media:  # unlabelled: read as JSON, as it is labelled for the app
             scope = dict(scope)
             scope["headers"] = [
@@ -276,6 +303,33 @@ class BodyGuard:
         message = f"the request body is {size} bytes or more; the limit is {self.limit} bytes"
         limits = {"max": self.limit, "got": size}
         await send_error(send, 413, message, "too_large", limits, [("connection", "close")])
+
+
+class _Repeated(Exception):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _refuse_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _Repeated(key)
+        out[key] = value
+    return out
+
+
+def _repeated_key(body: bytes) -> str | None:
+    """The first key a JSON object of ``body`` names twice, or None (also where ``body``
+    is not JSON at all: the app says what is wrong with it)."""
+    try:
+        json.loads(body, object_pairs_hook=_refuse_repeats)
+    except _Repeated as exc:
+        return exc.key
+    except (ValueError, RecursionError):
+        return None
+    return None
 
 
 def _media_type(scope: Scope) -> str:

@@ -514,6 +514,19 @@ def _url(host: str, port: int) -> str:
     return f"http://[{name}]:{port}/" if ":" in name else f"http://{name}:{port}/"
 
 
+def check_hosts(host: str, allow_hosts: Iterable[str]) -> None:
+    """Raise ``ValueError`` (one line naming the option) for an empty ``host`` (which
+    would listen on every interface) or an ``allow_hosts`` name that cannot be a host
+    name (empty, or with spaces)."""
+    if not isinstance(host, str) or not host.strip():
+        raise ValueError(
+            "--host is empty; give an address, e.g. 127.0.0.1, or 0.0.0.0 for all interfaces"
+        )
+    for name in allow_hosts:
+        if not isinstance(name, str) or not name.strip() or any(c.isspace() for c in name):
+            raise ValueError(f"--allow-host {name!r} is not a host name (empty, or has spaces)")
+
+
 def serve(
     *,
     host: str = "127.0.0.1",
@@ -529,6 +542,7 @@ def serve(
     """
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"port must be an integer in 0..65535, got {port!r}")
+    check_hosts(host, allow_hosts)
     sock = _guard.listen(host, port)
     port = sock.getsockname()[1]
     url = _url(host, port)

@@ -54,23 +54,48 @@ __all__ = [
 
 F64 = torch.float64
 AUTOGRAD_RTOL = 1e-10
-"""The autograd check passes when max |blocked - autograd| <= rtol * max(1, max |grad|), rtol
-this or, with large scores, what their rounding allows (``_grad_rtol``)."""
+"""The autograd check passes when max |blocked - autograd| <= rtol * max(1, max |grad|), or
+within what the rounding of large scores allows (``_grad_tolerance``)."""
 
 
-def _grad_rtol(req: sc.AttentionProblem, q: torch.Tensor, k: torch.Tensor) -> float:
-    """The gradients' relative tolerance: ``AUTOGRAD_RTOL``, or where the scores are large
-    ``4 d eps (1 + S)``, ``S = scale · d · max|q| · max|k|`` (+ ALiBi's largest term)
-    bounding every ``|s|``. Each path forms ``s`` with its own rounding (``d · eps · S``
-    each, at most), and ``P = exp(s - lse)`` carries the difference as a relative one:
-    with entries near the 1e6 limit the scores reach 1e12, which float64 keeps to 1e-4."""
+def _grad_tolerance(
+    req: sc.AttentionProblem,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    grads: tuple[torch.Tensor, ...],
+) -> float:
+    """The gradients' absolute tolerance: ``AUTOGRAD_RTOL · max(1, max|grad|)``, or where
+    the scores are large ``4 d eps (1 + S)`` times the largest term a gradient sums
+    (``_grad_terms``; a gradient can cancel to 0 where its terms are large), ``S = scale · d
+    · max|q| · max|k|`` (+ ALiBi's largest term) bounding every ``|s|``. Each path forms
+    ``s`` with its own rounding (``d · eps · S`` each, at most), and ``P = exp(s - lse)``
+    carries the difference as a relative one: with entries near the 1e6 limit the scores
+    reach 1e12, which float64 keeps to 1e-4."""
     d = q.shape[1]
     bound = d * float(q.abs().max()) * float(k.abs().max()) / math.sqrt(d)
     if req.softcap is not None:
         bound = min(bound, req.softcap)
     if req.alibi:
         bound += req.alibi_slope * max(q.shape[0], k.shape[0])
-    return max(AUTOGRAD_RTOL, 4 * d * torch.finfo(torch.float64).eps * (1 + bound))
+    rounding = 4 * d * torch.finfo(torch.float64).eps * (1 + bound)
+    largest = max(1.0, *(float(x.abs().max()) for x in grads))
+    return max(AUTOGRAD_RTOL * largest, rounding * max(largest, _grad_terms(req, q, k, v, g)))
+
+
+def _grad_terms(req: sc.AttentionProblem, *xs: torch.Tensor) -> float:
+    """The largest term any gradient sums, which its rounding error scales with. With q,
+    k, v, g: ``|dS| <= 2 d_v max|g| max|v| / (1 - p)`` summed against P (a row of P sums
+    to 1, a column to at most Lq): dQ's terms ``scale · |dS| · max|k|``, dK's ``scale · Lq
+    · |dS| · max|q|``, dV's ``Lq · max|g| / (1 - p)``."""
+    q, k, v, g = xs  # (Lq, d) (Lk, d) (Lk, d_v) (Lq, d_v)
+    lq, d, dv = q.shape[0], q.shape[1], v.shape[1]
+    mq, mk, mv, mg = (float(x.abs().max()) if x.numel() else 0.0 for x in xs)
+    drop = 1.0 / (1.0 - req.dropout_p)
+    ds = 2 * dv * mg * mv * drop
+    scale = 1.0 / math.sqrt(d)
+    return max(scale * ds * mk, scale * lq * ds * mq, lq * mg * drop)
 
 
 _MEASURE_LOCK = threading.Lock()
@@ -459,8 +484,7 @@ def backward_steps(req: sc.BackwardRequest, *, check: Check = _no_check) -> sc.B
     ref_grads = (refb.dq, refb.dk, refb.dv)
     grad_diff = max(_max_diff(a, b) for a, b in zip(grads, ref_grads))
     auto_diff = max(_max_diff(a, b) for a, b in zip(grads, auto))
-    scale_of = max(1.0, *(float(x.abs().max()) for x in auto))
-    tol = _grad_rtol(req, q, k) * scale_of
+    tol = _grad_tolerance(req, q, k, v, g, auto)
     steps = [_backward_step(r) for r in bwd.ledger.records]
     return sc.BackwardResponse(
         lq=lq,

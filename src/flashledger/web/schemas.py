@@ -130,6 +130,7 @@ ERROR_KINDS: dict[str, str] = {
     "pair": "softcap with dropout, which the conventions refuse (limits: conventions, allowed)",
     "mask_dense": "a custom mask without its grid, or a grid without a custom mask",
     "unknown_field": "a field the request does not have",
+    "unused": "a field the other fields leave without effect (limits: needs)",
     "missing": "a required field left out",
     "invalid_json": "a body that is not JSON",
     "work": "more work than one request may ask for (limits: units, max)",
@@ -416,6 +417,26 @@ class MaskSpec(_Request):
             )
         if self.kind != "custom":
             self.dense = None  # an empty grid is no grid
+        unused = [
+            name
+            for name in ("left", "right", "align")
+            if name in self.model_fields_set and getattr(self, name) is not None
+        ]
+        if self.kind != "sliding_window" and unused:
+            hint = (
+                "; a causal mask aligned bottom-right is kind 'causal_bottom_right' (top-left: "
+                "'causal_top_left', the preset's: 'causal')"
+                if "align" in unused and self.kind.startswith("causal")
+                else ""
+            )
+            raise InputError(
+                "mask",
+                f"mask: {' and '.join(repr(n) for n in unused)} only shape kind "
+                f"'sliding_window', not {self.kind!r}; leave {'it' if len(unused) == 1 else 'them'}"
+                f" out{hint}",
+                "unused",
+                needs="kind 'sliding_window'",
+            )
         return self
 
     @classmethod
@@ -548,6 +569,28 @@ class AttentionProblem(_Request):
                 allowed=", ".join(PRESETS),
             )
         return value
+
+    @model_validator(mode="after")
+    def _no_unused(self) -> AttentionProblem:
+        """``seed`` picks dropout's keep mask and ``alibi_slope`` is ALiBi's: each given
+        without what it serves would be ignored, so it is refused."""
+        if "seed" in self.model_fields_set and self.dropout_p == 0:
+            raise InputError(
+                "seed",
+                "seed: it picks dropout's keep mask, and dropout_p is 0; leave seed out, or set "
+                "dropout_p above 0",
+                "unused",
+                needs="dropout_p > 0",
+            )
+        if "alibi_slope" in self.model_fields_set and not self.alibi:
+            raise InputError(
+                "alibi_slope",
+                "alibi_slope: it is ALiBi's slope, and alibi is off; leave alibi_slope out, or "
+                "set alibi to true",
+                "unused",
+                needs="alibi: true",
+            )
+        return self
 
     def check_pair(self) -> None:
         """Raise :class:`InputError` (kind ``pair``, on ``softcap``) when the conventions
@@ -935,6 +978,14 @@ class RingRequest(_Request):
 
     @model_validator(mode="after")
     def _consistent(self) -> RingRequest:
+        if self.data == "example" and "seed" in self.model_fields_set:
+            raise InputError(
+                "seed",
+                "seed: it draws the random data, and data is 'example' (the seed page's fixed "
+                "positions); leave seed out, or use random data",
+                "unused",
+                needs="data: 'random'",
+            )
         if self.data == "example" and (self.length, self.d) != (5, 2):
             raise InputError(
                 "data",

@@ -280,7 +280,7 @@ function request(read) {
     if (parsed.error) return { field: key, error: parsed.error };
     body[key] = parsed.rows;
   }
-  const ints = { block_q: "bq", block_k: "bk", seed: "seed" };
+  const ints = { block_q: "bq", block_k: "bk" };
   for (const [field, key] of Object.entries(ints)) {
     body[field] = parseIntField(read(key));
     if (body[field] === null) return { field, error: ["err.integer", {}] };
@@ -291,23 +291,33 @@ function request(read) {
   }
   body.conventions = read("conv");
   // dropout p and the ALiBi slope are numbers (empty is refused, never taken for 0);
-  // softcap is off when empty, as its label says
-  for (const [field, key] of [["dropout_p", "p"], ["alibi_slope", "slope"]]) {
+  // softcap is off when empty, as its label says. The seed is sent only with dropout and
+  // the slope only with ALiBi: the API refuses a field that would have no effect.
+  body.alibi = read("alibi") === "1";
+  const numbers = [["dropout_p", "p"]];
+  if (body.alibi) numbers.push(["alibi_slope", "slope"]);
+  for (const [field, key] of numbers) {
     const x = numberOrNull(read(key));
     if (x === null) return { field, error: ["err.k.not_number", {}] };
     if (Number.isNaN(x)) return { field, error: ["err.notNumberOne", { token: read(key) }] };
     body[field] = x;
   }
+  if (body.dropout_p > 0) {
+    body.seed = parseIntField(read("seed"));
+    if (body.seed === null) return { field: "seed", error: ["err.integer", {}] };
+  }
   const cap = numberOrNull(read("cap"));
   if (Number.isNaN(cap)) return { field: "softcap", error: ["err.notNumberOne", { token: read("cap") }] };
   body.softcap = cap;
-  body.alibi = read("alibi") === "1";
   return { body };
 }
 
 async function compute() {
   document.getElementById("mask-grid-wrap").hidden = get("mask") !== "custom";
   for (const el of section.querySelectorAll(".window-only")) el.hidden = get("mask") !== "sliding_window";
+  // the seed serves dropout and the slope ALiBi: each field is off while what it serves is
+  document.getElementById("f-seed").disabled = !(numberOrNull(get("p")) > 0);
+  document.getElementById("f-slope").disabled = get("alibi") !== "1";
   return computeSection({
     section,
     request,
