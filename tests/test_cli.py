@@ -392,6 +392,27 @@ def test_mask_file_of_float_zeros_and_ones(
         ("empty.json", json.dumps({n: [] for n in "qkvg"}), ["q must have shape", "got (0,)"]),
         ("deep.json", json.dumps({n: [[[[[1.0]]]]] for n in "qkvg"}), ["got (1, 1, 1, 1, 1)"]),
         ("junk.npz", "not a zip", ["not a .npz archive"]),
+        (  # a key the command does not read is refused, not dropped unseen
+            "extra.json",
+            '{"q": [[1, 2]], "k": [[1, 2]], "v": [[1, 2]], "g": [[1, 1]], "scale": 100, '
+            '"mask": [[true]]}',
+            ["unknown key(s) 'scale', 'mask'", "q, k, v and g only", "--mask FILE"],
+        ),
+        (  # JSON keeps the last of two values of a key: which one was meant is not known
+            "twice.json",
+            '{"q": [[1, 2]], "k": [[1, 2]], "v": [[1, 2]], "g": [[1, 1]], "q": [[5, 5]]}',
+            ["the key 'q' appears more than once"],
+        ),
+        (
+            "bools.json",
+            '{"q": [[true, false]], "k": [[1, 2]], "v": [[1, 2]], "g": [[1, 1]]}',
+            ["q holds true/false values", "write 1 and 0"],
+        ),
+        (  # named as the file names it (g), not as the library's argument (do)
+            "ginf.json",
+            '{"q": [[1, 2]], "k": [[1, 2]], "v": [[1, 2]], "g": [[Infinity, 1]]}',
+            ["g holds NaN or inf at index (0, 0)", "must be finite"],
+        ),
     ],
 )
 def test_input_files_that_are_not_problems(
@@ -617,9 +638,23 @@ def test_explore_calls_serve(
     assert code == 0, err
     assert calls == [{"host": "127.0.0.1", "port": 8123, "open_browser": True, "allow_hosts": []}]
     assert_usage_error(*run(capsys, "explore", "--port", "70000"), "argument --port", "0..65535")
+    assert len(calls) == 1, "a refused option starts no server"
+
+
+def test_explore_refuses_hosts_before_it_listens(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real serve refuses an empty --host (every interface) or a name with spaces
+    before it binds a port (as ``python -m flashledger.web`` does): no server starts."""
+    pytest.importorskip("uvicorn")
+    from flashledger.web import _guard
+
+    def no_listen(*_args: Any) -> None:
+        raise AssertionError("a refused host reached listen")
+
+    monkeypatch.setattr(_guard, "listen", no_listen)
     assert_usage_error(*run(capsys, "explore", "--host", " "), "--host is empty")
     assert_usage_error(*run(capsys, "explore", "--allow-host", "a b"), "is not a host name")
-    assert len(calls) == 1, "a refused option starts no server"
 
 
 def test_delegated_subcommand_parses_its_own_options(
@@ -963,6 +998,17 @@ def test_account_names_the_alignment_a_preset_gives_the_mask(
         (["bench", "--out", ""], ["the path is empty"]),
         (["ring", "--seq", "100000000", "--world", "2"], ["dense reference", "lower --seq"]),
         (["ring", "--window", "-2,0"], ["--window LEFT must be -1 (unbounded) or an integer"]),
+        (
+            ["ring", "--seq", "8", "--seq-k", "12", "--align", "bottom_right"],
+            ["--align bottom_right aligns a causal mask or a window", "add --causal or --window"],
+        ),
+        (["bench", "--lengths", "16,16"], ["16 given more than once in '16,16'"]),
+        (["bench", "--dtypes", "float32,float32"], ["float32 given more than once"]),
+        (["bench", "--tiles", "64x64,64X64"], ["64x64 given more than once"]),
+        (  # a value pasted by mistake is echoed cut: its start, its end and its length
+            ["backward", "--dtype", "x" * 5000],
+            ["x" * 80 + "…" + "x" * 20 + " (5,000 characters)"],
+        ),
         (["ring", "--world", "abc"], ["--world: expected an integer >= 1, got 'abc'"]),
         (["ring", "--conventions", "nope"], ["unknown preset 'nope'; allowed: flash_attn_2"]),
         (

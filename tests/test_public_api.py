@@ -10,6 +10,7 @@ import importlib.resources
 import inspect
 import math
 import re
+import sys
 
 import pytest
 import torch
@@ -226,6 +227,28 @@ MODULE_DEMOS = {
 }
 
 
+@pytest.mark.parametrize("name", list(MODULE_DEMOS))
+def test_a_module_demo_refuses_options(
+    name: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A demo takes no options: one given (``--scores 1,2``, which ``flashledger online``
+    reads) is refused with where the options are, not dropped while the demo prints its
+    defaults."""
+    import runpy
+    import warnings
+
+    if name in ("model", "integrations.transformers"):
+        pytest.importorskip("transformers")
+    monkeypatch.setattr(sys, "argv", [f"flashledger.{name}", "--scores", "1,2"])
+    with warnings.catch_warnings(), pytest.raises(SystemExit) as exc:
+        warnings.simplefilter("ignore", RuntimeWarning)  # runpy: module already imported
+        runpy.run_module(f"flashledger.{name}", run_name="__main__")
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2 and out == "", out[:300]
+    assert "the demo takes no options, got '--scores 1,2'" in err, err
+    assert "takes options (flashledger " in err, err
+
+
 def test_every_public_module_has_a_demo() -> None:
     import pkgutil
 
@@ -236,12 +259,15 @@ def test_every_public_module_has_a_demo() -> None:
 
 
 @pytest.mark.parametrize(("name", "shows"), MODULE_DEMOS.items(), ids=list(MODULE_DEMOS))
-def test_module_demo_runs(name: str, shows: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_module_demo_runs(
+    name: str, shows: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     import runpy
     import warnings
 
     if name in ("model", "integrations.transformers"):
         pytest.importorskip("transformers")
+    monkeypatch.setattr(sys, "argv", [f"flashledger.{name}"])  # as `python -m` runs it
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # runpy: module already imported
         runpy.run_module(f"flashledger.{name}", run_name="__main__")

@@ -727,4 +727,6 @@ def _demo() -> None:
 
 
 if __name__ == "__main__":
-    _demo()
+    from flashledger._demo import run_demo
+
+    run_demo("_kvcache", _demo)

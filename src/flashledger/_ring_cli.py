@@ -82,6 +82,11 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _mask(args: argparse.Namespace) -> Mask | None:
+    if args.align is not None and not args.causal and args.window is None:
+        raise ValueError(
+            f"--align {args.align} aligns a causal mask or a window, and there is neither: it "
+            "would be ignored; add --causal or --window LEFT,RIGHT, or drop --align"
+        )
     mask: Mask | None = Causal(align=args.align) if args.causal else None
     if args.window is not None:
         parts = str(args.window).split(",")

@@ -586,4 +586,6 @@ def _demo() -> None:
 
 
 if __name__ == "__main__":
-    _demo()
+    from flashledger._demo import run_demo
+
+    run_demo("autograd", _demo)

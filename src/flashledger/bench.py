@@ -1238,9 +1238,24 @@ def _int_list(text: str) -> tuple[int, ...]:
     if not vals:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated integers in 1..{MAX_DECODE_LENGTH} (no empty item; "
-            f"the attention benchmark takes lengths up to {MAX_LENGTH}), got {text!r}"
+            f"the attention benchmark takes lengths up to {MAX_LENGTH}), got {_shown(text)}"
+        )
+    return _once(vals, text)
+
+
+def _once(vals: tuple[Any, ...], text: str, name: Callable[[Any], str] = str) -> tuple[Any, ...]:
+    """``vals`` when no item repeats (a repeat would run and report a configuration twice)."""
+    twice = sorted({name(x) for x in vals if vals.count(x) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(twice)} given more than once in {_shown(text)}; name each once"
         )
     return vals
+
+
+def _shown(text: str, most: int = 60) -> str:
+    """``repr(text)``, cut to about ``most`` characters with the length said."""
+    return repr(text) if len(text) <= most else f"{text[:most]!r}... ({len(text)} characters)"
 
 
 def _dtype_list(text: str) -> tuple[str, ...]:
@@ -1248,9 +1263,9 @@ def _dtype_list(text: str) -> tuple[str, ...]:
     bad = [x for x in vals if x not in DTYPES]
     if not vals or bad:
         raise argparse.ArgumentTypeError(
-            f"expected a comma-separated list of {', '.join(DTYPES)}, got {text!r}"
+            f"expected a comma-separated list of {', '.join(DTYPES)}, got {_shown(text)}"
         )
-    return vals
+    return _once(vals, text)
 
 
 def _causal(text: str) -> tuple[bool, ...]:
@@ -1271,10 +1286,10 @@ def _tiles(text: str) -> tuple[tuple[int, int], ...]:
         if len(bits) != 2 or not bq:
             raise argparse.ArgumentTypeError(
                 f"expected tiles as BQxBK (integers in 1..{MAX_SIZE}), comma-separated, "
-                f"got {text!r}"
+                f"got {_shown(text)}"
             )
         out.append((bq, bk))
-    return tuple(out)
+    return _once(tuple(out), text, lambda t: f"{t[0]}x{t[1]}")
 
 
 _positive_int = int_arg(1)

@@ -246,15 +246,41 @@ def _load_bool_matrix(path: str) -> torch.Tensor:
 
 
 def _read_json(path: str, what: str, hint: str) -> Any:
-    """Parse a JSON file; nesting deeper than Python's parser can follow is a clear error."""
+    """Parse a JSON file; nesting deeper than Python's parser can follow, or an object that
+    names a key twice (where one would silently win), is a clear error."""
     text = Path(path).read_text()
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique_keys)
     except RecursionError:
         raise argparse.ArgumentTypeError(
             f"{what}: JSON nested too deeply to read (more than {sys.getrecursionlimit():,} "
             f"levels); {hint}"
         ) from None
+    except _DuplicateKey as exc:
+        raise argparse.ArgumentTypeError(
+            f"{what}: the key {_cut(exc.key)!r} appears more than once in one object (only the "
+            "last would count); give it once"
+        ) from None
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def _cut(text: str, most: int = 40) -> str:
+    """``text``, cut to ``most`` characters (an ellipsis marks the cut)."""
+    return text if len(text) <= most else text[: most - 1] + "…"
 
 
 MAX_NESTING = 32
@@ -551,6 +577,13 @@ def _load_inputs(path: str) -> dict[str, torch.Tensor]:
     missing = [k for k in keys if k not in data]
     if missing:
         raise UsageError(f"--input {path}: missing key(s) {', '.join(missing)}; needs q, k, v, g")
+    unknown = [_cut(str(k)) for k in data if k not in keys]
+    if unknown:
+        raise UsageError(
+            f"--input {path}: unknown key(s) {', '.join(map(repr, unknown))}; it holds q, k, v "
+            "and g only (a mask is --mask FILE, the conventions --conventions, the tiles "
+            "--block-q and --block-k)"
+        )
     out = {}
     for k in keys:
         if isinstance(data[k], list) and _nesting(data[k]) > MAX_NESTING:
@@ -565,6 +598,11 @@ def _load_inputs(path: str) -> dict[str, torch.Tensor]:
                     f"--input {path}: {k} holds complex numbers ({raw.dtype}); attention "
                     "inputs are real (the imaginary part would be dropped)"
                 )
+            if raw.dtype.kind == "b" or _holds_bool(data[k]):
+                raise UsageError(
+                    f"--input {path}: {k} holds true/false values; attention inputs are numbers "
+                    "(write 1 and 0 if that is what you mean)"
+                )
             arr = np.asarray(raw, dtype=np.float64)
         except (TypeError, ValueError):
             raise UsageError(f"--input {path}: {k} must be a numeric array") from None
@@ -572,6 +610,13 @@ def _load_inputs(path: str) -> dict[str, torch.Tensor]:
             raise UsageError(
                 f"--input {path}: {k} must have shape (L, d), (H, L, d) or (B, H, L, d) with "
                 f"every size >= 1, got {arr.shape}"
+            )
+        bad = np.argwhere(~np.isfinite(arr))
+        if len(bad):
+            at = tuple(int(i) for i in bad[0])
+            raise UsageError(
+                f"--input {path}: {k} holds NaN or inf at index {at}; every value of q, k, v "
+                "and g must be finite"
             )
         out[k] = torch.from_numpy(arr)
     q, v, g = out["q"], out["v"], out["g"]
@@ -582,6 +627,13 @@ def _load_inputs(path: str) -> dict[str, torch.Tensor]:
             f"got {tuple(g.shape)}"
         )
     return out
+
+
+def _holds_bool(x: Any) -> bool:
+    """A JSON value (nested lists) holds a true or false somewhere."""
+    if isinstance(x, bool):
+        return True
+    return isinstance(x, list) and any(_holds_bool(y) for y in x)
 
 
 def _row_labels(shape: Sequence[int]) -> list[str]:
@@ -1046,11 +1098,8 @@ def _cmd_explore(args: argparse.Namespace) -> int:
         from .web.app import serve
     except ImportError as exc:
         raise UsageError(f"the explorer is not available: {exc}") from None
-    if not args.host.strip():
-        raise UsageError("--host is empty; give an address, e.g. 127.0.0.1, or 0.0.0.0 for all")
-    for name in args.allow_host:
-        if not name.strip() or any(c.isspace() for c in name):
-            raise UsageError(f"--allow-host {name!r} is not a host name (empty, or has spaces)")
+    # serve refuses an empty --host or a bad --allow-host name (ValueError, one line) before
+    # it binds, as it does for python -m flashledger.web
     # a busy port or an unknown host raises OSError with one line, before the server starts
     serve(host=args.host, port=args.port, open_browser=args.open, allow_hosts=args.allow_host)
     return 0
@@ -1445,9 +1494,21 @@ def _allocation(exc: BaseException) -> str:
     return f"one allocation of {n:,} bytes failed"
 
 
+LONGEST_WORD = 200
+"""Longest run without spaces an error line echoes whole (a value given by mistake, such
+as a file's contents pasted as an option, is cut: its start, its end and its length)."""
+
+
 def _fail(message: str) -> None:
     """One line on standard error."""
-    sys.stderr.write(" ".join(message.split()) + "\n")
+    words = (_cut_word(w) for w in message.split())
+    sys.stderr.write(" ".join(words) + "\n")
+
+
+def _cut_word(word: str) -> str:
+    if len(word) <= LONGEST_WORD:
+        return word
+    return f"{word[:80]}…{word[-20:]} ({len(word):,} characters)"
 
 
 if __name__ == "__main__":

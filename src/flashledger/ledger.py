@@ -434,4 +434,6 @@ def _demo() -> None:
 
 
 if __name__ == "__main__":
-    _demo()
+    from flashledger._demo import run_demo
+
+    run_demo("ledger", _demo, command="backward")

@@ -445,6 +445,7 @@ def blockwise_softmax_average(
 
 
 def _demo() -> None:
+    """The seed page's six scores in blocks of 2: the running state block by block."""
     from .examples import SIX_SCORES, SIX_VALUES
 
     osm = OnlineSoftmax.run(SIX_SCORES, SIX_VALUES, block=2)
@@ -455,4 +456,6 @@ def _demo() -> None:
 
 
 if __name__ == "__main__":
-    _demo()
+    from flashledger._demo import run_demo
+
+    run_demo("online", _demo, command="online")

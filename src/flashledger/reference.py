@@ -271,4 +271,6 @@ def _demo() -> None:
 
 
 if __name__ == "__main__":
-    _demo()
+    from flashledger._demo import run_demo
+
+    run_demo("reference", _demo)
