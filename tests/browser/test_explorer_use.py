@@ -466,3 +466,35 @@ def step_to_end(page: Any, stepper: str) -> int:
         presses += 1
         assert presses <= 100, f"{stepper} never reached its end"
     return presses
+
+
+# ----------------------------------------------------------------------------- 6. fields in use
+
+
+def test_the_seed_and_the_slope_are_fields_only_while_they_have_an_effect(visit_at: Any) -> None:
+    """The seed picks dropout's keep mask and the slope is ALiBi's: each field is off while
+    what it serves is (the API refuses a field without effect), a link that carries them
+    still computes, and turning dropout or ALiBi on sends them."""
+    v, page = open_page(visit_at, DESKTOP, "?sec=backward&seed=7&slope=2")
+    config = page.locator("#bw-config")
+    expect(config).to_have_text("L = 5 · causal, top-left · 2×2 · seed", use_inner_text=True)
+    expect(page.locator("#f-seed")).to_be_disabled()
+    expect(page.locator("#f-slope")).to_be_disabled()
+    page.click("#bw-inputs summary")
+    page.fill("#f-p", "0.3")
+    expect(page.locator("#f-seed")).to_be_enabled()
+    expect(config).to_have_text(
+        "L = 5 · causal, top-left · 2×2 · seed · dropout 0.3", use_inner_text=True
+    )
+    page.check("#f-alibi")
+    expect(page.locator("#f-slope")).to_be_enabled()
+    expect(config).to_have_text(
+        "L = 5 · causal, top-left · 2×2 · seed · dropout 0.3 · ALiBi 2", use_inner_text=True
+    )
+    page.fill("#f-p", "0")
+    expect(page.locator("#f-seed")).to_be_disabled()
+    expect(config).to_have_text(
+        "L = 5 · causal, top-left · 2×2 · seed · ALiBi 2", use_inner_text=True
+    )
+    expect(page.locator("#sec-backward")).not_to_have_class(_has("stale"))
+    assert not quiet_errors(v), v.console_errors
