@@ -1003,3 +1003,24 @@ def test_states_keep_the_accumulation_dtype() -> None:
     assert last.o is not None and torch.equal(
         last.o.to(h), shard_sequence(res.o, 0, 2, "contiguous")
     )
+
+
+@pytest.mark.parametrize(
+    ("timeout", "said"),
+    [
+        (8.0, "did not arrive within 8 s (timeout=8)"),
+        (None, "did not arrive within the process group's timeout (timeout=None)"),
+    ],
+)
+def test_a_wait_that_times_out_says_which_timeout(timeout: float | None, said: str) -> None:
+    """With ``timeout=None`` the process group's own timeout ends the wait: the error is
+    the TimeoutError that names what did not arrive, not a formatting error of None."""
+    from flashledger._ring_transport import _wait
+
+    class _Late:
+        def wait(self, timeout: object = None) -> None:
+            raise RuntimeError("[gloo] Timed out waiting 6000ms for recv operation to complete")
+
+    with pytest.raises(TimeoutError, match=re.escape(said)) as exc:
+        _wait(_Late(), timeout, "the K/V shard of step 2")
+    assert "ring attention: the K/V shard of step 2" in str(exc.value)

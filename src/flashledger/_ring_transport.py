@@ -75,10 +75,15 @@ def _wait(work: Any, timeout: float | None, what: str) -> None:
     except RuntimeError as exc:
         text = str(exc)
         if "imed out" in text or "timeout" in text.lower():
+            within = (
+                f"within {timeout:g} s (timeout={timeout:g})"
+                if timeout is not None
+                else "within the process group's timeout (timeout=None)"
+            )
             raise TimeoutError(
-                f"ring attention: {what} did not arrive within {timeout:g} s (timeout=): that "
-                "rank failed, stopped, or is far behind; the process group cannot be used after "
-                "this (for very long shards pass a larger timeout)"
+                f"ring attention: {what} did not arrive {within}: that rank failed, stopped, or "
+                "is far behind; the process group cannot be used after this (for very long "
+                "shards pass a larger timeout)"
             ) from None
         raise RuntimeError(f"ring attention: waiting for {what} failed: {text}") from exc
 
