@@ -53,7 +53,7 @@ def _repeat_kv(
 def test_flash_attention_passes_in_every_dtype(dtype: torch.dtype) -> None:
     report = assert_attention_close(flashledger_fn, dtypes=(dtype,), quick=True)
     assert report.passed
-    assert len(report.rows) == 18  # 3 shapes x 6 masks
+    assert len(report.rows) == 19  # 3 shapes x 6 masks, and the large-score case
     assert all(r.checked == "O LSE dQ dK dV" for r in report.rows), {r.checked for r in report.rows}
 
 
@@ -75,7 +75,7 @@ def test_blocked_forward_passes_under_other_presets(preset: fl.Conventions) -> N
     report = assert_attention_close(
         forward, conventions=preset, dtypes=(torch.float32,), quick=True
     )
-    assert report.passed and len(report.rows) == 18
+    assert report.passed and len(report.rows) == 18 + 1  # and the large-score case
     assert all("gradients not checked" in r.detail for r in report.rows), report.rows[0].detail
 
 
@@ -83,7 +83,7 @@ def test_sdpa_passes_under_sdpa_cpu() -> None:
     report = assert_attention_close(
         sdpa_fn, conventions=fl.SDPA_CPU, dtypes=(torch.bfloat16, torch.float32), quick=True
     )
-    assert report.passed and len(report.rows) == 36
+    assert report.passed and len(report.rows) == 36 + 2  # and a large-score case per dtype
     assert all("LSE not returned" in r.detail for r in report.rows)
 
 
@@ -96,7 +96,12 @@ def test_full_sweep_covers_the_shapes_that_break_tiling() -> None:
     assert any(c.shape.head_dim % 2 for c in cases) and any(c.shape.gqa for c in cases)
     assert any(c.shape.head_dim_v != c.shape.head_dim for c in cases)
     assert {c.dtype for c in cases} == set(ALL_DTYPES)
-    assert len(cases) == 8 * 6 * 4
+    assert len(cases) == 8 * 6 * 4 + 4  # and one large-score case per dtype
+    large = [c for c in cases if not c.default_scale]
+    assert [c.dtype for c in large] == list(ALL_DTYPES), [c.name for c in large]
+    assert all(c.name.startswith("none B1 H4/2 257x257 d8 ") for c in large), large
+    assert all(" scale 133 " in c.name for c in large), [c.name for c in large]
+    assert len(attention_cases(large_scores=False)) == 8 * 6 * 4
     assert not any(c.shape.gqa for c in attention_cases(gqa=False))
 
 
@@ -201,6 +206,69 @@ def test_dropped_scale_fails_and_names_the_worst_element() -> None:
     assert idx == tuple(int(i) for i in torch.unravel_index(err.argmax(), err.shape))
     assert f"got {got[idx].item():.6g}, oracle {want[idx].item():.6g}" in msg
     assert f"error {err.max().item():.3g} >" in msg
+
+
+def test_a_softmax_without_its_row_maximum_fails_the_default_sweep() -> None:
+    """exp(s) / sum exp(s) without subtracting the row's maximum is right at the default
+    scale (scores under 10) and overflows at large ones: the sweep's large-score case of
+    each dtype catches it, as inf or NaN in O, in every dtype, while the same softmax with
+    the maximum subtracted passes them all."""
+
+    def softmax_of(q, k, v, case, subtract):
+        k, v = _repeat_kv(q, k, v)
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # exp in float32
+        s = (q.to(acc) @ k.to(acc).transpose(-1, -2)) * case.scale
+        if case.dense_mask() is not None:
+            s = s.masked_fill(~case.dense_mask(), -math.inf)
+        if subtract:
+            top = s.amax(-1, keepdim=True)
+            s = s - torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        p = s.exp()
+        den = p.sum(-1, keepdim=True)
+        o = torch.where(den > 0, p / torch.where(den > 0, den, 1), 0) @ v.to(acc)
+        return o.to(q.dtype)
+
+    def unsafe(q, k, v, case):
+        return softmax_of(q, k, v, case, subtract=False)
+
+    def safe(q, k, v, case):
+        return softmax_of(q, k, v, case, subtract=True)
+
+    plain = attention_cases(quick=True, masks=("none",), large_scores=False)
+    assert assert_attention_close(unsafe, cases=plain, check_grads=False).passed, (
+        "the default scale already overflows: the large-score cases add nothing"
+    )
+    assert assert_attention_close(safe, quick=True, check_grads=False).passed
+    msg = _failure(unsafe, attention_cases(quick=True), check_grads=False)
+    failed = re.findall(r"case (\S+ B\S+ \S+ \S+ \S+ \S+ scale 168) ", msg)
+    assert "4 of 76 cases fail" in msg.splitlines()[0], msg.splitlines()[0]
+    assert [name.split()[5] for name in failed] == ["float16", "bfloat16", "float32", "float64"]
+    assert "got nan" in msg or "got inf" in msg, msg
+
+
+def test_a_sweep_that_would_check_nothing_or_read_a_name_letter_by_letter_is_refused() -> None:
+    with pytest.raises(ValueError, match="masks is empty: the sweep would check nothing"):
+        assert_attention_close(sdpa_fn, masks=(), quick=True)
+    with pytest.raises(ValueError, match="dtypes is empty"):
+        assert_attention_close(sdpa_fn, dtypes=(), quick=True)
+    with pytest.raises(TypeError, match=re.escape("got 'window' alone; write masks=('window',)")):
+        assert_attention_close(sdpa_fn, masks="window", quick=True)
+    with pytest.raises(TypeError, match=re.escape("write dtypes=(torch.float32,)")):
+        assert_attention_close(sdpa_fn, dtypes=torch.float32, quick=True)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"float16, bfloat16, float32, float64, got torch\.float8"):
+        assert_attention_close(sdpa_fn, dtypes=(torch.float8_e4m3fn,), quick=True)
+    with pytest.raises(ValueError, match="the oracle's and the rule's dtypes"):
+        Case(LQ_LT_LK, torch.float8_e4m3fn)
+
+
+def test_a_case_built_by_hand_is_named_by_its_mask() -> None:
+    """Without a mask_name, a case is named from its mask, not "none"."""
+    assert Case(LQ_LT_LK, torch.float32, fl.Causal("bottom_right")).name.startswith(
+        "causal_bottom_right B1"
+    )
+    assert Case(LQ_LT_LK, torch.float32, fl.Causal()).mask_name == "causal"
+    assert Case(LQ_LT_LK, torch.float32).mask_name == "none"
+    assert Case(LQ_LT_LK, torch.float32, fl.SlidingWindow(2, 0), "mine").mask_name == "mine"
 
 
 def test_wrong_gradient_fails_on_the_gradient() -> None:
@@ -483,5 +551,5 @@ def test_the_failure_header_tells_a_raising_fn_from_a_wrong_one() -> None:
     with pytest.raises(AssertionError) as info:
         fl.assert_attention_close(raising, quick=True, masks=("none",), dtypes=(torch.float64,))
     head = str(info.value).splitlines()[0]
-    assert "3 of 3 cases fail: 3 could not be judged (fn raised" in head, head
+    assert "4 of 4 cases fail: 4 could not be judged (fn raised" in head, head
     assert "differ from the float64 oracle" not in head, head

@@ -13,6 +13,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import torch
 
@@ -22,6 +23,7 @@ from .masks import Causal, DenseMask, KeyPadding, Mask, SlidingWindow
 __all__ = [
     "ALL_DTYPES",
     "FULL_SHAPES",
+    "LARGE_SCORE",
     "MASK_KINDS",
     "QUICK_SHAPES",
     "Case",
@@ -49,6 +51,13 @@ WINDOW = (16, 4)
 
 EMPTY_ROW_KEEP = 0.75
 """Keep probability of the random mask of the ``empty_rows`` cases."""
+
+LARGE_SCORE = 1500.0
+"""The sweep's large-score cases scale the scores so that the largest of each row lie near
+this (``scale = LARGE_SCORE / (4 sqrt(d))``: a row's largest ``q·k`` of standard normal
+entries is a few ``sqrt(d)``), past ``exp``'s overflow in every dtype (float64's at 709.8):
+a softmax that does not subtract its row's maximum returns inf or NaN there. At the
+default scale the scores stay under 10 and such a kernel passes."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -135,8 +144,9 @@ class Case:
     shape: Shape
     dtype: torch.dtype
     mask: Mask | None = None
-    mask_name: str = "none"
-    """Short label of the mask, used in names and messages."""
+    mask_name: str = ""
+    """Short label of the mask, used in names and messages ("": from the mask, e.g.
+    ``causal_bottom_right``; ``none`` without one)."""
     conventions: Conventions = SEED
     scale: float = 0.0
     """Softmax scale; 0 means ``1/sqrt(head_dim)``."""
@@ -144,12 +154,17 @@ class Case:
     """Seed of the inputs (same seed, same tensors)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
-            raise ValueError(f"Case.dtype must be a floating torch dtype, got {self.dtype!r}")
+        if self.dtype not in ALL_DTYPES:
+            raise ValueError(
+                f"Case.dtype must be one of {', '.join(map(dtype_name, ALL_DTYPES))} (the "
+                f"oracle's and the rule's dtypes), got {self.dtype!r}"
+            )
         if self.mask is not None and not isinstance(self.mask, Mask):
             raise TypeError(
                 f"Case.mask must be a flashledger Mask or None, got {type(self.mask).__name__}"
             )
+        if not self.mask_name:
+            object.__setattr__(self, "mask_name", _mask_label(self.mask))
         if self.scale == 0.0:
             object.__setattr__(self, "scale", 1.0 / math.sqrt(self.shape.head_dim))
         elif not math.isfinite(self.scale):
@@ -157,8 +172,18 @@ class Case:
 
     @property
     def name(self) -> str:
-        """E.g. ``"causal_bottom_right B1 H2 97x113 d5 float16 [seed]"``."""
-        return f"{self.mask_name} {self.shape} {dtype_name(self.dtype)} [{self.conventions.name}]"
+        """E.g. ``"causal_bottom_right B1 H2 97x113 d5 float16 [seed]"``; a scale other
+        than ``1/sqrt(d)`` is named: ``"none B1 H2 97x113 d5 float16 scale 168 [seed]"``."""
+        scaled = "" if self.default_scale else f" scale {self.scale:.3g}"
+        return (
+            f"{self.mask_name} {self.shape} {dtype_name(self.dtype)}{scaled} "
+            f"[{self.conventions.name}]"
+        )
+
+    @property
+    def default_scale(self) -> bool:
+        """The scale is ``1/sqrt(d)``."""
+        return self.scale == 1.0 / math.sqrt(self.shape.head_dim)
 
     def __str__(self) -> str:
         return self.name
@@ -206,6 +231,21 @@ class Case:
             for t in out[:3]:
                 t.requires_grad_(True)
         return tuple(out)
+
+
+def _mask_label(mask: Mask | None) -> str:
+    """A case's mask label where none was given: the sweep's kind names where they fit."""
+    if mask is None:
+        return "none"
+    if isinstance(mask, Causal):
+        return f"causal_{mask.align}" if mask.align else "causal"
+    if isinstance(mask, SlidingWindow):
+        return "window"
+    if isinstance(mask, KeyPadding):
+        return "padding"
+    if isinstance(mask, DenseMask):
+        return "dense"
+    return type(mask).__name__.lower()
 
 
 def _mask_for(kind: str, shape: Shape, seed: int) -> Mask | None:
@@ -268,27 +308,62 @@ def attention_cases(
     head_dim_v: bool = True,
     shapes: Sequence[Shape] | None = None,
     seed: int = 0,
+    large_scores: bool = True,
 ) -> list[Case]:
-    """The sweep: every shape x mask kind x dtype, for one set of conventions.
+    """The sweep: every shape x mask kind x dtype, for one set of conventions, and (with
+    ``large_scores``) one case per dtype whose scores reach ``LARGE_SCORE`` (the shape
+    with the most scores, the first mask kind, ``scale = LARGE_SCORE / (4 sqrt(d))``).
 
     ``quick`` uses ``QUICK_SHAPES`` instead of ``FULL_SHAPES`` (``shapes``
     overrides both); ``gqa=False`` drops shapes with fewer K/V heads than Q
     heads; ``head_dim_v=False`` drops shapes whose V head dim differs from d.
     """
     conventions = get_conventions(conventions)  # a preset or its name
+    masks = _names("masks", masks, "'none'")
     for kind in masks:
         if kind not in MASK_KINDS:
             raise ValueError(f"unknown mask kind {kind!r}; allowed: {', '.join(MASK_KINDS)}")
+    dtypes = _names("dtypes", dtypes, "torch.float32")
     for dt in dtypes:
-        if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
-            raise ValueError(f"dtypes must be floating torch dtypes, got {dt!r}")
+        if dt not in ALL_DTYPES:
+            raise ValueError(
+                f"dtypes must be among {', '.join(map(dtype_name, ALL_DTYPES))}, got {dt!r}"
+            )
     chosen = list(shapes) if shapes is not None else list(QUICK_SHAPES if quick else FULL_SHAPES)
     chosen = [
         s for s in chosen if (gqa or not s.gqa) and (head_dim_v or s.head_dim_v == s.head_dim)
     ]
-    return [
+    cases = [
         make_case(shape, kind, dt, conventions=conventions, seed=seed + i)
         for i, shape in enumerate(chosen)
         for kind in masks
         for dt in dtypes
     ]
+    if large_scores and chosen:  # on the shape with the most scores: rows of many keys
+        shape = max(chosen, key=lambda s: s.len_q * s.len_k)
+        scale = LARGE_SCORE / (4 * math.sqrt(shape.head_dim))
+        cases += [
+            make_case(shape, masks[0], dt, conventions=conventions, scale=scale, seed=seed)
+            for dt in dtypes
+        ]
+    return cases
+
+
+def _names(what: str, given: Any, example: str) -> tuple[Any, ...]:
+    """``given`` as a non-empty tuple; a lone string or dtype, or an empty sweep, refused
+    (a string would be read letter by letter; an empty sweep checks nothing)."""
+    if isinstance(given, str | torch.dtype):
+        raise TypeError(
+            f"{what} takes a sequence, got {given!r} alone; write {what}=({given!r},)".replace(
+                "'torch.", "torch."
+            )
+        )
+    try:
+        out = tuple(given)
+    except TypeError:
+        raise TypeError(
+            f"{what} takes a sequence such as ({example},), got {type(given).__name__}"
+        ) from None
+    if not out:
+        raise ValueError(f"{what} is empty: the sweep would check nothing; name at least one")
+    return out

@@ -68,6 +68,7 @@ import torch
 from . import _verify_systems as systems
 from ._verify_cases import (
     ALL_DTYPES,
+    LARGE_SCORE,
     MASK_KINDS,
     QUICK_SHAPES,
     Case,
@@ -97,6 +98,7 @@ from .reference import reference_backward, reference_forward
 
 __all__ = [
     "ALL_DTYPES",
+    "LARGE_SCORE",
     "MASK_KINDS",
     "MP_ULP_BOUND",
     "AttentionFn",
@@ -175,6 +177,7 @@ def assert_attention_close(
     masks: Sequence[str] = MASK_KINDS,
     gqa: bool = True,
     head_dim_v: bool = True,
+    large_scores: bool = True,
     output_factor: float = OUTPUT_FACTOR,
     grad_factor: float = GRAD_FACTOR,
 ) -> VerifyReport:
@@ -182,8 +185,11 @@ def assert_attention_close(
 
     ``fn(q, k, v, case) -> O | (O, LSE)`` (see the module docstring for the
     contract). The sweep is ``attention_cases(conventions=..., dtypes=...,
-    quick=..., masks=..., gqa=..., head_dim_v=...)`` unless ``cases`` is given
-    (then exactly those run, each with its own dtype and conventions).
+    quick=..., masks=..., gqa=..., head_dim_v=..., large_scores=...)`` unless
+    ``cases`` is given (then exactly those run, each with its own dtype and
+    conventions); ``large_scores`` adds a case per dtype whose scores reach
+    ``LARGE_SCORE`` (1500), where a softmax that does not subtract its row's
+    maximum overflows.
     ``check_lse`` compares a returned LSE (natural log; use
     ``lse_from_base2`` for base-2 kernels); ``check_grads`` compares dQ, dK, dV
     when the returned O requires grad.
@@ -210,6 +216,7 @@ def assert_attention_close(
             masks=masks,
             gqa=gqa,
             head_dim_v=head_dim_v,
+            large_scores=large_scores,
         )
     else:
         run = list(cases)
