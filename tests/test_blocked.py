@@ -349,22 +349,38 @@ def test_default_tiles_and_layouts(gen, assert_close):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
-def test_the_ledger_books_bytes_of_the_input_dtype(dtype, gen):
-    """Slow-memory traffic is booked in elements, and in bytes of the inputs' dtype (half
-    inputs move half the bytes of float32, whatever the loop accumulates in)."""
-    q, k, v = (torch.randn(1, 2, 70, 8, generator=gen).to(dtype) for _ in range(3))
+@pytest.mark.parametrize("order", ["fa2", "fa1"])
+def test_the_ledger_books_bytes_of_the_input_dtype(dtype, order, gen):
+    """Slow-memory traffic is booked in elements, and in bytes: the inputs' dtype for Q, K,
+    V, O and the gradients (half inputs move half the bytes of float32), float32 at least
+    for the statistics m, ℓ, the LSE and D, which the loop keeps so; both passes together
+    move the bytes ``memory_traffic`` books for the problem (half inputs booked their
+    statistics at 2 bytes, and the two disagreed)."""
+    q, k, v, do = (torch.randn(1, 2, 70, 8, generator=gen).to(dtype) for _ in range(4))
+    opts = dict(mask=fl.Causal(), block_q=32, block_k=32, loop_order=order)
+    stat = max(4, dtype.itemsize)
     for trace in (False, True):
-        led = fl.blocked_forward(
-            q, k, v, mask=fl.Causal(), block_q=32, block_k=32, trace=trace
-        ).ledger
-        c = led.counters
-        assert led.element_bytes == dtype.itemsize
-        assert (led.bytes_read, led.bytes_written) == (
-            c.elements_read * dtype.itemsize,
-            c.elements_written * dtype.itemsize,
-        )
-        d = led.to_dict()
-        assert d["bytes_read"] == led.bytes_read and f"{led.bytes_read} and" in str(led)
+        fwd = fl.blocked_forward(q, k, v, trace=trace, **opts)
+        bwd = fl.blocked_backward(q, k, v, fwd.o, fwd.lse, do, trace=trace, **opts)
+        assert fwd.lse.dtype.itemsize == stat and bwd.D.dtype.itemsize == stat
+        for led in (fwd.ledger, bwd.ledger):
+            c = led.counters
+            assert led.element_bytes == dtype.itemsize and led.stat_bytes == stat
+            assert 0 < c.stat_elements_written <= c.elements_written
+            assert (led.bytes_read, led.bytes_written) == (
+                (c.elements_read - c.stat_elements_read) * dtype.itemsize
+                + c.stat_elements_read * stat,
+                (c.elements_written - c.stat_elements_written) * dtype.itemsize
+                + c.stat_elements_written * stat,
+            )
+            d = led.to_dict()
+            assert d["bytes_read"] == led.bytes_read and f"{led.bytes_read} and" in str(led)
+        traffic = fl.memory_traffic(
+            lq=70, lk=70, d=8, block_q=32, block_k=32, mask=fl.Causal(), schedule=order,
+            dtype=dtype, heads=2,
+        )  # fmt: skip
+        moved = sum(x.bytes_read + x.bytes_written for x in (fwd.ledger, bwd.ledger))
+        assert moved == traffic.total_bytes, (moved, traffic.total_bytes)
 
 
 def test_a_large_traced_ledger_prints_readably() -> None:

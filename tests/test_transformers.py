@@ -600,6 +600,22 @@ def test_model_command(capsys):
     assert data["totals"]["forward"]["calls"] == 2 * 4  # the forward, prefill and 2 steps
 
 
+@pytest.mark.parametrize(("dtype", "p_bytes"), [("bfloat16", 2), ("float32", 4), ("float64", 8)])
+def test_model_command_books_the_lse_in_float32_at_least(capsys, dtype, p_bytes):
+    """P in the inputs' dtype, the LSE in float32 at least (the loop keeps it so; a
+    bfloat16 run booked it at 2 bytes, half what ``account`` books)."""
+    from flashledger import cli
+
+    argv = ["model", "--arch", "llama", "--layers", "1", "--seq", "64", "--hidden", "64",
+            "--heads", "4", "--dtype", dtype]  # fmt: skip
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    rows = 1 * 4 * 64  # batch x heads x seq: one LSE entry a row
+    p_kib, lse = rows * 64 * p_bytes // 1024, rows * max(4, p_bytes)
+    lse_text = f"{lse} B" if lse < 1024 else f"{lse / 1024:.3g} KiB"
+    assert f"would take {p_kib} KiB; the LSE takes {lse_text}" in out, out[-300:]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

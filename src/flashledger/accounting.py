@@ -45,6 +45,7 @@ from ._checks import check_size
 from ._limits import MAX_SIZE
 from ._progress import figure_png, numeric_cell, titled_table, write_file
 from .conventions import SEED, Conventions, get_conventions
+from .ledger import STAT_MIN_BYTES
 from .masks import (
     EMPTY,
     FULL,
@@ -133,7 +134,6 @@ def _element_size(dtype: Any) -> int:
 # the blocked loop keeps them (its accumulation dtype) and as flash-attn and PyTorch's SDPA
 # return the LSE of half-precision inputs
 STATS = frozenset({"m", "ell", "lse", "D"})
-STAT_MIN_BYTES = 4
 
 
 def paper_tiles(*, sram_elements: int, d: int) -> tuple[int, int]:

@@ -375,10 +375,16 @@ class _Book:
             dropped = ~keep if vis is None else (~keep & vis)
             self._dropped = _pending(self._dropped, dropped, area)
 
-    def io(self, read: int = 0, write: int = 0) -> None:
-        """Book slow-memory traffic per (batch, query head)."""
+    def io(
+        self, read: int = 0, write: int = 0, *, stats_read: int = 0, stats_written: int = 0
+    ) -> None:
+        """Book slow-memory traffic per (batch, query head): ``read`` and ``write``
+        elements, of which ``stats_read`` and ``stats_written`` are entries of m, ℓ, the
+        LSE or D (kept in float32 at least)."""
         self.c.elements_read += read * self.bh
         self.c.elements_written += write * self.bh
+        self.c.stat_elements_read += stats_read * self.bh
+        self.c.stat_elements_written += stats_written * self.bh
 
     def flush(self) -> None:
         """Move the pending on-device counts (and the user callables' calls) into the counters."""
@@ -982,13 +988,15 @@ def _book_native(
         if forward:
             book.io(read=(k1 - k0) * (d + dv))
         else:
-            book.io(read=(q1 - q0) * (2 * d + dv + 2), write=(q1 - q0) * d)
+            book.io(
+                read=(q1 - q0) * (2 * d + dv + 2), write=(q1 - q0) * d, stats_read=2 * (q1 - q0)
+            )
     read = {t[1] if forward else t[3] for t in ran}  # outer tiles with a tile run
     for a0, a1 in outer:
         if forward:
             if a0 in read:
                 book.io(read=(a1 - a0) * d)
-            book.io(write=(a1 - a0) * (dv + 1))
+            book.io(write=(a1 - a0) * (dv + 1), stats_written=a1 - a0)
         else:
             if a0 in read:
                 book.io(read=(a1 - a0) * (d + dv))
@@ -1429,7 +1437,7 @@ def _forward(
             lse[..., q0:q1] = _unflat(pb, lse_i)
             if m_all is not None:
                 m_all[..., q0:q1] = _unflat(pb, state.m)
-            book.io(write=(q1 - q0) * (dv + 1))
+            book.io(write=(q1 - q0) * (dv + 1), stats_written=q1 - q0)
         book.flush()
         if row_max is not None and m_all is not None:
             row_max.append(m_all)
@@ -1439,7 +1447,7 @@ def _forward(
     o = torch.zeros(b, hkv, g, lq, dv, dtype=dt, device=dev)  # normalised output
     m = torch.full((b, hkv, g, lq), -math.inf, dtype=dt, device=dev)
     ell = torch.zeros(b, hkv, g, lq, dtype=dt, device=dev)
-    book.io(write=lq * (dv + 2))
+    book.io(write=lq * (dv + 2), stats_written=2 * lq)
     for j, (k0, k1) in enumerate(ktiles):
         kj, vj = _keys(pb.k, k0, k1), pb.v[..., k0:k1, :]  # (B·Hkv, bk, d), (B, Hkv, 1, bk, d_v)
         ran = False
@@ -1473,7 +1481,12 @@ def _forward(
                 tens = {}
             m[..., q0:q1], ell[..., q0:q1], o[..., q0:q1, :] = m_new, ell_new, o_new
             book.run(kind, q1 - q0, k1 - k0, vis, keep, forward=True)
-            book.io(read=(q1 - q0) * (d + dv + 2), write=(q1 - q0) * (dv + 2))
+            book.io(
+                read=(q1 - q0) * (d + dv + 2),
+                write=(q1 - q0) * (dv + 2),
+                stats_read=2 * (q1 - q0),
+                stats_written=2 * (q1 - q0),
+            )
             ran = True
             if obs:
                 record(
@@ -1488,7 +1501,7 @@ def _forward(
             book.io(read=(k1 - k0) * (d + dv))
     empty = ell == 0
     lse = torch.where(empty, -math.inf, m + torch.log(torch.where(empty, 1.0, ell)))
-    book.io(read=2 * lq, write=lq)
+    book.io(read=2 * lq, write=lq, stats_read=2 * lq, stats_written=lq)
     book.flush()
     if row_max is not None:
         row_max.append(m)
@@ -1630,7 +1643,7 @@ def _backward(
     # -- preprocess: D = rowsum(dO ⊙ O); a gradient on the LSE folds into it --
     D = _row_dots(do5, o5, dt, kern)  # (B, Hkv, G, Lq)
     d_eff = D if dlse5 is None else D - dlse5  # dS = P ⊙ (dP - D + dλ)
-    book.io(read=lq * 2 * dv, write=lq)
+    book.io(read=lq * 2 * dv, write=lq, stats_written=lq)
     # a fully-masked row keeps every P = exp(-inf - λ) at 0, whatever LSE convention it carries
     lse_safe = torch.where(torch.isneginf(lse5), math.inf, lse5)  # (B, Hkv, G, Lq)
     book.io(write=lq * d)  # dQ initialised
@@ -1714,7 +1727,9 @@ def _backward(
             dkt_j.baddbmm_(qt_t[i], ds, alpha=a)  # (B·Hkv, d, bk), summed over the group
             dvt_j.baddbmm_(dot_t[i], p)  # (B·Hkv, d_v, bk)
             book.run(kind, q1 - q0, bk, vis, keep, forward=False)
-            book.io(read=(q1 - q0) * (2 * d + dv + 2), write=(q1 - q0) * d)
+            book.io(
+                read=(q1 - q0) * (2 * d + dv + 2), write=(q1 - q0) * d, stats_read=2 * (q1 - q0)
+            )
             ran = True
             if obs:
                 book.flush()

@@ -24,6 +24,11 @@ from ._checks import check_size
 from ._limits import TRACE_MAX_BYTES
 from .masks import TILE_KINDS
 
+STAT_MIN_BYTES = 4
+"""Bytes of one entry of the running statistics (m, ℓ, the LSE, D) at least: float32,
+whatever the inputs' dtype, as the blocked loop keeps them (its accumulation dtype) and as
+flash-attn and PyTorch's SDPA return the LSE of half-precision inputs."""
+
 __all__ = ["BackwardTileStep", "Counters", "ForwardTileStep", "Ledger", "Trace", "jsonable"]
 
 
@@ -91,6 +96,11 @@ class Counters:
     """Slow-memory (HBM) elements read under the schedule run (see blocked.py)."""
     elements_written: int = 0
     """Slow-memory (HBM) elements written under the schedule run."""
+    stat_elements_read: int = 0
+    """Of ``elements_read``, entries of m, ℓ, the LSE and D: float32 at least whatever the
+    input dtype (``element_bytes``), as ``accounting.STATS`` books them."""
+    stat_elements_written: int = 0
+    """Of ``elements_written``, likewise."""
     mask_mod_tiles: int = 0
     """Tile calls of a user mask_mod in the loop: one per partial tile run and mask_mod (full
     and empty tiles never evaluate it)."""
@@ -143,8 +153,11 @@ class ForwardTileStep:
 class BackwardTileStep:
     """One backward tile step: key tile ``k_tile`` against query tile ``q_tile``.
 
-    ``p`` is the rebuilt probability block ``exp(s - lse)``; ``ds`` the score
-    gradient; ``dq``/``dk``/``dv`` this step's contributions.
+    ``p`` is the rebuilt probability block ``exp(s - lse)``; ``ds`` the gradient of
+    the tile's final scores ``s``, ``P ⊙ (dP - D)`` (with a softcap ``s`` is the capped
+    score, and ``dq``/``dk`` take ``ds`` through the cap's derivative ``1 - tanh²``, so
+    ``ds @ K · scale`` is not ``dq`` there); ``dq``/``dk``/``dv`` this step's
+    contributions.
     """
 
     index: int
@@ -190,17 +203,29 @@ class Ledger:
     """Records were kept for every ``record_every``-th step (``Trace.every``)."""
     element_bytes: int = 0
     """Bytes of one element in slow memory: the inputs' dtype (2 for bfloat16/float16,
-    whatever the loop accumulates in); 0 when not known."""
+    whatever the loop accumulates in); 0 when not known. The statistics (m, ℓ, the LSE, D)
+    take ``stat_bytes``."""
+
+    @property
+    def stat_bytes(self) -> int:
+        """Bytes of one entry of m, ℓ, the LSE or D: float32 at least (the loop keeps them
+        so for half inputs; ``accounting.STATS``); 0 when ``element_bytes`` is not known."""
+        return max(STAT_MIN_BYTES, self.element_bytes) if self.element_bytes else 0
 
     @property
     def bytes_read(self) -> int:
-        """Slow-memory bytes read: ``counters.elements_read`` elements of the input dtype."""
-        return self.counters.elements_read * self.element_bytes
+        """Slow-memory bytes read: ``counters.elements_read`` elements, the statistics at
+        ``stat_bytes`` and the rest at ``element_bytes``."""
+        c = self.counters
+        plain = c.elements_read - c.stat_elements_read
+        return plain * self.element_bytes + c.stat_elements_read * self.stat_bytes
 
     @property
     def bytes_written(self) -> int:
         """Slow-memory bytes written, likewise."""
-        return self.counters.elements_written * self.element_bytes
+        c = self.counters
+        plain = c.elements_written - c.stat_elements_written
+        return plain * self.element_bytes + c.stat_elements_written * self.stat_bytes
 
     # -- plumbing used by the loop --------------------------------------------------
     def set_tile_classes(self, classes: Sequence[Sequence[int]] | torch.Tensor | None) -> None:

@@ -466,10 +466,13 @@ def run_cli(args: argparse.Namespace) -> int:
     con.print(book)
     fwd = book.totals().get("forward")
     if fwd:
+        from .ledger import STAT_MIN_BYTES
+
         size = torch.empty((), dtype=dtype).element_size()
+        stat = max(STAT_MIN_BYTES, size)  # the LSE in float32 at least, as the loop keeps it
         con.print(
             f"P kept for the backward would take {_bytes(fwd['p_elements'] * size)}; "
-            f"the LSE takes {_bytes(fwd['lse_elements'] * size)}"
+            f"the LSE takes {_bytes(fwd['lse_elements'] * stat)}"
         )
     return 0
 
