@@ -431,15 +431,15 @@ _BAD: list[tuple[str, str, Any, str, str]] = [
         "/api/backward",
         _seed_backward(mask={"kind": "causal", "align": "bottom_right"}),
         "mask",
-        "'align' only shape kind 'sliding_window', not 'causal'; leave it out; a causal mask "
-        "aligned bottom-right is kind 'causal_bottom_right'",
+        "'align' applies only to kind 'sliding_window', not 'causal'; leave it out; a causal "
+        "mask aligned bottom-right is kind 'causal_bottom_right'",
     ),
     (
         "none-window-sides",
         "/api/backward",
         _seed_backward(mask={"kind": "none", "left": 1, "right": 0}),
         "mask",
-        "'left' and 'right' only shape kind 'sliding_window', not 'none'",
+        "'left' and 'right' apply only to kind 'sliding_window', not 'none'; leave them out",
     ),
     (
         "seed-without-dropout",

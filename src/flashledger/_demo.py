@@ -9,6 +9,8 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from ._text import shown
+
 
 def run_demo(
     module: str,
@@ -31,14 +33,9 @@ def run_demo(
     )
     _, extra = parser.parse_known_args(argv)
     if extra:
-        parser.error(f"the demo takes no options, got {_shown(extra)}; {where}")
+        parser.error(f"the demo takes no options, got {shown(' '.join(extra))}; {where}")
     try:
         demo()
         sys.stdout.flush()
     except BrokenPipeError:  # the reader went away (``| head``): stop quietly, as a filter
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-
-
-def _shown(extra: Sequence[str], most: int = 60) -> str:
-    text = " ".join(extra)
-    return repr(text) if len(text) <= most else f"{text[:most]!r}... ({len(text)} characters)"

@@ -64,6 +64,7 @@ import torch
 from . import _calibrate, _native
 from ._limits import MAX_SIZE
 from ._progress import figure_png, int_arg, make_console, output_problem, progress, write_file
+from ._text import shown
 from .autograd import flash_attention
 from .blocked import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, blocked_backward, blocked_forward
 from .masks import Causal
@@ -1238,7 +1239,7 @@ def _int_list(text: str) -> tuple[int, ...]:
     if not vals:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated integers in 1..{MAX_DECODE_LENGTH} (no empty item; "
-            f"the attention benchmark takes lengths up to {MAX_LENGTH}), got {_shown(text)}"
+            f"the attention benchmark takes lengths up to {MAX_LENGTH}), got {shown(text)}"
         )
     return _once(vals, text)
 
@@ -1248,14 +1249,9 @@ def _once(vals: tuple[Any, ...], text: str, name: Callable[[Any], str] = str) ->
     twice = sorted({name(x) for x in vals if vals.count(x) > 1})
     if twice:
         raise argparse.ArgumentTypeError(
-            f"{', '.join(twice)} given more than once in {_shown(text)}; name each once"
+            f"{', '.join(twice)} given more than once in {shown(text)}; name each once"
         )
     return vals
-
-
-def _shown(text: str, most: int = 60) -> str:
-    """``repr(text)``, cut to about ``most`` characters with the length said."""
-    return repr(text) if len(text) <= most else f"{text[:most]!r}... ({len(text)} characters)"
 
 
 def _dtype_list(text: str) -> tuple[str, ...]:
@@ -1263,7 +1259,7 @@ def _dtype_list(text: str) -> tuple[str, ...]:
     bad = [x for x in vals if x not in DTYPES]
     if not vals or bad:
         raise argparse.ArgumentTypeError(
-            f"expected a comma-separated list of {', '.join(DTYPES)}, got {_shown(text)}"
+            f"expected a comma-separated list of {', '.join(DTYPES)}, got {shown(text)}"
         )
     return _once(vals, text)
 
@@ -1286,7 +1282,7 @@ def _tiles(text: str) -> tuple[tuple[int, int], ...]:
         if len(bits) != 2 or not bq:
             raise argparse.ArgumentTypeError(
                 f"expected tiles as BQxBK (integers in 1..{MAX_SIZE}), comma-separated, "
-                f"got {_shown(text)}"
+                f"got {shown(text)}"
             )
         out.append((bq, bk))
     return _once(tuple(out), text, lambda t: f"{t[0]}x{t[1]}")

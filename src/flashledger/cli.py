@@ -248,39 +248,20 @@ def _load_bool_matrix(path: str) -> torch.Tensor:
 def _read_json(path: str, what: str, hint: str) -> Any:
     """Parse a JSON file; nesting deeper than Python's parser can follow, or an object that
     names a key twice (where one would silently win), is a clear error."""
+    from ._text import RepeatedKey, unique_keys
+
     text = Path(path).read_text()
     try:
-        return json.loads(text, object_pairs_hook=_unique_keys)
+        return json.loads(text, object_pairs_hook=unique_keys)
     except RecursionError:
         raise argparse.ArgumentTypeError(
             f"{what}: JSON nested too deeply to read (more than {sys.getrecursionlimit():,} "
             f"levels); {hint}"
         ) from None
-    except _DuplicateKey as exc:
+    except RepeatedKey as exc:
         raise argparse.ArgumentTypeError(
-            f"{what}: the key {_cut(exc.key)!r} appears more than once in one object (only the "
-            "last would count); give it once"
+            f"{what}: {exc} (only the last would count); give it once"
         ) from None
-
-
-class _DuplicateKey(ValueError):
-    def __init__(self, key: str) -> None:
-        super().__init__(key)
-        self.key = key
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _DuplicateKey(key)
-        out[key] = value
-    return out
-
-
-def _cut(text: str, most: int = 40) -> str:
-    """``text``, cut to ``most`` characters (an ellipsis marks the cut)."""
-    return text if len(text) <= most else text[: most - 1] + "…"
 
 
 MAX_NESTING = 32
@@ -552,6 +533,8 @@ def _load_inputs(path: str) -> dict[str, torch.Tensor]:
     import numpy as np
     import torch
 
+    from ._text import shown
+
     keys = ("q", "k", "v", "g")
     if not path.endswith((".json", ".npz")):
         raise UsageError(f"--input must be a .json or .npz file with keys q, k, v, g, got {path!r}")
@@ -577,10 +560,10 @@ def _load_inputs(path: str) -> dict[str, torch.Tensor]:
     missing = [k for k in keys if k not in data]
     if missing:
         raise UsageError(f"--input {path}: missing key(s) {', '.join(missing)}; needs q, k, v, g")
-    unknown = [_cut(str(k)) for k in data if k not in keys]
+    unknown = [shown(str(k), 40) for k in data if k not in keys]
     if unknown:
         raise UsageError(
-            f"--input {path}: unknown key(s) {', '.join(map(repr, unknown))}; it holds q, k, v "
+            f"--input {path}: unknown key(s) {', '.join(unknown)}; it holds q, k, v "
             "and g only (a mask is --mask FILE, the conventions --conventions, the tiles "
             "--block-q and --block-k)"
         )

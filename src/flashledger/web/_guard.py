@@ -30,6 +30,8 @@ import socket
 from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
 from typing import Any
 
+from .._text import RepeatedKey, shown, unique_keys
+
 __all__ = [
     "BodyGuard",
     "HeadAsGet",
@@ -277,8 +279,8 @@ class BodyGuard:
         twice = _repeated_key(bytes(body)) if body and (json_ok or not media) else None
         if twice is not None:
             reason = (
-                f"the request body names the key {twice[:40]!r} more than once in one object "
-                "(only the last would count); give each key once"
+                f"the request body names the key {shown(twice, 40)} more than once in one "
+                "object (only the last would count); give each key once"
             )
             await send_error(send, 422, reason, "invalid_json", {})
             return
@@ -305,27 +307,12 @@ class BodyGuard:
         await send_error(send, 413, message, "too_large", limits, [("connection", "close")])
 
 
-class _Repeated(Exception):
-    def __init__(self, key: str) -> None:
-        super().__init__(key)
-        self.key = key
-
-
-def _refuse_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _Repeated(key)
-        out[key] = value
-    return out
-
-
 def _repeated_key(body: bytes) -> str | None:
     """The first key a JSON object of ``body`` names twice, or None (also where ``body``
     is not JSON at all: the app says what is wrong with it)."""
     try:
-        json.loads(body, object_pairs_hook=_refuse_repeats)
-    except _Repeated as exc:
+        json.loads(body, object_pairs_hook=unique_keys)
+    except RepeatedKey as exc:
         return exc.key
     except (ValueError, RecursionError):
         return None

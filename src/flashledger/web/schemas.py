@@ -429,11 +429,12 @@ class MaskSpec(_Request):
                 if "align" in unused and self.kind.startswith("causal")
                 else ""
             )
+            one = len(unused) == 1
             raise InputError(
                 "mask",
-                f"mask: {' and '.join(repr(n) for n in unused)} only shape kind "
-                f"'sliding_window', not {self.kind!r}; leave {'it' if len(unused) == 1 else 'them'}"
-                f" out{hint}",
+                f"mask: {' and '.join(repr(n) for n in unused)} "
+                f"{'applies' if one else 'apply'} only to kind 'sliding_window', not "
+                f"{self.kind!r}; leave {'it' if one else 'them'} out{hint}",
                 "unused",
                 needs="kind 'sliding_window'",
             )
