@@ -353,11 +353,7 @@ def _names(what: str, given: Any, example: str) -> tuple[Any, ...]:
     """``given`` as a non-empty tuple; a lone string or dtype, or an empty sweep, refused
     (a string would be read letter by letter; an empty sweep checks nothing)."""
     if isinstance(given, str | torch.dtype):
-        raise TypeError(
-            f"{what} takes a sequence, got {given!r} alone; write {what}=({given!r},)".replace(
-                "'torch.", "torch."
-            )
-        )
+        raise TypeError(f"{what} takes a sequence, got {given!r} alone; write {what}=({given!r},)")
     try:
         out = tuple(given)
     except TypeError:
