@@ -719,3 +719,88 @@ def test_the_training_example_runs(tmp_path, capsys):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(SystemExit):
         example.main(["--dropout", "1.5"])
+
+
+# ----------------------------------------------------------------------------------------
+# models that pass a position bias, autocast, and models that compute on their mask
+# ----------------------------------------------------------------------------------------
+T5 = dict(
+    vocab_size=97, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0,
+    pad_token_id=0, decoder_start_token_id=0, eos_token_id=1,
+)  # fmt: skip
+
+
+def _t5(impl: str) -> Any:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    return tf.T5ForConditionalGeneration(tf.T5Config(**T5, attn_implementation=impl)).eval()
+
+
+def test_a_position_bias_loses_the_key_tail_no_row_sees_with_the_keys() -> None:
+    """T5 adds a position bias (B, H, Lq, Lk). A padded tail shared by every row is left
+    out of the call with its keys, and now with its bias columns too (the bias stayed Lk
+    wide and the call refused it); the logits and a static cache's tokens equal SDPA's."""
+    ids = torch.randint(3, 97, (2, 10), generator=torch.Generator().manual_seed(0))
+    att = torch.ones(2, 10, dtype=torch.long)
+    att[:, 7:] = 0  # the same padded tail in every row
+    dec = torch.randint(3, 97, (2, 5), generator=torch.Generator().manual_seed(1))
+    want, got = (
+        _t5(impl)(input_ids=ids, attention_mask=att, decoder_input_ids=dec).logits
+        for impl in ("sdpa", NAME)
+    )
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), float((got - want).abs().max())
+    tokens = [
+        _t5(impl).generate(
+            input_ids=ids, max_new_tokens=4, min_new_tokens=4, do_sample=False,
+            cache_implementation="static",
+        ).tolist()
+        for impl in ("sdpa", NAME)
+    ]  # fmt: skip
+    assert tokens[0] == tokens[1], tokens
+
+
+def test_autocast_casts_the_inputs_as_it_casts_sdpa_s() -> None:
+    """Under torch.autocast RoPE leaves q and k in float32 while v comes from a bfloat16
+    projection; the call takes them in the autocast dtype, as autocast casts SDPA's inputs
+    (it refused the mixed dtypes), and a training step matches SDPA's under autocast."""
+    ids = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    losses, grads = [], []
+    for impl in ("sdpa", NAME):
+        model = random_model("llama", attn_implementation=impl)  # float32 weights
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(float(loss.detach()))
+        grads.append(model.model.layers[0].self_attn.q_proj.weight.grad)
+    assert abs(losses[0] - losses[1]) < 2e-2 * abs(losses[0]), losses
+    rel = float((grads[0] - grads[1]).norm() / grads[0].norm())
+    assert rel < 0.05, rel  # bfloat16's rounding, each path its own
+
+
+@pytest.mark.parametrize("arch", ["falcon_alibi", "bloom"])
+def test_a_model_that_computes_on_its_mask_is_refused_clearly(arch: str) -> None:
+    """Falcon with ALiBi and Bloom add their ALiBi to the attention mask in their own
+    code: the planned mask says so and names the implementations that run them, where an
+    AttributeError on 'PlannedMask' or an unsupported '+' was all a person saw."""
+    import transformers as tf
+
+    ids = torch.randint(1, 97, (2, 8), generator=torch.Generator().manual_seed(0))
+    if arch == "bloom":
+        cfg = tf.BloomConfig(vocab_size=97, hidden_size=64, n_layer=1, n_head=4)
+        cls = tf.BloomForCausalLM
+    else:
+        cfg = tf.FalconConfig(
+            vocab_size=97, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, alibi=True
+        )
+        cls = tf.FalconForCausalLM
+    cfg._attn_implementation = NAME
+    model = cls(cfg).eval()
+    with pytest.raises((TypeError, AttributeError), match="computes on the mask itself") as exc:
+        model(input_ids=ids)
+    assert "'sdpa' or 'eager'" in str(exc.value)
+    planned = mask_function(2, 8, 8)
+    assert planned.shape == (2, 1, 8, 8) and not hasattr(planned, "dtype")
+    import copy
+
+    assert copy.copy(planned).lq == 8  # protocols still work

@@ -132,6 +132,10 @@ def attention_forward(
             "returns none (set attn_implementation='eager' to get them)",
             stacklevel=2,
         )
+    dev = query.device.type
+    if torch.is_autocast_enabled(dev):  # as autocast casts SDPA's inputs (its lower-precision
+        low = torch.get_autocast_dtype(dev)  # list): RoPE may have left q, k in float32 and v
+        query, key, value = (x.to(low) for x in (query, key, value))  # in the autocast dtype
     b, _, lq, _ = query.shape
     lk = key.shape[2]
     planned, bias = _planned(attention_mask, module, is_causal, sliding_window, b, lq, lk)
@@ -152,8 +156,10 @@ def attention_forward(
                 f"Lk={planned.lk}; the call has batch {b}, Lq={lq}, Lk={lk}{why}"
             )
         mask = planned.mask
-        if planned.keys < lk:  # a key tail that no row sees
+        if planned.keys < lk:  # a key tail that no row sees, left out with its bias columns
             key, value = key[:, :, : planned.keys], value[:, :, : planned.keys]
+            if position_bias is not None and position_bias.shape[-1] == lk:
+                position_bias = position_bias[..., : planned.keys]
     if position_bias is not None:
         bias = position_bias if bias is None else bias + position_bias
     seed = 0

@@ -77,6 +77,15 @@ class RowIntervals(Mask):
         return IntervalBound(geo, self.lo.to(dev), self.hi.to(dev))
 
 
+def _not_a_tensor(what: str) -> str:
+    return (
+        f"this model's own code {what}, but its attention mask is flashledger's planned mask, "
+        "not a tensor: the model computes on the mask itself (Falcon with ALiBi and Bloom "
+        "add their ALiBi to it), which attn_implementation='flashledger' does not support; "
+        "run it with 'sdpa' or 'eager'"
+    )
+
+
 @dataclass(frozen=True, eq=False)
 class PlannedMask:
     """A flashledger mask for one attention call of a transformers model.
@@ -97,6 +106,21 @@ class PlannedMask:
     padded: bool  # a padding mask took part
 
     ndim = 4
+
+    def __getattr__(self, name: str) -> Any:  # only for attributes it does not have
+        if name.startswith("__"):  # copy, pickle and other protocols probe these
+            raise AttributeError(name)
+        raise AttributeError(_not_a_tensor(f"reads its .{name}"))
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise TypeError(_not_a_tensor(f"calls {getattr(func, '__name__', func)} on it"))
+
+    def _arithmetic(self, *_: Any) -> Any:
+        raise TypeError(_not_a_tensor("computes with it"))
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _arithmetic
+    __and__ = __rand__ = __or__ = __ror__ = __invert__ = __neg__ = _arithmetic
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
