@@ -16,8 +16,10 @@ it covers, the worst of them and whether every row meets it:
 
 Every report must come from the same machine (CPU, thread count and the environment that
 steers the run); a report of a tile sweep (``--tiles``) is refused, since the targets are
-for the tiles the native step chose. Arguments are report files or the folders that hold
-them::
+for the tiles the native step chose, and so is a row without a figure a target reads (a
+target is judged on every row it covers, or not at all). Arguments are report files or
+the folders that hold them (every ``bench*.json``, ``contention*.json`` and
+``decode*.json`` there; a file named twice is read once)::
 
     .venv/bin/python benchmarks/targets.py benchmarks/results
     .venv/bin/python benchmarks/targets.py run/bench.json run/l16384/bench.json run/contention.json
@@ -57,17 +59,25 @@ class Verdict:
     worst: float | None
     where: str
     unit: str
+    bound: float
 
     @property
     def met(self) -> bool | None:
         return None if self.rows == 0 else self.failed == 0
 
     def line(self) -> str:
-        if self.rows == 0:
+        if self.rows == 0 or self.worst is None:
             return f"| {self.target} | 0 | - | no rows |"
-        worst = f"{self.worst:.2f}{self.unit} ({self.where})"
+        worst = f"{shown(self.worst, self.bound)}{self.unit} ({self.where})"
         state = "met" if self.failed == 0 else f"**not met** in {self.failed} of {self.rows}"
         return f"| {self.target} | {self.rows} | {worst} | {state} |"
+
+
+def shown(value: float, bound: float) -> str:
+    """``value`` with two decimals, or four where two would print the bound itself (0.9007
+    is not met by 0.9, though it reads 0.90)."""
+    text = f"{value:.2f}"
+    return f"{value:.4f}" if text == f"{bound:.2f}" and value != bound else text
 
 
 def row_name(r: dict[str, Any]) -> str:
@@ -78,22 +88,36 @@ def row_name(r: dict[str, Any]) -> str:
 def verdict(
     target: str,
     rows: Iterable[dict[str, Any]],
-    value: Callable[[dict[str, Any]], float | None],
-    ok: Callable[[float], bool],
+    value: Callable[[dict[str, Any]], float],
+    bound: float,
     name: Callable[[dict[str, Any]], str] = row_name,
     *,
     higher_is_better: bool = False,
     unit: str = "",
 ) -> Verdict:
-    """``target`` over ``rows`` (those where ``value`` is not None): how many fail ``ok``
-    and the worst value (the lowest where higher is better, else the highest)."""
-    seen = [(v, r) for r in rows if (v := value(r)) is not None]
+    """``target`` over ``rows``: how many miss ``bound`` (at least it where higher is
+    better, else at most) and the worst value (the lowest where higher is better, else
+    the highest)."""
+    seen = [(value(r), r) for r in rows]
     if not seen:
-        return Verdict(target, 0, 0, None, "", unit)
+        return Verdict(target, 0, 0, None, "", unit, bound)
     pick = min if higher_is_better else max
     worst, row = pick(seen, key=lambda vr: vr[0])
-    failed = sum(not ok(v) for v, _ in seen)
-    return Verdict(target, len(seen), failed, worst, name(row), unit)
+    failed = sum((v < bound) if higher_is_better else (v > bound) for v, _ in seen)
+    return Verdict(target, len(seen), failed, worst, name(row), unit, bound)
+
+
+def figure(field: str, name: Callable[[dict[str, Any]], str] = row_name) -> Callable[..., float]:
+    """A row's ``field`` as a number; a row without it is refused (``Unusable``), never
+    left out of the target it would judge."""
+
+    def read(r: dict[str, Any]) -> float:
+        v = r.get(field)
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            raise Unusable(f"row {name(r)}: no {field} (got {v!r}); the target cannot be judged")
+        return float(v)
+
+    return read
 
 
 def at_most(
@@ -104,7 +128,7 @@ def at_most(
     name: Callable[[dict[str, Any]], str] = row_name,
 ) -> Verdict:
     """``target``: every row's ``field`` (a ratio to SDPA's) at most ``bound``."""
-    return verdict(target, rows, lambda r: r.get(field), lambda v: v <= bound, name, unit=" x")
+    return verdict(target, rows, figure(field, name), bound, name, unit=" x")
 
 
 def memory_exponents(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -126,15 +150,25 @@ def memory_exponents(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def load(paths: list[Path]) -> dict[str, list[tuple[Path, dict[str, Any]]]]:
-    """The reports under ``paths`` (files, or folders holding ``REPORTS``), by kind."""
+    """The reports under ``paths`` (files, or folders holding ``bench*.json``,
+    ``contention*.json``, ``decode*.json``), by kind; each file once."""
     found: dict[str, list[tuple[Path, dict[str, Any]]]] = {k: [] for k in REPORTS}
+    read: set[Path] = set()
     for p in paths:
-        files = [p / k for k in REPORTS if (p / k).is_file()] if p.is_dir() else [p]
+        stems = tuple(k.removesuffix(".json") for k in REPORTS)
+        files = (
+            sorted(f for f in p.glob("*.json") if f.name.startswith(stems) and f.is_file())
+            if p.is_dir()
+            else [p]
+        )
         if p.is_dir() and not files:
-            raise Unusable(f"{p}: no {', '.join(REPORTS)} in this folder")
+            raise Unusable(f"{p}: no {', '.join(f'{s}*.json' for s in stems)} in this folder")
         for f in files:
             if not f.is_file():
                 raise Unusable(f"{f}: no such file")
+            if f.resolve() in read:
+                continue
+            read.add(f.resolve())
             try:
                 report = json.loads(f.read_text())
             except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -193,8 +227,8 @@ def verdicts(found: dict[str, list[tuple[Path, dict[str, Any]]]]) -> list[Verdic
                 verdict(
                     f"fwd+bwd >= 70 % of the FMA peak, {dtype}",
                     mine,
-                    lambda r: r.get("pct_fma_peak"),
-                    lambda v: v >= 70,
+                    figure("pct_fma_peak"),
+                    70,
                     higher_is_better=True,
                     unit=" %",
                 )
@@ -205,7 +239,7 @@ def verdicts(found: dict[str, list[tuple[Path, dict[str, Any]]]]) -> list[Verdic
             f"memory linear in L (L^e, e <= {LINEAR_EXPONENT})",
             memory_exponents(rows),
             lambda g: g["exponent"],
-            lambda v: v <= LINEAR_EXPONENT,
+            LINEAR_EXPONENT,
             lambda g: (
                 f"{g['dtype']} {'causal' if g['causal'] else 'no mask'}, "
                 f"L={g['lengths'][0]}..{g['lengths'][1]}"

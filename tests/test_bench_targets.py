@@ -163,7 +163,7 @@ def test_reports_of_two_machines_or_settings_are_refused(targets: Any, capsys: A
 @pytest.mark.parametrize(
     ("make", "reason"),
     [
-        (lambda d: d, "no bench.json, contention.json, decode.json in this folder"),
+        (lambda d: d, "no bench*.json, contention*.json, decode*.json in this folder"),
         (lambda d: d / "missing.json", "no such file"),
         (lambda d: write(d / "x.json", {"rows": []}), "not a report of flashledger bench"),
         (lambda d: (d / "bad.json").write_text("{") and d / "bad.json", "not a readable JSON"),
@@ -180,8 +180,33 @@ def test_reports_of_two_machines_or_settings_are_refused(targets: Any, capsys: A
             ),
             "lacks a field the targets read (KeyError('length'))",
         ),
+        (  # a row without a figure is refused, not left out of the target it would judge
+            lambda d: write(
+                d / "bench.json",
+                bench_report(
+                    [{k: v for k, v in r.items() if k != "ratio_fwdbwd"} for r in all_rows()]
+                ),
+            ),
+            "row L=4096 float32 no mask: no ratio_fwdbwd (got None); the target cannot be judged",
+        ),
+        (
+            lambda d: write(
+                d / "bench.json",
+                bench_report([*all_rows()[:1], row(8192, "float64", True, pct_fma_peak=None)]),
+            ),
+            "row L=8192 float64 causal: no pct_fma_peak (got None)",
+        ),
     ],
-    ids=["empty folder", "missing file", "not a report", "not JSON", "tile sweep", "no length"],
+    ids=[
+        "empty folder",
+        "missing file",
+        "not a report",
+        "not JSON",
+        "tile sweep",
+        "no length",
+        "no ratio",
+        "no FMA share",
+    ],
 )
 def test_unusable_input_says_why_and_exits_2(
     targets: Any, capsys: Any, tmp_path: Path, make: Any, reason: str
@@ -189,3 +214,45 @@ def test_unusable_input_says_why_and_exits_2(
     code, out, err = run(targets, capsys, make(tmp_path))
     assert code == 2 and out == ""
     assert err.startswith("targets: ") and reason in err
+
+
+def test_a_figure_that_rounds_to_its_bound_is_shown_past_it(
+    targets: Any, capsys: Any, tmp_path: Path
+):
+    """0.9007 misses 0.9 but reads 0.90 with two decimals, beside "not met"; 0.8954 meets
+    it and reads 0.90 too: both are shown with four decimals, any other with two."""
+    for value, verdict in ((0.9007, "**not met** in 1 of 4"), (0.8954, "met")):
+        rows = [row(n, "float32", c) for n in (4096, 8192) for c in (False, True)]
+        rows[1]["ratio_fwd"] = value
+        path = write(tmp_path / str(value) / "bench.json", bench_report(rows))
+        code, out, _ = run(targets, capsys, path)
+        line = verdict_line(out, "forward <= 0.9 x SDPA, float32")
+        assert f"| {value:.4f} x (L=4096 float32 causal) | {verdict} |" in line, line
+        assert code == (1 if verdict != "met" else 0)
+    code, out, _ = run(targets, capsys, path)
+    assert "| 0.80 x (L=4096 float32 no mask) | met |" in verdict_line(
+        out, "fwd+bwd <= 0.9 x SDPA, float32"
+    )
+
+
+def test_a_folder_s_reports_are_read_by_name_and_each_file_once(
+    targets: Any, capsys: Any, tmp_path: Path
+):
+    """A folder gives every bench*.json, contention*.json and decode*.json in it (runs
+    repeated as contention-1.json, contention-2.json, ...), not its other JSON; a file
+    named twice, or a folder and a file in it, is read once (its rows counted once)."""
+    write(tmp_path / "bench.json", bench_report(all_rows()))
+    busy = {"machine": MACHINE, "results": [
+        {"length": 1024, "head_dim": 128, "tiles": "64x64", "slowdown_ratio": 1.1}]}  # fmt: skip
+    write(tmp_path / "contention-1.json", busy | {"results": [busy["results"][0]]})
+    write(tmp_path / "contention-2.json", busy | {
+        "results": [busy["results"][0] | {"slowdown_ratio": 1.7}]})  # fmt: skip
+    write(tmp_path / "model_bench.json", {"machine": {"cpu": "another"}, "results": []})
+    code, out, _ = run(targets, capsys, tmp_path, tmp_path / "bench.json", tmp_path / "bench.json")
+    assert "model_bench" not in out and out.count("bench.json") == 1, out
+    assert verdict_line(out, "fwd+bwd <= 0.9 x SDPA, float32").startswith(
+        "| fwd+bwd <= 0.9 x SDPA, float32 | 4 |"
+    )
+    busy_line = verdict_line(out, "busy machine")
+    assert "| 2 | 1.70 x" in busy_line and "**not met** in 1 of 2" in busy_line, busy_line
+    assert code == 1

@@ -178,14 +178,16 @@ def test_decode_helpers_keep_their_layout():
 
 
 def test_decode_rounds_hold_enough_calls_to_outlast_the_clock():
-    """``bench.calls_per_round``: each runner is called twice (a warm-up, then one timed
-    call), and a round holds enough calls for the fastest runner's to last the time asked
-    for: a call of 5 ms at most 4 in 20 ms, a call of a few microseconds hundreds."""
+    """``bench.calls_per_round``: each runner is warmed up, then timed call by call (at
+    least three, and a quarter of the round), and a round holds enough calls for the
+    fastest runner's median call to last the time asked for: a call of 5 ms at most 4 in
+    20 ms, a call of a few microseconds hundreds, and a runner whose first calls are cold
+    is paced by its warm ones."""
     import time
 
     from flashledger import bench
 
-    calls = {"slow": 0, "fast": 0}
+    calls = {"slow": 0, "fast": 0, "cold": 0}
 
     def slow() -> None:
         calls["slow"] += 1
@@ -194,10 +196,16 @@ def test_decode_rounds_hold_enough_calls_to_outlast_the_clock():
     def fast() -> None:
         calls["fast"] += 1
 
+    def cold() -> None:  # the warm-up and the first timed call take 5 ms, then 0.2 ms
+        calls["cold"] += 1
+        time.sleep(0.005 if calls["cold"] <= 2 else 0.0002)
+
     assert 1 <= bench.calls_per_round({"slow": slow}, 0.02) <= 4
-    assert calls == {"slow": 2, "fast": 0}
+    assert calls["slow"] == 4  # the warm-up and three timed calls (15 ms: past 5)
     assert bench.calls_per_round({"slow": slow, "fast": fast}, 0.02) > 100
-    assert calls == {"slow": 4, "fast": 2}
+    assert calls["fast"] >= 4
+    paced = bench.calls_per_round({"cold": cold}, 0.02)
+    assert paced > 8, f"{paced} calls: paced by the cold first call (5 ms: 4), not 0.2 ms"
     assert bench.calls_per_round({"slow": slow}, 0.0) == 1
 
 
