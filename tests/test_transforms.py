@@ -302,6 +302,89 @@ def test_vmap_over_the_backward_of_a_graph_built_outside_torch_func() -> None:
         torch.autograd.grad(o, leaf, gs, is_grads_batched=True)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_dual_tensors_outside_torch_func_are_refused_not_dropped() -> None:
+    """torch.autograd.forward_ad's dual tensors (and torch.func.linearize, which makes
+    them): the forward alone has no rule for a tangent, and it was dropped (a tangent of
+    None, a JVP of zeros) where an input did not require grad; now it is refused, with or
+    without requires_grad, through flash_attention and flex_attention alike."""
+    import torch.autograd.forward_ad as fwad
+
+    q, k, v = _qkv(21, (1, 1), 1, 6, 6)  # (B, H, L, d), as flex_attention takes them
+    t = torch.randn_like(q)
+    for leaf in (q, q.clone().requires_grad_(True)):
+        for op in (fl.flash_attention, fl.flex_attention):
+            with fwad.dual_level(), pytest.raises(RuntimeError, match="no forward-mode"):
+                op(fwad.make_dual(leaf, t), k, v)
+    with pytest.raises(RuntimeError, match="no forward-mode derivative"):
+        torch.func.linearize(lambda q: fl.flash_attention(q, k, v), q)
+    with fwad.dual_level():  # a dual level with plain inputs is no forward mode: it runs
+        assert torch.equal(fl.flash_attention(q, k, v), fl.flash_attention(q, k, v))
+
+
+def test_an_option_tensor_changed_before_the_backward_is_refused() -> None:
+    """The backward reads the options again: a boolean mask, a DenseMask, alibi_slopes, a
+    dropout_mask or a tensor a score_mod reads (through its closure or a global) changed
+    in place between the forward and the backward gave the gradients of another problem
+    (dQ off by up to 1e4); now the backward refuses, as autograd does for the inputs. A
+    0-d tensor scale is read by value at the forward, so changing it later changes
+    nothing."""
+    q, k, v = _qkv(22, (1,), 1, 6, 6)
+    x = q.clone().requires_grad_(True)
+    w = torch.tensor(0.5, dtype=F64)
+
+    def shift(s: torch.Tensor, b: Any, h: Any, i: Any, j: Any) -> torch.Tensor:
+        return s + w * (i - j)
+
+    drop = torch.rand(1, 1, 6, 6, generator=torch.Generator().manual_seed(3)) > 0.3
+    cases = {
+        "bool mask": (dict(mask=torch.ones(6, 6, dtype=torch.bool).tril()), "mask"),
+        "DenseMask": (dict(mask=fl.DenseMask(torch.ones(6, 6, dtype=torch.bool).tril())), None),
+        "alibi_slopes": (dict(alibi_slopes=torch.tensor([0.5], dtype=F64)), "alibi_slopes"),
+        "dropout_mask": (dict(dropout_p=0.3, dropout_mask=drop.clone()), "dropout_mask"),
+        "score_mod closure": (dict(score_mod=shift), None),
+    }
+    for name, (opts, field) in cases.items():
+        for change in (False, True):
+            o = fl.flash_attention(x, k, v, **opts)
+            held = opts[field] if field else (opts["mask"].mask if name == "DenseMask" else w)
+            before = held.clone()
+            if change:
+                held.logical_not_() if held.dtype == torch.bool else held.add_(1.0)
+            if not change:
+                o.square().sum().backward()  # unchanged: the gradients flow
+                continue
+            with pytest.raises(RuntimeError, match="changed in place between the forward"):
+                o.square().sum().backward()
+            held.copy_(before)
+    scale = torch.tensor(0.5, dtype=F64)
+    grads = []
+    for later in (0.5, 2.0):
+        leaf = q.clone().requires_grad_(True)
+        o = fl.flash_attention(leaf, k, v, scale=scale)
+        scale.fill_(later)  # after the forward: the backward uses the forward's 0.5
+        o.square().sum().backward()
+        grads.append(leaf.grad)
+        scale.fill_(0.5)
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_a_gradient_penalty_compiles_around_the_op() -> None:
+    """create_graph=True inside torch.compile: the second-order backward runs the op's
+    forward again, which dynamo traced into (an internal dynamo error); it now runs as it
+    does eagerly, the same penalty as eager."""
+    q, k, v = _qkv(23, (1,), 1, 6, 6)
+
+    def penalty(x: torch.Tensor) -> torch.Tensor:
+        (g,) = torch.autograd.grad(fl.flash_attention(x, k, v).sum(), x, create_graph=True)
+        return g.square().sum()
+
+    want = penalty(q.clone().requires_grad_(True))
+    torch._dynamo.reset()
+    got = torch.compile(penalty, backend="eager")(q.clone().requires_grad_(True))
+    assert torch.allclose(got, want, rtol=1e-12, atol=0), (float(got), float(want))
+
+
 def test_outside_the_transforms_the_op_is_unchanged() -> None:
     # the torch.func path is taken only while a transform is active
     q, k, v = _qkv(10, (2,), 2, 6, 6)

@@ -40,12 +40,15 @@ cannot slice it (a score_mod's closure, a mask object) is refused.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
+import types
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Unpack
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 from . import _lane
 from ._backward_graph import graph_backward
@@ -89,6 +92,11 @@ class _FlashAttention(torch.autograd.Function):
         if torch._C._are_functorch_transforms_active():
             return _transformed(q, k, v, bias, opts, sink, captured)
         inputs = (q, k, v, bias, *captured)
+        if _forward_ad._current_level >= 0 and any(  # (-1 outside a dual_level)
+            isinstance(t, torch.Tensor) and _forward_ad.unpack_dual(t).tangent is not None
+            for t in inputs
+        ):  # a dual input's tangent would be dropped: the forward alone has no rule for it
+            raise RuntimeError(_NO_FORWARD_MODE)
         if torch.is_grad_enabled() and any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in inputs
         ):
@@ -127,14 +135,27 @@ class _FlashAttention(torch.autograd.Function):
             ctx.bias_range = pb.smod.bias_range  # autograd checks that the bias stays unchanged
         ctx.set_materialize_grads(False)  # an unused LSE output costs no zero tensor and no pass
         ctx.save_for_backward(q, k, v, bias, o, lse, *captured)
-        ctx.opts, ctx.sink = {n: x for n, x in opts.items() if n != _ROW_MAX}, sink
+        ctx.opts = {n: _by_value(n, x) for n, x in opts.items() if n != _ROW_MAX}
+        held = _options_held(ctx.opts, (q, k, v, bias, *captured))
+        ctx.held = [(t, t._version) for t in held]
+        ctx.sink = sink
         return o, lse
+
+    @staticmethod
+    def jvp(ctx: Any, *grads: Any) -> Any:
+        raise RuntimeError(_NO_FORWARD_MODE)
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: Any, do: torch.Tensor, dlse: torch.Tensor | None
     ) -> tuple[Any, ...]:
         q, k, v, bias, o, lse, *captured = ctx.saved_tensors
+        for t, version in ctx.held:
+            if t._version != version:
+                raise RuntimeError(
+                    f"{_CHANGED_OPTION} (a {t.dtype} tensor of shape {tuple(t.shape)}, at "
+                    f"version {t._version}, read at version {version})"
+                )
         opts = ctx.opts
         use_dlse = get_conventions(opts["conventions"]).lse_differentiable and dlse is not None
         none = (None,) * len(captured)
@@ -164,17 +185,8 @@ class _FlashAttention(torch.autograd.Function):
             )
             return dq, dk, dv, dbias if ctx.needs_input_grad[3] else None, None, None
         if torch.is_grad_enabled():  # create_graph=True: gradients autograd can differentiate
-            if opts.get("score_mod") is not None:
-                raise ValueError(
-                    "flash_attention: second-order gradients (create_graph=True) are not "
-                    "supported with a score_mod; take first-order gradients, or express the "
-                    "modification as softcap=, alibi_slopes= or bias="
-                )
-            conv = get_conventions(opts["conventions"])
-            raw = replace(conv, masked_row_lse=-math.inf, lse_differentiable=True)
-            o_g, lse_g = _FlashAttention.apply(q, k, v, bias, {**opts, "conventions": raw})
-            dq, dk, dv, dbias = graph_backward(
-                q, k, v, o_g, lse_g, do, dlse if use_dlse else None, bias, opts
+            dq, dk, dv, dbias = _graph_gradients(
+                q, k, v, bias, do, dlse if use_dlse else None, opts
             )
             return dq, dk, dv, dbias if ctx.needs_input_grad[3] else None, None, None
         dl, bound, rng = dlse if use_dlse else None, ctx.bound, ctx.bias_range
@@ -183,6 +195,38 @@ class _FlashAttention(torch.autograd.Function):
         found = _match(captured, res.captured_grads)
         dcaptured = [g if ctx.needs_input_grad[6 + n] else None for n, g in enumerate(found)]
         return res.dq, res.dk, res.dv, dbias, None, None, *dcaptured
+
+
+@opaque_to_compile  # (a gradient penalty under torch.compile: dynamo traced into apply)
+def _graph_gradients(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    do: torch.Tensor,
+    dlse: torch.Tensor | None,
+    opts: dict[str, Any],
+) -> tuple[torch.Tensor | None, ...]:
+    """``(dq, dk, dv, dbias)`` as tensors autograd can differentiate (``create_graph=True``):
+    the forward again as a graph of the op, then the backward as differentiable ops."""
+    if opts.get("score_mod") is not None:
+        raise ValueError(
+            "flash_attention: second-order gradients (create_graph=True) are not "
+            "supported with a score_mod; take first-order gradients, or express the "
+            "modification as softcap=, alibi_slopes= or bias="
+        )
+    conv = get_conventions(opts["conventions"])
+    raw = replace(conv, masked_row_lse=-math.inf, lse_differentiable=True)
+    o_g, lse_g = _FlashAttention.apply(q, k, v, bias, {**opts, "conventions": raw})
+    return tuple(graph_backward(q, k, v, o_g, lse_g, do, dlse, bias, opts))
+
+
+def _by_value(name: str, x: Any) -> Any:
+    """An option as the backward takes it: a 0-d tensor scale by its value at the forward
+    (the forward read that value; a change after it is not the forward's problem)."""
+    if name == "scale" and isinstance(x, torch.Tensor) and x.ndim == 0 and not x.requires_grad:
+        return float(x)
+    return x
 
 
 def _transformed(
@@ -319,8 +363,9 @@ class _FuncAttentionBackward(_PerSample):
 
 
 _NO_FORWARD_MODE = (
-    "flash_attention has no forward-mode derivative (torch.func.jvp, jacfwd, hessian); use "
-    "reverse mode: torch.func.grad, vjp, jacrev"
+    "flash_attention has no forward-mode derivative (torch.func.jvp, jacfwd, hessian, "
+    "linearize, torch.autograd.forward_ad's dual tensors); use reverse mode: "
+    "torch.func.grad, vjp, jacrev"
 )
 
 
@@ -381,21 +426,60 @@ def _is_mapped(x: torch.Tensor) -> bool:
         x = fc.get_unwrapped(x)
 
 
-def _holds_mapped(x: Any, depth: int = 4) -> bool:
-    """Whether ``x`` holds a tensor being mapped by vmap: itself, or in a function's closure,
-    an object's attributes, a sequence's items (``depth`` levels down)."""
+def _holds_mapped(x: Any) -> bool:
+    """Whether ``x`` holds a tensor being mapped by vmap (``_held_tensors``)."""
+    return any(_is_mapped(t) for t in _held_tensors(x))
+
+
+def _held_tensors(x: Any, depth: int = 4) -> Iterator[torch.Tensor]:
+    """The tensors ``x`` holds: itself, or in a function's closure, an object's attributes,
+    a sequence's or a dict's items (``depth`` levels down)."""
     if isinstance(x, torch.Tensor):
-        return _is_mapped(x)
+        yield x
+        return
     if depth == 0 or x is None or isinstance(x, (bool, int, float, str)):
-        return False
+        return
     inner: list[Any] = []
     if isinstance(x, (tuple, list)):
         inner = list(x)
-    elif callable(x) and getattr(x, "__closure__", None):
-        inner = [c.cell_contents for c in x.__closure__ if c.cell_contents is not x]
-    if hasattr(x, "__dict__") and not isinstance(x, type):
+    elif isinstance(x, dict):
+        inner = list(x.values())
+    elif isinstance(x, types.FunctionType):  # its closure, and the tensors its globals name
+        inner = [c.cell_contents for c in x.__closure__ or () if c.cell_contents is not x]
+        names = x.__code__.co_names
+        inner += [g for n in names if isinstance(g := x.__globals__.get(n), torch.Tensor)]
+    elif isinstance(x, types.MethodType):
+        inner = [x.__func__, x.__self__]
+    elif isinstance(x, functools.partial):
+        inner = [x.func, *x.args, *x.keywords.values()]
+    if hasattr(x, "__dict__") and not isinstance(x, (type, types.ModuleType)):
         inner += list(vars(x).values())
-    return any(_holds_mapped(y, depth - 1) for y in inner)
+    for y in inner:
+        yield from _held_tensors(y, depth - 1)
+
+
+def _options_held(opts: Mapping[str, Any], inputs: Sequence[Any]) -> list[torch.Tensor]:
+    """The tensors the options hold that the backward reads again (a boolean mask, a mask
+    object's or a mask_mod's or score_mod's tensors, alibi_slopes, dropout_mask) and that
+    are not inputs of the op: the backward checks their version counters, as autograd
+    checks the inputs', so that one changed in place between the forward and the backward
+    is an error, not the gradients of another problem. Tensors without a version counter
+    (made under inference_mode) are left out."""
+    seen = {id(t) for t in inputs if isinstance(t, torch.Tensor)}
+    out = []
+    for t in _held_tensors(list(opts.values())):
+        if id(t) not in seen and not t.is_inference():
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+_CHANGED_OPTION = (
+    "flash_attention: a tensor an option holds (mask=, alibi_slopes=, dropout_mask=, or one a "
+    "mask_mod or score_mod reads) was changed in place between the forward and the "
+    "backward, which would give the gradients of another problem; change a copy, or run "
+    "the forward again"
+)
 
 
 def _lane_forward(
