@@ -566,6 +566,13 @@ def test_a_refused_call_leaves_the_cache_as_it_was():
         with pytest.raises(ValueError, match=words):
             call()
         assert not kc.any() and not vc.any(), f"{name}: the refused call wrote the cache"
+    import torch.autograd.forward_ad as fwad
+
+    with fwad.dual_level():  # a dual q's tangent would be dropped (it was: a tangent of None)
+        dual = fwad.make_dual(q, torch.ones_like(q))
+        with pytest.raises(RuntimeError, match="not differentiable, in forward mode either"):
+            fl.attention_with_kvcache(dual, kc, vc, k, v, cache_seqlens=5)
+    assert not kc.any() and not vc.any(), "the refused dual call wrote the cache"
     with torch.no_grad():  # the same call without a graph to build decodes
         fl.attention_with_kvcache(q.clone().requires_grad_(), kc, vc, k, v, cache_seqlens=5)
     assert torch.equal(kc[:, :, 5:6], k) and torch.equal(vc[:, :, 5:6], v)

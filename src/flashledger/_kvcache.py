@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Unpack
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 from ._checks import all_finite, check_finite, check_float_tensor, check_size
 from ._eager import opaque_to_compile
@@ -357,6 +358,14 @@ def attention_with_kvcache(
             "the keys in use"
         )
     given = [x for x in (q, k_cache, v_cache, k, v) if isinstance(x, torch.Tensor)]
+    if _forward_ad._current_level >= 0 and any(  # (-1 outside a dual_level)
+        _forward_ad.unpack_dual(x).tangent is not None for x in given
+    ):
+        raise RuntimeError(
+            "attention_with_kvcache is not differentiable, in forward mode either: an input "
+            "is a dual tensor (torch.autograd.forward_ad), whose tangent would be dropped; "
+            "use flash_attention on the keys in use for a reverse-mode gradient"
+        )
     if torch.is_grad_enabled() and any(x.requires_grad for x in given):
         raise ValueError(
             "attention_with_kvcache is not differentiable (it writes the cache in place and "
