@@ -532,6 +532,8 @@ def test_low_precision_cache_follows_the_float64_answer(dtype, gen):
     assert low.ledger.itemsize == torch.empty((), dtype=dtype).element_size()
 
 
+# torch's forward mode loads its jvp decompositions through torch.jit.script (deprecated)
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 def test_a_refused_call_leaves_the_cache_as_it_was():
     """Every check runs before the new rows are written: a call that raises has not
     changed the caller's cache (a too-short rotary table, a bad option, a NaN in the new
