@@ -498,3 +498,50 @@ def test_the_seed_and_the_slope_are_fields_only_while_they_have_an_effect(visit_
     )
     expect(page.locator("#sec-backward")).not_to_have_class(_has("stale"))
     assert not quiet_errors(v), v.console_errors
+
+
+# ----------------------------------------------------------------------------- 7. what is shown
+
+
+CHIP_LABELS_OUTSIDE = """() => [...document.querySelectorAll('#sec-gpu svg .chip-box')].flatMap(g => {
+  const box = g.querySelector('rect').getBBox(), text = g.querySelector('text').getBBox();
+  return text.x < box.x - 0.5 || text.x + text.width > box.x + box.width + 0.5
+    ? [g.textContent] : [];
+})"""
+
+LEGEND_BELOW = """() => {
+  const svg = document.querySelector('#storage-plot svg');
+  const here = svg.querySelector('.here-line').getBBox();
+  return [...svg.querySelectorAll('.series text')].filter(t => {
+    const b = t.getBBox();
+    return b.y + b.height > here.y + 0.5;
+  }).map(t => t.textContent);
+}"""
+
+
+def test_notes_labels_and_legends_say_what_is_shown(visit_at: Any) -> None:
+    """The ledger's note says the values are the reader's own where only they changed (it
+    said "your own scores" over the seed's scores); a whole number written 1e3 is read as
+    one (the server then says it is out of range, not "enter a whole number"); the
+    forward diagram's chip labels stay inside their boxes on a wide page (one ran out of
+    its box, cut at the panel's edge); the storage plot's legend sits above the axes,
+    clear of the lines and of L's marker; a phone shows the diagram's colour legend."""
+    v, page = open_page(visit_at, DESKTOP, "?sec=ledger&values=1%0A2%0A3%0A4%0A5%0A6")
+    expect(page.locator("#ledger-note")).to_contain_text(
+        "The seed page's scores [1, 2, −1, 3, 0, 2.5] with your own value vectors"
+    )
+    expect(page.locator("#sec-ledger")).not_to_have_class(_has("stale"))  # a current result
+    page.fill("#f-block", "1e3")
+    block_error = '#sec-ledger [data-error-for="block_size"]'
+    expect(page.locator(block_error)).to_contain_text("1000 is out of range")
+    v.open("?sec=gpu&bpass=forward&fstep=4")
+    expect(page.locator("#sec-gpu svg .chip-box").first).to_be_attached()
+    assert page.evaluate(CHIP_LABELS_OUTSIDE) == []
+    v.open("?sec=storage")
+    expect(page.locator("#storage-plot .here-line")).to_be_attached()
+    assert page.evaluate(LEGEND_BELOW) == []
+    assert not quiet_errors(v), v.console_errors
+    v, page = open_page(visit_at, PHONE, "?sec=gpu&bstep=3")
+    legend = page.locator("#sec-gpu svg .legend-text")
+    expect(legend).to_have_count(3)
+    expect(legend.first).to_have_text("loaded this step")

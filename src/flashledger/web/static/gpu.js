@@ -273,6 +273,23 @@ function renderDiagram() {
   fill(holder, diagram(plan(data, mode, current), width, moving));
 }
 
+/** About the width of a chip's label in px (13 px monospace: 7.8 a Latin character, a
+ * full em a CJK one). */
+function labelWidth(label) {
+  let w = 0;
+  for (const ch of label) w += ch.codePointAt(0) >= 0x2e80 ? 13 : 7.8;
+  return w;
+}
+
+/** ``label`` in two lines, split at the space nearest its middle (at its middle without one). */
+function splitLabel(label) {
+  const mid = label.length / 2;
+  let at = -1;
+  for (let i = 0; i < label.length; i++) if (label[i] === " " && (at < 0 || Math.abs(i - mid) < Math.abs(at - mid))) at = i;
+  if (at < 0) return [label.slice(0, Math.ceil(mid)), label.slice(Math.ceil(mid))];
+  return [label.slice(0, at), label.slice(at + 1)];
+}
+
 function diagram({ tensors, chips }, W, moving) {
   const wide = W >= 760;
   const perRow = wide ? tensors.length : Math.ceil(tensors.length / 2);
@@ -285,11 +302,13 @@ function diagram({ tensors, chips }, W, moving) {
   const chipCols = wide ? 5 : 1;
   const chipRows = Math.ceil(Math.max(chips.length, 1) / chipCols);
   const sramTop = hbmH + 22;
-  const H = sramTop + 28 + chipRows * (chipH + 10) + 6;
+  const sramH = 28 + chipRows * (chipH + 10) + 6;
+  const legendH = wide ? 0 : 3 * 18 + 10; // narrow: the legend under the panels, one per line
+  const H = sramTop + sramH + legendH;
   const svg = s("svg", { viewBox: `0 0 ${W} ${H}`, width: W, height: H, class: "chip-diagram", role: "img" });
   svg.append(s("rect", { x: 4, y: 4, width: W - 8, height: hbmH - 4, rx: 10, class: "panel hbm" }));
   svg.append(s("text", { x: 16, y: 24, class: "panel-label" }, t("s3.hbm")));
-  svg.append(s("rect", { x: 4, y: sramTop, width: W - 8, height: H - sramTop - 4, rx: 10, class: "panel sram" }));
+  svg.append(s("rect", { x: 4, y: sramTop, width: W - 8, height: sramH - 4, rx: 10, class: "panel sram" }));
   svg.append(s("text", { x: 16, y: sramTop + 19, class: "panel-label" }, t("s3.sram")));
 
   const legend = [
@@ -297,12 +316,12 @@ function diagram({ tensors, chips }, W, moving) {
     ["keep", "s3.legendKeep"],
     ["write", "s3.legendWrite"],
   ];
-  if (wide) {
-    legend.forEach(([role, key], n) => {
-      const x = W - 600 + n * 200;
-      svg.append(s("rect", { x, y: 14, width: 12, height: 12, class: `tile-bar ${role}` }), s("text", { x: x + 18, y: 24, class: "legend-text" }, t(key)));
-    });
-  }
+  legend.forEach(([role, key], n) => {
+    // wide: along the top, right of the HBM label; narrow: under the on-chip panel
+    const x = wide ? W - 600 + n * 200 : 16;
+    const y = wide ? 14 : sramTop + sramH + 4 + n * 18;
+    svg.append(s("rect", { x, y, width: 12, height: 12, class: `tile-bar ${role}` }), s("text", { x: x + 18, y: y + 10, class: "legend-text" }, t(key)));
+  });
 
   const colW = Math.min(70, (W - 40 - (perRow - 1) * 10) / perRow);
   const gap = perRow > 1 ? (W - 40 - perRow * colW) / (perRow - 1) : 0;
@@ -336,10 +355,12 @@ function diagram({ tensors, chips }, W, moving) {
       }
     }
     const g = s("g", { class: `chip-box ${role}`, "data-chip": n });
-    g.append(
-      s("rect", { x, y, width: chipW, height: chipH, rx: 6, class: `chip ${role}` }),
-      s("text", { x: x + chipW / 2, y: y + chipH / 2 + 5, "text-anchor": "middle", class: "chip-label" }, label),
-    );
+    // a label longer than the box holds goes on two lines (the box is tall enough on a
+    // wide view, where the five boxes are narrow), split at the space nearest its middle
+    const lines = wide && labelWidth(label) > chipW - 12 ? splitLabel(label) : [label];
+    const text = s("text", { x: x + chipW / 2, y: y + chipH / 2 + 5 - (lines.length - 1) * 8, "text-anchor": "middle", class: "chip-label" });
+    lines.forEach((line, i) => text.append(s("tspan", { x: x + chipW / 2, dy: i ? 16 : 0 }, line)));
+    g.append(s("rect", { x, y, width: chipW, height: chipH, rx: 6, class: `chip ${role}` }), text);
     svg.append(g);
     // one tile forward: the tiles fly from HBM into on-chip memory, the results fly back
     const from = sources.map((src) => tiles[src]).find(Boolean);

@@ -112,6 +112,8 @@ const STRINGS = {
     "s2.cardOwn": "{n} {n|score|scores} and {d}-D value {n|vector|vectors}",
     "s2.noteOwn":
       "Your own {n} {n|score|scores}, not the seed page's example {seed} (the Seed example button brings it back). A shift changes the running maximum, not the mathematical probabilities or output.",
+    "s2.noteOwnValues":
+      "The seed page's scores {seed} with your own value vectors (the Seed example button brings its values back). A shift changes the running maximum, not the mathematical probabilities or output.",
     "s2.cardSub": "Online computation in double precision (flashledger.OnlineSoftmax)",
     "s2.note":
       "Original scores [1, 2, −1, 3, 0, 2.5]. A shift changes the running maximum, not the mathematical probabilities or output.",
@@ -612,6 +614,7 @@ const STRINGS = {
     "s2.card": "六个分数与二维值向量",
     "s2.cardOwn": "{n} 个分数与 {d} 维值向量",
     "s2.noteOwn": "你输入的 {n} 个分数，不是原页面的示例 {seed}（“恢复示例”按钮可恢复）。平移会改变运行最大值，不改变数学上的概率与输出。",
+    "s2.noteOwnValues": "原页面的分数 {seed}，配上你输入的值向量（“恢复示例”按钮可恢复原来的值）。平移会改变运行最大值，不改变数学上的概率与输出。",
     "s2.cardSub": "双精度在线计算（flashledger.OnlineSoftmax）",
     "s2.note": "原分数 [1,2,−1,3,0,2.5]。平移会改变运行最大值，不改变数学上的概率与输出。",
     "s2.scores": "分数",

@@ -152,7 +152,10 @@ function renderIntro() {
   const own = data && !isSeedRow();
   title.textContent = own ? t("s2.cardOwn", { n: data.n, d: data.d_v }) : t("s2.card");
   const seedText = `[${seed.scores.map((x) => fmtNumber(x)).join(", ")}]`;
-  fill(note, staleNote(), own ? t("s2.noteOwn", { n: data.n, seed: seedText }) : t("s2.note"));
+  // the seed's scores with other values are not "your own scores": the note says which changed
+  const ownScores = own && !(shownBody && sameNumbers(shownBody.scores, seed.scores));
+  const key = !own ? "s2.note" : ownScores ? "s2.noteOwn" : "s2.noteOwnValues";
+  fill(note, staleNote(), own ? t(key, { n: data.n, seed: seedText }) : t(key));
   reset.hidden = !own;
 }
 

@@ -234,10 +234,11 @@ function sup(n) {
 function renderPlot() {
   const holder = document.getElementById("storage-plot");
   const W = Math.max(280, widthOf(holder, 540));
-  const H = 240;
+  const legendH = 3 * 16 + 6; // the series' legend above the axes, clear of the lines and L's marker
+  const H = 240 + legendH;
   const left = 46;
   const right = 12;
-  const top = 12;
+  const top = 12 + legendH;
   const bottom = 40;
   const pts = data.sweep;
   const c = data.ledger.config;
@@ -269,7 +270,7 @@ function renderPlot() {
       g.append(s("circle", { cx: X(p.length), cy: Y(p[key]), r: 2.6, "data-length": p.length, "data-value": p[key] }, s("title", {}, `L = ${p.length}: ${p[key]}`)));
     }
     const lx = left + 8;
-    const ly = top + 14 + n * 16;
+    const ly = 16 + n * 16;
     g.append(s("line", { x1: lx, x2: lx + 16, y1: ly - 4, y2: ly - 4 }), s("text", { x: lx + 22, y: ly, class: "label" }, name));
     svg.append(g);
   });

@@ -324,7 +324,12 @@ export function bindInput(el, key, options = {}) {
 /** Parse an integer field; returns the number or null. */
 export function parseIntField(text) {
   const trimmed = String(text).trim().replace(/^\u2212/, "-");
-  return /^[+-]?\d+$/.test(trimmed) ? Number(trimmed) : null;
+  if (/^[+-]?\d+$/.test(trimmed)) return Number(trimmed);
+  // a whole number written with an exponent or a zero fraction (1e3, 2.0) is one: the
+  // server then says whether it is in range, as it does for 1000
+  if (!/^[+-]?(\d+\.?\d*|\.\d+)(e[+-]?\d+)?$/i.test(trimmed)) return null;
+  const x = Number(trimmed);
+  return Number.isSafeInteger(x) ? x : null;
 }
 
 // ------------------------------------------------------------------------ scroll cues
