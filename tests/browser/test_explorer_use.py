@@ -545,3 +545,7 @@ def test_notes_labels_and_legends_say_what_is_shown(visit_at: Any) -> None:
     legend = page.locator("#sec-gpu svg .legend-text")
     expect(legend).to_have_count(3)
     expect(legend.first).to_have_text("loaded this step")
+    expect(page.locator("#tabs")).to_have_attribute("aria-label", "sections")
+    page.click('#lang-switch button[data-lang="zh"]')  # the sections' label is translated too
+    expect(page.locator("#tabs")).to_have_attribute("aria-label", "章节")
+    expect(legend.first).to_have_text("本步读入")

@@ -1,5 +1,5 @@
 // UI text in English and Chinese. Elements with data-i18n="key" get the
-// string as text; data-i18n-title sets the title attribute. Dynamic text
+// string as text; data-i18n-title sets the title attribute, data-i18n-label aria-label. Dynamic text
 // calls t(key, {name: value}) for strings with {name} slots.
 
 const STRINGS = {
@@ -106,6 +106,7 @@ const STRINGS = {
     "s1.o": "prefix output a / ℓ",
     "s1.open": "Step through it in section 02",
 
+    "nav.sections": "sections",
     "s2.kicker": "02 / BLOCK LEDGER",
     "s2.title": "Advance block by block, watch the old state rescale",
     "s2.card": "Six scores and 2-D value vectors",
@@ -609,6 +610,7 @@ const STRINGS = {
     "s1.o": "前缀输出 a / ℓ",
     "s1.open": "在第 02 节逐步查看",
 
+    "nav.sections": "章节",
     "s2.kicker": "02 / BLOCK LEDGER",
     "s2.title": "按块推进，看旧累计值怎样重新缩放",
     "s2.card": "六个分数与二维值向量",
@@ -1052,4 +1054,5 @@ export function setLanguage(code, root = document) {
   document.title = t("doc.title");
   for (const el of root.querySelectorAll("[data-i18n]")) el.textContent = t(el.dataset.i18n);
   for (const el of root.querySelectorAll("[data-i18n-title]")) el.title = t(el.dataset.i18nTitle);
+  for (const el of root.querySelectorAll("[data-i18n-label]")) el.setAttribute("aria-label", t(el.dataset.i18nLabel));
 }
