@@ -549,3 +549,25 @@ def test_notes_labels_and_legends_say_what_is_shown(visit_at: Any) -> None:
     page.click('#lang-switch button[data-lang="zh"]')  # the sections' label is translated too
     expect(page.locator("#tabs")).to_have_attribute("aria-label", "章节")
     expect(legend.first).to_have_text("本步读入")
+
+
+def test_a_link_s_step_out_of_range_is_rewritten_to_the_step_shown(visit_at: Any) -> None:
+    """A step past the end, negative or not a number is shown clamped; the URL now says
+    the same in every section (sections 04 and 07 kept 999, section 02 kept -5 and abc),
+    so that a link copied from the page shows what the page showed."""
+    from urllib.parse import parse_qs, urlparse
+
+    for query, key, shown in (
+        ("?sec=backward&bstep=999", "bstep", "6"),
+        ("?sec=ring&rstep=999", "rstep", "4"),
+        ("?sec=ledger&step=99", "step", "3"),
+        ("?sec=ledger&step=-5", "step", "0"),
+        ("?sec=ledger&step=abc", "step", "0"),
+    ):
+        v, page = open_page(visit_at, DESKTOP, query)
+        page.wait_for_function(
+            f"() => !new URLSearchParams(location.search).has('{key}') || "
+            f"new URLSearchParams(location.search).get('{key}') === '{shown}'"
+        )
+        got = parse_qs(urlparse(page.url).query).get(key, ["0"])[0]
+        assert got == shown, (query, page.url)

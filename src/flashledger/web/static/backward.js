@@ -17,6 +17,7 @@ import {
   bindInput,
   computeSection,
   keepToOptions,
+  normalizeStep,
   parseIntField,
   presetText,
   readout,
@@ -339,8 +340,8 @@ function accept(result, body, isDefault, maskKind = get("mask")) {
   data = result;
   dataInputs = settingsOf(body, maskKind);
   prepare();
-  if (bwCtl.current() > data.steps.length) set({ bstep: String(data.steps.length) });
-  if (fwCtl.current() > data.forward_steps.length) set({ fstep: String(data.forward_steps.length) });
+  normalizeStep("bstep", data.steps.length);
+  normalizeStep("fstep", data.forward_steps.length);
   render();
 }
 

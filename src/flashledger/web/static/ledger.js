@@ -11,6 +11,7 @@ import { get, getDefault, set, subscribe } from "./state.js";
 import {
   bindInput,
   computeSection,
+  normalizeStep,
   parseIntField,
   readout,
   registerStepper,
@@ -132,8 +133,7 @@ function accept(result, body, isDefault) {
   resultShown(section, { fallback: isDefault });
   data = result;
   shownBody = body;
-  const step = parseInt(get("step"), 10) || 0;
-  if (step > data.steps.length) set({ step: String(data.steps.length) });
+  normalizeStep("step", data.steps.length);
   render();
 }
 

@@ -11,6 +11,7 @@ import {
   bindInput,
   computeSection,
   keepToOptions,
+  normalizeStep,
   parseIntField,
   readout,
   registerStepper,
@@ -162,7 +163,7 @@ function accept(result, body, isDefault) {
   resultShown(section, { fallback: isDefault });
   data = result;
   shownBody = body;
-  if (stepCtl.current() > data.world_size) set({ rstep: String(data.world_size) });
+  normalizeStep("rstep", data.world_size);
   if ((parseIntField(get("rrank")) ?? 0) >= data.world_size) set({ rrank: "0" });
   render();
 }

@@ -69,6 +69,16 @@ export function registerStepper(sec, ctl) {
 }
 
 /** The stepper the keys drive in section `sec`, or null. */
+/**
+ * The step in state `key` as the stepper shows it (a whole number in 0..total): a link's
+ * step past the end, negative or not a number is rewritten to it, so that the URL says
+ * what the page shows.
+ */
+export function normalizeStep(key, total) {
+  const shown = String(Math.min(Math.max(parseInt(get(key), 10) || 0, 0), total));
+  if (get(key) !== shown) set({ [key]: shown });
+}
+
 export function stepperFor(sec) {
   const entry = steppers.get(sec);
   return typeof entry === "function" ? entry() : (entry ?? null);
