@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._mods import MaskModFn, TileCaller, index_grid
-from ._spans import span_classes
+from ._spans import same_values, span_classes
 from .masks import EMPTY, FULL, PARTIAL, BoundMask, Geometry, Mask, _sub_blocks, classify_bounded
 
 if TYPE_CHECKING:
@@ -129,8 +129,7 @@ def _same_blocks(
             if a is not b:
                 return False
             continue
-        same_kind = a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
-        if not (same_kind and bool(torch.equal(a, b))):
+        if a.device != b.device or not same_values(a, b):
             return False
     return True
 

@@ -367,7 +367,7 @@ def _table_of(
     ``t.data``) cannot make a stale table pass for current."""
     key = (id(t), t.data_ptr(), name)
     got = _TABLES.get(key)
-    if got is not None and got[0]() is t and _same(got[1][0], x):
+    if got is not None and got[0]() is t and same_values(got[1][0], x):
         return got[1]
     table = _range_table(x, reduce)
     if table.numel() * table.element_size() > TABLE_KEEP_BYTES:
@@ -378,7 +378,7 @@ def _table_of(
     return table
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     """``a`` and ``b`` hold the same values in the same shape and dtype (NaN counts as
     unequal: a table with one is built again)."""
     return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))

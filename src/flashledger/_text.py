@@ -6,7 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["RepeatedKey", "shown", "unique_keys"]
+__all__ = ["RepeatedKey", "cut", "shown", "unique_keys"]
+
+
+def cut(text: str, most: int = 40) -> str:
+    """``text``, or its first ``most - 3`` characters and ``...`` where it is longer: what an
+    error echoes of a client's input."""
+    return text if len(text) <= most else text[: most - 3] + "..."
 
 
 def shown(text: str, most: int = 60) -> str:

@@ -30,7 +30,7 @@ import socket
 from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
 from typing import Any
 
-from .._text import RepeatedKey, shown, unique_keys
+from .._text import RepeatedKey, cut, unique_keys
 
 __all__ = [
     "BodyGuard",
@@ -279,7 +279,7 @@ class BodyGuard:
         twice = _repeated_key(bytes(body)) if body and (json_ok or not media) else None
         if twice is not None:
             reason = (
-                f"the request body names the key {shown(twice, 40)} more than once in one "
+                f"the request body names the key {cut(twice)!r} more than once in one "
                 "object (only the last would count); give each key once"
             )
             await send_error(send, 422, reason, "invalid_json", {})

@@ -36,6 +36,7 @@ from pydantic import (
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import PydanticCustomError, core_schema
 
+from flashledger._text import cut
 from flashledger.conventions import PRESETS
 from flashledger.ring import chunk_bounds
 
@@ -203,12 +204,6 @@ def _short(x: float) -> float | str:
         sign = "-" if x < 0 else ""
         return f"{sign}{digits[:6]}... ({len(digits)} digits)"
     return x
-
-
-def cut(text: str, most: int = 40) -> str:
-    """``text``, or its first ``most - 3`` characters and ``...`` where it is longer: what an
-    error echoes of a client's input."""
-    return text if len(text) <= most else text[: most - 3] + "..."
 
 
 def shown(value: Any) -> str:
