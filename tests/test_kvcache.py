@@ -633,3 +633,61 @@ def test_torch_func_transforms_are_refused_with_the_reason():
     step = lambda x: fl.attention_with_kvcache(x, kc, vc, cache_seqlens=7).o  # noqa: E731
     with pytest.raises(RuntimeError, match="writes the cache in place"):
         torch.func.vmap(step)(q)
+
+
+@pytest.mark.parametrize(
+    "case", ["alibi shape", "scale past float32", "NaN in a cached key", "score_mod raises"]
+)
+def test_a_call_the_loop_refuses_leaves_the_cache_as_it_was(case):
+    """Checks only the loop makes (an option's shape or range, a NaN in the keys in use,
+    a score_mod's error) raise after the append: the overwritten rows are put back."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 2, 1, 4, generator=gen)
+    k, v = torch.randn(2, 2, 1, 4, generator=gen), torch.randn(2, 2, 1, 4, generator=gen)
+    kc, vc = torch.randn(2, 2, 8, 4, generator=gen), torch.randn(2, 2, 8, 4, generator=gen)
+    opts: dict[str, Any] = {
+        "alibi shape": dict(alibi_slopes=torch.ones(3)),
+        "scale past float32": dict(scale=1e39),
+        "NaN in a cached key": {},
+        "score_mod raises": dict(score_mod=lambda s, b, h, i, j: 1 / 0),
+    }[case]
+    if case == "NaN in a cached key":
+        kc[1, 0, 2, 0] = math.nan
+    before = kc.clone(), vc.clone()
+    with pytest.raises(ValueError):
+        fl.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=torch.tensor([3, 5]), **opts)
+    assert torch.equal(kc.nan_to_num(), before[0].nan_to_num()), "k_cache was written"
+    assert torch.equal(vc, before[1]), "v_cache was written"
+
+
+def test_scale_and_softcap_are_taken_by_value_as_flash_attention_takes_them():
+    """A 0-d tensor or a NumPy float32 scale/softcap: the same result as the float."""
+    np = pytest.importorskip("numpy")
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 1, 4, dtype=F64, generator=gen)
+    kc, vc = (torch.randn(1, 2, 6, 4, dtype=F64, generator=gen) for _ in range(2))
+    want = fl.attention_with_kvcache(q, kc, vc, cache_seqlens=6, scale=0.5, softcap=5.0)
+    for scale, softcap in (
+        (torch.tensor(0.5), torch.tensor(5.0)),
+        (np.float32(0.5), np.float32(5)),
+    ):
+        got = fl.attention_with_kvcache(q, kc, vc, cache_seqlens=6, scale=scale, softcap=softcap)
+        assert torch.equal(got.o, want.o) and torch.equal(got.lse, want.lse)
+
+
+def test_the_ledger_books_every_row_a_gathered_cache_reads():
+    """A paged (or batch-indexed) cache is gathered whole, used row by used row, before the
+    loop runs: its reads are every used row and page, not the window's span alone."""
+    gen = torch.Generator().manual_seed(0)
+    b, h, d, page, per = 2, 2, 4, 4, 10
+    kc, vc = (torch.randn(b * per, h, page, d, generator=gen) for _ in range(2))
+    table = torch.randperm(b * per, generator=gen).view(b, per)
+    q, k, v = (torch.randn(b, h, 1, d, generator=gen) for _ in range(3))
+    res = fl.attention_with_kvcache(
+        q, kc, vc, k, v, cache_seqlens=torch.tensor([30, 17]), block_table=table,
+        mask=fl.SlidingWindow(3, 0),
+    )  # fmt: skip
+    led = res.ledger
+    assert led.keys_read == led.used == (31, 18)
+    assert led.pages_read == 8 + 5
+    assert led.cache_bytes_read == (31 + 18) * h * 2 * d * 4

@@ -54,7 +54,7 @@ import torch.autograd.forward_ad as _forward_ad
 from ._checks import all_finite, check_finite, check_float_tensor, check_size
 from ._eager import opaque_to_compile
 from ._options import AttentionOptions, check_options
-from ._problem import Placement, check_option_values
+from ._problem import Placement, _as_real, check_option_values
 from .blocked import (
     DEFAULT_BLOCK_K,
     DEFAULT_BLOCK_Q,
@@ -124,7 +124,8 @@ class KVCacheLedger:
     """What one cached attention step moved, in bytes of the cache's dtype.
 
     ``keys_read[b]``: keys of sequence ``b`` the step reads (the span its queries
-    can see; all ``K`` and ``V`` heads of each); ``cache_bytes_read`` their bytes,
+    can see, or every used row where the cache is gathered; all ``K`` and ``V`` heads
+    of each); ``cache_bytes_read`` their bytes,
     ``K`` and ``V`` together; ``cache_bytes_written`` the appended rows;
     ``gathered_bytes`` the bytes written by copies of the used rows before the loop
     reads them (a paged, batch-indexed or left-padded cache is gathered; the loop
@@ -339,6 +340,12 @@ def attention_with_kvcache(
     check_size("num_splits", num_splits)
     check_size("block_q", block_q)
     check_size("block_k", block_k)
+    for name, allowed in (
+        ("scale", "a finite number (default 1/sqrt(d))"),
+        ("softcap", "None or a finite number > 0"),
+    ):  # a NumPy scalar or a 0-d tensor by value, as every other entry point takes them
+        if name in opts:
+            opts = {**opts, name: _as_real(name, opts[name], allowed)}  # type: ignore[misc]
     if opts.get("softcap") == 0:  # flash-attn's default, 0.0, means no softcap
         opts = {**opts, "softcap": None}  # type: ignore[typeddict-item]
     # everything that can fail is checked before the cache is written: a call that raises
@@ -530,6 +537,7 @@ def attention_with_kvcache(
         pos_q = seqlens[:, None] + t_q  # (B, Lq)
         _check_rows("rotary_cos", rotary_cos, int(pos_q.max()))
         _check_rows("rotary_cos", rotary_cos, int(seqlens.max()) + l_new - 1)
+    undo: list[tuple[torch.Tensor, torch.Tensor]] = []  # (cache, its rows before the append)
     if k is not None and v is not None:
         pos_new = seqlens[:, None] + torch.arange(l_new)[None, :]  # (B, L_new) absolute positions
         if rotary:
@@ -541,8 +549,10 @@ def attention_with_kvcache(
                 pos_new[:, None].to(dev),
                 interleaved=rotary_interleaved,
             )
-        _write(k_cache, k, pos_new, rows_idx, table, page)
-        _write(v_cache, v, pos_new, rows_idx, table, page)
+        for cache, rows_new in ((k_cache, k), (v_cache, v)):
+            # the rows the append overwrites, put back if anything below raises
+            undo.append((cache, _read(cache, pos_new, rows_idx, table, page)))
+            _write(cache, rows_new, pos_new, rows_idx, table, page)
     if rotary:
         assert rotary_cos is not None and rotary_sin is not None
         q = apply_rotary(
@@ -588,11 +598,19 @@ def attention_with_kvcache(
             res = blocked_forward(
                 q, kk, vv, block_q=block_q, block_k=block_k, placement=place, **run_opts
             )
-    except ValueError as exc:  # name the caller's arguments, not the loop's
-        msg = str(exc)
-        for inner, outer in (("k ", "k_cache (keys in use) "), ("v ", "v_cache (values in use) ")):
-            if msg.startswith(inner + "contains"):
-                raise ValueError(outer + msg[len(inner) :]) from None
+    except BaseException as exc:
+        # a call that raises leaves the cache as it was (a check only the loop can make:
+        # the shape or range of an option, a NaN in the keys in use, a score_mod's error)
+        for cache, before in reversed(undo):
+            _write(cache, before, pos_new, rows_idx, table, page)
+        if isinstance(exc, ValueError):  # name the caller's arguments, not the loop's
+            msg = str(exc)
+            for inner, outer in (
+                ("k ", "k_cache (keys in use) "),
+                ("v ", "v_cache (values in use) "),
+            ):
+                if msg.startswith(inner + "contains"):
+                    raise ValueError(outer + msg[len(inner) :]) from None
         raise
     # -- the ledger: the span of keys each sequence's queries see --
     geo = Geometry.build(
@@ -610,6 +628,9 @@ def attention_with_kvcache(
     seen = lo <= hi
     first = torch.where(seen, lo, lview).amin(dim=1).cpu()  # (B,)
     last = torch.where(seen, hi, -1).amax(dim=1).cpu()  # (B,)
+    if not plain:  # the gather read every used row of the cache, seen or not
+        first = torch.where(used > 0, 0, lview)
+        last = used - 1
     keys_read = torch.clamp(last - first + 1, min=0)  # (B,)
     item = k_cache.element_size()
     per_key = hkv * (d + dv) * item
@@ -682,6 +703,20 @@ def _write(
     r, p = _slots(pos, rows, table, page)  # (B, L_new) each
     dev = cache.device
     cache[r.to(dev), :, p.to(dev)] = new.transpose(1, 2)  # (B, L_new, Hkv, d)
+
+
+def _read(
+    cache: torch.Tensor,
+    pos: torch.Tensor,
+    rows: torch.Tensor,
+    table: torch.Tensor | None,
+    page: int,
+) -> torch.Tensor:
+    """A copy of ``cache[row, :, position]`` for every ``(b, t)``, laid out as ``_write``
+    takes its rows: ``(B, Hkv, L, X)``."""
+    r, p = _slots(pos, rows, table, page)
+    dev = cache.device
+    return cache[r.to(dev), :, p.to(dev)].transpose(1, 2)  # (B, Hkv, L, X)
 
 
 def _gather(
