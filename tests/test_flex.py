@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -848,8 +849,10 @@ def test_block_mask_errors():
         fl.flex_attention(q[:, :, :32], k, v, block_mask=bm)
     with pytest.raises(ValueError, match="sliced"):
         fl.MaskMod(bm[0])
-    with pytest.raises(ValueError, match="batch x heads 2 x 1"):
+    with pytest.raises(ValueError, match="batch x heads 2 x 1; the inputs need 1 batch entries"):
         fl.flex_attention(q[:1], k[:1], v[:1], block_mask=bm)
+    with pytest.raises(ValueError, match="need 1 or 3 batch entries and 1 or 2 heads"):
+        fl.flex_attention(*(torch.cat([x, x[:1]]) for x in (q, k, v)), block_mask=bm)
     with pytest.raises(
         TypeError, match=r"block_mask must be a torch\.nn\.attention\.flex_attention\.BlockMask"
     ):
@@ -1359,3 +1362,46 @@ def test_create_block_mask_drives_both_flex_attentions(assert_close):
 def test_create_block_mask_errors(args, kwargs, error, match):
     with pytest.raises(error, match=match):
         fl.create_block_mask(*args, device="cpu", **kwargs)
+
+
+@pytest.mark.parametrize("uses_score", ["ignored", "detached"])
+def test_captured_grad_when_score_mod_does_not_differentiate_the_score(uses_score: str) -> None:
+    """A score_mod whose output does not depend on the score through autograd (a learned
+    attention map that replaces it, or ``score.detach() * w``) still gives its captured
+    tensors their gradient: the dense autograd result, not zero."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 4, dtype=torch.float64) for n in (10, 12, 12))
+    w = torch.tensor([0.7, -0.3], dtype=torch.float64, requires_grad=True)
+
+    def score_mod(s: Tensor, b: Tensor, h: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
+        if uses_score == "ignored":
+            return w[h] * (qi - ki).to(s.dtype)
+        return s.detach() * w[h]
+
+    go = torch.randn(1, 2, 10, 4, dtype=torch.float64)
+    out = fl.flex_attention(q, k, v, score_mod=score_mod)
+    (got,) = torch.autograd.grad((out * go).sum(), w)
+    b, h = torch.zeros(1, 1, 1, 1, dtype=torch.long), torch.arange(2).view(1, 2, 1, 1)
+    qi, ki = torch.arange(10).view(1, 1, 10, 1), torch.arange(12).view(1, 1, 1, 12)
+    s = score_mod(q @ k.mT / 2.0, b, h, qi, ki)
+    (want,) = torch.autograd.grad((torch.softmax(s, -1) @ v * go).sum(), w)
+    assert want.abs().min() > 0.1  # a real gradient, not one that cancels
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+
+
+@pytest.mark.parametrize("kind", [np.int64, np.int32, lambda n: torch.tensor(n)])
+def test_create_block_mask_takes_numpy_and_tensor_integers(kind: Any) -> None:
+    """NumPy and 0-d tensor integers, as torch's create_block_mask takes them."""
+    want = flex_mod.create_block_mask(causal, 2, 3, 40, 24, device="cpu", BLOCK_SIZE=16)
+    got = fl.create_block_mask(
+        causal, kind(2), kind(3), kind(40), kind(24), device="cpu", BLOCK_SIZE=16
+    )
+    assert got.seq_lengths == (40, 24) and all(type(n) is int for n in got.seq_lengths)
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+        assert torch.equal(getattr(got, name), getattr(want, name))
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True, "4"])
+def test_create_block_mask_refuses_what_is_not_an_integer_of_at_least_1(bad: Any) -> None:
+    with pytest.raises(ValueError, match="Q_LEN must be an integer >= 1"):
+        fl.create_block_mask(causal, None, None, bad, 16, device="cpu")

@@ -25,6 +25,7 @@ torch would have built, usable by ``fl.flex_attention`` and by torch's
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,9 +44,15 @@ _CHUNK = 1 << 24
 
 
 def _positive_int(name: str, x: Any) -> int:
-    if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+    """``x`` as a Python int >= 1: any integer type (a NumPy or 0-d integer tensor
+    included, through ``__index__``, as torch's own create_block_mask takes them)."""
+    try:
+        n = operator.index(x) if not isinstance(x, bool) else None
+    except TypeError:
+        n = None
+    if n is None or n < 1:
         raise ValueError(f"create_block_mask: {name} must be an integer >= 1, got {x!r}")
-    return x
+    return n
 
 
 def _default_device() -> torch.device:

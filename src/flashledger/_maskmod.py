@@ -259,6 +259,11 @@ class MaskModBound(BoundMask):
         return classify_bounded(self, block_q, block_k)
 
 
+def _one_or(n: int) -> str:
+    """How many entries a BlockMask may have along an axis of ``n``: "1", or "1 or n"."""
+    return "1" if n == 1 else f"1 or {n}"
+
+
 class BlockMaskBound(MaskModBound):
     """A torch ``BlockMask`` against one call's geometry (see the module docstring)."""
 
@@ -275,8 +280,8 @@ class BlockMaskBound(MaskModBound):
         bb, hb = bm.kv_num_blocks.shape[:2]
         if bb not in (1, geo.batch) or hb not in (1, geo.heads):
             raise ValueError(
-                f"the BlockMask has batch x heads {bb} x {hb}; the inputs need 1 or "
-                f"{geo.batch} batch entries and 1 or {geo.heads} heads"
+                f"the BlockMask has batch x heads {bb} x {hb}; the inputs need "
+                f"{_one_or(geo.batch)} batch entries and {_one_or(geo.heads)} heads"
             )
         self._derived = _derived(bm)  # shared by every call with this BlockMask
         key = ("grid", str(geo.device))

@@ -397,10 +397,10 @@ class UserScore:
         """The gradient of the tile's input scores from ``ds`` (that of its output), both
         ``(B, H, r, c)``; the captured tensors' gradients are added to ``grads``."""
         got = self._grads(ctx, ds, (ctx.leaf, *self.captured))
-        if got is None or got[0] is None:
+        if got is None:
             return torch.zeros_like(ds)
-        self._add(got[1:])
-        return got[0]
+        self._add(got[1:])  # also when the output does not depend on the input score
+        return torch.zeros_like(ds) if got[0] is None else got[0]
 
     def vjp_captured(self, ctx: TileVJP, ds: torch.Tensor) -> None:
         """As ``vjp``, the captured tensors' gradients only (a score_mod that adds a term
