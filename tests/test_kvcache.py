@@ -691,3 +691,36 @@ def test_the_ledger_books_every_row_a_gathered_cache_reads():
     assert led.keys_read == led.used == (31, 18)
     assert led.pages_read == 8 + 5
     assert led.cache_bytes_read == (31 + 18) * h * 2 * d * 4
+
+
+def test_an_append_into_shared_memory_is_refused_before_anything_is_written():
+    """The append writes one cell per (sequence, head, position). A prompt's cache
+    expand()-ed across beams (stride 0), the same tensor as keys and values, or an
+    inference tensor outside inference mode cannot take that: each is refused by name,
+    and neither cache is changed (an expanded cache used to be written silently, every
+    beam's row into one place, so beam 0 attended to beam 1's new key)."""
+    prefix = torch.randn(1, 2, 16, 8, dtype=F64)
+    q = torch.randn(2, 2, 1, 8, dtype=F64)
+    k, v = torch.randn(2, 2, 1, 8, dtype=F64), torch.randn(2, 2, 1, 8, dtype=F64)
+    plain = torch.zeros(2, 2, 16, 8, dtype=F64)
+    with torch.inference_mode():
+        frozen = torch.zeros(2, 2, 16, 8, dtype=F64)
+    cases = {
+        "expanded k_cache": (prefix.expand(2, -1, -1, -1), plain.clone(), "k_cache has positions that share memory"),
+        "expanded v_cache": (plain.clone(), prefix.expand(2, -1, -1, -1), "v_cache has positions that share memory"),
+        "one tensor for both": (plain, plain, "k_cache and v_cache are the same memory"),
+        "inference v_cache": (plain.clone(), frozen, "v_cache is an inference tensor"),
+    }  # fmt: skip
+    for name, (kc, vc, words) in cases.items():
+        before = (kc.clone(), vc.clone())
+        with pytest.raises(ValueError, match=words):
+            fl.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=5)
+        assert torch.equal(kc, before[0]) and torch.equal(vc, before[1]), f"{name}: written"
+    # reading an expanded cache (no append) stays allowed and exact
+    kc, vc = prefix.expand(2, -1, -1, -1), (prefix + 1).expand(2, -1, -1, -1)
+    res = fl.attention_with_kvcache(q, kc, vc, cache_seqlens=6)
+    want = fl.reference_forward(q, kc[:, :, :6], vc[:, :, :6]).o
+    assert (res.o - want).abs().max() < TOL
+    with torch.inference_mode():  # an inference cache inside inference mode is written
+        res = fl.attention_with_kvcache(q, frozen.clone(), frozen.clone(), k, v, cache_seqlens=5)
+    assert torch.isfinite(res.o).all()

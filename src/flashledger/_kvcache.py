@@ -42,6 +42,7 @@ of keys at least one of its queries can see.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import html
 import math
@@ -498,6 +499,8 @@ def attention_with_kvcache(
         raise ValueError(
             "cache_batch_idx repeats a cache row; appending would write that row twice"
         )
+    if l_new:
+        _check_writable(k_cache, v_cache)
     # -- mask, conventions --
     mask = as_mask(opts.get("mask"))
     for leaf in _mask_leaves(mask):
@@ -549,10 +552,16 @@ def attention_with_kvcache(
                 pos_new[:, None].to(dev),
                 interleaved=rotary_interleaved,
             )
-        for cache, rows_new in ((k_cache, k), (v_cache, v)):
-            # the rows the append overwrites, put back if anything below raises
-            undo.append((cache, _read(cache, pos_new, rows_idx, table, page)))
-            _write(cache, rows_new, pos_new, rows_idx, table, page)
+        try:
+            for cache, rows_new in ((k_cache, k), (v_cache, v)):
+                # the rows the append overwrites, put back if anything below raises
+                undo.append((cache, _read(cache, pos_new, rows_idx, table, page)))
+                _write(cache, rows_new, pos_new, rows_idx, table, page)
+        except BaseException:  # v_cache's write failed after k_cache's: k_cache as it was
+            for cache, before in reversed(undo):
+                with contextlib.suppress(Exception):
+                    _write(cache, before, pos_new, rows_idx, table, page)
+            raise
     if rotary:
         assert rotary_cos is not None and rotary_sin is not None
         q = apply_rotary(
@@ -703,6 +712,36 @@ def _write(
     r, p = _slots(pos, rows, table, page)  # (B, L_new) each
     dev = cache.device
     cache[r.to(dev), :, p.to(dev)] = new.transpose(1, 2)  # (B, L_new, Hkv, d)
+
+
+def _check_writable(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Refuse, before anything is written, caches the append cannot write one cell per
+    position into: an expanded view (stride 0 along a dimension of more than one element,
+    e.g. a prompt's cache ``expand``-ed across beams, whose rows are one memory), the same
+    tensor as keys and values, or an inference tensor outside ``torch.inference_mode()``
+    (PyTorch writes it and then raises)."""
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        shared = [
+            i for i, (n, st) in enumerate(zip(cache.shape, cache.stride())) if n > 1 and st == 0
+        ]
+        if shared or torch._debug_has_internal_overlap(cache) == 1:
+            where = f" (dim {shared[0]} has stride 0)" if shared else ""
+            raise ValueError(
+                f"{name} has positions that share memory{where}, as an expand()-ed cache does: "
+                "the append would write several sequences' or heads' rows into one place; "
+                f"give each its own memory ({name}.contiguous() or .clone())"
+            )
+        if cache.is_inference() and not torch.is_inference_mode_enabled():
+            raise ValueError(
+                f"{name} is an inference tensor (made under torch.inference_mode()), which the "
+                "append cannot write outside inference mode; call attention_with_kvcache under "
+                "torch.inference_mode() too, or pass a cache made outside it"
+            )
+    if k_cache.data_ptr() == v_cache.data_ptr() and k_cache.stride() == v_cache.stride():
+        raise ValueError(
+            "k_cache and v_cache are the same memory: the values' append would overwrite the "
+            "keys'; pass two caches"
+        )
 
 
 def _read(
