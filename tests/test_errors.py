@@ -779,6 +779,28 @@ def test_input_values_are_checked_where_a_score_reads_them(trace):
         fl.reference_forward(q, k, v_bad, mask=mask)
 
 
+@pytest.mark.parametrize(
+    "opts",
+    [{}, {"trace": True}, {"loop_order": "fa1"}, {"dropout_p": 0.25, "seed": 3}],
+    ids=["plain", "trace", "fa1", "dropout"],
+)
+def test_a_value_no_row_sees_changes_nothing_on_every_step(opts):
+    """NaN and inf values of V (and K) at keys a row of a partial tile runs past but does
+    not see, as a padded KV buffer holds: the result is that of zeros there, on the native
+    step and on the PyTorch step (trace, dropout, FA1 order), which multiplies P = 0 by
+    them."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 13, 4, dtype=torch.float64, generator=g) for _ in range(3))
+    for mask in (fl.KeyPadding([6, 13]), fl.KeyPadding([6, 13]) & fl.Causal()):
+        want = fl.blocked_forward(q, k, v, mask=mask, block_q=4, block_k=4, **opts)
+        k_pad, v_pad = k.clone(), v.clone()
+        v_pad[0, :, 6:, 1:] = math.nan  # batch 0's keys 6.. share the partial tile 4..8
+        v_pad[0, :, 6:, 0] = math.inf
+        k_pad[0, :, 6:, :] = -math.inf
+        got = fl.blocked_forward(q, k_pad, v_pad, mask=mask, block_q=4, block_k=4, **opts)
+        assert torch.equal(got.o, want.o) and torch.equal(got.lse, want.lse), mask
+
+
 def test_a_graph_is_built_only_on_finite_inputs():
     """With a gradient to come, every value of q, k and v is checked before the forward:
     the backward reads every key of the tiles it runs, so a NaN past a KeyPadding length
@@ -870,3 +892,23 @@ def test_options_past_the_accumulation_dtype_are_named():
     want = fl.flash_attention(q, k, v, scale=0.5, softcap=2.0)
     for scale, cap in ((np.float32(0.5), np.float64(2.0)), (torch.tensor(0.5), torch.tensor(2.0))):
         assert torch.equal(fl.flash_attention(q, k, v, scale=scale, softcap=cap), want)
+
+
+def test_dropout_p_and_seed_are_taken_by_value():
+    """NumPy and 0-d tensor values of dropout_p and seed, as scale and softcap are taken:
+    the same dropout as the Python numbers; a float seed is still refused."""
+    np = pytest.importorskip("numpy")
+    q, k, v = (torch.randn(1, 2, 8, 4, dtype=torch.float64) for _ in range(3))
+    want = fl.flash_attention(q, k, v, dropout_p=0.25, seed=3)
+    for p, seed in ((np.float64(0.25), np.int64(3)), (torch.tensor(0.25), torch.tensor(3))):
+        assert torch.equal(fl.flash_attention(q, k, v, dropout_p=p, seed=seed), want)
+    _raises(
+        lambda: fl.flash_attention(q, k, v, dropout_p=0.25, seed=torch.tensor(3.0)),
+        ValueError,
+        "seed must be an integer >= 0 and < 2**64; a tensor is taken only as a 0-d integer",
+    )
+    _raises(
+        lambda: fl.flash_attention(q, k, v, dropout_p=np.float64(1.0)),
+        ValueError,
+        "dropout_p must be a number in [0, 1), got np.float64(1.0)",
+    )

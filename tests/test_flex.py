@@ -863,6 +863,8 @@ def test_flex_attention_argument_errors(assert_close):
     q, k, v, _ = _inputs(1, 4, 2, 16, 16)
     with pytest.raises(ValueError, match="enable_gqa=True"):
         fl.flex_attention(q, k, v)
+    with pytest.raises(ValueError, match="key has 2 heads and value 1; they must have the same"):
+        fl.flex_attention(q, k, v[:, :1], enable_gqa=True)  # not the GQA hint: it would not help
     with pytest.raises(ValueError, match=r"query must be 4-D \(B, H, L, E\)"):
         fl.flex_attention(q[0], k[0], v[0], enable_gqa=True)
     with pytest.raises(TypeError, match="score_mod must be callable"):

@@ -84,6 +84,11 @@ def flex_attention(
     want_lse, want_max = _aux_request(return_aux, return_lse)
     _check_kernel_options(kernel_options)
     hq, hkv = query.shape[1], key.shape[1]
+    if value.shape[1] != hkv:  # before the GQA hint, which would not help
+        raise ValueError(
+            f"flex_attention: key has {hkv} heads and value {value.shape[1]}; they must have "
+            "the same number"
+        )
     if not enable_gqa and hq != hkv:
         raise ValueError(
             f"flex_attention: query has {hq} heads and key/value {hkv}; pass enable_gqa=True "

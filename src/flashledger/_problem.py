@@ -533,6 +533,23 @@ def _as_real(name: str, x: Any, allowed: str) -> Any:
     return x
 
 
+def _as_whole(name: str, x: Any, allowed: str) -> Any:
+    """An integer option as a Python int: a NumPy integer or a 0-d integer tensor (no
+    gradient) taken by value; anything else left for ``check_option_values`` to name."""
+    if isinstance(x, bool | int) or x is None:
+        return x
+    if isinstance(x, torch.Tensor):
+        if x.ndim != 0 or x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+            raise ValueError(
+                f"{name} must be {allowed}; a tensor is taken only as a 0-d integer value, "
+                f"got shape {tuple(x.shape)} {x.dtype}"
+            )
+        return int(x)
+    if isinstance(x, numbers.Integral):
+        return int(x)  # a NumPy or other integer scalar
+    return x
+
+
 def _check_representable(
     acc: torch.dtype, dtype: torch.dtype, scale: Any, softcap: Any, slopes: Any
 ) -> None:
@@ -592,6 +609,8 @@ def build_problem(
     nothing else."""
     scale = _as_real("scale", scale, "a finite number (default 1/sqrt(d))")
     softcap = _as_real("softcap", softcap, "None or a finite number > 0")
+    dropout_p = _as_real("dropout_p", dropout_p, "a number in [0, 1)")
+    seed = _as_whole("seed", seed, "an integer >= 0 and < 2**64")
     tensors = (alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     key = None  # a score_mod is a user function (it may read tensors): never kept
     if dropout_mask is None and score_mod is None and all(t is None for t in tensors):

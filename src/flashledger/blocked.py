@@ -103,7 +103,7 @@ from typing import Any, Literal, Unpack
 import torch
 
 from . import _native, online
-from ._checks import check_size, pieces, plain
+from ._checks import all_finite, check_size, pieces, plain
 from ._memory import empty_like_huge
 from ._mods import adds_to_score, find_captured
 from ._options import AttentionOptions, check_options
@@ -537,6 +537,16 @@ def _finish_scores(
             _unflat(pb, s).masked_fill_(~vis, -math.inf)
     keep = pb.keep_tile(q0, q1, k0, k1)  # (B, Hkv, G, bq, bk) or None
     return s, ctx, vis, keep
+
+
+def _seen_values(pb: Problem, vj: torch.Tensor, vis: torch.Tensor) -> torch.Tensor:
+    """A partial tile's values with the keys no row of the tile sees set to 0, for a V that
+    is not all finite: P is 0 there, and 0 x NaN would carry a value no row reads into
+    every row of the tile, where the native step skips those columns. ``vj`` ``(B·Hkv, bk,
+    d_v)`` or ``(B, Hkv, 1, bk, d_v)``, ``vis`` ``(Bm, Hkv|1, G|1, bq, bk)``."""
+    b, hkv = pb.shape[0], pb.shape[2]
+    seen = vis.any(dim=-2).any(dim=2).expand(b, hkv, vis.shape[-1])  # (B, Hkv, bk)
+    return vj.masked_fill(~seen.reshape(*vj.shape[:-1], 1), 0)  # a key unseen: 0, not NaN
 
 
 def _refuse_graph(
@@ -1378,6 +1388,7 @@ def _forward(
         # V and acc are stored transposed (d_v rows): acc' = α acc + P̃ V is then formed as
         # accᵀ += Vᵀ P̃ᵀ, the matmul layout that runs fastest on CPU in float64.
         v_t = pb.v.reshape(n, lk, dv).mT.contiguous()  # (B·Hkv, d_v, Lk)
+        v_finite = all_finite(v_t)  # else a partial tile reads only the values its rows see
         # per key tile: K_jᵀ (B·Hkv, d, bk) and V_j (B·Hkv, bk, d_v), views
         kv_t = [(_keys(pb.k, k0, k1).mT, v_t[..., k0:k1].mT) for k0, k1 in ktiles]
         for i, (q0, q1) in enumerate(qtiles):
@@ -1392,6 +1403,8 @@ def _forward(
             for j, k0, k1, kind in _running(book, ktiles, kind_of, i=i):
                 kt, vj = kv_t[j]
                 s, _, vis, keep = _tile_scores(pb, ws, qi, kt, kind, q0, q1, k0, k1)
+                if vis is not None and not v_finite:
+                    vj = _seen_values(pb, vj, vis)
                 want = bool(obs) and wants(steps)
                 if want:  # the step overwrites s and the state in place
                     s_seen, m_before = s.clone(), state.m.clone()
@@ -1448,6 +1461,7 @@ def _forward(
     m = torch.full((b, hkv, g, lq), -math.inf, dtype=dt, device=dev)
     ell = torch.zeros(b, hkv, g, lq, dtype=dt, device=dev)
     book.io(write=lq * (dv + 2), stats_written=2 * lq)
+    v_finite = all_finite(pb.v)  # else a partial tile reads only the values its rows see
     for j, (k0, k1) in enumerate(ktiles):
         kj, vj = _keys(pb.k, k0, k1), pb.v[..., k0:k1, :]  # (B·Hkv, bk, d), (B, Hkv, 1, bk, d_v)
         ran = False
@@ -1461,7 +1475,7 @@ def _forward(
                 ell[..., q0:q1],
                 o[..., q0:q1, :],
                 s,
-                vj,
+                vj if vis is None or v_finite else _seen_values(pb, vj, vis),
                 keep=keep,
                 keep_scale=pb.keep_scale,
             )
@@ -1527,8 +1541,8 @@ def blocked_forward(
 
     q ``(..., Lq, d)``, k ``(..., Lk, d)``, v ``(..., Lk, d_v)`` with ``...`` =
     ``()``, ``(H,)`` or ``(B, H)`` (K/V may have fewer heads: GQA). Tiles of
-    ``block_q x block_k`` (default 512 x 512; any sizes >= 1, ragged last
-    tiles). ``trace=True`` records every tile step in ``result.ledger.records``,
+    ``block_q x block_k`` (any sizes >= 1, ragged last tiles; None: the tiles the
+    native step chose by measurement on this machine, 512 x 512 where it is off). ``trace=True`` records every tile step in ``result.ledger.records``,
     ``trace=k`` every k-th, ``trace=Trace(every=k, max_bytes=n)`` with a budget: the
     records' size is computed before the loop runs and over the budget (1 GiB by
     default) a ``ValueError`` says how large they would be and how to reduce them.
