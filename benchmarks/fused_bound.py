@@ -18,6 +18,7 @@ B = 1, H = 4, d = 64, float32, no mask, 256 x 256 tiles.
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import math
 import shutil
@@ -148,9 +149,14 @@ def measure(length: int, workdir: Path) -> dict[str, float]:
 
 
 def main(argv: list[str]) -> None:
-    lengths = [int(x) for x in argv] or [4096, 8192]
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "lengths", nargs="*", type=int, help=f"sequence lengths, multiples of {TILE} "
+        "(default 4096 8192)"
+    )  # fmt: skip
+    lengths = ap.parse_args(argv).lengths or [4096, 8192]
     if any(n < TILE or n % TILE for n in lengths):
-        sys.exit(f"fused_bound.py: lengths must be multiples of {TILE}, got {lengths}")
+        ap.error(f"lengths must be multiples of {TILE}, got {lengths}")
     print(f"forward, float32, B={B} H={H} d={D}, tiles {TILE}x{TILE}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:

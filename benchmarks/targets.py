@@ -270,7 +270,7 @@ def verdicts(found: dict[str, list[tuple[Path, dict[str, Any]]]]) -> list[Verdic
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("paths", nargs="+", type=Path, help="report files or folders holding them")
     args = ap.parse_args(argv)
     try:

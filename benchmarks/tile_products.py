@@ -86,7 +86,7 @@ int main(int argc, char **argv) {
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     ap.add_argument("--rows", type=int, default=256, help="query rows of the tile (default 256)")
     ap.add_argument("--keys", type=int, default=1024, help="keys of the tile (default 1024)")

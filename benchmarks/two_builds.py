@@ -96,7 +96,7 @@ def worker(
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--a", help="the first tree's src folder (the baseline)")
     p.add_argument("--b", help="the second tree's src folder")
     p.add_argument("--dtypes", default="float32,float64,bfloat16,float16")

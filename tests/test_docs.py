@@ -175,3 +175,35 @@ def test_the_docs_claims_are_all_found() -> None:
         line.count("_claim(") for _, _, body in PY_BLOCKS for line in _with_claims(body).split("\n")
     )
     assert found == CLAIMS_CHECKED, found
+
+
+# ----------------------------------------------------------------------------------------
+# verify.md's "What a failure says": the message shown is the message a kernel gets
+# ----------------------------------------------------------------------------------------
+def test_verify_failure_example_matches() -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from flashledger.verify import assert_attention_close
+
+    text = (ROOT / "docs" / "verify.md").read_text(encoding="utf-8")
+    shown = text.split("### What a failure says", 1)[1].split("```\n", 2)[1]
+
+    def my_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: Any) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=case.scale, enable_gqa=case.shape.gqa
+        )
+
+    with pytest.raises(AssertionError) as err:
+        assert_attention_close(
+            my_kernel,
+            dtypes=(torch.float16,),
+            quick=True,
+            masks=("causal_bottom_right",),
+            check_grads=False,
+        )
+    got = [_norm(line) for line in str(err.value).splitlines()]
+    want = [_norm(line) for line in shown.rstrip("\n").splitlines()]
+    # the header and every case's name and quantity; the element values move with the BLAS
+    keep = [w for w in want if not w.startswith(("worst element", "error "))]
+    assert [g for g in got if not g.startswith(("worst element", "error "))] == keep

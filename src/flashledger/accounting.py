@@ -542,7 +542,7 @@ class StorageWork(_Report):
             work("each pass", "tiles skipped", self.tiles_skipped, "empty under the mask"),
             work("each pass", "tiles full", self.tiles_full, "mask never evaluated"),
             work("each pass", "tiles partial", self.tiles_partial, "mask evaluated inside"),
-            work("forward", "exponentials", self.exps_forward, "tile entries + one α per row"),
+            work("forward", "exponentials", self.exps_forward, "tile entries + one α per row of each tile run"),
             work("backward", "exponentials", self.exps_backward, "tile entries"),
             work("forward", "FLOPs", self.flops_forward, "2(d + d_v) per dot computed"),
             work("backward", "FLOPs", self.flops_backward, "2(3d + 2d_v) per dot computed"),
