@@ -912,3 +912,61 @@ def test_dropout_p_and_seed_are_taken_by_value():
         ValueError,
         "dropout_p must be a number in [0, 1), got np.float64(1.0)",
     )
+
+
+# float8 tensors are floating point to PyTorch (is_floating_point()) but no entry point
+# computes in them: each refuses them by name, as it refuses int and complex, rather than
+# run a forward in float8 or crash later inside a reduction ("sum_cpu" not implemented).
+F8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def _qkv_f8(dt: torch.dtype) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(1, 2, 8, 4, generator=gen).to(dt) for _ in range(3))
+
+
+@pytest.mark.parametrize("dt", F8)
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda q, k, v: fl.flash_attention(q, k, v),
+        lambda q, k, v: fl.blocked_forward(q, k, v),
+        lambda q, k, v: fl.reference_forward(q, k, v),
+        lambda q, k, v: fl.flex_attention(q, k, v),
+        lambda q, k, v: fl.attention_with_kvcache(q, k, v, cache_seqlens=8),
+        lambda q, k, v: fl.blocked_backward(
+            q, k, v, torch.zeros(1, 2, 8, 4), torch.zeros(1, 2, 8), torch.zeros(1, 2, 8, 4)
+        ),
+    ],
+)
+def test_float8_inputs_refused_by_name(dt: torch.dtype, call) -> None:
+    q, k, v = _qkv_f8(dt)
+    with pytest.raises(
+        TypeError, match=r"float16, bfloat16, float32, float64\), got torch\.float8"
+    ):
+        call(q, k, v)
+
+
+@pytest.mark.parametrize("dt", F8)
+def test_float8_options_refused_by_name(dt: torch.dtype) -> None:
+    q, k, v = _qkv_f8(torch.float32)
+    with pytest.raises(TypeError, match=r"bias must have a floating dtype .*float8"):
+        fl.flash_attention(q, k, v, bias=torch.zeros(8, 8).to(dt))
+    with pytest.raises(TypeError, match=r"alibi_slopes must have a floating dtype .*float8"):
+        fl.flash_attention(q, k, v, alibi_slopes=fl.alibi_slopes(2).to(dt))
+    f = fl.blocked_forward(q, k, v)
+    with pytest.raises(TypeError, match=r"do must be a floating-point tensor .*float8"):
+        fl.blocked_backward(q, k, v, f.o, f.lse, torch.zeros_like(f.o).to(dt))
+
+
+def test_a_row_sum_past_float16_is_named_as_such():
+    """The dense reference asked for float16 over more keys than float16's largest value:
+    the scores are small, the row sum overflows; the message says so instead of asking
+    for smaller inputs."""
+    q = torch.zeros(1, 1, 2, 2, dtype=torch.float16)
+    k, v = (torch.ones(1, 1, 70_000, 2, dtype=torch.float16) for _ in range(2))
+    _raises(
+        lambda: fl.reference_forward(q, k, v, dtype=torch.float16),
+        ValueError,
+        "the row sums over up to 70000 keys pass its largest value 65504; compute in float32",
+    )

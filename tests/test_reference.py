@@ -218,3 +218,29 @@ def test_assert_close_names_the_worst_entry(assert_close):
     got[1, 0] = 0.0
     with pytest.raises(AssertionError, match=r"index \(1, 0\): actual 0.0, expected -inf"):
         assert_close(got, want, rtol=1.0, atol=1.0, name="inf")
+
+
+def _case() -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(1, 2, 100, 32, generator=gen) for _ in range(4))
+
+
+def test_autocast_does_not_leak_into_the_loops_or_the_reference() -> None:
+    q, k, v, do = _case()
+    m = fl.Causal()
+    plain_f = fl.blocked_forward(q, k, v, mask=m, loop_order="fa1", block_q=32, block_k=32)
+    plain_b = fl.blocked_backward(
+        q, k, v, plain_f.o, plain_f.lse, do, mask=m, loop_order="fa1", block_q=32, block_k=32
+    )
+    plain_r = fl.reference_forward(q, k, v, mask=m, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        f = fl.blocked_forward(q, k, v, mask=m, loop_order="fa1", block_q=32, block_k=32)
+        b = fl.blocked_backward(
+            q, k, v, f.o, f.lse, do, mask=m, loop_order="fa1", block_q=32, block_k=32
+        )
+        r = fl.reference_forward(q, k, v, mask=m, dtype=torch.float32)
+    assert r.o.dtype == torch.float32 and r.lse.dtype == torch.float32
+    # the same arithmetic as without autocast, bit for bit
+    assert torch.equal(f.o, plain_f.o) and torch.equal(f.lse, plain_f.lse)
+    assert torch.equal(b.dq, plain_b.dq) and torch.equal(b.dk, plain_b.dk)
+    assert torch.equal(r.o, plain_r.o)

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 
 from ._limits import MAX_SIZE
 
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+"""The dtypes flashledger computes in (``is_floating_point()`` also admits the float8 ones)."""
+
 __all__ = [
+    "FLOAT_DTYPES",
     "all_finite",
+    "autocast_off",
     "check_finite",
     "check_float_tensor",
     "check_qkv",
@@ -31,7 +37,7 @@ def check_float_tensor(name: str, x: Any) -> torch.Tensor:
     """``x`` must be a floating-point tensor."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
+    if x.dtype not in FLOAT_DTYPES:  # (is_floating_point() is True for the float8 dtypes too)
         raise TypeError(
             f"{name} must have a floating dtype (float16, bfloat16, float32, float64), got {x.dtype}"
         )
@@ -195,3 +201,27 @@ def _of_bytes(x: torch.Tensor, dim: Any, on_bytes: Any, on_bools: Any) -> torch.
         return on_bools(x) if dim is None else on_bools(x, dim)  # type: ignore[no-any-return]
     u8 = x.view(torch.uint8)
     return (on_bytes(u8) if dim is None else on_bytes(u8, dim)).view(torch.bool)  # type: ignore[no-any-return]
+
+
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
+
+
+def autocast_off(fn: _Fn) -> _Fn:
+    """Run ``fn`` with ``torch.autocast`` off on the CPU (and CUDA where it is on): the loops
+    and the dense reference compute in their own accumulation dtype, whichever step runs
+    them. Under an enabled autocast their PyTorch matmuls would otherwise run in the
+    autocast dtype (bfloat16) while the native step's did not, so that a result returned
+    as float32 carried bfloat16 errors on some paths only (loop_order="fa1", a
+    reference_forward asked for dtype=float32, which even came back in bfloat16)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
+            return fn(*args, **kwargs)
+        with torch.autocast("cpu", enabled=False):
+            if torch.is_autocast_enabled("cuda"):
+                with torch.autocast("cuda", enabled=False):
+                    return fn(*args, **kwargs)
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]

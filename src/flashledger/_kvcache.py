@@ -383,6 +383,7 @@ def attention_with_kvcache(
         )
     for name, x in (("q", q), ("k", k), ("v", v)):
         if isinstance(x, torch.Tensor) and x.is_floating_point():
+            check_float_tensor(name, x)  # (a float8 dtype: named here, before a sum reads it)
             check_finite(name, x)  # names the first NaN or inf by index
 
     def bhsd(name: str, x: torch.Tensor) -> torch.Tensor:

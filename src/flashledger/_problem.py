@@ -17,6 +17,7 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from ._checks import (
+    FLOAT_DTYPES,
     all_finite,
     any_of,
     check_finite,
@@ -337,6 +338,19 @@ class Problem:
                 + _wider_hint(self.dtype)
             )
         bound = self.score_bound()
+        big = torch.finfo(self.dtype).max
+        if bound < big / 4:  # scores and their differences within range: a sum passed it
+            what = (
+                f"the row sums over up to {self.geo.lk_total} keys"
+                if self.geo.lk_total >= big
+                else "the weighted sums of v"
+            )
+            return (
+                f"{where} overflow {_dtype_name(self.dtype)} although q, k and v are finite "
+                f"and the scores (|scale·q·k| at most {bound:.3g}) are within its range: "
+                f"{what} pass its largest value {big:.6g}"
+                + ("; compute in float32 or float64" if self.dtype.itemsize < 4 else "")
+            )
         reach = f"may reach {bound:.3g}" if math.isfinite(bound) else "exceeds float64's range"
         return (
             f"{where} overflow {_dtype_name(self.dtype)} although q, k and v are finite: the "
@@ -446,7 +460,6 @@ def _check_cu(name: str, cu: Any, total: int) -> torch.Tensor:
     return c
 
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 SEED_LIMIT = 2**64
 """Seeds are integers in ``0..2**64 - 1``: the dropout hash keys on all 64 bits of the seed."""
 
@@ -565,7 +578,7 @@ def _check_representable(
                 f"{name} = {x:.4g} is past the largest value of {where} ({big:.4g}); "
                 "pass float64 inputs for it"
             )
-    if isinstance(slopes, torch.Tensor) and slopes.is_floating_point() and slopes.numel():
+    if isinstance(slopes, torch.Tensor) and slopes.dtype in FLOAT_DTYPES and slopes.numel():
         top = float(slopes.detach().abs().amax())
         if math.isfinite(top) and top > big:
             raise ValueError(

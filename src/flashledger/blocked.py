@@ -103,7 +103,7 @@ from typing import Any, Literal, Unpack
 import torch
 
 from . import _native, online
-from ._checks import all_finite, check_size, pieces, plain
+from ._checks import all_finite, autocast_off, check_size, pieces, plain
 from ._memory import empty_like_huge
 from ._mods import adds_to_score, find_captured
 from ._options import AttentionOptions, check_options
@@ -1332,6 +1332,7 @@ def _backward_native_scored(
 # ----------------------------------------------------------------------------------------
 # forward
 # ----------------------------------------------------------------------------------------
+@autocast_off
 def _forward(
     pb: Problem,
     *,
@@ -1611,6 +1612,7 @@ def _forward_problem(
 # ----------------------------------------------------------------------------------------
 # backward
 # ----------------------------------------------------------------------------------------
+@autocast_off
 def _backward(
     pb: Problem,
     o5: torch.Tensor,

@@ -34,9 +34,9 @@ from typing import Unpack
 
 import torch
 
-from ._checks import check_finite
+from ._checks import autocast_off, check_finite
 from ._options import AttentionOptions, check_options
-from ._problem import Placement, Problem, build_problem
+from ._problem import FLOAT_DTYPES, Placement, Problem, build_problem
 from .conventions import Conventions
 from .scores import TileGrad
 
@@ -102,6 +102,7 @@ def _conventional_lse(lse: torch.Tensor, conventions: Conventions) -> torch.Tens
     return torch.where(torch.isneginf(lse), conventions.masked_row_lse, lse)
 
 
+@autocast_off
 def reference_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -141,6 +142,7 @@ def reference_forward(
     )
 
 
+@autocast_off
 def reference_backward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -217,16 +219,24 @@ def _backward_inputs(
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
     want_o = (*_lead(pb), lq, dv)
     for name, x in (("o", o), ("do", do)):
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor")
+        if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
+            got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+            raise TypeError(
+                f"{name} must be a floating-point tensor (float16, bfloat16, float32, "
+                f"float64), got {got}"
+            )
         if tuple(x.shape) != want_o:
             raise ValueError(f"{name} must have shape {want_o}, got {tuple(x.shape)}")
     want_l = (*_lead(pb), lq)
     for name, r in (("lse", lse), ("dlse", dlse)):
         if r is None:
             continue
-        if not isinstance(r, torch.Tensor) or not r.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor")
+        if not isinstance(r, torch.Tensor) or r.dtype not in FLOAT_DTYPES:
+            got = r.dtype if isinstance(r, torch.Tensor) else type(r).__name__
+            raise TypeError(
+                f"{name} must be a floating-point tensor (float16, bfloat16, float32, "
+                f"float64), got {got}"
+            )
         if tuple(r.shape) != want_l:
             raise ValueError(f"{name} must have shape {want_l}, got {tuple(r.shape)}")
     if not saved and bool(torch.isnan(lse).any()):
