@@ -10,7 +10,7 @@ import { latest } from "./api.js";
 import { fill, h, maxAbsDiff, num, parseMatrix, s, vec } from "./fmt.js";
 import { lightUp, PHASE } from "./formula.js";
 import { HeatMap, tipNumber } from "./heatmap.js";
-import { t } from "./i18n.js";
+import { currentLanguage, t } from "./i18n.js";
 import { get, getDefault, set, subscribe } from "./state.js";
 import {
   animate,
@@ -49,7 +49,7 @@ let maxLen = 64;
 let heat;
 let heatFor = null;
 let builtWidth = 0;
-let painted = { mode: null, step: -1 };
+let painted = { mode: null, step: -1, lang: null };
 let maskGridFor = null;
 let checkpoints = [];
 let gradRows = {};
@@ -364,7 +364,7 @@ function prepare() {
   });
   fwdIndex = byTile;
   heatFor = null;
-  painted = { mode: null, step: -1 };
+  painted = { mode: null, step: -1, lang: null };
   acc = null;
 }
 
@@ -549,7 +549,9 @@ export function render() {
   }
   const ctl = fwd ? fwCtl : bwCtl;
   const step = ctl.current();
-  const rebuilt = painted.mode !== m || heatFor !== data;
+  // the legend, the tables' headers and the "fully masked" tags are built with the words
+  // of one language: a language switch builds them again
+  const rebuilt = painted.mode !== m || heatFor !== data || painted.lang !== currentLanguage();
   const prev = rebuilt ? -1 : painted.step;
   if (rebuilt) {
     clearLinks();
@@ -562,7 +564,7 @@ export function render() {
     if (!fwd) buildGrads();
   }
   heat.show(step);
-  painted = { mode: m, step };
+  painted = { mode: m, step, lang: currentLanguage() };
   if (fwd) {
     renderForwardReadouts(step);
     renderForwardStep(step, prev);

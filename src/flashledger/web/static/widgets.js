@@ -319,7 +319,14 @@ export function typedField(el, commit, { event = "input", delay = 350 } = {}) {
 export function bindInput(el, key, options = {}) {
   const write = (value) => {
     if (el.type === "checkbox") el.checked = value === "1";
-    else if (el.value !== value) el.value = value;
+    else if (el.value !== value) {
+      el.value = value;
+      // a number field shows nothing for text it cannot hold ("+3", " 2", "−1" from a link) while
+      // the section computes with that number: show the number the section reads
+      if (el.type === "number" && el.value === "" && value.trim() !== "") {
+        el.value = value.trim().replace(/^\+/, "").replace(/^\u2212/, "-");
+      }
+    }
   };
   write(get(key));
   const typed = typedField(el, (value) => set({ [key]: value }), options);
