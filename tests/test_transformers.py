@@ -804,3 +804,154 @@ def test_a_model_that_computes_on_its_mask_is_refused_clearly(arch: str) -> None
     import copy
 
     assert copy.copy(planned).lq == 8  # protocols still work
+
+
+def test_a_float64_model_under_autocast_keeps_its_attention_in_float64() -> None:
+    """autocast leaves float64 tensors as they are (SDPA under a bfloat16 autocast returns
+    float64 for float64 inputs); the call cast them to bfloat16 and the model's next
+    float64 projection refused the bfloat16 output."""
+    ids = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    att = torch.ones_like(ids)
+    att[0, :4] = 0
+    out = []
+    for impl in ("sdpa", NAME):
+        model = random_model("llama", dtype=F64, attn_implementation=impl)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out.append(model(input_ids=ids, attention_mask=att).logits.detach())
+    real = att.bool()
+    assert out[1].dtype == F64
+    err = float((out[1] - out[0])[real].abs().max() / out[0][real].abs().max())
+    assert err < 1e3 * torch.finfo(F64).eps, err  # float64 rounding, not bfloat16's (2**-8)
+
+
+def test_per_row_sinks_join_each_row_s_softmax(gen, assert_close):
+    """Inkling 2 passes one sink logit per query row and head as ``sinks`` (B, H, Lq, 1);
+    the call dropped it with the other options it does not name, and the model's
+    attention silently lost the probability mass its sinks take. Now it is applied as
+    s_aux is, row by row, with its gradient, under a padded (planned) mask."""
+    q, k, v = _qkv(gen)
+    q, k, v = (x.requires_grad_(True) for x in (q, k, v))
+    sinks = torch.randn(2, 4, 9, 1, generator=gen, dtype=F64, requires_grad=True)
+    att = torch.ones(2, 9, dtype=torch.long)
+    att[0, :3] = 0  # left padding
+    plan = mask_function(2, 9, 9, attention_mask=att.bool())
+    o, _ = attention_forward(_Module(), q, k, v, plan, sinks=sinks)
+    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    vis = torch.ones(9, 9, dtype=torch.bool).tril() & att.bool()[:, None, None, :]
+    s = ((q @ kk.transpose(2, 3)) / 8**0.5).masked_fill(~vis, -torch.inf)
+    p = torch.softmax(torch.cat([s, sinks], dim=-1), dim=-1)[..., :-1]  # (B, H, Lq, Lk)
+    want = (p @ vv).transpose(1, 2)
+    real = att.bool()  # padded query rows see no key: both give 0 there
+    assert_close(o[real], want[real], rtol=1e-12, name="per-row sinks")
+    g = torch.randn(o.shape, generator=gen, dtype=F64) * real[:, :, None, None]
+    grads = torch.autograd.grad((o * g).sum(), (q, k, v, sinks))
+    wants = torch.autograd.grad((want.nan_to_num() * g).sum(), (q, k, v, sinks))
+    for name, a, b in zip(("dQ", "dK", "dV", "d sinks"), grads, wants):
+        assert_close(a, b, rtol=1e-12, name=name)
+    with pytest.raises(ValueError, match=r"sinks must be \(B, Hq, Lq, 1\)"):
+        attention_forward(_Module(), q, k, v, None, sinks=torch.zeros(2, 4, 5, 1, dtype=F64))
+
+
+@pytest.mark.parametrize("option", ["indices", "block_indices"])
+def test_key_selections_for_other_kernels_are_refused(gen, option):
+    """DeepSeek V3.2's sparse attention (and GLM-DSA, Mistral Large 4, ...) passes its
+    top-k keys as ``indices`` and MiniMax M3 its key blocks as ``block_indices``, for a
+    kernel that reads them, when the implementation is neither eager nor SDPA; the call
+    attended to every key instead, silently."""
+    q, k, v = _qkv(gen)
+    sel = torch.zeros(2, 9, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match=f"'{option}'.*'eager' or 'sdpa'"):
+        attention_forward(_Module(), q, k, v, None, **{option: sel})
+    o, _ = attention_forward(_Module(), q, k, v, None, **{option: None})  # absent: runs
+    assert o.shape == (2, 9, 4, 8)
+
+
+def test_a_model_with_per_token_sinks_equals_eager() -> None:
+    """Inkling 2 (per-token sinks from a projection of the hidden states) against its
+    eager attention, in float32 (its router runs in float32)."""
+    import transformers as tf
+
+    if not hasattr(tf, "Inkling2TextConfig"):
+        pytest.skip("this transformers has no Inkling 2")
+    kw = dict(
+        vocab_size=97, unpadded_vocab_size=97, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, swa_num_attention_heads=4,
+        swa_num_key_value_heads=2, swa_head_dim=8, sliding_window_size=4, d_rel=4, rel_extent=8,
+        moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+        n_layers_per_attn_res_block=1, pad_token_id=0, eos_token_id=1,
+        layer_types=["hybrid_sliding", "hybrid"],
+    )  # fmt: skip
+    ids = torch.randint(3, 97, (2, 10), generator=torch.Generator().manual_seed(0))
+    att = torch.ones_like(ids)
+    att[0, :3] = 0
+    out = []
+    for impl in ("eager", NAME):
+        cfg = tf.Inkling2TextConfig(**kw)
+        cfg._attn_implementation = impl
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = tf.Inkling2ForCausalLM(cfg).eval()
+        for mod in model.modules():  # sinks that matter (a checkpoint's are not zero)
+            if hasattr(mod, "sink_proj"):
+                for p in mod.sink_proj.parameters():
+                    torch.nn.init.normal_(p, std=1.0, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            out.append(model(input_ids=ids, attention_mask=att).logits[att.bool()])
+    err = float((out[1] - out[0]).abs().max() / out[0].abs().max())
+    assert err < 1e3 * torch.finfo(torch.float32).eps, err  # without the sinks: ~0.6
+
+
+def test_a_planned_mask_gives_its_query_rows_as_a_4d_mask_does() -> None:
+    """Gemma 4 slices every layer's mask to the rows it keeps (``mask[:, :, -k:, :]``)
+    before its KV-shared layers; a planned mask was not subscriptable, and generate()
+    failed with "'PlannedMask' object is not subscriptable". Its rows are planned again;
+    any other index (DeepSeek V3.2's ``mask[:, 0]``) is refused with the clear message."""
+    left = torch.ones(3, 12, dtype=torch.bool)
+    left[0, :4] = False
+    hole = left.clone()
+    hole[2, 5] = False  # a hole: the dense plan
+    window = mu.and_masks(mu.causal_mask_function, mu.sliding_window_overlay(4))
+    plans = [
+        mask_function(3, 12, 12, attention_mask=left),  # causal, left padding
+        mask_function(3, 12, 12, attention_mask=hole),  # dense
+        mask_function(3, 12, 12, mask_function=window, attention_mask=left),
+        mask_function(3, 5, 16, q_offset=7, attention_mask=torch.ones(3, 12, dtype=torch.bool)),
+    ]  # fmt: skip
+    for plan in plans:
+        for rows in (slice(-1, None), slice(-3, None), slice(2, 7), slice(None)):
+            got = plan[:, :, rows, :]
+            assert isinstance(got, type(plan)) and got.shape[2] == plan.dense()[0, 0, rows].shape[0]
+            assert torch.equal(got.dense(), plan.dense()[:, :, rows, :]), (plan, rows)
+    with pytest.raises(TypeError, match="computes on the mask itself") as exc:
+        plans[0][:, 0, :, :]
+    assert "'sdpa' or 'eager'" in str(exc.value)
+
+
+def test_gemma4_with_kv_shared_layers_generates_as_sdpa() -> None:
+    import transformers as tf
+
+    if not hasattr(tf, "Gemma4TextConfig"):
+        pytest.skip("this transformers has no Gemma 4")
+    kw = dict(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
+        vocab_size_per_layer_input=97, hidden_size_per_layer_input=8, num_kv_shared_layers=2,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+    )  # fmt: skip
+    ids = torch.randint(3, 97, (2, 10), generator=torch.Generator().manual_seed(0))
+    att = torch.ones_like(ids)
+    att[0, :3] = 0
+    tokens = []
+    for impl in ("sdpa", NAME):
+        cfg = tf.Gemma4TextConfig(**kw)
+        cfg._attn_implementation = impl
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = tf.Gemma4ForCausalLM(cfg).to(F64).eval()
+        tokens.append(
+            model.generate(
+                input_ids=ids, attention_mask=att, max_new_tokens=6, min_new_tokens=6,
+                do_sample=False,
+            ).tolist()
+        )  # fmt: skip
+    assert tokens[0] == tokens[1], tokens

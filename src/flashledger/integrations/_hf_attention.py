@@ -13,10 +13,16 @@ blocked kernel never forms them). Options it passes:
 ``s_aux``          one sink logit per query head (gpt-oss): it joins every
                    row's softmax denominator and carries no value, so
                    ``O = O_attn · sigmoid(LSE - sink)``, exact, with gradients
+``sinks``          one sink logit per query row and head (Inkling 2's per-token
+                   sinks, ``(B, Hq, Lq, 1)``): as ``s_aux``, row by row
 ``position_bias``  an additive score bias (its gradient included)
 ``is_causal``      used only when no mask came (default ``module.is_causal``)
 ``sliding_window`` likewise: the mask function already put the window in
 =================  ===========================================================
+
+Options that select keys for a kernel of another library (``indices``: the
+top-k keys of DeepSeek's sparse attention; ``block_indices``: MiniMax's key
+blocks) are refused: attending to every key instead would be silently wrong.
 
 Masks arrive as the ``PlannedMask`` the registered mask function made (see
 ``_hf_masks``), or as a model's own 4-D boolean or additive float tensor
@@ -43,6 +49,34 @@ from ._hf_masks import PlannedMask, plan_dense, plan_mask
 __all__ = ["attention_forward", "mask_function"]
 
 _SEEDS = 1 << 62  # dropout seeds are drawn from torch's generator in [0, 2**62)
+
+
+# options that pick keys for another library's kernel: ignoring them changes the result
+_REFUSED = {
+    "indices": "the top-k keys of each query row, DeepSeek sparse attention",
+    "block_indices": "the key blocks of each query row, block-sparse attention",
+}
+
+
+def _sink_logits(
+    s_aux: torch.Tensor | None, sinks: torch.Tensor | None, shape: tuple[int, ...]
+) -> torch.Tensor:
+    """The sink logit of every row, broadcastable to the LSE's ``(B, Hq, Lq)``: ``s_aux``
+    ``(Hq,)`` per head, or ``sinks`` ``(B, Hq, Lq, 1)`` (or ``(B, Hq, Lq)``) per row."""
+    if s_aux is not None:
+        return s_aux.reshape(1, -1, 1)  # (1, Hq, 1)
+    assert sinks is not None
+    s = sinks[..., 0] if sinks.ndim == 4 and sinks.shape[-1] == 1 else sinks
+    try:
+        fits = torch.broadcast_shapes(s.shape, shape) == torch.Size(shape)
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            "sinks must be (B, Hq, Lq, 1) or (B, Hq, Lq), one logit per query row and head, "
+            f"got shape {tuple(sinks.shape)} for (B, Hq, Lq) = {shape}"
+        )
+    return s
 
 
 def _additive_as_bool(mask: torch.Tensor) -> torch.Tensor | None:
@@ -126,6 +160,16 @@ def attention_forward(
             "query, key and value must be (B, H, L, d) tensors, got shapes "
             f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
         )
+    for name, what in _REFUSED.items():
+        if kwargs.get(name) is not None:
+            raise ValueError(
+                f"this model passes its attention {name!r} ({what}), which flashledger's "
+                "attention does not read: it would attend to every key the mask allows instead; "
+                "run the model with attn_implementation='eager' or 'sdpa'"
+            )
+    sinks_per_row = kwargs.get("sinks")
+    if sinks_per_row is not None and s_aux is not None:
+        raise ValueError("pass sink logits as s_aux (per head) or sinks (per row), not both")
     if kwargs.get("output_attentions", False):
         warnings.warn(
             "flashledger's attention never forms the attention weights: output_attentions=True "
@@ -135,7 +179,9 @@ def attention_forward(
     dev = query.device.type
     if torch.is_autocast_enabled(dev):  # as autocast casts SDPA's inputs (its lower-precision
         low = torch.get_autocast_dtype(dev)  # list): RoPE may have left q, k in float32 and v
-        query, key, value = (x.to(low) for x in (query, key, value))  # in the autocast dtype
+        query, key, value = (  # in the autocast dtype; float64 it leaves as it is, as autocast
+            x if x.dtype == torch.float64 else x.to(low) for x in (query, key, value)
+        )
     b, _, lq, _ = query.shape
     lk = key.shape[2]
     planned, bias = _planned(attention_mask, module, is_causal, sliding_window, b, lq, lk)
@@ -184,8 +230,8 @@ def attention_forward(
     o, lse = _FlashAttention.apply(
         query, key, value, bias, opts, sink
     )  # (B, Hq, Lq, d_v), (B, Hq, Lq)
-    if s_aux is not None:
-        sinks = s_aux.to(lse.dtype).reshape(1, -1, 1)  # (1, Hq, 1)
+    if s_aux is not None or sinks_per_row is not None:
+        sinks = _sink_logits(s_aux, sinks_per_row, tuple(lse.shape)).to(lse.dtype)
         o = o * torch.sigmoid(lse - sinks).unsqueeze(-1).to(o.dtype)  # (B, Hq, Lq, d_v)
     return o.transpose(1, 2), None  # (B, Lq, Hq, d_v)
 

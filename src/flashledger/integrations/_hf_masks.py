@@ -81,8 +81,8 @@ def _not_a_tensor(what: str) -> str:
     return (
         f"this model's own code {what}, but its attention mask is flashledger's planned mask, "
         "not a tensor: the model computes on the mask itself (Falcon with ALiBi and Bloom "
-        "add their ALiBi to it), which attn_implementation='flashledger' does not support; "
-        "run it with 'sdpa' or 'eager'"
+        "add their ALiBi to it), which flashledger's attention implementation does not "
+        "support; run it with 'sdpa' or 'eager'"
     )
 
 
@@ -121,6 +121,22 @@ class PlannedMask:
 
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _arithmetic
     __and__ = __rand__ = __or__ = __ror__ = __invert__ = __neg__ = _arithmetic
+
+    def __getitem__(self, index: Any) -> PlannedMask:
+        """Query rows, as ``mask[:, :, rows, :]`` slices a 4-D mask (Gemma 4 keeps only the
+        rows whose logits it returns before its KV-shared layers): the plan of those rows."""
+
+        def whole(part: Any) -> bool:
+            return isinstance(part, slice) and part == slice(None)
+
+        if not (
+            isinstance(index, tuple)
+            and len(index) == 4
+            and all(whole(index[i]) for i in (0, 1, 3))
+            and isinstance(index[2], slice)
+        ):
+            raise TypeError(_not_a_tensor(f"indexes it with {index!r}"))
+        return plan_dense(self.dense()[:, :, index[2], :])  # (B, 1, Lq', Lk) read again
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
