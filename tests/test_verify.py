@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -13,6 +14,7 @@ import flashledger as fl
 from flashledger._verify_rule import baseline
 from flashledger.verify import (
     ALL_DTYPES,
+    MASK_KINDS,
     Case,
     Shape,
     assert_attention_close,
@@ -53,7 +55,7 @@ def _repeat_kv(
 def test_flash_attention_passes_in_every_dtype(dtype: torch.dtype) -> None:
     report = assert_attention_close(flashledger_fn, dtypes=(dtype,), quick=True)
     assert report.passed
-    assert len(report.rows) == 19  # 3 shapes x 6 masks, and the large-score case
+    assert len(report.rows) == 25  # 3 shapes x 6 masks, a large-score case per mask, a long row
     assert all(r.checked == "O LSE dQ dK dV" for r in report.rows), {r.checked for r in report.rows}
 
 
@@ -75,7 +77,9 @@ def test_blocked_forward_passes_under_other_presets(preset: fl.Conventions) -> N
     report = assert_attention_close(
         forward, conventions=preset, dtypes=(torch.float32,), quick=True
     )
-    assert report.passed and len(report.rows) == 18 + 1  # and the large-score case
+    assert (
+        report.passed and len(report.rows) == 18 + 6 + 1
+    )  # a large-score case per mask, a long row
     assert all("gradients not checked" in r.detail for r in report.rows), report.rows[0].detail
 
 
@@ -83,7 +87,9 @@ def test_sdpa_passes_under_sdpa_cpu() -> None:
     report = assert_attention_close(
         sdpa_fn, conventions=fl.SDPA_CPU, dtypes=(torch.bfloat16, torch.float32), quick=True
     )
-    assert report.passed and len(report.rows) == 36 + 2  # and a large-score case per dtype
+    assert (
+        report.passed and len(report.rows) == 36 + 12 + 2
+    )  # large scores per mask and dtype, long rows
     assert all("LSE not returned" in r.detail for r in report.rows)
 
 
@@ -96,12 +102,17 @@ def test_full_sweep_covers_the_shapes_that_break_tiling() -> None:
     assert any(c.shape.head_dim % 2 for c in cases) and any(c.shape.gqa for c in cases)
     assert any(c.shape.head_dim_v != c.shape.head_dim for c in cases)
     assert {c.dtype for c in cases} == set(ALL_DTYPES)
-    assert len(cases) == 8 * 6 * 4 + 4  # and one large-score case per dtype
+    assert (
+        len(cases) == 8 * 6 * 4 + 6 * 4 + 4
+    )  # a large-score case per mask and dtype, a long row per dtype
+    long = [c for c in cases if c.shape.len_k == 4097]
+    assert [c.dtype for c in long] == list(ALL_DTYPES), [c.name for c in long]
     large = [c for c in cases if not c.default_scale]
-    assert [c.dtype for c in large] == list(ALL_DTYPES), [c.name for c in large]
-    assert all(c.name.startswith("none B1 H4/2 257x257 d8 ") for c in large), large
+    assert [c.dtype for c in large] == list(ALL_DTYPES) * 6, [c.name for c in large]
+    assert [c.mask_name for c in large[::4]] == list(MASK_KINDS), [c.name for c in large]
+    assert all(" B1 H4/2 257x257 d8 " in c.name for c in large), large
     assert all(" scale 133 " in c.name for c in large), [c.name for c in large]
-    assert len(attention_cases(large_scores=False)) == 8 * 6 * 4
+    assert len(attention_cases(large_scores=False, long_rows=False)) == 8 * 6 * 4
     assert not any(c.shape.gqa for c in attention_cases(gqa=False))
 
 
@@ -239,9 +250,9 @@ def test_a_softmax_without_its_row_maximum_fails_the_default_sweep() -> None:
         "the default scale already overflows: the large-score cases add nothing"
     )
     assert assert_attention_close(safe, quick=True, check_grads=False).passed
-    msg = _failure(unsafe, attention_cases(quick=True), check_grads=False)
+    msg = _failure(unsafe, attention_cases(quick=True, masks=("none",)), check_grads=False)
     failed = re.findall(r"case (\S+ B\S+ \S+ \S+ \S+ \S+ scale 168) ", msg)
-    assert "4 of 76 cases fail" in msg.splitlines()[0], msg.splitlines()[0]
+    assert "4 of 20 cases fail" in msg.splitlines()[0], msg.splitlines()[0]
     assert [name.split()[5] for name in failed] == ["float16", "bfloat16", "float32", "float64"]
     assert "got nan" in msg or "got inf" in msg, msg
 
@@ -551,5 +562,157 @@ def test_the_failure_header_tells_a_raising_fn_from_a_wrong_one() -> None:
     with pytest.raises(AssertionError) as info:
         fl.assert_attention_close(raising, quick=True, masks=("none",), dtypes=(torch.float64,))
     head = str(info.value).splitlines()[0]
-    assert "4 of 4 cases fail: 4 could not be judged (fn raised" in head, head
+    assert "5 of 5 cases fail: 5 could not be judged (fn raised" in head, head
     assert "differ from the float64 oracle" not in head, head
+
+
+def test_a_row_maximum_taken_over_hidden_keys_fails_the_large_score_cases() -> None:
+    """The row maximum over every key with the mask applied after exp is right at the
+    default scale; at large scores a row whose visible scores lie far below a hidden one
+    underflows to an empty row. The large-score cases run with every mask kind to catch it."""
+
+    def max_then_mask(q, k, v, case):  # type: ignore[no-untyped-def]
+        k, v = _repeat_kv(q, k, v)
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        s = (q.to(acc) @ k.to(acc).transpose(-1, -2)) * case.scale
+        p = (s - s.amax(-1, keepdim=True)).exp()
+        if case.dense_mask() is not None:
+            p = p * case.dense_mask()
+        den = p.sum(-1, keepdim=True)
+        o = torch.where(den > 0, p / torch.where(den > 0, den, 1), 0) @ v.to(acc)
+        return o.to(q.dtype)
+
+    plain = attention_cases(quick=True, large_scores=False)
+    assert assert_attention_close(max_then_mask, cases=plain, check_grads=False).passed
+    msg = _failure(max_then_mask, attention_cases(quick=True), check_grads=False)
+    assert " scale 168 " in msg and "got 0, oracle" in msg, msg
+
+
+def test_an_infinite_error_is_printed_as_inf_and_an_attended_empty_row_is_not_a_convention() -> (
+    None
+):
+    """A -inf LSE where the oracle's is finite is an infinite error, not 1.8e+308; a finite LSE
+    on a row that sees no key (fn attended to masked keys) is not blamed on the conventions."""
+
+    def strict_causal(q, k, v, case):  # type: ignore[no-untyped-def]
+        o, lse = fl.flash_attention(
+            q,
+            k,
+            v,
+            mask=case.mask,
+            scale=case.scale,
+            conventions=case.conventions,
+            return_lse=True,
+        )
+        lse = lse.clone()
+        lse[..., 0] = -math.inf  # row 0 treated as seeing no key
+        return o, lse
+
+    with pytest.raises(AssertionError) as info:
+        fl.assert_attention_close(
+            strict_causal,
+            quick=True,
+            masks=("causal_top_left",),
+            dtypes=(torch.float64,),
+            check_grads=False,
+        )
+    text = str(info.value)
+    assert "got -inf, oracle" in text and "error inf >" in text, text
+    assert "1.8e+308" not in text, text
+
+    def top_left_always(q, k, v, case):  # type: ignore[no-untyped-def]
+        return fl.flash_attention(
+            q,
+            k,
+            v,
+            mask=fl.Causal(align="top_left"),
+            scale=case.scale,
+            conventions=case.conventions,
+            return_lse=True,
+        )
+
+    shape = Shape(2, 4, 2, 113, 97, 7)  # Lq > Lk: bottom-right rows 0-15 see no key
+    case = make_case(shape, "causal_bottom_right", torch.float64)
+    with pytest.raises(AssertionError) as info:
+        fl.assert_attention_close(top_left_always, cases=[case], check_grads=False)
+    text = str(info.value)
+    assert "oracle -inf" in text and "fn attended to keys the mask hides" in text, text
+    assert "pass the conventions your kernel follows" not in text, text
+
+
+class _StoredOBackward(torch.autograd.Function):
+    """A FlashAttention backward in float32 whose D = rowsum(dO ⊙ O) uses O as stored (in the
+    input dtype), as flash-attn's and PyTorch's CPU flash kernel's backward do."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, case):  # type: ignore[override]
+        kk, vv = _repeat_kv(q, k, v)
+        s = (q.float() @ kk.float().transpose(-1, -2)) * case.scale
+        if case.dense_mask() is not None:
+            s = s.masked_fill(~case.dense_mask(), -math.inf)
+        lse = torch.logsumexp(s, -1, keepdim=True)
+        p = torch.where(torch.isfinite(lse), (s - lse).exp(), 0)
+        o = (p @ vv.float()).to(q.dtype)  # stored in the input dtype
+        ctx.save_for_backward(q, kk, vv, p, o)
+        ctx.group, ctx.scale = q.shape[1] // k.shape[1], case.scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):  # type: ignore[override]
+        q, kk, vv, p, o = ctx.saved_tensors
+        do32 = do.float()
+        d = (do32 * o.float()).sum(-1, keepdim=True)  # D from the stored O
+        ds = p * (do32 @ vv.float().transpose(-1, -2) - d)
+        scale = ctx.scale
+        dq = scale * ds @ kk.float()
+        dk = (scale * ds.transpose(-1, -2) @ q.float()).unflatten(1, (-1, ctx.group)).sum(2)
+        dv = (p.transpose(-1, -2) @ do32).unflatten(1, (-1, ctx.group)).sum(2)
+        return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), None
+
+
+def test_a_backward_whose_d_uses_the_stored_output_passes() -> None:
+    """D = rowsum(dO ⊙ O) from O rounded to float16 moves dQ by up to eps/2 Σ|dO||O| carried
+    by P and scale|K|; the floor covers it (PyTorch's own CPU flash kernel failed this case
+    of the seed-77 sweep at 1.27x its bound before)."""
+
+    def stored_o(q, k, v, case):  # type: ignore[no-untyped-def]
+        return _StoredOBackward.apply(q, k, v, case)
+
+    (case,) = [
+        c
+        for c in attention_cases(conventions=fl.SDPA_CPU, dtypes=(torch.float16,), seed=77)
+        if c.name == "causal_top_left B2 H3/1 2x257 d3 float16 [sdpa_cpu]"
+    ]
+    assert assert_attention_close(stored_o, cases=[case]).passed
+    assert assert_attention_close(stored_o, quick=True, dtypes=(torch.float16,)).passed
+
+
+def test_a_row_sum_kept_in_float16_fails_the_long_row_case() -> None:
+    """A kernel that adds each key's P to a float16 row sum, one key at a time, stays within
+    the rule on rows of up to 257 keys; the long-row case (4097 keys) catches it, and the
+    same kernel summing in float32 passes it."""
+
+    def kernel(q, k, v, case, half_sum):
+        k, v = _repeat_kv(q, k, v)
+        s = (q.float() @ k.float().transpose(-1, -2)) * case.scale
+        if case.dense_mask() is not None:
+            s = s.masked_fill(~case.dense_mask(), -math.inf)
+        top = s.amax(-1, keepdim=True)
+        p = (s - torch.where(torch.isfinite(top), top, torch.zeros_like(top))).exp()
+        ell = torch.zeros(p.shape[:-1], dtype=torch.float16 if half_sum else torch.float32)
+        for j in range(p.shape[-1]):  # key by key, in the sum's dtype
+            ell = ell + p[..., j].to(ell.dtype)
+        ell = ell.float().unsqueeze(-1)
+        return (torch.where(ell > 0, p / torch.where(ell > 0, ell, 1), 0) @ v.float()).to(q.dtype)
+
+    sweep = dict(dtypes=(torch.float16,), masks=("none",), quick=True, check_grads=False)
+    half = functools.partial(kernel, half_sum=True)
+    assert assert_attention_close(half, long_rows=False, **sweep).passed
+    assert assert_attention_close(functools.partial(kernel, half_sum=False), **sweep).passed
+    msg = _failure(
+        half,
+        attention_cases(dtypes=(torch.float16,), masks=("none",), quick=True),
+        check_grads=False,
+    )
+    assert "1 of 5 cases fail" in msg.splitlines()[0], msg.splitlines()[0]
+    assert "case none B1 H2 3x4097 d8 float16" in msg, msg

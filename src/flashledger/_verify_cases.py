@@ -24,6 +24,7 @@ __all__ = [
     "ALL_DTYPES",
     "FULL_SHAPES",
     "LARGE_SCORE",
+    "LONG_ROW",
     "MASK_KINDS",
     "QUICK_SHAPES",
     "Case",
@@ -127,6 +128,12 @@ QUICK_SHAPES: tuple[Shape, ...] = (
     Shape(2, 3, 1, 2, 257, 3),
 )
 """The quick sweep's shapes: both ``Lq != Lk`` directions, odd head dims, GQA and MQA."""
+
+LONG_ROW = Shape(1, 2, 2, 3, 4097, 8)
+"""The sweep's long-row cases (``long_rows``): rows of 4097 keys, where a row sum kept in
+a half dtype and added to key by key rounds each of its additions at that dtype's precision
+(an error that grows with the row's length, past the naive same-dtype error, which sums in
+float32); the swept shapes' rows hold at most 257 keys, too few to show it."""
 
 
 @dataclass(frozen=True)
@@ -309,10 +316,12 @@ def attention_cases(
     shapes: Sequence[Shape] | None = None,
     seed: int = 0,
     large_scores: bool = True,
+    long_rows: bool = True,
 ) -> list[Case]:
     """The sweep: every shape x mask kind x dtype, for one set of conventions, and (with
-    ``large_scores``) one case per dtype whose scores reach ``LARGE_SCORE`` (the shape
-    with the most scores, the first mask kind, ``scale = LARGE_SCORE / (4 sqrt(d))``).
+    ``large_scores``) one case per mask kind and dtype whose scores reach ``LARGE_SCORE``
+    (the shape with the most scores, ``scale = LARGE_SCORE / (4 sqrt(d))``), and (with
+    ``long_rows``) one case per dtype on ``LONG_ROW`` (the first mask kind).
 
     ``quick`` uses ``QUICK_SHAPES`` instead of ``FULL_SHAPES`` (``shapes``
     overrides both); ``gqa=False`` drops shapes with fewer K/V heads than Q
@@ -340,11 +349,19 @@ def attention_cases(
         for dt in dtypes
     ]
     if large_scores and chosen:  # on the shape with the most scores: rows of many keys
+        # every mask kind: a kernel that takes the row maximum over the keys the mask
+        # hides (the mask applied after exp) is right at the default scale, and at large
+        # scores loses the rows whose visible scores lie far below a hidden one
         shape = max(chosen, key=lambda s: s.len_q * s.len_k)
         scale = LARGE_SCORE / (4 * math.sqrt(shape.head_dim))
         cases += [
-            make_case(shape, masks[0], dt, conventions=conventions, scale=scale, seed=seed)
+            make_case(shape, kind, dt, conventions=conventions, scale=scale, seed=seed)
+            for kind in masks
             for dt in dtypes
+        ]
+    if long_rows:
+        cases += [
+            make_case(LONG_ROW, masks[0], dt, conventions=conventions, seed=seed) for dt in dtypes
         ]
     return cases
 

@@ -194,6 +194,12 @@ def _magnitudes(
         dv = (p.transpose(-2, -1) @ dabs).unflatten(1, heads).sum(2)  # (B, Hkv, Lk, d_v)
         dk = (ds.transpose(-2, -1) @ q.abs()).unflatten(1, heads).sum(2)  # (B, Hkv, Lk, d)
         out.update(dQ=scale * _max(ds @ k.abs()), dK=scale * _max(dk), dV=_max(dv))
+        # D = rowsum(dO ⊙ O) from O as stored (rounded to the input dtype), as every
+        # FlashAttention backward forms it: |δD| <= eps(dtype)/2 Σ |dO||O|, carried into dQ
+        # and dK by P and scale (the |dO||O| part of their terms)
+        dd = p * (dabs * o.abs()).sum(-1, keepdim=True)  # (B, Hq, Lq, Lk)
+        dk_d = (dd.transpose(-2, -1) @ q.abs()).unflatten(1, heads).sum(2)  # (B, Hkv, Lk, d)
+        out.update(dQ_D=scale * _max(dd @ k.abs()), dK_D=scale * _max(dk_d))
     return out
 
 
@@ -202,11 +208,12 @@ def _max(t: torch.Tensor) -> float:
 
 
 def _errors(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
-    """Elementwise |got - want| in float64; equal entries (also equal infinities) give 0, NaN gives inf."""
+    """Elementwise |got - want| in float64; equal entries (also equal infinities) give 0, NaN
+    gives inf, and so does an infinity against a finite value (not float64's largest number)."""
     got = got.detach().to(torch.float64)
     err = (got - want).abs()
     err = torch.where(got == want, torch.zeros_like(err), err)
-    return torch.nan_to_num(err, nan=math.inf)
+    return torch.nan_to_num(err, nan=math.inf, posinf=math.inf)
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -221,15 +228,18 @@ def floor(
     result: float = 1.0,
     terms: float = 1.0,
     exponent: float = 0.0,
+    stored: float = 0.0,
 ) -> float:
-    """The rule's floor: ``eps(dtype) max(1, result) + eps(acc) sqrt(n + e²) max(1, terms)``.
+    """The rule's floor: ``eps(dtype) (max(1, result) + stored / 2) + eps(acc) sqrt(n + e²) max(1, terms)``.
 
     ``result``: the largest ``|oracle|``; ``terms``: the largest magnitude of the
-    summed terms; ``exponent``: ``e``, the exponent's part (module docstring).
+    summed terms; ``exponent``: ``e``, the exponent's part (module docstring);
+    ``stored``: the size of what a rounding of O to the test dtype moves through
+    ``D = rowsum(dO ⊙ O)`` (dQ and dK; 0 otherwise), moved by at most half an eps each.
     """
     acc = accumulation_dtype(dtype)
     walk = torch.finfo(acc).eps * math.sqrt(max(1, n_terms) + exponent**2)
-    return torch.finfo(dtype).eps * max(1.0, result) + walk * max(1.0, terms)
+    return torch.finfo(dtype).eps * (max(1.0, result) + stored / 2) + walk * max(1.0, terms)
 
 
 @dataclass(frozen=True)
@@ -275,10 +285,21 @@ class Comparison:
             for c in PRESETS.values():
                 by_value.setdefault(c.masked_row_lse, []).append(c.name)
             named = "; ".join(f"{v:g}: {', '.join(n)}" for v, n in by_value.items())
+            if self.got in by_value:  # another preset's value: a conventions mismatch
+                return head + (
+                    f"the row sees no key, so its LSE is the conventions' choice ({named}); "
+                    f"{self.got:g} is not this case's {self.want:g}: pass the conventions your "
+                    "kernel follows"
+                )
+            if math.isnan(self.got):
+                return head + (
+                    f"the row sees no key and fn's LSE there is NaN; this case's conventions "
+                    f"give {self.want:g} (the presets: {named})"
+                )
             return head + (
-                f"the row sees no key, so its LSE is the conventions' choice ({named}); "
-                f"{self.got:g} is not this case's {self.want:g}: pass the conventions your "
-                "kernel follows"
+                f"the row sees no key, but fn's LSE {self.got:g} is finite, which no preset "
+                f"gives ({named}): fn attended to keys the mask hides (check the mask and its "
+                f"alignment) or writes a sentinel; this case's conventions give {self.want:g}"
             )
         return head + (
             f"error {self.error:.3g} {verdict} bound {self.bound:.3g} = {self.factor:g} x naive "
@@ -297,6 +318,7 @@ def compare(
     n_terms: int,
     terms: float = 0.0,
     exponent: float = 0.0,
+    stored: float = 0.0,
 ) -> Comparison:
     """Apply the rule to one quantity (all tensors the oracle's shape; sums of ``n_terms``).
 
@@ -314,7 +336,14 @@ def compare(
         error=float(err.max()) if err.numel() else 0.0,
         naive_error=naive_error,
         factor=factor,
-        floor=floor(dtype, n_terms, result=result, terms=max(result, terms), exponent=exponent),
+        floor=floor(
+            dtype,
+            n_terms,
+            result=result,
+            terms=max(result, terms),
+            exponent=exponent,
+            stored=stored,
+        ),
         index=index,
         got=float(got.detach().reshape(-1)[worst]) if err.numel() else 0.0,
         want=float(want.reshape(-1)[worst]) if err.numel() else 0.0,
@@ -464,6 +493,7 @@ def _compare(
         n_terms=n_terms,
         terms=base.terms.get(name, 0.0),
         exponent=exponent,
+        stored=base.terms.get(f"{name}_D", 0.0),
     )
 
 

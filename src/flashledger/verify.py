@@ -178,6 +178,7 @@ def assert_attention_close(
     gqa: bool = True,
     head_dim_v: bool = True,
     large_scores: bool = True,
+    long_rows: bool = True,
     output_factor: float = OUTPUT_FACTOR,
     grad_factor: float = GRAD_FACTOR,
 ) -> VerifyReport:
@@ -185,11 +186,12 @@ def assert_attention_close(
 
     ``fn(q, k, v, case) -> O | (O, LSE)`` (see the module docstring for the
     contract). The sweep is ``attention_cases(conventions=..., dtypes=...,
-    quick=..., masks=..., gqa=..., head_dim_v=..., large_scores=...)`` unless
+    quick=..., masks=..., gqa=..., head_dim_v=..., large_scores=..., long_rows=...)`` unless
     ``cases`` is given (then exactly those run, each with its own dtype and
     conventions); ``large_scores`` adds a case per dtype whose scores reach
     ``LARGE_SCORE`` (1500), where a softmax that does not subtract its row's
-    maximum overflows.
+    maximum overflows; ``long_rows`` one per dtype with rows of 4097 keys, where a
+    row sum kept in float16 stops taking its additions.
     ``check_lse`` compares a returned LSE (natural log; use
     ``lse_from_base2`` for base-2 kernels); ``check_grads`` compares dQ, dK, dV
     when the returned O requires grad.
@@ -217,6 +219,7 @@ def assert_attention_close(
             gqa=gqa,
             head_dim_v=head_dim_v,
             large_scores=large_scores,
+            long_rows=long_rows,
         )
     else:
         run = list(cases)
