@@ -19,6 +19,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from naive import fa2_sides, naive_attention
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import flashledger as fl
 
@@ -724,3 +725,148 @@ def test_an_append_into_shared_memory_is_refused_before_anything_is_written():
     with torch.inference_mode():  # an inference cache inside inference mode is written
         res = fl.attention_with_kvcache(q, frozen.clone(), frozen.clone(), k, v, cache_seqlens=5)
     assert torch.isfinite(res.o).all()
+
+
+class _CacheCopies(TorchDispatchMode):
+    """Bytes of the copies PyTorch makes of the cache's values while it is active: a copy
+    op (``clone``, ``_to_copy``, ``index``, an out-of-place ``copy``/``masked_fill``) whose
+    input holds cache values (the cache itself or an earlier such copy, views included)
+    and whose result holds at least ``least`` elements (the overwritten rows an append
+    keeps for its undo are smaller)."""
+
+    COPIES = ("aten.clone.", "aten._to_copy.", "aten.index.Tensor", "aten.copy.default")
+
+    def __init__(self, caches: tuple[torch.Tensor, ...], least: int) -> None:
+        super().__init__()
+        self.held = {c.untyped_storage().data_ptr() for c in caches}
+        self.least, self.bytes = least, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        name = str(func)
+        copy = name.startswith(self.COPIES) or name == "aten.masked_fill.Scalar"
+        ins = torch.utils._pytree.tree_leaves((args, kwargs or {}))
+        held = any(
+            isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in self.held for a in ins
+        )
+        if copy and held and isinstance(out, torch.Tensor) and out.numel() >= self.least:
+            self.held.add(out.untyped_storage().data_ptr())
+            self.bytes += out.numel() * out.element_size()
+        return out
+
+
+@pytest.mark.parametrize("native_step", [True, False], ids=["native", "FLASHLEDGER_NATIVE=0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("cache", ["plain", "strided", "paged"])
+def test_gathered_bytes_are_the_copies_the_step_made(cache, dtype, native_step, monkeypatch):
+    """``gathered_bytes`` books the copies of the used K/V rows that the step really makes,
+    seen as PyTorch makes them (and the native step's Kᵀ, which is laid out in C): a half
+    cache read in place costs no float32 copy, the PyTorch step's conversions and Vᵀ are
+    booked, and split-KV books each chunk's layout."""
+    from flashledger import _native
+
+    kern = _native.kernels()
+    if native_step and kern is None:
+        pytest.skip(_native.native_status())
+    if kern is not None:
+        kern.choose()  # every dtype's calibration made (or read back) first: its copies unseen
+    if not native_step:
+        monkeypatch.setenv("FLASHLEDGER_NATIVE", "0")
+    laid: list[int] = []  # the native step's Kᵀ, laid out in C
+    kt = _native.Kernels.transposed_k
+
+    def counted(self, k, tile=0, dtype=None):  # type: ignore[no-untyped-def]
+        laid.append(k.numel() * (dtype or k.dtype).itemsize)
+        return kt(self, k, tile, dtype)
+
+    monkeypatch.setattr(_native.Kernels, "transposed_k", counted)
+    gen = torch.Generator().manual_seed(3)
+    b, hq, hkv, d, cap, page = 2, 4, 2, 16, 64, 8  # d = 16: no AMX layout either
+    for lq, splits in ((1, 1), (1, 2), (40, 1)):  # decode, split-KV decode, a prefill chunk
+        q = torch.randn(b, hq, lq, d, generator=gen).to(dtype)
+        k, v = (torch.randn(b, hkv, 1, d, generator=gen).to(dtype) for _ in range(2))
+        table = None
+        if cache == "paged":
+            kc, vc = (torch.randn(b * cap // page, hkv, page, d, generator=gen) for _ in range(2))
+            table = torch.randperm(b * cap // page, generator=gen).view(b, cap // page)
+        else:  # "strided": every other head of a larger cache
+            heads = hkv * (2 if cache == "strided" else 1)
+            kc, vc = (torch.randn(b, heads, cap, d, generator=gen) for _ in range(2))
+        kc, vc = kc.to(dtype)[:, :: kc.shape[1] // hkv], vc.to(dtype)[:, :: vc.shape[1] // hkv]
+        seen = _CacheCopies((kc, vc), least=b * hkv * 8 * d)
+        laid.clear()
+        with torch.no_grad(), seen:
+            res = fl.attention_with_kvcache(
+                q, kc, vc, k, v, cache_seqlens=torch.tensor([50, 30]), block_table=table,
+                mask=fl.Causal(), num_splits=splits,
+            )  # fmt: skip
+        where = f"{cache} {dtype} Lq={lq} splits={splits}"
+        assert res.ledger.gathered_bytes == seen.bytes + sum(laid), where
+        assert res.ledger.gathered_bytes > 0, where  # a cache of 64 positions, 51 in use
+    if native_step and cache == "plain":
+        # every position in use: the native decode step reads the cache where it lies, a
+        # bfloat16 one too (no float32 copy)
+        res = fl.attention_with_kvcache(q[:, :, :1], kc, vc, cache_seqlens=cap)
+        assert res.ledger.gathered_bytes == 0
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["negative position", "position past the table", "float positions", "head dim too small",
+     "positions of another shape"],
+)  # fmt: skip
+def test_apply_rotary_refuses_what_it_cannot_rotate_by_name(case, gen):
+    """A position outside the table (no wrapping from its end), positions that are not
+    integers or do not fit x, and a head dim below rotary_dim are refused, named."""
+    x = y = torch.randn(2, 3, 8, generator=gen, dtype=F64)  # (H, L, d)
+    cos, sin = tables(gen, 10, 2)  # rotary_dim 4, positions 0 .. 9
+    pos: Any = torch.tensor([0, 4, 9])
+    exc, words = ValueError, r"positions must be table rows 0 \.\. 9"
+    if case == "negative position":
+        pos = torch.tensor([0, -1, 2])
+    elif case == "position past the table":
+        pos = torch.tensor(10)
+    elif case == "float positions":
+        pos, exc, words = torch.tensor([0.0, 1.0, 2.0]), TypeError, "positions must be integers"
+    elif case == "head dim too small":
+        y, words = x[..., :3], r"head dim must be at least rotary_dim = 2 \* 2"
+    else:
+        pos, words = torch.tensor([0, 1]), r"positions must broadcast to x's \(\.\.\., L\)"
+    with pytest.raises(exc, match=words):
+        fl.apply_rotary(y, cos, sin, pos)
+    # a Python int or list is a position as well
+    assert torch.equal(fl.apply_rotary(x, cos, sin, 9), fl.apply_rotary(x, cos, sin, [9] * 3))
+
+
+def test_cache_seqlens_none_reads_the_whole_cache_as_flash_attn_does(gen, assert_close):
+    """flash-attn's default ``cache_seqlens=None``: every cache position is in use (plain or
+    paged); with rows to append it is refused, named, as flash-attn refuses it."""
+    q, kc, vc, k, v = make(gen, 2, 4, 2, 1, 12, 4, 4, 1)
+    want = fl.attention_with_kvcache(q, kc, vc, cache_seqlens=12)
+    got = fl.attention_with_kvcache(q, kc, vc)
+    assert_close(got.o, want.o, rtol=0.0, name="O, cache_seqlens None")
+    assert got.ledger.used == (12, 12)
+    pages, table = paged_copy(kc, 4, gen)
+    vpages = torch.zeros_like(pages)
+    for i in range(2):
+        for s in range(3):
+            vpages[table[i, s]] = vc[i, :, 4 * s : 4 * s + 4]
+    paged = fl.attention_with_kvcache(q, pages, vpages, block_table=table)
+    assert_close(paged.o, want.o, rtol=TOL, name="O, paged, cache_seqlens None")
+    before = kc.clone()
+    with pytest.raises(ValueError, match="cache_seqlens must be given with k and v"):
+        fl.attention_with_kvcache(q, kc, vc, k, v)
+    assert torch.equal(kc, before)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_an_empty_batch_is_refused_by_name(layout):
+    """B = 0 (or no query head) is refused before anything is read, as flash-attn ("batch
+    size must be positive") and flash_attention refuse it."""
+    q = torch.zeros(0, 2, 1, 4, dtype=F64)
+    kc = vc = torch.zeros(1, 2, 8, 4, dtype=F64)
+    if layout == "bshd":
+        q, kc, vc = (x.transpose(1, 2) for x in (q, kc, vc))
+    seqlens = torch.tensor([], dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"at least one sequence and one head .* \(0, 2, 1, 4\)"):
+        fl.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, layout=layout)

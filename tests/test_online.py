@@ -282,3 +282,24 @@ def test_online_rows_equal_softmax_for_any_blocking(n, d_v, block, seed, masked,
         err = float((got - want).abs().max())
         assert err <= TOL * max(1.0, float(want.abs().max())), (r, got, want)
     assert not bool(torch.isnan(osm.output()).any())
+
+
+def test_merge_partials_refuses_an_lse_that_does_not_match_its_o():
+    """Each part's LSE is its O's shape without d_v, and both parts have one shape: an LSE
+    that would broadcast (one value for every row, a transposed flash-attn varlen LSE)
+    or a second part of other rows is refused, named, not merged into a wrong answer."""
+    o = torch.zeros(3, 4, dtype=torch.float64)  # (rows, d_v)
+    lse = torch.zeros(3, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"lse_a must have o_a's shape without its last dim"):
+        merge_partials(o, lse[:1], o, lse)
+    with pytest.raises(ValueError, match=r"lse_b must have o_b's shape .* \(3,\), got \(3, 1\)"):
+        merge_partials(o, lse, o, lse[:, None])
+    varlen = torch.zeros(5, 2, 4, dtype=torch.float64)  # (total, H, d_v), its LSE (H, total)
+    with pytest.raises(ValueError, match=r"\(5, 2\), got \(2, 5\)"):
+        merge_partials(varlen, torch.zeros(2, 5), varlen, torch.zeros(5, 2))
+    with pytest.raises(ValueError, match=r"o_b must have o_a's shape \(3, 4\), got \(1, 4\)"):
+        merge_partials(o, lse, o[:1], lse[:1])
+    with pytest.raises(ValueError, match=r"lse_a must have o_a's shape .* \(2, 3\), got \(2,\)"):
+        merge_partials(torch.stack((o, o)), torch.zeros(2))  # stacked parts
+    with pytest.raises(ValueError, match=r"\(S, \.\.\., rows, d_v\)"):
+        merge_partials(torch.zeros(4), torch.zeros(()))

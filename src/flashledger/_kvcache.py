@@ -35,9 +35,11 @@ t`` under a causal or windowed mask, otherwise all at ``cache_seqlens_b``.
 The attention itself is the blocked loop (``blocked_forward``) or, with
 ``num_splits > 1``, split-KV (``split_kv_forward``) on the used keys; a paged,
 batch-indexed or left-padded cache is first gathered into one contiguous copy
-of its used rows (the ledger books those bytes), a plain cache is read where it
-lies. The ledger books the cache bytes the step reads: per sequence, the span
-of keys at least one of its queries can see.
+of its used rows, a plain cache is sliced (the loop lays the slice out
+contiguously when it is strided). The ledger books the cache bytes the step
+reads: per sequence, the span of keys at least one of its queries can see; and
+the bytes of every copy of the used rows, as the code that made it reports it.
+``cache_seqlens=None`` (flash-attn's default) puts every cache position in use.
 """
 
 from __future__ import annotations
@@ -100,8 +102,11 @@ def apply_rotary(
     (GPT-J, ``interleaved=True``) turn by the angle whose cosine and sine the tables
     hold: ``(a, b) -> (a cos - b sin, a sin + b cos)``. Computed in float64 for
     float64 inputs (float32 otherwise) and returned in ``x``'s dtype; dims past
-    ``rotary_dim`` are copied.
+    ``rotary_dim`` are copied. A position outside ``0 .. L_ro - 1`` (no wrapping from
+    the end), ``positions`` that do not broadcast to ``(..., L)`` and a head dim below
+    ``rotary_dim`` raise ``ValueError``; positions that are not integers, ``TypeError``.
     """
+    _check_rotary(x, cos, sin, positions)
     half = cos.shape[-1]
     r = 2 * half
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -117,6 +122,44 @@ def apply_rotary(
     return torch.cat((rot.to(x.dtype), x[..., r:]), dim=-1)
 
 
+def _check_rotary(x: Any, cos: Any, sin: Any, positions: Any) -> None:
+    """``apply_rotary``'s arguments, named when they are not what it takes."""
+    check_float_tensor("x", x)
+    check_float_tensor("cos", cos)
+    check_float_tensor("sin", sin)
+    if cos.ndim != 2 or sin.shape != cos.shape or cos.shape[1] < 1:
+        raise ValueError(
+            "cos and sin must be (L_ro, rotary_dim / 2), one shape, rotary_dim >= 2, got "
+            f"{tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
+    if x.ndim < 1 or x.shape[-1] < 2 * cos.shape[1]:
+        raise ValueError(
+            f"x's head dim must be at least rotary_dim = 2 * {cos.shape[1]} (cos.shape[-1] "
+            f"pairs), got x of shape {tuple(x.shape)}"
+        )
+    pos = positions if isinstance(positions, torch.Tensor) else torch.as_tensor(positions)
+    if pos.is_floating_point() or pos.is_complex() or pos.dtype == torch.bool:
+        raise TypeError(
+            f"positions must be integers (table rows 0 .. {cos.shape[0] - 1}), got {pos.dtype}"
+        )
+    try:
+        fits = torch.broadcast_shapes(pos.shape, x.shape[:-1]) == x.shape[:-1]
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"positions must broadcast to x's (..., L) = {tuple(x.shape[:-1])}, got shape "
+            f"{tuple(pos.shape)}"
+        )
+    if pos.numel():
+        lo, hi = (int(t) for t in torch.aminmax(pos))
+        if lo < 0 or hi >= cos.shape[0]:
+            raise ValueError(
+                f"positions must be table rows 0 .. {cos.shape[0] - 1} (cos has "
+                f"{cos.shape[0]} rows), got values from {lo} to {hi}"
+            )
+
+
 # ----------------------------------------------------------------------------------------
 # the ledger
 # ----------------------------------------------------------------------------------------
@@ -128,12 +171,14 @@ class KVCacheLedger:
     can see, or every used row where the cache is gathered; all ``K`` and ``V`` heads
     of each); ``cache_bytes_read`` their bytes,
     ``K`` and ``V`` together; ``cache_bytes_written`` the appended rows;
-    ``gathered_bytes`` the bytes written by copies of the used rows before the loop
-    reads them (a paged, batch-indexed or left-padded cache is gathered; the loop
-    lays strided or half-precision K/V out contiguously in its accumulation dtype;
-    0 when the loop reads the cache where it lies); ``pages_read`` the
-    page slots the read spans touch (paged caches only). ``forward`` is the
-    blocked loop's own ledger (counters summed over splits).
+    ``gathered_bytes`` the bytes written by the copies of the used K/V rows the step
+    made, each booked where it was made and in its own dtype: the gather of a paged,
+    batch-indexed or left-padded cache (one copy, in the cache's dtype) and the loop's
+    (``forward.kv_bytes_copied``: a strided view of a plain cache's used rows laid out
+    contiguously, K/V converted to the accumulation dtype, Kᵀ or Vᵀ laid out); 0 when
+    the loop reads the cache where it lies. ``pages_read`` the page slots the read
+    spans touch (paged caches only). ``forward`` is the blocked loop's own ledger
+    (counters summed over splits).
     """
 
     batch: int
@@ -168,7 +213,7 @@ class KVCacheLedger:
             (
                 "bytes gathered",
                 f"{self.gathered_bytes:,}",
-                "contiguous copy of the used rows (each sequence padded to the longest)",
+                "copies of the used rows: the gather, the loop's layouts",
             ),
         ]
         if self.pages_read is not None:
@@ -288,7 +333,7 @@ def attention_with_kvcache(
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
     *,
-    cache_seqlens: int | torch.Tensor,
+    cache_seqlens: int | torch.Tensor | None = None,
     cache_batch_idx: torch.Tensor | None = None,
     cache_leftpad: torch.Tensor | None = None,
     block_table: torch.Tensor | None = None,
@@ -303,7 +348,9 @@ def attention_with_kvcache(
 ) -> KVCacheResult:
     """One attention step over a KV cache (flash-attn's ``flash_attn_with_kvcache``).
 
-    Shapes and meaning in the module docstring. ``k``/``v`` (both or neither) are
+    Shapes and meaning in the module docstring (``B >= 1``, as flash-attn's).
+    ``cache_seqlens`` None (flash-attn's default): every cache position is in use, and
+    no rows can be appended. ``k``/``v`` (both or neither) are
     written into ``k_cache``/``v_cache`` in place, at positions ``cache_seqlens[b]``
     onwards of cache row ``cache_batch_idx[b]`` (default ``b``), or through
     ``block_table`` for a paged cache (``cache_batch_idx`` cannot be combined with
@@ -393,6 +440,11 @@ def attention_with_kvcache(
     q = bhsd("q", q)
     k_cache, v_cache = bhsd("k_cache", k_cache), bhsd("v_cache", v_cache)
     b, hq, lq, d = q.shape
+    if b < 1 or hq < 1:  # as flash-attn ("batch size must be positive") and flash_attention
+        raise ValueError(
+            f"q must hold at least one sequence and one head (batch and head counts >= 1), "
+            f"got shape {tuple(q.shape)} in layout {layout}"
+        )
     hkv, dv = k_cache.shape[1], v_cache.shape[-1]
     if k_cache.shape[:3] != v_cache.shape[:3]:
         raise ValueError(
@@ -432,7 +484,15 @@ def attention_with_kvcache(
         table = bt.to(device=dev, dtype=torch.int64)
     else:
         page, capacity, table = 0, k_cache.shape[2], None
-    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+    if cache_seqlens is None:  # flash-attn's default: the whole cache is in use
+        if k is not None:
+            raise ValueError(
+                "cache_seqlens must be given with k and v (the rows are appended at each "
+                "sequence's cache_seqlens); None means every cache position is in use, as "
+                "flash-attn reads it, and leaves no room to append"
+            )
+        seqlens = torch.full((b,), capacity, dtype=torch.int64)
+    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         seqlens = torch.full((b,), cache_seqlens, dtype=torch.int64)
     else:
         seqlens = _int_vector("cache_seqlens", cache_seqlens, b)
@@ -579,15 +639,11 @@ def attention_with_kvcache(
     if plain:
         kk, vv = k_cache[:b, :, :lview], v_cache[:b, :, :lview]
         plain = _tails_finite(kk, vv, used)
-    gathered = 0
+    gathered = 0  # bytes of the copies of K and V made here; the loop books its own
     if not plain:
         kk = _gather(k_cache, start, used, lview, rows_idx, table, page)
         vv = _gather(v_cache, start, used, lview, rows_idx, table, page)
         gathered = (kk.numel() + vv.numel()) * kk.element_size()
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    if kk.dtype != acc or not (kk.is_contiguous() and vv.is_contiguous()):
-        # the loop lays K and V out contiguously in its accumulation dtype
-        gathered += (kk.numel() + vv.numel()) * torch.empty((), dtype=acc).element_size()
     # -- attend --
     run_opts: dict[str, Any] = {n: x for n, x in opts.items() if n != "conventions"}
     run_opts.update(conventions=conv_cache, seqused_k=used)
@@ -660,7 +716,7 @@ def attention_with_kvcache(
         keys_read=tuple(int(x) for x in keys_read.tolist()),
         cache_bytes_read=int(keys_read.sum()) * per_key,
         cache_bytes_written=b * l_new * per_key,
-        gathered_bytes=gathered,
+        gathered_bytes=gathered + res.ledger.kv_bytes_copied,
         pages_read=pages_read,
         splits=min(num_splits, lview),
         forward=res.ledger,
@@ -768,16 +824,18 @@ def _gather(
     table: torch.Tensor | None,
     page: int,
 ) -> torch.Tensor:
-    """The used keys of every sequence, left-aligned: ``(B, Hkv, lview, X)`` (zeros past use)."""
+    """The used keys of every sequence, left-aligned: ``(B, Hkv, lview, X)`` (zeros past
+    use), contiguous, in one copy of the cache's rows."""
     j = torch.arange(lview)[None, :]  # (1, lview)
     live = j < used[:, None]  # (B, lview)
     # a valid position everywhere: a sequence using nothing may start past the cache's end
     pos = torch.where(live, start[:, None] + j, 0)  # (B, lview)
     r, p = _slots(pos, rows, table, page)
     dev = cache.device
-    out = cache[r.to(dev), :, p.to(dev)]  # (B, lview, Hkv, X)
-    out = out.masked_fill(~live.to(dev)[..., None, None], 0.0)
-    return out.transpose(1, 2).contiguous()  # (B, Hkv, lview, X)
+    heads = torch.arange(cache.shape[1], device=dev)[None, :, None]  # (1, Hkv, 1)
+    # the index tensors broadcast to (B, Hkv, lview): the copy comes in the loop's layout
+    out = cache[r.to(dev)[:, None, :], heads, p.to(dev)[:, None, :]]  # (B, Hkv, lview, X)
+    return out.masked_fill_(~live.to(dev)[:, None, :, None], 0.0)
 
 
 def _tails_finite(kk: torch.Tensor, vv: torch.Tensor, used: torch.Tensor) -> bool:

@@ -806,6 +806,7 @@ class Kernels:
         softcap: float | None = None,
         kt: torch.Tensor | None = None,
         widen: bool = False,
+        laid_out: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward pass of ``sched`` (rows: query tiles) in one native call.
 
@@ -831,6 +832,8 @@ class Kernels:
         half dtype run on the float32 step, widened as the pass reads them (Q's rows per
         work item, V's per tile, Kᵀ laid out widened; ``kt`` then float32): the float32
         step's results on the inputs converted, with no float32 copy of any of them.
+        ``laid_out``: a list the pass appends the bytes of the K/V layout it writes to (Kᵀ,
+        or AMX's pairs); nothing when it reads K and V as they are or is given ``kt``.
         """
         fp = ForwardPass(
             self,
@@ -860,6 +863,7 @@ class Kernels:
             o_finite=o_finite,
             row_max=row_max,
             kt=kt,
+            laid_out=laid_out,
         )
         del sched._alive[:]  # the partial tiles' bytes, read by the call
         return o, lse
@@ -1289,6 +1293,7 @@ class ForwardPass:
         o_finite: list[bool] | None = None,
         row_max: list[torch.Tensor] | None = None,
         kt: torch.Tensor | None = None,
+        laid_out: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each part's ``(o (S, H, Lq, d_v), lse (S, H, Lq))``, as ``Kernels.forward``; with
         ``merge``, the parts merged as ``Kernels.merge_splits`` merges them: ``(o (H, Lq,
@@ -1303,7 +1308,8 @@ class ForwardPass:
         it wrote them (one part only; else nothing is appended). ``row_max``: a list the pass
         appends each row's largest score to (the running max ``m`` it ended with, natural
         units, -inf for a row that saw no key; shaped as the returned ``lse``: the parts'
-        largest when merged). ``kt``: Kᵀ laid out before (``Kernels.forward``)."""
+        largest when merged). ``kt``: Kᵀ laid out before and ``laid_out`` as
+        ``Kernels.forward``'s."""
         self._check(q, k, v, rows)
         if kt is not None and (self.in_place or self.amx):
             raise ValueError("kt is Kᵀ from transposed_k, for a pass that lays it out")
@@ -1332,7 +1338,19 @@ class ForwardPass:
         if self._sched.terms and (self.amx or self.in_place or narrow):
             raise ValueError("a tile's term is read by a float32/float64 pass with Kᵀ laid out")
         self._launch(
-            q, k, v, o, lse, q16=q16, o16=o16, bad=bad, mx=mx, kt=kt, kt_tile=kt_tile, merge=merge
+            q,
+            k,
+            v,
+            o,
+            lse,
+            q16=q16,
+            o16=o16,
+            bad=bad,
+            mx=mx,
+            kt=kt,
+            kt_tile=kt_tile,
+            merge=merge,
+            laid_out=laid_out,
         )  # with ``merge``, the parts merged into part 0 in the same call (merge_splits' rule)
         if o_finite is not None and bad is not None and not bad.value:
             o_finite.append(True)
@@ -1429,12 +1447,14 @@ class ForwardPass:
         kt: torch.Tensor | None = None,
         kt_tile: int = 0,
         merge: bool = False,
+        laid_out: list[int] | None = None,
     ) -> None:
         """The C call on checked operands and results (``q`` None: its rows from ``q16``;
         ``mx``: where each row's final running max goes, shaped as ``lse``; ``kt``: Kᵀ laid
         out before, per ``kt_tile`` keys or (0) whole; ``merge``: the parts merged into part
         0 after the work items, as ``Kernels.merge_splits`` merges them, and with ``bad`` the
-        merged values checked)."""
+        merged values checked; ``laid_out``: the bytes of a K/V layout written here are
+        appended to it)."""
         args = _Args.from_buffer_copy(self._args)
         seen = array.array("q", bytes(8 * self._n_tiles))
         args.seen = seen.buffer_info()[0]
@@ -1450,11 +1470,15 @@ class ForwardPass:
             self.kern.fn("fl_pack_amx", "bf16")(
                 k.data_ptr(), v.data_ptr(), args.kp, args.vp, hk, lk, d, dv
             )
+            if laid_out is not None:
+                laid_out.append((k.numel() + v.numel()) * k.element_size())
         elif kt is not None:
             args.kt, args.kt_tile = kt.data_ptr(), kt_tile
         else:  # Kᵀ, per tile of keys or whole (widened to float32 with ``widen``)
             kt_buf = self.kern.transposed_k(k, self.kt_tile, self.acc if self.wide else None)
             args.kt, args.kt_tile = kt_buf.data_ptr(), self.kt_tile
+            if laid_out is not None:
+                laid_out.append(k.numel() * kt_buf.element_size())  # padding aside
         need = self.kern.max_threads() * self.work
         try:
             work = self._spare.pop()

@@ -90,6 +90,10 @@ class Problem:
     # the caller's q, k, v: their values are checked only when a result is not finite
     # (``_blame_inputs``), so that a decode step does not read the whole cache once more
     inputs: tuple[torch.Tensor, ...] = ()
+    # bytes of the copies of K and V made for this call so far, booked where each is made:
+    # laid out contiguously here, converted to the accumulation dtype (``k``, ``v``), laid
+    # out anew by a forward pass (the PyTorch step's Vᵀ, the native step's Kᵀ)
+    kv_bytes_copied: int = 0
 
     @property
     def has_dropout(self) -> bool:
@@ -115,15 +119,22 @@ class Problem:
         asked: a decode step reading a half-precision cache in place, or the half path,
         never asks)."""
         if "_k" not in self.__dict__:
-            self.__dict__["_k"] = self.k_in.to(self.dtype)
+            self.__dict__["_k"] = self._converted(self.k_in)
         return self.__dict__["_k"]  # type: ignore[no-any-return]
 
     @property
     def v(self) -> torch.Tensor:
         """V ``(B, Hkv, 1, Lk, d_v)`` in the accumulation dtype (converted once)."""
         if "_v" not in self.__dict__:
-            self.__dict__["_v"] = self.v_in.to(self.dtype)
+            self.__dict__["_v"] = self._converted(self.v_in)
         return self.__dict__["_v"]  # type: ignore[no-any-return]
+
+    def _converted(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (K or V) in the accumulation dtype, the copy booked (``kv_bytes_copied``)."""
+        if x.dtype == self.dtype:
+            return x
+        self.kv_bytes_copied += x.numel() * self.dtype.itemsize
+        return x.to(self.dtype)
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int, int, int]:
@@ -679,12 +690,17 @@ class _Frame:
         """The call's ``Problem``: q, k, v laid out in the internal 5-D layout."""
         b, hkv, g, lq, d = self.dims
         q4, k4, v4 = (_add_leading(plain(x), 4) for x in (q, k, v))
+        # contiguous once here (a copy only for strided inputs, e.g. heads sliced out of a
+        # larger tensor, or a cache's used rows), so that every tile of the loop is a view
+        k_in, v_in = k4.contiguous().unsqueeze(2), v4.contiguous().unsqueeze(2)
+        copied = sum(  # the copies just made: a negative view resolved, a strided one laid out
+            x.numel() * x.element_size() * (int(x.is_neg()) + int(not x4.is_contiguous()))
+            for x, x4 in ((k, k4), (v, v4))
+        )
         return Problem(
-            # contiguous once here (a copy only for strided inputs, e.g. heads sliced out of
-            # a larger tensor), so that every tile of the loop is a view
             q_in=q4.contiguous().view(b, hkv, g, lq, d),
-            k_in=k4.contiguous().unsqueeze(2),
-            v_in=v4.contiguous().unsqueeze(2),
+            k_in=k_in,
+            v_in=v_in,
             ndim=q.ndim,
             out_dtype=q.dtype,
             acc_dtype=self.acc_dtype,
@@ -696,6 +712,7 @@ class _Frame:
             seed=self.seed,
             keep_mask=self.keep_mask,
             inputs=(q, k, v),
+            kv_bytes_copied=copied,
         )
 
 

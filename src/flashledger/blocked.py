@@ -850,13 +850,17 @@ def _forward_operands(
     """q ``(B·Hq, Lq, d)``, k ``(B·Hkv, Lk, d)``, v ``(B·Hkv, Lk, d_v)`` as the native
     forward reads them: in the inputs' half dtype on the half path (K then laid out as
     Kᵀ) and on the float32 step widening them (``_widened``), else q in the loop's dtype
-    and K/V too, or as they are when read in place (a half-precision cache)."""
+    and K/V too, or as they are when read in place (a half-precision cache). A K or V
+    converted here is booked in ``pb.kv_bytes_copied``."""
     if (_half_step(pb, kern) or _widened(pb, kern)) and not in_place:
-        qh, kh, vh = (_native_rows(pb, x, pb.out_dtype) for x in (pb.q_in, pb.k_in, pb.v_in))
-        return qh, kh, vh
-    q = _native_rows(pb, pb.q)
-    half_in_place = in_place and pb.k_in.dtype in _HALF
-    k, v = (_flat(x) if half_in_place else _native_rows(pb, x) for x in (pb.k_in, pb.v_in))
+        q, dt = _native_rows(pb, pb.q_in, pb.out_dtype), pb.out_dtype
+    else:
+        q = _native_rows(pb, pb.q)
+        dt = pb.k_in.dtype if in_place and pb.k_in.dtype in _HALF else pb.dtype
+    k, v = _native_rows(pb, pb.k_in, dt), _native_rows(pb, pb.v_in, dt)
+    for x, given in ((k, pb.k_in), (v, pb.v_in)):
+        if x.data_ptr() != given.data_ptr():  # laid out anew: converted to dt
+            pb.kv_bytes_copied += x.numel() * x.element_size()
     return q, k, v
 
 
@@ -958,6 +962,7 @@ def _forward_native(
     q, k, v = _forward_operands(pb, kern, in_place)
     half_o = o_finite is not None and q.dtype in _HALF and args["splits"] == 1
     got: list[torch.Tensor] | None = None if row_max is None else []  # (B·Hq, Lq)
+    laid: list[int] = []  # bytes of the K/V layout the pass writes (Kᵀ), if it lays one out
     o, lse = kern.forward(
         q,
         k,
@@ -969,8 +974,10 @@ def _forward_native(
         o_finite=o_finite,
         row_max=got,
         widen=_widened(pb, kern) and not in_place,
+        laid_out=laid,
         **args,
     )  # (B·Hq, Lq, d_v), (B·Hq, Lq)
+    pb.kv_bytes_copied += sum(laid)
     if row_max is not None and got:
         row_max.append(got[0].view(b, hkv, g, lq))
     _book_native(book, ran, sched.seen, d, dv, forward=True, outer=qtiles)
@@ -1233,6 +1240,7 @@ def _forward_native_scored(
     slabs = _slabs(pb, qtiles, ktiles, kind_of, forward=True, buffers=1)
     lay = pb.dtype if widen else None  # Kᵀ widened to float32, or in k's dtype
     kt = kern.transposed_k(k, block_k, lay) if len(slabs) > 1 else None  # once, every slab
+    laid: list[int] = [] if kt is None else [k.numel() * kt.element_size()]
     for s0, s1 in slabs:
         slab = qtiles[s0:s1]
         sched, ran = _native_schedule(
@@ -1251,6 +1259,7 @@ def _forward_native_scored(
             chunk=chunk,
             kt=kt,
             widen=widen,
+            laid_out=laid,
             **_native_common(pb, ran),
         )  # (B·Hq, Lq, d_v), (B·Hq, Lq): the slab's rows written
         o[:, r0:r1], lse[:, r0:r1] = o_s[:, r0:r1], lse_s[:, r0:r1]
@@ -1259,6 +1268,7 @@ def _forward_native_scored(
         _book_native(book, ran, sched.seen, d, dv, forward=True, outer=slab)
     if kt is not None:
         kern.give_back_kt(kt)
+    pb.kv_bytes_copied += sum(laid)
     book.flush()
     if row_max is not None and m_all is not None:
         row_max.append(m_all.view(b, hkv, g, lq))
@@ -1365,7 +1375,9 @@ def _forward(
     kind_of = _kind_of(classes)
     dt, dev = pb.dtype, pb.geo.device
     if kern is not None:
-        return _forward_native(pb, kern, ledger, kind_of, book, block_q, block_k, o_finite, row_max)
+        out = _forward_native(pb, kern, ledger, kind_of, book, block_q, block_k, o_finite, row_max)
+        ledger.kv_bytes_copied = pb.kv_bytes_copied
+        return out
     ws = _workspace(pb, block_q, block_k)
     n = b * hkv
     steps = 0
@@ -1388,7 +1400,10 @@ def _forward(
         m_all = None if row_max is None else torch.empty_like(lse)  # (B, Hkv, G, Lq)
         # V and acc are stored transposed (d_v rows): acc' = α acc + P̃ V is then formed as
         # accᵀ += Vᵀ P̃ᵀ, the matmul layout that runs fastest on CPU in float64.
-        v_t = pb.v.reshape(n, lk, dv).mT.contiguous()  # (B·Hkv, d_v, Lk)
+        v_t = pb.v.reshape(n, lk, dv).mT  # (B·Hkv, d_v, Lk)
+        if not v_t.is_contiguous():  # laid out anew (not when d_v or Lk is 1)
+            v_t = v_t.contiguous()
+            pb.kv_bytes_copied += v_t.numel() * v_t.element_size()
         v_finite = all_finite(v_t)  # else a partial tile reads only the values its rows see
         # per key tile: K_jᵀ (B·Hkv, d, bk) and V_j (B·Hkv, bk, d_v), views
         kv_t = [(_keys(pb.k, k0, k1).mT, v_t[..., k0:k1].mT) for k0, k1 in ktiles]
@@ -1455,6 +1470,7 @@ def _forward(
         book.flush()
         if row_max is not None and m_all is not None:
             row_max.append(m_all)
+        ledger.kv_bytes_copied = pb.kv_bytes_copied
         return o, lse, ledger
 
     # FlashAttention-1 order: O, m, ell live in slow memory and are updated every step.
@@ -1520,6 +1536,7 @@ def _forward(
     book.flush()
     if row_max is not None:
         row_max.append(m)
+    ledger.kv_bytes_copied = pb.kv_bytes_copied
     return o, lse, ledger
 
 
@@ -2037,7 +2054,8 @@ def split_kv_forward(
     Each chunk's partial ``(o, lse)`` comes from ``blocked_forward`` with global
     positions (so masks, ALiBi, bias and dropout see the whole sequence); a
     chunk where a row sees no key has partial LSE -inf and merges to the right
-    answer. The ledger's counters are the sum over chunks. ``placement``: the
+    answer. The ledger's counters are the sum over chunks, its ``kv_bytes_copied`` every
+    copy of K and V the call made (the whole call's layout, each chunk's). ``placement``: the
     call is part of a longer sequence (its chunks are placed inside it).
     """
     check_size("num_splits", num_splits)
@@ -2057,6 +2075,7 @@ def split_kv_forward(
     bounds = [(s * lk) // num_splits for s in range(num_splits + 1)]
     o_acc = lse_acc = None
     total = Counters()
+    copied = pb.kv_bytes_copied  # the whole problem's layout, then each chunk's copies
     for start, stop in itertools.pairwise(bounds):
         part = build_problem(
             q,
@@ -2075,6 +2094,7 @@ def split_kv_forward(
         )
         for key, val in led.counters.to_dict().items():
             setattr(total, key, getattr(total, key) + val)
+        copied += led.kv_bytes_copied
         if o_acc is None:
             o_acc, lse_acc = po, pl
         else:
@@ -2093,6 +2113,7 @@ def split_kv_forward(
         counters=total,
         lead=pb.ndim - 2,
         element_bytes=pb.out_dtype.itemsize,
+        kv_bytes_copied=copied,
     )
     lse = _conventional_lse(lse_acc, pb.conventions)
     return ForwardResult(o=pb.user_q(o_acc).to(pb.out_dtype), lse=pb.user_rows(lse), ledger=ledger)

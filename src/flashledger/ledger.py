@@ -205,6 +205,11 @@ class Ledger:
     """Bytes of one element in slow memory: the inputs' dtype (2 for bfloat16/float16,
     whatever the loop accumulates in); 0 when not known. The statistics (m, ℓ, the LSE, D)
     take ``stat_bytes``."""
+    kv_bytes_copied: int = 0
+    """Forward: bytes written by the copies of K and V this implementation made for the
+    pass, booked where each was made (strided K/V laid out contiguously, K/V converted to
+    the accumulation dtype, the PyTorch step's Vᵀ, the native step's Kᵀ); 0 when the pass
+    read K and V where they lie. Not part of the schedule's traffic (``counters``)."""
 
     @property
     def stat_bytes(self) -> int:

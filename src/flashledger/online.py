@@ -38,6 +38,7 @@ import html
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -243,15 +244,42 @@ def merge_partials(
     and ``lse_a`` ``(S, ..., rows)``, merged in one pass.
 
     A row with no key in a part has LSE ±inf there (see ``state_from_partial``);
-    the merged LSE is -inf for a row with no key at all.
+    the merged LSE is -inf for a row with no key at all. Shapes are taken as given, not
+    broadcast: each ``lse`` is its ``o``'s shape without the last dim, and both parts
+    have one shape (a ``ValueError`` says which does not).
     """
     if (o_b is None) != (lse_b is None):
         raise ValueError("merge_partials takes o_b and lse_b together (or neither: stacked parts)")
+    _check_partial("o_a", o_a, "lse_a", lse_a, stacked=o_b is None)
     if o_b is not None and lse_b is not None:
-        o_a, o_b = torch.broadcast_tensors(o_a, o_b)
-        lse_a, lse_b = torch.broadcast_tensors(lse_a, lse_b)
+        _check_partial("o_b", o_b, "lse_b", lse_b, stacked=False)
+        if o_b.shape != o_a.shape:
+            raise ValueError(
+                "merge_partials merges two parts of the same rows: o_b must have o_a's shape "
+                f"{tuple(o_a.shape)}, got {tuple(o_b.shape)}"
+            )
         o_a, lse_a = torch.stack((o_a, o_b)), torch.stack((lse_a, lse_b))
     return finalize(merge(state_from_partial(o_a, lse_a)))
+
+
+def _check_partial(o_name: str, o: Any, lse_name: str, lse: Any, *, stacked: bool) -> None:
+    """A partial ``(o, lse)`` as ``merge_partials`` takes it: tensors, ``o`` ``(..., d_v)``
+    (``(S, ..., d_v)`` when ``stacked``) and ``lse`` exactly ``o``'s shape without ``d_v``."""
+    for name, x in ((o_name, o), (lse_name, lse)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(
+                f"merge_partials: {name} must be a torch.Tensor, got {type(x).__name__}"
+            )
+    least = 2 if stacked else 1
+    if o.ndim < least:
+        form = "(S, ..., rows, d_v), the parts stacked" if stacked else "(..., rows, d_v)"
+        raise ValueError(f"merge_partials: {o_name} must be {form}, got shape {tuple(o.shape)}")
+    if lse.shape != o.shape[:-1]:
+        raise ValueError(
+            f"merge_partials: {lse_name} must have {o_name}'s shape without its last dim "
+            f"(d_v), {tuple(o.shape[:-1])}, got {tuple(lse.shape)} (no broadcasting: one LSE "
+            "per row of O, in O's order)"
+        )
 
 
 @dataclass(frozen=True)
