@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 from typing import Any
 
 import pytest
@@ -955,3 +956,18 @@ def test_gemma4_with_kv_shared_layers_generates_as_sdpa() -> None:
             ).tolist()
         )  # fmt: skip
     assert tokens[0] == tokens[1], tokens
+
+
+def test_a_book_that_booked_nothing_says_why_it_may_be_empty():
+    """A model whose attention never reaches flashledger's (its modules compute attention
+    themselves, or the block did not run it) leaves a warning saying so, not a silent
+    "0 attention calls"; a book that booked calls says nothing."""
+    model = random_model("llama", attn_implementation=NAME)
+    warned = pytest.warns(UserWarning, match="no attention call of LlamaForCausalLM reached")
+    with warned, fl.ledger_of(model):
+        pass
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with fl.ledger_of(model) as book:
+            model(input_ids=torch.randint(1, 128, (1, 6)))
+    assert book.calls

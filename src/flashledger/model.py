@@ -25,6 +25,7 @@ import argparse
 import contextvars
 import json
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -147,6 +148,8 @@ class ModelLedger(_Report):
     _order: dict[str, int] = field(default_factory=dict, repr=False)
     _token: Any = field(default=None, repr=False)
     _forwards: int = field(default=0, repr=False)
+    _model: str = field(default="the model", repr=False)
+    _booked_at_enter: int = field(default=0, repr=False)
 
     # -- booking --------------------------------------------------------------------
     def _holds(self, module: Any) -> bool:
@@ -176,10 +179,21 @@ class ModelLedger(_Report):
 
     def __enter__(self) -> ModelLedger:
         self._token = _BOOKS.set((*_BOOKS.get(), self))
+        self._booked_at_enter = len(self.calls)
         return self
 
     def __exit__(self, *exc: object) -> None:
         _BOOKS.reset(self._token)
+        if exc[0] is None and len(self.calls) == self._booked_at_enter:
+            warnings.warn(
+                f"ledger_of: no attention call of {self._model} reached flashledger's attention "
+                "while the book was open: the block did not run the model, or its attention "
+                "modules compute attention themselves instead of calling the attention "
+                "interface (a transformers model whose code does not dispatch through "
+                "AttentionInterface, such as DeBERTa, runs its own attention whatever "
+                "attn_implementation says)",
+                stacklevel=2,
+            )
 
     # -- summaries ------------------------------------------------------------------
     def rows(self) -> list[dict[str, Any]]:
@@ -281,7 +295,7 @@ def ledger_of(model: torch.nn.Module, *, title: str | None = None) -> ModelLedge
     names = {id(m): (n or type(m).__name__) for n, m in model.named_modules()}
     order = {n: i for i, n in enumerate(names.values())}
     name = title or f"Attention ledger of {type(model).__name__}"
-    return ModelLedger(title=name, _names=names, _order=order)
+    return ModelLedger(title=name, _names=names, _order=order, _model=type(model).__name__)
 
 
 def _sink_for(
