@@ -246,6 +246,44 @@ def test_backward_options_match_reference_and_autograd(
         assert dropped > 0 and data["counters"]["dropped"] > 0, "dropout dropped nothing"
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{"softcap": 0.5}, {"softcap": 0.5, "alibi": True, "alibi_slope": 0.75}, {}],
+    ids=["softcap", "softcap-alibi", "no-softcap"],
+)
+def test_a_softcap_step_carries_the_factor_its_gradients_take(
+    client: TestClient, options: dict[str, Any]
+) -> None:
+    """Under a softcap a tile's ``ds`` is the gradient of the capped scores and ``ds @ K/√d``
+    is not its ``dq``; ``ds_qk = ds·(1 − t²)`` is the factor dq and dk take (section 04 shows
+    it). Before: no step carried it, and a step could not be followed by hand."""
+    body = _seed_backward(**options)
+    data = _ok(client.post("/api/backward", json=body))
+    q, k = (torch.tensor(body[name], dtype=torch.float64) for name in ("q", "k"))
+    scale = data["scale"]
+    eps = torch.finfo(torch.float64).eps
+    plain_off = 0.0
+    for step in data["steps"]:
+        if "softcap" not in options:
+            assert step["ds_qk"] is None, step
+            continue
+        q0, q1 = step["q_range"]
+        k0, k1 = step["k_range"]
+        factor = torch.tensor(step["ds_qk"], dtype=torch.float64)  # (rows, cols)
+        for name, got, terms in [
+            ("dq", factor @ k[k0:k1] * scale, factor.abs() @ k[k0:k1].abs() * scale),
+            ("dk", factor.T @ q[q0:q1] * scale, factor.T.abs() @ q[q0:q1].abs() * scale),
+        ]:
+            want = torch.tensor(step[name], dtype=torch.float64)
+            # a few roundings of each term apart (the loop's t and order are its own)
+            assert ((got - want).abs() <= 64 * eps * terms + 1e-300).all(), (name, step)
+        ds = torch.tensor(step["ds"], dtype=torch.float64)
+        plain = ds @ k[k0:k1] * scale - torch.tensor(step["dq"], dtype=torch.float64)
+        plain_off = max(plain_off, float(plain.abs().max()))
+    if "softcap" in options:
+        assert plain_off > 1e-6, "ds @ K/√d gave dq: the softcap case no longer shows a difference"
+
+
 # ----------------------------------------------------------------------------- sections 05, 06, 03
 
 

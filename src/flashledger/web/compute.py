@@ -445,13 +445,29 @@ def _tile_fields(r: ForwardTileStep | BackwardTileStep) -> dict[str, Any]:
     )
 
 
-def _backward_step(r: ForwardTileStep | BackwardTileStep) -> sc.BackwardStep:
+def _ds_through_cap(
+    r: BackwardTileStep, q: torch.Tensor, k: torch.Tensor, softcap: float | None
+) -> list[Any] | None:
+    """With a softcap, ``dS·(1 - t²)`` of the tile, ``t = tanh(scale·QKᵀ/c)``: the gradient of
+    the uncapped scores, which is what dq and dk take (``dq = it @ K · scale``); the ``ds``
+    of the trace is the gradient of the capped scores. None without a softcap."""
+    if softcap is None or r.ds is None:
+        return None
+    (a, b), (c, e) = r.q_range, r.k_range
+    t = torch.tanh((q[a:b] @ k[c:e].T) / math.sqrt(q.shape[1]) / softcap)  # (rows, cols)
+    return _rows(r.ds * (1.0 - t * t))
+
+
+def _backward_step(
+    r: ForwardTileStep | BackwardTileStep, q: torch.Tensor, k: torch.Tensor, softcap: float | None
+) -> sc.BackwardStep:
     if not isinstance(r, BackwardTileStep):
         raise RuntimeError(f"the backward ledger holds a {type(r).__name__}")
     return sc.BackwardStep(
         **_tile_fields(r),
         p=_rows(r.p),
         ds=_rows(r.ds),
+        ds_qk=_ds_through_cap(r, q, k, softcap),
         dq=_rows(r.dq),
         dk=_rows(r.dk),
         dv=_rows(r.dv),
@@ -485,7 +501,7 @@ def backward_steps(req: sc.BackwardRequest, *, check: Check = _no_check) -> sc.B
     grad_diff = max(_max_diff(a, b) for a, b in zip(grads, ref_grads))
     auto_diff = max(_max_diff(a, b) for a, b in zip(grads, auto))
     tol = _grad_tolerance(req, q, k, v, g, auto)
-    steps = [_backward_step(r) for r in bwd.ledger.records]
+    steps = [_backward_step(r, q, k, req.softcap) for r in bwd.ledger.records]
     return sc.BackwardResponse(
         lq=lq,
         lk=lk,

@@ -44,6 +44,21 @@ FORMULAS: dict[str, list[Line]] = {
     "scores": [
         ("S", "=", r"Q K^{\mathsf{T}}/\sqrt{d}"),
     ],
+    # with a softcap c the loop differentiates through the cap: dS (of the capped scores) reaches
+    # Q and K multiplied by the cap's derivative 1 - t², which section 04 must show to be followed
+    "backward_softcap": [
+        (r"\lambda_i", "=", r"\log\sum_j e^{S_{ij}}"),
+        (r"P_{ij}", "=", r"e^{S_{ij}-\lambda_i}"),
+        (r"D_i", "=", r"G_i\cdot O_i"),
+        (r"\partial S_{ij}", "=", r"P_{ij}\left(G_i\cdot V_j-D_i\right)"),
+        (r"\partial Q_i", "+=", r"\partial S_{ij}\left(1-t_{ij}^2\right)K_j/\sqrt{d}"),
+        (r"\partial K_j", "+=", r"\partial S_{ij}\left(1-t_{ij}^2\right)Q_i/\sqrt{d}"),
+        (r"\partial V_j", "+=", r"P_{ij}\,G_i"),
+    ],
+    "scores_softcap": [
+        ("S", "=", r"c\,\tanh\left(Q K^{\mathsf{T}}/(\sqrt{d}\,c)\right)"),
+        (r"t_{ij}", "=", r"\tanh\left(Q_i\cdot K_j/(\sqrt{d}\,c)\right)"),
+    ],
 }
 
 _MATH_TAG = re.compile(r"^<math[^>]*>(.*)</math>$", re.DOTALL)

@@ -680,7 +680,11 @@ class _TileStep(_Response):
 
 class BackwardStep(_TileStep):
     p: Mat = Field(description="rebuilt probabilities exp(S - lse), (rows, cols)")
-    ds: Mat = Field(description="dS of the tile, (rows, cols)")
+    ds: Mat = Field(description="dS of the tile, the gradient of its final scores, (rows, cols)")
+    ds_qk: Mat | None = Field(
+        description="with a softcap c: dS·(1 - t²), t = tanh(scale·QKᵀ/c), the gradient of the "
+        "uncapped scores scale·QKᵀ (dq = ds_qk @ K · scale), (rows, cols); null without softcap"
+    )
     dq: Mat = Field(description="contribution to dQ rows, (rows, d)")
     dk: Mat = Field(description="contribution to dK rows, (cols, d)")
     dv: Mat = Field(description="contribution to dV rows, (cols, d_v)")

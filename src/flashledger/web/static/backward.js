@@ -72,6 +72,7 @@ export function init(ctx) {
   keepToOptions(conv, "conv");
   keepToOptions(document.getElementById("f-mask"), "mask");
   if (get("mask") === "masked_row") chooseMask("masked_row");
+  keepGridReadable();
   bindings = [
     ...MATRIX_KEYS.map((key) => bindInput(document.getElementById(`f-${key}`), key, { delay: 500 })),
     bindInput(document.getElementById("f-bq"), "bq"),
@@ -238,6 +239,18 @@ function chooseMask(kind) {
   } else {
     set({ mask: kind, bstep: "0", fstep: "0" });
   }
+}
+
+/**
+ * The custom grid's key holds rows of 0 and 1 joined by ";". Other text (a link may carry any)
+ * is not read as some grid ("garbage" would read as row 0 fully masked, silently): it becomes
+ * the grid the Mask select's "custom" starts from, the causal one, or the default without a
+ * custom mask, so that the URL states the grid the page shows and computes with.
+ */
+function keepGridReadable() {
+  if (/^[01;]*$/.test(get("cm"))) return;
+  const { lq, lk } = shapes();
+  set({ cm: get("mask") === "custom" ? denseText(causalDense(lq, lk, false)) : getDefault("cm") });
 }
 
 /** The custom grid from state, resized to (lq, lk): new cells attend. */
@@ -517,6 +530,27 @@ function renderConfig() {
   fill(el, staleNote(), parts.join(" \u00b7 "));
 }
 
+/** True when the result shown was computed with a softcap (its formulas then differ). */
+function capped() {
+  return dataInputs !== null && dataInputs.cap !== null && dataInputs.cap !== undefined;
+}
+
+/**
+ * The backward formulas of the result shown: with a softcap, the capped score and the cap's
+ * derivative 1 − t² that ∂S takes on its way to ∂Q and ∂K (without it a step cannot be
+ * followed by hand), and a note on the column that shows ∂S·(1 − t²).
+ */
+function renderCapFormula() {
+  const on = capped();
+  for (const el of section.querySelectorAll("#bw-formula .formula-cap")) el.hidden = (el.dataset.cap === "on") !== on;
+  document.getElementById("bw-cap-note").textContent = on ? t("s4.capNote", { cap: dataInputs.cap }) : "";
+}
+
+/** Names of the backward formulas shown: the capped ones when the result has a softcap. */
+function formulaNames() {
+  return capped() ? { backward: "backward_softcap", scores: "scores_softcap", lines: [0, 1] } : { backward: "backward", scores: "scores", lines: [0] };
+}
+
 export function render() {
   const m = mode();
   const fwd = m === "forward";
@@ -534,6 +568,7 @@ export function render() {
     btn.setAttribute("aria-pressed", String(on));
   }
   for (const el of section.querySelectorAll("#bw-formula .formula-pass")) el.hidden = el.dataset.pass !== m;
+  renderCapFormula();
   document.getElementById("bw-card-title").textContent = t(fwd ? "s4.cardFwd" : "s4.card");
   document.getElementById("bw-card-sub").textContent = t(fwd ? "s4.cardSubFwd" : "s4.cardSub");
   document.getElementById("bw-heat-title").textContent = t(fwd ? "s4.heatFwd" : "s4.heat");
@@ -596,15 +631,17 @@ function forwardTip(i, j, value, n) {
 
 /** Formula lines of a backward step: λ and D before the loop; P, ∂S, ∂Q, ∂K/∂V in a tile. */
 function backwardPhases(step) {
-  if (step === 0) return [{ backward: [0] }, { backward: [2] }];
-  return [{ scores: [0], backward: [1] }, { backward: [3] }, { backward: [4] }, { backward: [5, 6] }];
+  const { backward: b, scores, lines } = formulaNames();
+  if (step === 0) return [{ [b]: [0] }, { [b]: [2] }];
+  return [{ [scores]: lines, [b]: [1] }, { [b]: [3] }, { [b]: [4] }, { [b]: [5, 6] }];
 }
 
 /** Formula lines of a forward step: scores, m′, α when a row's max moved, ℓ′ and a′, o′ at a row's end. */
 function forwardPhases(step) {
   if (step === 0) return [{ initial: [0] }];
   const st = data.forward_steps[step - 1];
-  const phases = [{ scores: [0] }, { running: [0] }];
+  const { scores, lines } = formulaNames();
+  const phases = [{ [scores]: lines }, { running: [0] }];
   if (st.alpha.some((a) => a > 0 && a < 1)) phases.push({ running: [1] });
   phases.push({ running: [2, 3] });
   const list = fwdIndex.get(st.q_tile);
@@ -723,6 +760,7 @@ function stepsWindow(step, total, rowOf, head) {
 
 function renderBackwardStep(step) {
   const current = step > 0 ? data.steps[step - 1] : null;
+  const throughCap = Boolean(current?.ds_qk);
   const parts = [];
   if (!current) {
     parts.push(h("p", { class: "muted" }, t("s4.noStep")));
@@ -736,11 +774,21 @@ function renderBackwardStep(step) {
         h(
           "table",
           { class: "data compact", id: "bw-prows" },
-          h("thead", {}, h("tr", {}, h("th", {}, t("s4.thRow")), h("th", {}, "P = exp(S \u2212 LSE)"), h("th", {}, "\u2202S"))),
+          h("thead", {}, h("tr", {}, h("th", {}, t("s4.thRow")), h("th", {}, "P = exp(S \u2212 LSE)"), h("th", {}, "\u2202S"), throughCap ? h("th", { title: t("s4.thDsCapTitle") }, "\u2202S\u00b7(1 \u2212 t\u00b2)") : null)),
           h(
             "tbody",
             {},
-            current.p.map((row, r) => h("tr", { "data-row": a + r }, h("td", {}, `q${a + r}`), h("td", { "data-col": "p" }, tileRow(current, r, row)), h("td", { "data-col": "ds" }, tileRow(current, r, current.ds[r])))),
+            current.p.map((row, r) =>
+              h(
+                "tr",
+                { "data-row": a + r },
+                h("td", {}, `q${a + r}`),
+                h("td", { "data-col": "p" }, tileRow(current, r, row)),
+                h("td", { "data-col": "ds" }, tileRow(current, r, current.ds[r])),
+                // with a softcap, ∂S reaches Q and K through the cap: the factor they take
+                throughCap ? h("td", { "data-col": "ds_qk" }, tileRow(current, r, current.ds_qk[r])) : null,
+              ),
+            ),
           ),
         ),
       ),

@@ -52,6 +52,8 @@ const STRINGS = {
     "err.k.range_open": "{got} is out of range; allowed: more than {min}, at most {max}",
     "err.k.too_short": "at least {min} {min|entry is|entries are} needed",
     "err.k.too_long": "at most {max} {max|entry is|entries are} allowed",
+    "err.rows.too_short": "at least {min} {min|row is|rows are} needed",
+    "err.rows.too_long": "at most {max} {max|row is|rows are} allowed (one row per position)",
     "err.k.count": "{got} {got|row|rows} given; {expected} {expected|is|are} needed (one per row of the other input)",
     "err.k.ragged": "row {row} has {got} {got|entry|entries} but row 1 has {expected}; every row needs the same number",
     "err.k.columns": "rows have {got} {got|entry|entries}; {expected} {expected|is|are} needed",
@@ -207,6 +209,9 @@ const STRINGS = {
       "After the forward pass keep Q/K/V, the output O and one log-sum-exp (LSE) per row. Each tile recomputes its scores and subtracts the whole row's LSE to rebuild that tile's global probabilities. The formulas use standard attention without dropout; the upstream gradient G = ∂L/∂O is fixed.",
     "s4.note":
       "λ is a whole-row statistic and must not be replaced by a block-local normalisation. ∂S is the derivative of the loss with respect to the scores; contributions of several query blocks to the same K/V rows must be added.",
+    "s4.capNote":
+      "Softcap c = {cap}: every score is capped, S = c·tanh(QKᵀ/(√d·c)), and the loop differentiates through the cap. ∂S is the gradient of the capped score; it reaches Q and K multiplied by the cap's derivative 1 − t², so in a tile the column ∂S·(1 − t²) times K/√d gives ∂Q, and times Q/√d gives ∂K.",
+    "s4.thDsCapTitle": "∂S through the cap: the gradient of the uncapped score QKᵀ/√d, the factor ∂Q and ∂K take",
     "s4.card": "Tile-by-tile backward",
     "s4.cardSub": "Q/K/V/G in double precision · L = Σ O ⊙ G · flashledger.blocked_backward",
     "s4.inputs": "Input matrices, tiles, mask and conventions",
@@ -350,6 +355,8 @@ const STRINGS = {
     "s7.length": "Length L (≤ {max})",
     "s7.d": "Head dim d (≤ {max})",
     "s7.block": "Tile",
+    "s7.blockTitle": "Tiles are cut inside each (query chunk, key chunk) pair: a tile never crosses a chunk, so a tile larger than a chunk runs as the whole chunk",
+    "s7.tileClipped": "tile {n} → {eff} × {eff} (a tile stays inside a chunk, and a chunk holds at most {eff} {eff|row|rows})",
     "s7.mask": "Mask",
     "s7.maskCausal": "causal",
     "s7.data": "Inputs",
@@ -557,6 +564,8 @@ const STRINGS = {
     "err.k.range_open": "{got} 超出范围；允许范围：大于 {min}，至多 {max}",
     "err.k.too_short": "至少需要 {min} 项",
     "err.k.too_long": "至多允许 {max} 项",
+    "err.rows.too_short": "至少需要 {min} 行",
+    "err.rows.too_long": "至多允许 {max} 行（每个位置一行）",
     "err.k.count": "给了 {got} 行；需要 {expected} 行（与另一输入逐行对应）",
     "err.k.ragged": "第 {row} 行有 {got} 项，第 1 行有 {expected} 项；每行项数必须相同",
     "err.k.columns": "每行有 {got} 项；需要 {expected} 项",
@@ -702,6 +711,9 @@ const STRINGS = {
       "前向完成后保留 Q/K/V、输出 O 和每行的 log-sum-exp（LSE）。当前块重新计算分数，再减去整行 LSE，即可重建该块对应的全局概率。下式使用无 dropout 的标准 Attention；上游梯度 G=∂L/∂O 固定。",
     "s4.note":
       "λ 是整行统计，不能换成块内归一化。∂S 表示损失对分数的导数；多个 query 块对相同 K/V 的贡献必须相加。",
+    "s4.capNote":
+      "Softcap c = {cap}：每个分数先被截顶，S = c·tanh(QKᵀ/(√d·c))，循环对截顶求导。∂S 是对截顶后分数的梯度；它乘以截顶的导数 1 − t² 才传到 Q 与 K，因此在一个块里，∂S·(1 − t²) 这一列乘以 K/√d 得到 ∂Q，乘以 Q/√d 得到 ∂K。",
+    "s4.thDsCapTitle": "经过截顶的 ∂S：对未截顶分数 QKᵀ/√d 的梯度，即 ∂Q 与 ∂K 所乘的因子",
     "s4.card": "逐块反向",
     "s4.cardSub": "双精度 Q/K/V/G · L=Σ O⊙G · flashledger.blocked_backward",
     "s4.inputs": "输入矩阵、块、mask 与约定",
@@ -849,6 +861,8 @@ const STRINGS = {
     "s7.length": "长度 L（≤ {max}）",
     "s7.d": "头维度 d（≤ {max}）",
     "s7.block": "块",
+    "s7.blockTitle": "块在每一对（query 切块，key 切块）之内划分：块不跨越切块，大于切块的块按整个切块运行",
+    "s7.tileClipped": "块大小 {n} → {eff} × {eff}（块不跨越切块，而每个切块至多 {eff} 行）",
     "s7.mask": "Mask",
     "s7.maskCausal": "因果",
     "s7.data": "输入",
@@ -1008,6 +1022,9 @@ const STRINGS = {
 };
 
 let lang = "en";
+
+/** The languages the page has, by code ("en", "zh"). */
+export const LANGUAGES = Object.keys(STRINGS);
 
 /**
  * Text for key in the current language, with its {name} slots filled from vars. A slot

@@ -6,10 +6,10 @@ import * as backward from "./backward.js";
 import * as conventions from "./conventions.js";
 import { matrixText } from "./fmt.js";
 import * as gpu from "./gpu.js";
-import { setLanguage } from "./i18n.js";
+import { LANGUAGES, setLanguage } from "./i18n.js";
 import * as ledger from "./ledger.js";
 import * as running from "./running.js";
-import { get, initState, set, subscribe } from "./state.js";
+import { correct, get, getDefault, initState, set, subscribe } from "./state.js";
 import * as ring from "./ring.js";
 import * as storage from "./storage.js";
 import { renderErrors, stepperFor, watchAllScrolls } from "./widgets.js";
@@ -143,6 +143,17 @@ function onKey(event) {
   event.preventDefault();
 }
 
+/**
+ * A link's language or section the page does not have (lang=fr, sec=nonsense) is shown as the
+ * default one: the URL is rewritten to say so, in place (no new history entry).
+ */
+function correctLink() {
+  const fixes = {};
+  if (!LANGUAGES.includes(get("lang"))) fixes.lang = getDefault("lang");
+  if (!SECTIONS.includes(get("sec"))) fixes.sec = getDefault("sec");
+  correct(fixes);
+}
+
 async function boot() {
   const answer = await getJson("/api/examples");
   if (!answer.ok) {
@@ -151,6 +162,7 @@ async function boot() {
   }
   const examples = answer.data;
   initState(defaultsFrom(examples));
+  correctLink();
   setLanguage(get("lang"));
 
   const bus = new EventTarget();

@@ -177,7 +177,18 @@ function renderConfig() {
   let mask = name("f-r-mask", b.mask.kind);
   if (b.mask.kind === "sliding_window") mask += ` (${b.mask.left}, ${b.mask.right})`;
   const inputs = b.data === "example" ? name("f-r-data", "example") : t("s7.randomSeed", { seed: b.seed });
-  fill(el, staleNote(), [`W = ${b.world_size}`, name("f-r-layout", b.layout), `L = ${b.length}`, `d = ${b.d}`, t("common.tileN", { n: b.block }), mask, inputs].join(" \u00b7 "));
+  fill(el, staleNote(), [`W = ${b.world_size}`, name("f-r-layout", b.layout), `L = ${b.length}`, `d = ${b.d}`, tileText(b.block), mask, inputs].join(" \u00b7 "));
+}
+
+/**
+ * The tile the ring runs: tiles are cut inside each (query chunk, key chunk) pair, so a tile
+ * larger than every chunk runs as the chunk (in zigzag, W = 4, L = 16, tile 4 runs 2 × 2 tiles,
+ * and tiles 2 to 16 book the same work): say so rather than a size nothing used.
+ */
+function tileText(block) {
+  const sizes = data.bounds.slice(1).map((x, i) => x - data.bounds[i]);
+  const most = Math.max(...sizes);
+  return block > most ? t("s7.tileClipped", { n: block, eff: most }) : t("common.tileN", { n: block });
 }
 
 function pass() {

@@ -51,6 +51,20 @@ export function getDefault(key) {
  * adds a history entry; anything else replaces the current one.
  */
 export function set(changes) {
+  update(changes, (keys) => keys.some((key) => PUSH_KEYS.has(key)));
+}
+
+/**
+ * Correct keys a link got wrong (a language or a section the page does not have) to what the
+ * page shows: the current history entry is rewritten, never a new one added, so that Back
+ * still leaves the page in one step.
+ */
+export function correct(changes) {
+  update(changes, () => false);
+}
+
+/** Set the changed keys, write the URL (a new entry when push(keys)) and tell the listeners. */
+function update(changes, push) {
   const changed = {};
   for (const [key, value] of Object.entries(changes)) {
     const text = String(value);
@@ -61,7 +75,7 @@ export function set(changes) {
     }
   }
   if (!Object.keys(changed).length) return;
-  writeUrl(Object.keys(changed).some((key) => PUSH_KEYS.has(key)));
+  writeUrl(push(Object.keys(changed)));
   notify(changed);
 }
 

@@ -197,9 +197,14 @@ export function allowedText(allowed) {
   return t("common.listOr", { items: items.slice(0, -1).join(t("common.listSep")), last: items[items.length - 1] });
 }
 
+// API fields that are lists of rows, one per position (a row of Q is d numbers): a limit on
+// their length counts rows, not the entries the same kind counts in a list of numbers
+const ROW_LISTS = new Set(["q", "k", "v", "g", "values", "mask.dense"]);
+
 /** An API error item in the page's language: its kind and limits when the page knows the kind. */
 export function errorText(err) {
-  const key = `err.k.${err.kind}`;
+  const rows = ROW_LISTS.has(err.path) && has(`err.rows.${err.kind}`);
+  const key = rows ? `err.rows.${err.kind}` : `err.k.${err.kind}`;
   if (!err.kind || !has(key)) return err.message ?? "";
   const limits = { ...(err.limits ?? {}) };
   if ("allowed" in limits) limits.allowed = allowedText(limits.allowed);
@@ -317,6 +322,9 @@ export function typedField(el, commit, { event = "input", delay = 350 } = {}) {
  * waiting: a refresh caused by another field never touches text being typed.
  */
 export function bindInput(el, key, options = {}) {
+  // a checkbox's key holds "1" or "0": other text (a link may carry any) goes back to the
+  // key's default, as a select's does (keepToOptions), so that box, URL and request agree
+  if (el.type === "checkbox" && get(key) !== "1" && get(key) !== "0") set({ [key]: getDefault(key) });
   const write = (value) => {
     if (el.type === "checkbox") el.checked = value === "1";
     else if (el.value !== value) {
