@@ -300,7 +300,7 @@ def test_long_ledger_shows_head_and_tail_in_a_notebook():
     html = led._repr_html_()
     steps = [int(x) for x in re.findall(r"<tr><td>(\d+)</td><td>Q", html)]
     assert steps == [*range(1, 31), *range(371, 401)], "first 30 and last 30 steps"
-    assert "340 more steps (all 400 in <code>ledger.records</code>" in html
+    assert "340 more records (all 400 in <code>ledger.records</code>" in html
     assert len(str(led).splitlines()) == 2 + 400, "print(ledger) keeps every step"
 
 

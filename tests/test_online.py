@@ -303,3 +303,41 @@ def test_merge_partials_refuses_an_lse_that_does_not_match_its_o():
         merge_partials(torch.stack((o, o)), torch.zeros(2))  # stacked parts
     with pytest.raises(ValueError, match=r"\(S, \.\.\., rows, d_v\)"):
         merge_partials(torch.zeros(4), torch.zeros(()))
+
+
+def test_a_long_row_shows_its_ends_in_a_notebook():
+    """A row read in thousands of blocks: the notebook view keeps the first and last
+    HTML_ROWS // 2 blocks and says how many it left out, as the loop's Ledger does; print()
+    still shows every block."""
+    from flashledger.ledger import HTML_ROWS
+
+    n = 5000
+    osm = OnlineSoftmax.run(torch.linspace(-1, 1, n), torch.ones(n, 2), block=1)
+    page = osm._repr_html_()
+    assert page.count("\n") < HTML_ROWS + 5, page.count("\n")
+    assert f"{n - HTML_ROWS:,} more blocks" in page
+    assert f"\n{n:>5}  " in page, "the last block is shown"
+    assert len(str(osm).splitlines()) == n + 1
+    short = OnlineSoftmax.run(SIX_SCORES, SIX_VALUES, block=2)
+    assert short._repr_html_() == f"<pre>{short!s}</pre>"
+
+
+def test_values_for_other_rows_are_refused_not_broadcast_into_the_state():
+    """One row read with values of three rows would silently become three outputs (m stays
+    one number); values for 3 rows in a 2-row state failed inside torch. Both are refused by
+    name, as are rows and dtype that cannot make a state."""
+    osm = OnlineSoftmax(d_v=2)
+    with pytest.raises(ValueError, match=r"\(\*rows, cols, d_v\) with rows=\(\)"):
+        osm.update(torch.tensor([1.0, 2.0]), torch.ones(3, 2, 2))
+    assert osm.steps == [] and osm.acc.shape == (2,)
+    two = OnlineSoftmax(d_v=2, rows=(2,))
+    with pytest.raises(ValueError, match=r"rows=\(2,\)"):
+        two.update(torch.ones(2, 4), torch.ones(3, 4, 2))
+    two.update(torch.ones(2, 4), torch.ones(2, 4, 2))  # one set of values per row
+    two.update(torch.ones(2, 4), torch.ones(1, 4, 2))  # shared by the rows
+    assert two.acc.shape == (2, 2)
+    for bad in (3, None, (2.5,), (-1,)):
+        with pytest.raises(ValueError, match="rows must be a sequence of integers"):
+            OnlineSoftmax(d_v=2, rows=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="dtype must be a floating dtype"):
+        OnlineSoftmax(d_v=2, dtype=torch.int64)

@@ -174,3 +174,33 @@ def test_trace_values():
     with pytest.raises(ValueError, match=r"Trace\.max_bytes"):
         fl.Trace(max_bytes=math.inf)  # type: ignore[arg-type]
     assert fl.blocked_forward(q, k, v, trace=False).ledger.records == []
+
+
+def test_a_budget_that_holds_one_step_names_the_trace_that_keeps_it(gen):
+    """Three key tiles of one query tile, a budget of one and a half steps: the doubling from
+    every=2 (two steps, over) passes the step count, yet every=3 keeps the first step alone,
+    which fits. The refusal names it instead of saying even one step is over the budget."""
+    q, k, v, _ = _inputs(gen, b=1, hq=1, hkv=1, lq=4, lk=12)
+    opts: dict[str, Any] = dict(block_q=4, block_k=4)
+    one = _record_bytes(fl.blocked_forward(q, k, v, trace=fl.Trace(every=3), **opts).ledger.records)
+    budget = one * 3 // 2
+    with pytest.raises(ValueError) as info:
+        fl.blocked_forward(q, k, v, trace=fl.Trace(max_bytes=budget), **opts)
+    msg = str(info.value)
+    assert "even one step's record is over the budget" not in msg, msg
+    assert "trace=flashledger.Trace(every=3)" in msg, msg
+    kept = fl.blocked_forward(q, k, v, trace=fl.Trace(every=3, max_bytes=budget), **opts)
+    assert len(kept.ledger.records) == 1
+    with pytest.raises(ValueError, match="even one step's record is over the budget"):
+        fl.blocked_forward(q, k, v, trace=fl.Trace(max_bytes=one - 1), **opts)
+
+
+def test_a_notebook_ledger_says_which_steps_its_records_keep():
+    """trace=k keeps every k-th step: the notebook view says so, as print() does, and its gap
+    row counts records, not steps."""
+    q = k = v = torch.randn(1, 1, 64, 4, dtype=torch.float64)
+    led = fl.blocked_forward(q, k, v, block_q=2, block_k=2, trace=4).ledger
+    assert "records of every 4th step" in str(led).splitlines()[0]
+    page = led._repr_html_()
+    assert "records of every 4th step" in page
+    assert "more records" in page and "more steps" not in page

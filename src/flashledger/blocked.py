@@ -281,10 +281,14 @@ def _check_trace_budget(
     every = trace.every
     k = max(every + 1, -(-need * every // max(budget, 1)))
     fits = None
-    while k <= max(run, 1):
+    last = max(run, every + 1)  # every >= run keeps the first step alone
+    while True:
+        k = min(k, last)  # the doubling may pass ``run``: try the first step alone last
         size = _record_bytes(pb, classes, qtiles, ktiles, pass_name, k)[0]
         if size <= budget:
             fits = (k, size)
+            break
+        if k >= last:
             break
         k *= 2
     b, hq = pb.shape[:2]

@@ -310,9 +310,7 @@ class Ledger:
                 head += f" ({c.mask_mod_tiles_bounded} tiles decided by bounds)"
         if c.score_mod_tiles:
             head += f"; score_mod: {c.score_mod_evals} positions in {c.score_mod_tiles} tile calls"
-        if self.record_every > 1 and self.records:
-            head += f"; records of every {ordinal(self.record_every)} step"
-        head += self._shown_note()
+        head += self._every_note() + self._shown_note()
         rows = self.rows()
         if not rows:
             return head
@@ -322,6 +320,12 @@ class Ledger:
         lines = [head, "  ".join(k.ljust(w) for k, w in zip(cols, widths)).rstrip()]
         lines += ["  ".join(v.ljust(w) for v, w in zip(c, widths)).rstrip() for c in cells]
         return "\n".join(lines)
+
+    def _every_note(self) -> str:
+        """Which steps the records keep, when not every one (``trace=k``)."""
+        if self.record_every > 1 and self.records:
+            return f"; records of every {ordinal(self.record_every)} step"
+        return ""
 
     def _shown_note(self) -> str:
         """Which (batch, head) the rows show, when the records hold several."""
@@ -345,7 +349,7 @@ class Ledger:
         parts = [
             f"<p><b>{html.escape(self.pass_name)} ledger</b>: tiles {self.block_q}&times;"
             f"{self.block_k}, {html.escape(self.loop_order)} order"
-            f"{html.escape(self._shown_note())}</p>",
+            f"{html.escape(self._every_note() + self._shown_note())}</p>",
             "<table><tr>"
             + "".join(f"<th>{k}</th>" for k in c.to_dict())
             + "</tr><tr>"
@@ -367,7 +371,7 @@ class Ledger:
             body = [tr(r) for r in rows]
             if cut:
                 gap = (
-                    f"<tr><td colspan='{len(cols)}'>&hellip; {n - 2 * half:,} more steps "
+                    f"<tr><td colspan='{len(cols)}'>&hellip; {n - 2 * half:,} more records "
                     f"(all {n:,} in <code>ledger.records</code>; <code>print(ledger)</code> "
                     "prints every one)</td></tr>"
                 )

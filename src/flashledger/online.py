@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from .ledger import _fmt
+from .ledger import HTML_ROWS, _fmt
 
 __all__ = [
     "OnlineSoftmax",
@@ -321,6 +321,17 @@ class OnlineSoftmax:
     ) -> None:
         if isinstance(d_v, bool) or not isinstance(d_v, int) or d_v < 1:
             raise ValueError(f"OnlineSoftmax: d_v must be an integer >= 1, got {d_v!r}")
+        if (
+            not isinstance(rows, Sequence)
+            or isinstance(rows, str)
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in rows)
+        ):
+            raise ValueError(
+                "OnlineSoftmax: rows must be a sequence of integers >= 0, the leading shape "
+                f"of the state (() for one row, (3,) for three), got {rows!r}"
+            )
+        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"OnlineSoftmax: dtype must be a floating dtype, got {dtype!r}")
         self.d_v = d_v
         self.rows = tuple(rows)
         self.dtype = dtype
@@ -364,10 +375,14 @@ class OnlineSoftmax:
                 f"scores must have shape (*rows, cols) with rows={self.rows} and cols >= 1, "
                 f"got {tuple(s.shape)}"
             )
-        if v.ndim < 2 or v.shape[-1] != self.d_v or v.shape[-2] != s.shape[-1]:
+        lead = tuple(v.shape[:-2])
+        shared = len(lead) <= len(self.rows) and all(
+            n in (1, r) for n, r in zip(reversed(lead), reversed(self.rows))
+        )  # values shared by the rows, or one set per row: the state keeps its shape
+        if v.ndim < 2 or v.shape[-1] != self.d_v or v.shape[-2] != s.shape[-1] or not shared:
             raise ValueError(
-                f"values must have shape (cols, d_v) = ({s.shape[-1]}, {self.d_v}), "
-                f"got {tuple(v.shape)}"
+                f"values must have shape (cols, d_v) = ({s.shape[-1]}, {self.d_v}), or "
+                f"(*rows, cols, d_v) with rows={self.rows}, got {tuple(v.shape)}"
             )
         if bool(torch.isnan(s).any()) or bool((s == math.inf).any()):
             raise ValueError("scores must not contain NaN or +inf (-inf marks a masked key)")
@@ -404,6 +419,11 @@ class OnlineSoftmax:
         rows, whose steps are in ``steps``)."""
         if self.rows or not self.steps:
             return repr(self)
+        return self._table(self.steps)
+
+    def _table(self, steps: Sequence[OnlineStep], gap_after: int | None = None) -> str:
+        """The block ledger of ``steps``, a line saying how many blocks are left out after
+        the first ``gap_after`` of them (None: none left out)."""
         header = ["block", "positions", "scores", "block max", "m", "α", "ℓ", "acc", "output"]
         cells = [
             [
@@ -414,7 +434,7 @@ class OnlineSoftmax:
                 _fmt(st.acc.tolist()),
                 _fmt(st.output.tolist()),
             ]
-            for st in self.steps
+            for st in steps
         ]
         widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
         right = {0, 3, 4, 5, 6}  # numbers, right-aligned
@@ -425,10 +445,24 @@ class OnlineSoftmax:
                 for i, (x, w) in enumerate(zip(row, widths))
             ).rstrip()
 
-        return "\n".join([line(header), *(line(c) for c in cells)])
+        lines = [line(c) for c in cells]
+        if gap_after is not None:
+            left = len(self.steps) - len(steps)
+            lines.insert(
+                gap_after,
+                f"… {left:,} more blocks (all {len(self.steps):,} in .steps; print() prints "
+                "every one)",
+            )
+        return "\n".join([line(header), *lines])
 
     def _repr_html_(self) -> str:
-        return f"<pre>{html.escape(str(self))}</pre>"
+        """A notebook's view: the block ledger, the first and last ``HTML_ROWS // 2`` blocks
+        of a longer one (as the loop's ``Ledger`` shows its steps)."""
+        n, half = len(self.steps), HTML_ROWS // 2
+        if self.rows or n <= HTML_ROWS:
+            return f"<pre>{html.escape(str(self))}</pre>"
+        text = self._table([*self.steps[:half], *self.steps[-half:]], gap_after=half)
+        return f"<pre>{html.escape(text)}</pre>"
 
     @classmethod
     def run(cls, scores: torch.Tensor, values: torch.Tensor, *, block: int) -> OnlineSoftmax:
