@@ -205,6 +205,63 @@ def test_float32_native_step_is_as_accurate_as_the_pytorch_step(native, gen, ass
         assert_close(got, want, rtol=2e-5, name=f"float32 native {name}")
 
 
+@pytest.mark.parametrize(
+    ("lq", "d", "tiles"),
+    [
+        (300, 4, None),  # the tiles this machine's calibration chose
+        (300, 4, (128, 128)),  # several key tiles a row: split into parts where threads idle
+        (300, 5, None),  # a scale that is not a power of two
+        (64, 64, None),  # one query tile of 64 rows: the forward reads K in place
+    ],
+)
+def test_float32_native_gradients_at_large_shared_scores_keep_the_pytorch_step_s_error(
+    native, lq, d, tiles
+):
+    """Scores near 1e3 with q and k clustered around one direction (float32, causal): the
+    gradient of q is a sum over a row's keys of dS times keys that share most of their
+    value, so it holds only what cancels in Σ_j dS_j = Σ_j P_j (dP_j - D). A rounding
+    that is one factor for the whole row (λ's, its base change) cancels; a score that the
+    backward forms a unit in the last place of |s| apart from the forward's, key by key,
+    does not, and dQ takes |k̄| times it (the backward in natural units against a
+    base-2 forward: 24 x the PyTorch step's error; a BLAS rounding the factor scale·log2 e
+    into an operand, K read in place by the forward and not by the backward, or a
+    forward's key splits merged from their rounded LSEs did the same). Both steps round
+    the same sums; the native one's scores carry one rounding more, the same in both
+    passes (the base change): each error within 3 x the PyTorch step's on the same
+    inputs, plus 8 units in the last place of the gradient's largest entry for the last
+    roundings of the sums."""
+    gen = torch.Generator().manual_seed(0)
+    base = 1e3  # the largest scores, scale · q·k ≈ base
+    center = (base / d**0.5) ** 0.5  # scale · d · center² = base
+
+    def clustered() -> torch.Tensor:
+        return center * (1 + 0.07 * torch.randn(1, 2, lq, d, generator=gen))
+
+    q, k = clustered(), clustered()
+    v, do = (torch.randn(1, 2, lq, d, generator=gen) for _ in range(2))
+    mask = fl.Causal()
+    qd, kd, vd = (t.double() for t in (q, k, v))
+    ref = fl.reference_forward(qd, kd, vd, mask=mask)
+    want = fl.reference_backward(qd, kd, vd, ref.o, ref.lse, do.double(), mask=mask)
+    assert float(ref.lse.abs().max()) > 0.5 * base  # the scores are as large as meant
+    opts: dict[str, Any] = dict(mask=mask)
+    if tiles is not None:
+        opts.update(block_q=tiles[0], block_k=tiles[1])
+    _, bwd = _both(q, k, v, do, **opts)
+    with _native.disabled():
+        _, step = _both(q, k, v, do, **opts)
+    eps = torch.finfo(torch.float32).eps
+    for name in ("dq", "dk", "dv"):
+        exact = getattr(want, name)
+        err = float((getattr(bwd, name).double() - exact).abs().max())
+        err_step = float((getattr(step, name).double() - exact).abs().max())
+        bound = 3 * err_step + 8 * eps * float(exact.abs().max())
+        assert err <= bound, (
+            f"{name}: native {err:.3g} from the float64 oracle, the PyTorch step "
+            f"{err_step:.3g} (bound {bound:.3g})"
+        )
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, f64])
 def test_many_small_weights_are_summed_not_cut(native_calls, dtype):
     """One key at score 0 and 2000 at -15 (each weight e^-15 = 3e-7 of the first, 6e-4

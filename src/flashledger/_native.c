@@ -12,16 +12,30 @@
  *             S[~visible] = -inf               (partial tiles only)
  *             m' = max(m, rowmax S); α = 2^(m - m'); P = 2^(S - m');
  *             ℓ' = α ℓ + Σ P; acc' = α acc + P V_j            (m' = -inf reads as 0)
- *   backward: S = scale · Q_i K_jᵀ, formed as the PyTorch step forms it (masked alike);
- *             P = 2^((S - λ) · log2 e);
+ *   backward: S = scale · log2(e) · Q_i K_jᵀ, formed as the forward formed it (the same
+ *             calls, factors and terms; masked alike);
+ *             P = 2^(S - λ · log2 e);
  *             dP = dO_i V_jᵀ; dS = P ⊙ (dP - D);
  *             dV_j += Pᵀ dO_i; dK_j += scale · dSᵀ Q_i; dQ_i += scale · dS K_j
  *
  * Every exponent is a difference of two numbers carrying roundings of the same size (the
- * matmul's, and the running max's, itself one of the scores), then at most one product:
- * the error budget of the PyTorch step's exp(S - m'). In the forward, m stays in base-2
- * units during a query tile (the finish converts it); the backward reads λ in natural
- * units, as the forward wrote it, so P does not inherit a rounding of λ·log2 e.
+ * matmul's, and the running max's, itself one of the scores): the error budget of the
+ * PyTorch step's exp(S - m'). In the forward, m stays in base-2 units during a query tile
+ * (the finish converts it: λ is written in natural units). The backward forms each score
+ * bit for bit as the forward did, in its units, and converts λ once per row: over a row,
+ * the rebuilt P is then the forward's times one constant (λ·log2 e's rounding, a few
+ * units in the last place of |λ|), which dS = P ⊙ (dP - D) cancels, D being the row's
+ * Σ P dP. A rounding that differs from key to key does not cancel: scores formed in
+ * natural units (as the PyTorch step forms them) round each key apart from the forward's
+ * by a unit in the last place of |S|, the rows of dS no longer sum to ~0, and dQ = scale
+ * · dS K picks up the keys' common direction times that sum: with |S| ~ 1e3 in float32
+ * and keys sharing a direction, 20-40 x the PyTorch step's error. The same holds of every
+ * step between: the matmul (a BLAS gets a factor that is not a power of two after the
+ * product, see scores; a forward that read K in place has its dot products summed in
+ * its order again, fl_args.dot_scores) and the merge of a forward's key splits (from
+ * the parts' m and ℓ, merge_states, not from their rounded λ). Both passes run on one
+ * step or the other (blocked.py's _native_step: the FA1 order and an observed pass run
+ * the PyTorch step), never one of each on the library's own paths.
  *
  * Work items. The forward's item is (query tile, head, chunk of its rows): it runs its
  * rows through the tile's key tiles in order, the state (m, ℓ, acc) in its thread's
@@ -660,16 +674,27 @@ int SUF(fl_set_product_maxima)(int on) { return product_maxima = on != 0; }
 static long long product_maxima_blocks;
 long long SUF(fl_product_maxima_blocks)(void) { return take_count(&product_maxima_blocks); }
 
+/* 1 where mm runs an m x n x k product on the own kernel in this thread, 0 on a BLAS */
+static int mm_own(long long m, long long n, long long k) {
+#if FL_OWN
+    int fwd = in_forward && own_fwd >= 0; /* the forward's own back end */
+    /* a small product (a decode step's, a partial tile's narrow span) costs a BLAS call
+     * more to enter than to run: it takes the own kernel, whichever back end is chosen */
+    return (fwd ? own_fwd : use_own) || in_scores || m * n * k <= FL_SMALL_MM;
+#else
+    (void)m, (void)n, (void)k;
+    return 0;
+#endif
+}
+
 static int mm(int m, int n, int k, T alpha, const TIN *A, long long lda, const TIN *B,
               long long sbk, long long sbn, T beta, T *C, long long ldc, T *cm) {
     int fwd = in_forward && own_fwd >= 0; /* the forward's own back end */
     gemm_fn gemm = fwd && gemm_fwd ? gemm_fwd : GEMM;
     (void)cm;
 #if FL_OWN
-    /* a small product (a decode step's, a partial tile's narrow span) costs a BLAS call
-     * more to enter than to run: it takes the own kernel, whichever back end is chosen */
-    int small = (long long)m * n * k <= FL_SMALL_MM;
-    if ((fwd ? own_fwd : use_own) || in_scores || small) {
+    if (mm_own(m, n, k)) {
+        int small = (long long)m * n * k <= FL_SMALL_MM;
         if (in_scores && !small) { /* here for scores_own alone */
 #pragma omp atomic
             ++scores_own_products;
@@ -883,8 +908,10 @@ struct fl_args {
     long long amx_dot;        /* float32 build, a bfloat16 cache read in place with q16: S on
                                  AMX's tiles (amx_dot_scores) where the build has them */
     long long merge;          /* forward with splits > 1: the parts merged into part 0 after
-                                 the items (fl_merge_splits), and with `bad` the merged O and
+                                 the items (merge_states), and with `bad` the merged O and
                                  λ checked */
+    long long dot_scores;     /* backward, float builds: S formed as a forward with keys in
+                                 place formed it (dot_t_scores: the sums in its order) */
     double scale;
     long long scale_exact; /* scale is a power of two: exact as the matmul's alpha */
     double softcap;        /* float builds: 0, or c of a softcap, s = c · tanh(s / c) */
@@ -1024,10 +1051,23 @@ static inline long long t_at(const struct fl_args *a, long long kh, long long n,
     return (kh * tiles + j) * n * *ld + (k - j * a->kt_tile);
 }
 
+/* 1 where x is a power of two (times it, every product is exact) */
+static inline int pow2(T x) {
+    int e;
+    return fabs((double)frexp(x, &e)) == 0.5;
+}
+
 /* S = factor · Q Kᵀ for a block of rows and keys [k0, k0 + nc), the factor riding on the
- * matmul, or, with `after`, (Q Kᵀ) · factor as the reference rounds it. With cm (and not
- * `after`), each row's maximum so far, W lanes a row, merged with the row's scores as the
- * product writes them back; returns 1 when it was (the own kernel), else 0. */
+ * matmul, or, with `after`, (Q Kᵀ) · factor as the reference rounds it. Either way each
+ * score is the factor times the rounded sum, rounded once: the own kernel's alpha is that
+ * product; a BLAS's need not be (MKL scales an operand as it packs it: with alpha =
+ * scale · log2 e most of S rounded apart, with a power of two none, on Intel Xeon model
+ * 207), so on a BLAS a factor that is not a power of two goes after the matmul. The two
+ * passes then form the same S from the same sums whichever back end runs each, and the
+ * backward's P = 2^(S - λ log2 e) sees no key's score rounded apart (see the header).
+ * With cm (and the factor on the matmul), each row's maximum so far, W lanes a row,
+ * merged with the row's scores as the product writes them back; returns 1 when it was
+ * (the own kernel), else 0. */
 static int scores(const struct fl_args *a, const struct rows *b, long long k0, int nc, T *s,
                   long long ls, double factor, int after, T *cm) {
     const TIN *qh = a->q + row_base(a, b) * a->d;
@@ -1043,12 +1083,18 @@ static int scores(const struct fl_args *a, const struct rows *b, long long k0, i
         kt = a->kt + t_at(a, b->h0 / a->group, a->d, k0, &lt);
     /* S (nr x nc, row-major, row stride ls) = Q_i K_jᵀ, formed as Sᵀ = (Kᵀ_j)ᵀ-columns
      * times Q's rows */
-    int tops = mm(nc, b->nr, (int)a->d, after ? (T)1 : (T)factor, kt, lt, qh, 1, a->d, 0, s,
-                  ls, after ? NULL : cm);
+    T f = (T)factor;
+    if (!after && !pow2(f) && !mm_own(nc, b->nr, a->d)) after = 1; /* a BLAS: see above */
+    int tops = mm(nc, b->nr, (int)a->d, after ? (T)1 : f, kt, lt, qh, 1, a->d, 0, s, ls,
+                  after ? NULL : cm);
     if (after) {
-        T f = (T)factor;
-        for (int r = 0; r < b->nr; ++r)
-            for (int j = 0; j < nc; ++j) s[(long long)r * ls + j] *= f;
+        VT fv = splat(f);
+        for (int r = 0; r < b->nr; ++r) {
+            T *row = s + (long long)r * ls;
+            int j = 0;
+            for (; j + W <= nc; j += W) storev(row + j, loadv(row + j) * fv);
+            for (; j < nc; ++j) row[j] *= f;
+        }
     }
     return tops;
 }
@@ -2007,12 +2053,13 @@ static long long forward_block(const struct fl_args *a, const long long *t, cons
 /* One forward work item: rows [r0, r0 + nr) of head (or stacked group) h0 against the
  * tiles [t0, t1) of the schedule, in order; then O = acc / ℓ and λ = m · ln 2 + log ℓ
  * (natural units; an empty row, ℓ = 0, gives O = 0 and λ = -inf, as online.finalize does)
- * into split s's O and λ. The state stays in the thread's scratch: no other item touches
- * these rows, so the items need no barrier between tiles. Scratch: m, ℓ (nr each), acc
- * (nr · d_v), S/P and α (nr · padded(bk) + nr); then in the half builds P in the input
- * dtype (nr · padded(bk), 64-byte aligned). */
+ * into split s's O and λ, and with ml (parts to merge in the pass) the row's final m (base
+ * 2) and ℓ into ml (S, H·Lq, 2) for merge_states. The state stays in the thread's
+ * scratch: no other item touches these rows, so the items need no barrier between tiles.
+ * Scratch: m, ℓ (nr each), acc (nr · d_v), S/P and α (nr · padded(bk) + nr); then in the
+ * half builds P in the input dtype (nr · padded(bk), 64-byte aligned). */
 static void forward_item(const struct fl_args *a, long long h0, long long r0, int nr, long long t0,
-                         long long t1, long long split) {
+                         long long t1, long long split, T *ml) {
     in_forward = 1; /* the products below run on the forward's back end */
     long long dv = a->dv, bk = 0;
     for (long long ti = t0; ti < t1; ++ti) {
@@ -2081,6 +2128,11 @@ static void forward_item(const struct fl_args *a, long long h0, long long r0, in
     }
     long long base = split * a->heads * a->lq + row_base(a, &b);
     T *lse = a->lse + base;
+    if (ml)
+        for (int r = 0; r < nr; ++r) {
+            ml[2 * (base + r)] = m[r];
+            ml[2 * (base + r) + 1] = ell[r];
+        }
     if (a->mx) /* the largest score of the row, as the loop's max saw it, back in natural units */
         for (int r = 0; r < nr; ++r) a->mx[base + r] = m[r] == -INFINITY ? m[r] : m[r] * (T)LN2;
     int finite = 1;
@@ -2132,6 +2184,43 @@ static inline void part_of(long long a0, long long a1, long long s, long long n,
 void SUF(fl_merge_splits)(T *o, T *lse, long long n, long long dv, long long splits);
 int SUF(fl_all_finite)(const T *x, long long n);
 
+/* A pass's key splits merged into split 0's O and λ from each part's final state (ml:
+ * m in base-2 units and ℓ, per part and row): M = the largest m of the parts that saw a
+ * key, w = ℓ · 2^(m - M), O = Σ w O_s / Σ w, λ = M · ln 2 + log Σ w, as one pass over
+ * all the row's tiles rescales and finishes (online.merge_partials's rule, with the parts'
+ * λ unrounded). The merge from the parts' λ (fl_merge_splits) weighs each part by exp of
+ * λ_s's rounding, a few units in the last place of |λ|: at |λ| ~ 1e3 in float32 a
+ * relative 1e-4 that differs from part to part, as no pass over the tiles in one part
+ * would, and that the backward's rebuilt P (from the merged λ, one constant per row)
+ * cannot follow. A row that no part saw keeps O = 0 and λ = -inf. */
+static void merge_states(T *o, T *lse, const T *ml, long long n, long long dv, long long splits) {
+#pragma omp parallel for schedule(static) if (n * splits * dv > (1LL << 16))
+    for (long long i = 0; i < n; ++i) {
+        T mx = -INFINITY, w[FL_MAX_SPLITS], ell = 0;
+        for (long long s = 0; s < splits; ++s) {
+            const T *x = ml + 2 * (s * n + i);
+            if (x[1] > 0 && x[0] > mx) mx = x[0];
+        }
+        T *oi = o + i * dv;
+        if (mx == -INFINITY) {
+            for (long long c = 0; c < dv; ++c) oi[c] = 0;
+            lse[i] = -INFINITY;
+            continue;
+        }
+        for (long long s = 0; s < splits; ++s) {
+            const T *x = ml + 2 * (s * n + i);
+            w[s] = x[1] > 0 ? x[1] * (T)exp2((double)(x[0] - mx)) : 0;
+            ell += w[s];
+        }
+        for (long long c = 0; c < dv; ++c) {
+            T acc = 0;
+            for (long long s = 0; s < splits; ++s) acc += w[s] * o[(s * n + i) * dv + c];
+            oi[c] = acc / ell;
+        }
+        lse[i] = mx * (T)LN2 + LOG(ell);
+    }
+}
+
 /* The whole forward pass, one parallel region. Work items are (query tile, split, unit,
  * chunk of `chunk` rows), unit a query head, or with `stacked` a K/V head whose group's
  * rows run on as one block (one query tile covering Lq). Items are handed out as threads
@@ -2141,6 +2230,15 @@ void SUF(fl_forward)(const struct fl_args *a) {
     long long rows = a->rows, units = a->stacked ? a->heads / a->group : a->heads;
     long long *buf = malloc((size_t)(4 * rows + 1) * sizeof(long long));
     if (!buf) return;
+    /* the parts' final m and ℓ, for merge_states */
+    T *ml = NULL;
+    if (a->merge && a->splits > 1) {
+        ml = malloc((size_t)(2 * a->splits * a->heads * a->lq) * sizeof(T));
+        if (!ml) {
+            free(buf);
+            return;
+        }
+    }
     long long *order = buf, *cost = buf + rows, *chunks = cost + rows, *first = chunks + rows;
     for (long long i = 0; i < rows; ++i) {
         order[i] = i;
@@ -2176,12 +2274,13 @@ void SUF(fl_forward)(const struct fl_args *a) {
         long long r0 = (a->stacked ? 0 : q0) + c * a->chunk;
         long long nr = a->chunk < len - c * a->chunk ? a->chunk : len - c * a->chunk;
         long long h0 = a->stacked ? unit * a->group : unit;
-        forward_item(a, h0, r0, (int)nr, t0, t1, split);
+        forward_item(a, h0, r0, (int)nr, t0, t1, split, ml);
     }
     free(buf);
-    if (a->merge && a->splits > 1) { /* one call where a merge and a check were three more */
+    if (ml) { /* one call where a merge and a check were three more */
         long long n = a->heads * a->lq;
-        SUF(fl_merge_splits)(a->o, a->lse, n, a->dv, a->splits);
+        merge_states(a->o, a->lse, ml, n, a->dv, a->splits);
+        free(ml);
         if (a->bad && !(SUF(fl_all_finite)(a->o, n * a->dv) && SUF(fl_all_finite)(a->lse, n)))
             *a->bad = 1;
 #if !FL_DOUBLE && !FL_HALF
@@ -2309,23 +2408,42 @@ static long long backward_block(const struct fl_args *a, const long long *t, con
     char *more = (char *)(dp + (long long)(FL_HALF || !(a->softcap > 0) ? 1 : 2) * nr * ls);
     TIN *ps = FL_HALF ? carve(&more, (long long)nr * ls, sizeof(TIN)) : (TIN *)s;   /* P */
     TIN *dss = FL_HALF ? carve(&more, (long long)nr * ls, sizeof(TIN)) : (TIN *)dp; /* dS */
-    /* the scores the PyTorch step (and the reference) form: the scale on the matmul only
-     * when it is a power of two, so that a forward run with that step is matched exactly */
+    /* the scores the forward formed, in its base-2 units, by the same calls (forward_block):
+     * scale · log2 e on the matmul, or with a softcap the natural scores capped and then
+     * converted; the terms added times log2 e. P = 2^(S - λ log2 e) is then the forward's
+     * P over one row's keys but for one factor per row (λ log2 e's rounding), which dS's
+     * D cancels; scores formed in other units would round each key apart (see the header) */
     in_scores = scores_own; /* S and dP (below) on the own kernel, where so chosen */
-    scores(a, b, t[2] + lo, w, s, ls, a->scale, !a->scale_exact, NULL);
+    long long base = row_base(a, b);
+    const TIN *kh;
+#if !FL_HALF
+    if (kw)
+        kh = kw + (long long)lo * a->d; /* K_j's rows widened by the item, key t[2] first */
+    else
+#endif
+        kh = a->k + ((b->h0 / a->group) * a->lk + t[2] + lo) * a->d;
+#if !FL_HALF
+    if (a->dot_scores) /* the forward read K in place: its dot products, summed alike */
+        dot_t_scores(b->q ? b->q : a->q + base * a->d, nr, kh, w, (int)a->d,
+                     (T)(a->softcap > 0 ? a->scale : a->scale * LOG2E), s, ls);
+    else
+#endif
+    if (a->softcap > 0)
+        scores(a, b, t[2] + lo, w, s, ls, a->scale, !a->scale_exact, NULL);
+    else
+        scores(a, b, t[2] + lo, w, s, ls, a->scale * LOG2E, 0, NULL);
     T *tb = NULL; /* a softcap's t = tanh(s / c), for dS's 1 - t² */
 #if !FL_HALF
     if (a->softcap > 0) {
         tb = dp + (long long)nr * ls;
-        softcap_rows(nr, w, s, ls, (T)a->softcap, 1, tb);
+        softcap_rows(nr, w, s, ls, (T)a->softcap, (T)LOG2E, tb);
     }
 #endif
-    if (t[8]) add_term(t, b, t[2] + lo, w, s, ls, 1);
+    if (t[8]) add_term(t, b, t[2] + lo, w, s, ls, (T)LOG2E);
 #if !FL_HALF
-    if (a->alibi) add_alibi(a, b, t[2] + lo, w, s, ls, 1);
+    if (a->alibi) add_alibi(a, b, t[2] + lo, w, s, ls, (T)LOG2E);
 #endif
     if (t[4]) mask_bytes(a, t, b, s, ls, lo, ca, cb, gap);
-    long long base = row_base(a, b);
     const TIN *doh, *qh, *vt = b->vt + (t[2] + lo - b->k0); /* the item's Vᵀ_j */
     lt = b->ld;
 #if !FL_HALF
@@ -2346,7 +2464,8 @@ static long long backward_block(const struct fl_args *a, const long long *t, con
     for (int r = 0; r < nr; ++r) {
         const T *pr = s + (long long)r * ls, *dr = dp + (long long)r * ls;
         TIN *po = ps + (long long)r * ls, *so = dss + (long long)r * ls; /* P, dS (rounded) */
-        VT sh = splat(lam[r]), dv_ = splat(dd[r]), l2e = splat((T)LOG2E);
+        T lam2 = lam[r] * (T)LOG2E; /* λ in base-2 units: one rounding, the row's alone */
+        VT sh = splat(lam2), dv_ = splat(dd[r]);
         int c0 = t[4] ? ca[r] : 0, c1 = t[4] ? cb[r] : w, j = c0;
         zero_outside(po, c0, c1, w); /* P = dS = 0 where the row cannot see */
         zero_outside(so, c0, c1, w);
@@ -2358,7 +2477,7 @@ static long long backward_block(const struct fl_args *a, const long long *t, con
         if (t[9]) dsr = (T *)(size_t)t[9] + ds_at(t, b, r, t[2] + lo);
 #endif
         for (; j + W <= c1; j += W) { /* dS from P before its rounding */
-            VT p = vexp2((loadv(pr + j) - sh) * l2e), ds = p * (loadv(dr + j) - dv_);
+            VT p = vexp2(loadv(pr + j) - sh), ds = p * (loadv(dr + j) - dv_);
             if (dsr) storev(dsr + j, ds);
             if (tr) { /* through the softcap: dS · (1 - t²) (the scale rides on the matmuls) */
                 VT tt = loadv(tr + j);
@@ -2368,20 +2487,13 @@ static long long backward_block(const struct fl_args *a, const long long *t, con
             store_in(so + j, ds);
         }
         for (; j < c1; ++j) {
-            T p = exp2s((pr[j] - lam[r]) * (T)LOG2E), ds = p * (dr[j] - dd[r]);
+            T p = exp2s(pr[j] - lam2), ds = p * (dr[j] - dd[r]);
             if (dsr) dsr[j] = ds;
             if (tr) ds = ds * (1 - tr[j] * tr[j]);
             po[j] = to_in(p);
             so[j] = to_in(ds);
         }
     }
-    const TIN *kh;
-#if !FL_HALF
-    if (kw)
-        kh = kw + (long long)lo * a->d; /* K_j's rows widened by the item, key t[2] first */
-    else
-#endif
-        kh = a->k + ((b->h0 / a->group) * a->lk + t[2] + lo) * a->d;
     /* dV_jᵀ (d_v x w) += dOᵀ P;  dK_jᵀ (d x w) += scale Qᵀ dS;  dQ (nr x d) += scale dS K_j */
     /* B of the first two: dO and Q, row r at r · d_v and r · d (column stride 1), or their
      * transposes (row r at r, column stride sbn) */

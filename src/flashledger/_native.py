@@ -103,7 +103,7 @@ _POINTERS = (
 )
 _SIZES = (
     "heads group lq lk d dv work_stride hq iv_bstride rows chunk splits stacked half amx alibi "
-    "kt_tile amx_dot merge"
+    "kt_tile amx_dot merge dot_scores"
 )
 _HALF = {torch.bfloat16: 1, torch.float16: 2}
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -820,8 +820,11 @@ class Kernels:
         mask's ``(lo, hi)``, int64 ``(B|1, Lq)``, row ``i`` seeing local keys ``lo[i] <= j <
         hi[i]`` (read for partial tiles given no bytes). Returns each part's ``o`` ``(S, H,
         Lq, d_v)`` and ``lse`` ``(S, H, Lq)`` (natural units, -inf where a part saw no key),
-        float32 for half inputs; with ``merge``, the parts merged (``merge_splits``):
-        ``o`` ``(H, Lq, d_v)``, ``lse`` ``(H, Lq)``; ``q16``, ``out_dtype``, ``o_finite`` and
+        float32 for half inputs; with ``merge``, the parts merged by ``merge_splits``'s
+        rule, in the pass, from each part's running max and row sum rather than its rounded
+        LSE (a part's LSE carries a rounding of a few units in the last place of ``|λ|``,
+        which would weigh its keys apart from the other parts' ones): ``o`` ``(H, Lq,
+        d_v)``, ``lse`` ``(H, Lq)``; ``q16``, ``out_dtype``, ``o_finite`` and
         ``row_max`` as ``ForwardPass.run``'s. ``ForwardPass`` holds the same call for
         repeating it. A tile of ``sched`` may carry an additive term of its scores
         (``Schedule.add``; float32/float64, not stacked, keys not in place); ``alibi``
@@ -932,6 +935,7 @@ class Kernels:
         softcap: float | None = None,
         out_dtype: torch.dtype | None = None,
         widen: bool = False,
+        dot_scores: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The backward pass of ``sched`` (rows: key tiles) in one native call: ``(dq,
         dk, dv)`` ``(H, Lq, d)``, ``(Hk, Lk, d)``, ``(Hk, Lk, d_v)``. ``dout`` ``(H, Lq,
@@ -950,7 +954,13 @@ class Kernels:
         caller's check. ``widen``: half q, k, v, dout run on the float32 step, each row
         widened to float32 as the pass reads it (each key tile's K_j, Kᵀ_j and Vᵀ_j by
         the item that runs it, a block's Q and dO rows by the block): the float32 step's
-        results on the inputs converted, with no float32 copy of any of them."""
+        results on the inputs converted, with no float32 copy of any of them.
+
+        The pass rebuilds ``P`` from the scores formed as the forward formed them, in its
+        base-2 units, with the same factors and terms, so that over a row ``P`` is the
+        forward's but for one factor (``λ``'s rounding, which ``D`` cancels);
+        ``dot_scores`` (float32/float64 passes): the forward read K in place (``forward``'s
+        ``keys_in_place``), and its dot products are summed in that pass's order."""
         self.choose(q.dtype)  # the back end this dtype's calibration chose, in force
         heads, lq, d = q.shape
         hk, lk, dv = v.shape
@@ -994,7 +1004,7 @@ class Kernels:
             alibi=alibi,
             softcap=softcap,
             work_per_thread=work,
-            sizes=dict(chunk=0, splits=splits, stacked=0),
+            sizes=dict(chunk=0, splits=splits, stacked=0, dot_scores=int(dot_scores)),
             dout=dout,
             lam=lam,
             dd=dd,
@@ -1296,7 +1306,7 @@ class ForwardPass:
         laid_out: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each part's ``(o (S, H, Lq, d_v), lse (S, H, Lq))``, as ``Kernels.forward``; with
-        ``merge``, the parts merged as ``Kernels.merge_splits`` merges them: ``(o (H, Lq,
+        ``merge``, the parts merged as ``Kernels.forward`` merges them: ``(o (H, Lq,
         d_v), lse (H, Lq))``, or with ``rows`` (a shape of ``H·Lq`` rows, e.g. the caller's
         ``(B, Hq, Lq)``) ``o`` ``(*rows, d_v)`` and ``lse`` ``rows``, the same memory.
         ``q16``: with a bfloat16 cache read in place, q's rows in bfloat16, contiguous,
@@ -1351,7 +1361,7 @@ class ForwardPass:
             kt_tile=kt_tile,
             merge=merge,
             laid_out=laid_out,
-        )  # with ``merge``, the parts merged into part 0 in the same call (merge_splits' rule)
+        )  # with ``merge``, the parts merged into part 0 in the same call (``forward``'s)
         if o_finite is not None and bad is not None and not bad.value:
             o_finite.append(True)
         if row_max is not None and mx is not None:
@@ -1452,7 +1462,7 @@ class ForwardPass:
         """The C call on checked operands and results (``q`` None: its rows from ``q16``;
         ``mx``: where each row's final running max goes, shaped as ``lse``; ``kt``: Kᵀ laid
         out before, per ``kt_tile`` keys or (0) whole; ``merge``: the parts merged into part
-        0 after the work items, as ``Kernels.merge_splits`` merges them, and with ``bad`` the
+        0 after the work items, as ``Kernels.forward`` merges them, and with ``bad`` the
         merged values checked; ``laid_out``: the bytes of a K/V layout written here are
         appended to it)."""
         args = _Args.from_buffer_copy(self._args)

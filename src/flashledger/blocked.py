@@ -907,10 +907,19 @@ def _native_forward_plan(
         chunk=chunk,
         splits=splits,
         stacked=stacked,
-        keys_in_place=stacked and g * lq <= 64,
+        keys_in_place=_keys_in_place(pb, block_q),
         **_native_common(pb, ran),
     )
     return qtiles, sched, ran, args
+
+
+def _keys_in_place(pb: Problem, block_q: int) -> bool:
+    """True when a native forward with query tiles of ``block_q`` reads K in place (one
+    query tile, a group's rows stacked, at most 64 of them: ``_native_forward_plan``): its
+    scores are dot products summed in its own order, which the backward then follows
+    (``Kernels.backward``'s ``dot_scores``)."""
+    g, lq = pb.shape[3:5]
+    return len(_tiles(lq, block_q)) == 1 and g * lq <= 64
 
 
 def _rows_per_item(units: int, rows: int, threads: int) -> int:
@@ -953,8 +962,10 @@ def _forward_native(
     When the query tiles alone cannot keep the threads busy (decode: a few query rows
     against many keys), a group's query heads run as one block of rows and each row's
     key tiles are split into parts attended apart (flash-decoding), merged by the one
-    merge's rule (``online.merge_partials``) in one native call (``merge_splits``: a
-    dozen small tensor operations cost more than a decode step's arithmetic). Half
+    merge's rule (``online.merge_partials``) in the same native call (a dozen small
+    tensor operations cost more than a decode step's arithmetic), from each part's
+    running max and row sum: a part's rounded LSE would weigh its keys apart from the
+    other parts', which the backward's P, rebuilt from one LSE per row, cannot follow. Half
     inputs on the half path stay in their dtype, and with ``o_finite`` so does O (one
     part: the pass rounds it and checks it as it writes it; see ``_forward``).
     """
@@ -1036,9 +1047,11 @@ def _backward_native(
     block_q: int,
     block_k: int,
     half: bool,
+    dot_scores: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The backward loop as one native call: ``(dq, dk, dv, dbias5)``, 5-D (``dbias5``:
-    the bias's gradient, None without a bias).
+    the bias's gradient, None without a bias). ``dot_scores``: its forward read K in place
+    (``_keys_in_place``; plain scores only), and the pass forms S as that forward did.
 
     Work items are (K/V head, part of the key tiles): each key tile's ``dK_j``, ``dV_j``
     accumulate over its query tiles and the group's query heads in the item's scratch;
@@ -1073,6 +1086,7 @@ def _backward_native(
         splits=splits,
         out_dtype=out,
         widen=widen,
+        dot_scores=dot_scores,
         **_native_common(pb, ran),
     )
     _book_native(book, ran, sched.seen, d, dv, forward=False, outer=ktiles)
@@ -1657,6 +1671,8 @@ def _backward(
     # rebuilt from bit for bit the scores that produced λ: another matmul may round S a
     # unit in the last place apart, and P then misses 1 by that much times |S|.
     kern = _native_step(pb, loop_order, trace is not None or observer is not None)
+    # the forward's query tiles: a forward that read K in place formed its scores so
+    fwd_block_q = _resolve_tiles(pb, kern, block_q, block_k, forward=True)[0]
     block_q, block_k = _resolve_tiles(pb, kern, block_q, block_k)
     kern = _with_terms_that_fit(pb, kern, block_q, block_k)
     ledger = _new_ledger(pb, "backward", block_q, block_k, loop_order)
@@ -1697,6 +1713,7 @@ def _backward(
             block_q,
             block_k,
             half=_half_step(pb, kern) and do5.dtype == pb.out_dtype,
+            dot_scores=_keys_in_place(pb, fwd_block_q),
         )
         book.flush()
         return dq5, dk5, dv5, dbias5, D, ledger
