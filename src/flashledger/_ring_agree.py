@@ -8,7 +8,8 @@ with one all-gather of small integers, from every rank, whatever happened:
 - a flag: did this rank's own validation (inputs, option values, layout) fail;
 - its shapes, dtype and layout (``_ring_core._META``);
 - a 64-bit digest of each option's canonical text (``FIELDS``): mask (a dense
-  mask and a bias by content), scale, conventions, dropout, seed, softcap,
+  mask, under ``&`` or ``|`` too, a bias and a dropout_mask by content),
+  scale, conventions, dropout, seed, softcap,
   ALiBi slopes, bias, a score_mod (by its qualified name: a callable has no
   content to compare), tiles, state recording.
 
@@ -29,7 +30,7 @@ import torch
 
 from ._ring_transport import Transport
 from .conventions import Conventions
-from .masks import And, DenseMask, Mask
+from .masks import And, DenseMask, Mask, Or
 
 __all__ = ["FIELDS", "describe_options", "digest", "gather_texts", "raise_together"]
 
@@ -38,6 +39,7 @@ FIELDS = (
     "scale",
     "conventions",
     "dropout_p",
+    "dropout_mask",
     "seed",
     "softcap",
     "alibi_slopes",
@@ -68,8 +70,9 @@ def describe_mask(mask: Mask | None) -> str:
     """A mask as text that is equal on two ranks exactly when the masks are."""
     if mask is None:
         return "None"
-    if isinstance(mask, And):
-        return f"({describe_mask(mask.a)} & {describe_mask(mask.b)})"
+    if isinstance(mask, (And, Or)):  # each side by content (a DenseMask under | too)
+        op = "&" if isinstance(mask, And) else "|"
+        return f"({describe_mask(mask.a)} {op} {describe_mask(mask.b)})"
     if isinstance(mask, DenseMask):
         return f"DenseMask({_tensor_text(mask.mask)})"
     text = repr(mask)
@@ -109,12 +112,14 @@ def describe_options(
 ) -> dict[str, str]:
     """The canonical text of every field of ``FIELDS`` (values already validated)."""
     alibi, bias = rest.get("alibi_slopes"), rest.get("bias")
+    keep = rest.get("dropout_mask")
     scale = rest.get("scale")
     return {
         "mask": describe_mask(mask),
         "scale": "default 1/sqrt(d)" if scale is None else _number(scale),
         "conventions": _conventions_text(conventions),
         "dropout_p": _number(rest.get("dropout_p", 0.0)),
+        "dropout_mask": "None" if keep is None else _value_text(keep),
         "seed": str(int(rest.get("seed", 0))),
         "softcap": _number(rest.get("softcap")),
         "alibi_slopes": "None" if alibi is None else _tensor_text(alibi),

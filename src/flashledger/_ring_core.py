@@ -538,6 +538,9 @@ class _RankRun:
             self.tp, err, [f[0] for f in flags], "gradients in the backward", device=q.device
         )
         self._start("backward")
+        # this backward's shares only: a second backward of the same graph
+        # (retain_graph=True) must not add the first one's again
+        self.captured_grads = {}
         w, r, acc = self.tp.world_size, self.tp.rank, plan.acc_dtype
         kw = self.opts.blocked_kwargs()
         qa, oa, doa = q.to(acc), o.to(acc), do.to(acc)  # (..., Lq_shard, d | d_v)
@@ -683,7 +686,10 @@ def ring_attention(
     wanted = err is None and callable(score_mod) and torch.is_grad_enabled()
     if wanted and score_mod is not None and isinstance(q, torch.Tensor):
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        captured = find_captured(score_mod, dtype=acc, device=q.device)
+        try:  # a score_mod that fails its probe fails at the agreement, on every rank at once
+            captured = find_captured(score_mod, dtype=acc, device=q.device)
+        except (TypeError, ValueError) as e:
+            run.error = run.error or e
     o, lse = _RingFunction.apply(q, k, v, run, *captured)
     return (o, lse) if return_lse else o
 

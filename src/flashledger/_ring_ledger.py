@@ -207,8 +207,9 @@ def ring_comm_totals(
     """Closed-form communication of one ring call (see the module docstring).
 
     ``itemsize``: bytes per K/V element (8 for float64); ``grad_itemsize``:
-    bytes per dK/dV accumulator element (default ``itemsize``); ``d_v``
-    defaults to ``d``. ``backward=False`` counts the forward only.
+    bytes per dK/dV accumulator element (default: the accumulation dtype's, as
+    the ring sends them: 8 for float64 inputs, 4 for float32, float16 and
+    bfloat16); ``d_v`` defaults to ``d``. ``backward=False`` counts the forward only.
     """
     for name, val in (
         ("world_size", world_size),
@@ -220,8 +221,13 @@ def ring_comm_totals(
     ):
         if isinstance(val, bool) or not isinstance(val, int) or val < 1:
             raise ValueError(f"ring_comm_totals: {name} must be an integer >= 1, got {val!r}")
+    for name, opt in (("d_v", d_v), ("grad_itemsize", grad_itemsize)):
+        if opt is not None and (isinstance(opt, bool) or not isinstance(opt, int) or opt < 1):
+            raise ValueError(
+                f"ring_comm_totals: {name} must be None or an integer >= 1, got {opt!r}"
+            )
     dv = d if d_v is None else d_v
-    gsize = itemsize if grad_itemsize is None else grad_itemsize
+    gsize = (8 if itemsize == 8 else 4) if grad_itemsize is None else grad_itemsize
     w = world_size
     kv = lk * batch * heads_kv * (d + dv)  # elements of one whole K/V sequence
     fwd = CommTotals(forward_kv_hops=w * (w - 1), forward_kv_bytes=(w - 1) * kv * itemsize)

@@ -148,12 +148,24 @@ class DistTransport(Transport):
         _wait(work, self.timeout, f"every rank's part of an all-gather (rank {self.rank} waiting)")
         return [t[:n].cpu().numpy().tobytes() for t, n in zip(every, lengths)]
 
-    def all_gather_ints(self, values: Sequence[int], *, device: torch.device) -> list[list[int]]:
-        mine = torch.tensor(list(values), dtype=torch.int64, device=device)  # (n,)
+    def _gather(self, mine: torch.Tensor) -> list[list[int]]:
         every = [torch.empty_like(mine) for _ in range(self.world_size)]
         work = self.dist.all_gather(every, mine, group=self.group, async_op=True)
         _wait(work, self.timeout, f"every rank's part of an all-gather (rank {self.rank} waiting)")
         return [t.tolist() for t in every]
+
+    def all_gather_ints(self, values: Sequence[int], *, device: torch.device) -> list[list[int]]:
+        # first how many: an all-gather of unequal sizes aborts the process inside gloo
+        # (a rank that skipped a backward is at the next call's agreement meanwhile)
+        sizes = [row[0] for row in self._gather(torch.tensor([len(values)], device=device))]
+        if len(set(sizes)) > 1:
+            raise RuntimeError(
+                f"ring attention: the ranks are at different ring collectives (values gathered "
+                f"per rank: {sizes}; rank {self.rank} is this one): every rank must make the same "
+                "ring_attention calls and run their backwards in the same order; a rank that "
+                "skipped a backward, or a call, is out of step"
+            )
+        return self._gather(torch.tensor(list(values), dtype=torch.int64, device=device))
 
 
 # ----------------------------------------------------------------------------------------
