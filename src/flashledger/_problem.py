@@ -454,6 +454,24 @@ def _add_leading(x: torch.Tensor, ndim: int) -> torch.Tensor:
     return x
 
 
+def _check_packed_layout(name: str, cu: Any, x: Any) -> None:
+    """flash-attn packs varlen tensors as ``(total, H, d)``; flashledger packs along the length
+    axis, ``(H, total, d)``: name the layout when the packed length sits in the head axis."""
+    if cu is None or not isinstance(x, torch.Tensor) or x.ndim != 3:
+        return
+    try:
+        last = int(torch.as_tensor(cu).reshape(-1)[-1])
+    except (TypeError, ValueError, RuntimeError, IndexError):
+        return  # _check_cu names what is wrong with cu itself
+    if last != x.shape[1] and last == x.shape[0]:
+        raise ValueError(
+            f"with cu_seqlens, {name} is packed along the length axis as (H, total, d) "
+            f"(or (total, d)); got {name} of shape {tuple(x.shape)}, whose first axis is the "
+            f"packed length {last}: flash-attn's (total, H, d) layout; pass "
+            f"{name}.transpose(0, 1)"
+        )
+
+
 def _check_cu(name: str, cu: Any, total: int) -> torch.Tensor:
     if not isinstance(cu, torch.Tensor):
         cu = torch.as_tensor(cu)
@@ -813,6 +831,8 @@ def _frame_of(
 ) -> _Frame:
     """Validate every input and option (not the values of q, k, v) and build the call's
     frame: conventions, geometry, bound mask, score transform."""
+    for name, cu, x in (("q", cu_seqlens_q, q), ("k", cu_seqlens_k, k)):
+        _check_packed_layout(name, cu, x)
     check_qkv(q, k, v, finite=False)
     conv = get_conventions(conventions)
     q4 = _add_leading(q, 4)

@@ -1393,9 +1393,29 @@ def _forward(
     kind_of = _kind_of(classes)
     dt, dev = pb.dtype, pb.geo.device
     if kern is not None:
+        copied = pb.kv_bytes_copied
         out = _forward_native(pb, kern, ledger, kind_of, book, block_q, block_k, o_finite, row_max)
         ledger.kv_bytes_copied = pb.kv_bytes_copied
-        return out
+        if o_finite or all_finite(out[0]) or all_finite(pb.v):
+            return out
+        # a value no row reads is not finite (a key past seqused_k, a key between two packed
+        # sequences that no row sees, a key column a mask hides from every row): the native
+        # step multiplies a row block's whole column span [lo, hi) by V, and P = 0 times NaN
+        # is NaN; the PyTorch step leaves those values out (``_seen_values``), so it runs
+        pb.kv_bytes_copied = copied
+        if row_max is not None:
+            row_max.clear()
+        with _native.disabled():
+            return _forward(
+                pb,
+                block_q=block_q,
+                block_k=block_k,
+                loop_order=loop_order,
+                trace=trace,
+                observer=observer,
+                o_finite=o_finite,
+                row_max=row_max,
+            )
     ws = _workspace(pb, block_q, block_k)
     n = b * hkv
     steps = 0
