@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -18,6 +18,7 @@ __all__ = [
     "FLOAT_DTYPES",
     "all_finite",
     "autocast_off",
+    "broadcasts_to",
     "check_finite",
     "check_float_tensor",
     "check_qkv",
@@ -201,6 +202,14 @@ def _of_bytes(x: torch.Tensor, dim: Any, on_bytes: Any, on_bools: Any) -> torch.
         return on_bools(x) if dim is None else on_bools(x, dim)  # type: ignore[no-any-return]
     u8 = x.view(torch.uint8)
     return (on_bytes(u8) if dim is None else on_bytes(u8, dim)).view(torch.bool)  # type: ignore[no-any-return]
+
+
+def broadcasts_to(shape: Sequence[int], target: Sequence[int]) -> bool:
+    """True when a tensor of ``shape`` broadcasts to exactly ``target`` (no axis grows it)."""
+    try:
+        return torch.broadcast_shapes(torch.Size(shape), torch.Size(target)) == torch.Size(target)
+    except RuntimeError:
+        return False
 
 
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])

@@ -54,7 +54,7 @@ from typing import Any, Literal, Unpack
 import torch
 import torch.autograd.forward_ad as _forward_ad
 
-from ._checks import all_finite, check_finite, check_float_tensor, check_size
+from ._checks import all_finite, broadcasts_to, check_finite, check_float_tensor, check_size
 from ._eager import opaque_to_compile
 from ._options import AttentionOptions, check_options
 from ._problem import Placement, _as_real, check_option_values
@@ -142,11 +142,7 @@ def _check_rotary(x: Any, cos: Any, sin: Any, positions: Any) -> None:
         raise TypeError(
             f"positions must be integers (table rows 0 .. {cos.shape[0] - 1}), got {pos.dtype}"
         )
-    try:
-        fits = torch.broadcast_shapes(pos.shape, x.shape[:-1]) == x.shape[:-1]
-    except RuntimeError:
-        fits = False
-    if not fits:
+    if not broadcasts_to(pos.shape, x.shape[:-1]):
         raise ValueError(
             f"positions must broadcast to x's (..., L) = {tuple(x.shape[:-1])}, got shape "
             f"{tuple(pos.shape)}"

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from ._checks import FLOAT_DTYPES
 from .ledger import HTML_ROWS, _fmt
 
 __all__ = [
@@ -330,8 +331,11 @@ class OnlineSoftmax:
                 "OnlineSoftmax: rows must be a sequence of integers >= 0, the leading shape "
                 f"of the state (() for one row, (3,) for three), got {rows!r}"
             )
-        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise ValueError(f"OnlineSoftmax: dtype must be a floating dtype, got {dtype!r}")
+        if dtype not in FLOAT_DTYPES:
+            raise ValueError(
+                "OnlineSoftmax: dtype must be a floating dtype (float16, bfloat16, float32, "
+                f"float64), got {dtype!r}"
+            )
         self.d_v = d_v
         self.rows = tuple(rows)
         self.dtype = dtype

@@ -34,9 +34,9 @@ from typing import Unpack
 
 import torch
 
-from ._checks import autocast_off, check_finite
+from ._checks import FLOAT_DTYPES, autocast_off, check_finite
 from ._options import AttentionOptions, check_options
-from ._problem import FLOAT_DTYPES, Placement, Problem, build_problem
+from ._problem import Placement, Problem, build_problem
 from .conventions import Conventions
 from .scores import TileGrad
 
@@ -202,6 +202,16 @@ def reference_backward(
     )
 
 
+def _floating(name: str, x: object) -> None:
+    """A tensor handed to a backward (o, do, lse, dlse) in a dtype flashledger computes in."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(
+            f"{name} must be a floating-point tensor (float16, bfloat16, float32, float64), "
+            f"got {got}"
+        )
+
+
 def _backward_inputs(
     pb: Problem,
     o: torch.Tensor,
@@ -219,24 +229,14 @@ def _backward_inputs(
     b, hq, hkv, g, lq, lk, d, dv = pb.shape
     want_o = (*_lead(pb), lq, dv)
     for name, x in (("o", o), ("do", do)):
-        if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
-            got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
-            raise TypeError(
-                f"{name} must be a floating-point tensor (float16, bfloat16, float32, "
-                f"float64), got {got}"
-            )
+        _floating(name, x)
         if tuple(x.shape) != want_o:
             raise ValueError(f"{name} must have shape {want_o}, got {tuple(x.shape)}")
     want_l = (*_lead(pb), lq)
     for name, r in (("lse", lse), ("dlse", dlse)):
         if r is None:
             continue
-        if not isinstance(r, torch.Tensor) or r.dtype not in FLOAT_DTYPES:
-            got = r.dtype if isinstance(r, torch.Tensor) else type(r).__name__
-            raise TypeError(
-                f"{name} must be a floating-point tensor (float16, bfloat16, float32, "
-                f"float64), got {got}"
-            )
+        _floating(name, r)
         if tuple(r.shape) != want_l:
             raise ValueError(f"{name} must have shape {want_l}, got {tuple(r.shape)}")
     if not saved and bool(torch.isnan(lse).any()):

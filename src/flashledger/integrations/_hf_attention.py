@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from .._checks import broadcasts_to
 from .._eager import opaque_to_compile
 from ..autograd import _FlashAttention
 from ..blocked import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q
@@ -67,11 +68,7 @@ def _sink_logits(
         return s_aux.reshape(1, -1, 1)  # (1, Hq, 1)
     assert sinks is not None
     s = sinks[..., 0] if sinks.ndim == 4 and sinks.shape[-1] == 1 else sinks
-    try:
-        fits = torch.broadcast_shapes(s.shape, shape) == torch.Size(shape)
-    except RuntimeError:
-        fits = False
-    if not fits:
+    if not broadcasts_to(s.shape, shape):
         raise ValueError(
             "sinks must be (B, Hq, Lq, 1) or (B, Hq, Lq), one logit per query row and head, "
             f"got shape {tuple(sinks.shape)} for (B, Hq, Lq) = {shape}"
