@@ -1942,3 +1942,28 @@ def test_a_forward_takes_its_own_measured_tiles(native, gen, monkeypatch):
     assert (f.ledger.block_q, f.ledger.block_k) == (20, 30)
     assert native.tiles(dt, forward=True) == (64, 16) and native.tiles(dt) == (32, 48)
     assert "tiles 32x48, forward 64x16" in _native.native_status()
+
+
+def test_finiteness_checks_run_natively_once_the_step_is_loaded(native):
+    """A contiguous float32/float64 check reads the tensor in one native pass in this
+    thread (no PyTorch reduction: each is a parallel region, which waits a time slice when
+    another process keeps the cores busy) and answers as isfinite().all() does; anything
+    else, or the native step off, takes the reduction."""
+    from flashledger._checks import all_finite
+
+    assert _native.kernels() is not None and _native.loaded() is not None
+    for dt in (torch.float32, torch.float64):
+        x = torch.randn(3, 5, 64, dtype=dt)
+        specials = (0.0, -0.0, math.nan, math.inf, -math.inf, torch.finfo(dt).max, 1e-310)
+        with mock.patch.object(torch.Tensor, "sum", side_effect=AssertionError("a reduction")):
+            for value in specials:
+                y = x.clone()
+                y[2, 4, 63] = value
+                assert all_finite(y) == bool(torch.isfinite(y).all()), (dt, value)
+                assert all_finite(y[1:]) == bool(torch.isfinite(y[1:]).all()), (dt, value)
+    y = torch.randn(4, 8).mT  # not contiguous: the reduction reads it
+    y[3, 2] = math.nan
+    assert not all_finite(y)
+    with _native.disabled():
+        assert _native.loaded() is None
+        assert all_finite(torch.ones(8)) and not all_finite(torch.tensor([1.0, math.inf]))

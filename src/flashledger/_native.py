@@ -1631,6 +1631,16 @@ def kernels() -> Kernels | None:
     return _load()[0]
 
 
+def loaded() -> Kernels | None:
+    """The native step if it is already built and loaded and on in this thread, else None
+    (never builds it: a caller that can do without it, such as a finiteness check, does not
+    start the build and the calibration)."""
+    done = _loaded
+    if done is None:
+        return None
+    return kernels()  # loaded: no build (and None where the step is off)
+
+
 def native_status() -> str:
     """One line: whether the native tile step is on (with the library's path), or why not.
 
