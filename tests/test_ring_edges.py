@@ -27,6 +27,16 @@ F64 = torch.float64
 L = 8
 
 
+def _run_ranks(rank: Any, w: int, *, timeout: float) -> list[threading.Thread]:
+    """``rank(r)`` on a thread per rank of a ``w``-rank ring, joined within ``timeout`` s."""
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(w)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    return threads
+
+
 def _ring(w: int, per_rank: Any) -> list[BaseException | None]:
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 1, L, 4, generator=g, dtype=F64) for _ in range(3))
@@ -48,11 +58,7 @@ def _ring(w: int, per_rank: Any) -> list[BaseException | None]:
         except BaseException as e:
             errors[r] = e
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(w)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=40)
+    threads = _run_ranks(rank, w, timeout=40)
     assert not any(t.is_alive() for t in threads), "a rank is still waiting"
     return errors
 
@@ -124,11 +130,7 @@ def test_a_score_mod_failing_its_probe_on_one_rank_stops_every_rank(
         except BaseException as e:
             errors[r] = e
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(w)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
+    _run_ranks(rank, w, timeout=30)
     assert isinstance(errors[1], ValueError), errors[1]
     assert "score_mod 'bad' raised IndexError" in str(errors[1]), errors[1]
     for r in (0, 2):
@@ -176,11 +178,7 @@ def test_retain_graph_second_backward_does_not_double_count_captured_grads() -> 
             errors.append(e)
             hub.abort()
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(w)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    _run_ranks(rank, w, timeout=60)
     assert not errors, errors
     got = sum(shares.values())
     # float64, 2 ranks: the same sums in another order, rounding far below one backward's share

@@ -2192,8 +2192,11 @@ int SUF(fl_all_finite)(const T *x, long long n);
  * λ_s's rounding, a few units in the last place of |λ|: at |λ| ~ 1e3 in float32 a
  * relative 1e-4 that differs from part to part, as no pass over the tiles in one part
  * would, and that the backward's rebuilt P (from the merged λ, one constant per row)
- * cannot follow. A row that no part saw keeps O = 0 and λ = -inf. */
-static void merge_states(T *o, T *lse, const T *ml, long long n, long long dv, long long splits) {
+ * cannot follow. A row that no part saw keeps O = 0 and λ = -inf. With base2 = 0, m is
+ * in natural units (w = ℓ · exp(m - M), λ = M + log Σ w): fl_merge_splits's parts, each
+ * its λ with ℓ = 1, by the same body. */
+static void merge_states(T *o, T *lse, const T *ml, long long n, long long dv, long long splits,
+                         int base2) {
 #pragma omp parallel for schedule(static) if (n * splits * dv > (1LL << 16))
     for (long long i = 0; i < n; ++i) {
         T mx = -INFINITY, w[FL_MAX_SPLITS], ell = 0;
@@ -2209,7 +2212,8 @@ static void merge_states(T *o, T *lse, const T *ml, long long n, long long dv, l
         }
         for (long long s = 0; s < splits; ++s) {
             const T *x = ml + 2 * (s * n + i);
-            w[s] = x[1] > 0 ? x[1] * (T)exp2((double)(x[0] - mx)) : 0;
+            double d = (double)(x[0] - mx);
+            w[s] = x[1] > 0 ? x[1] * (T)(base2 ? exp2(d) : exp(d)) : 0;
             ell += w[s];
         }
         for (long long c = 0; c < dv; ++c) {
@@ -2217,7 +2221,7 @@ static void merge_states(T *o, T *lse, const T *ml, long long n, long long dv, l
             for (long long s = 0; s < splits; ++s) acc += w[s] * o[(s * n + i) * dv + c];
             oi[c] = acc / ell;
         }
-        lse[i] = mx * (T)LN2 + LOG(ell);
+        lse[i] = (base2 ? mx * (T)LN2 : mx) + LOG(ell);
     }
 }
 
@@ -2279,7 +2283,7 @@ void SUF(fl_forward)(const struct fl_args *a) {
     free(buf);
     if (ml) { /* one call where a merge and a check were three more */
         long long n = a->heads * a->lq;
-        merge_states(a->o, a->lse, ml, n, a->dv, a->splits);
+        merge_states(a->o, a->lse, ml, n, a->dv, a->splits, 1);
         free(ml);
         if (a->bad && !(SUF(fl_all_finite)(a->o, n * a->dv) && SUF(fl_all_finite)(a->lse, n)))
             *a->bad = 1;
@@ -2297,31 +2301,14 @@ void SUF(fl_forward)(const struct fl_args *a) {
  * w = exp(λ_s - m) (0 for a part that saw no key), O = Σ w O_s / Σ w, λ = m + log Σ w;
  * a row that no part saw keeps O = 0 and λ = -inf. */
 void SUF(fl_merge_splits)(T *o, T *lse, long long n, long long dv, long long splits) {
-#pragma omp parallel for schedule(static) if (n * splits * dv > (1LL << 16))
-    for (long long i = 0; i < n; ++i) {
-        T m = -INFINITY, w[FL_MAX_SPLITS], ell = 0;
-        for (long long s = 0; s < splits; ++s) {
-            T l = lse[s * n + i];
-            m = l > m ? l : m;
-        }
-        T *oi = o + i * dv;
-        if (m == -INFINITY) {
-            for (long long c = 0; c < dv; ++c) oi[c] = 0;
-            lse[i] = -INFINITY;
-            continue;
-        }
-        for (long long s = 0; s < splits; ++s) {
-            T l = lse[s * n + i];
-            w[s] = l == -INFINITY ? 0 : (T)exp((double)(l - m));
-            ell += w[s];
-        }
-        for (long long c = 0; c < dv; ++c) {
-            T acc = 0;
-            for (long long s = 0; s < splits; ++s) acc += w[s] * o[(s * n + i) * dv + c];
-            oi[c] = acc / ell;
-        }
-        lse[i] = m + LOG(ell);
+    T *ml = malloc((size_t)(2 * splits * n) * sizeof(T)); /* each part's (λ, 1), or (-inf, 0) */
+    if (!ml) return;
+    for (long long i = 0; i < splits * n; ++i) {
+        ml[2 * i] = lse[i];
+        ml[2 * i + 1] = lse[i] == -INFINITY ? 0 : 1;
     }
+    merge_states(o, lse, ml, n, dv, splits, 0); /* λ in natural units: w = exp(λ_s - m) */
+    free(ml);
 }
 
 /* 1 when none of the n values is NaN or infinite, else 0 (x · 0 is 0 exactly for the
