@@ -104,3 +104,26 @@ def test_bool_reductions_match_torch(shape: tuple[int, ...]) -> None:
             strided = x.transpose(0, 2)[::2]  # not contiguous
             assert torch.equal(any_of(strided, (0, 2)), strided.any(2).any(0))
             assert torch.equal(all_of(strided, (0, 2)), strided.all(2).all(0))
+
+
+def test_a_mask_mod_that_drops_dims_is_read_per_position() -> None:
+    """A mask_mod written for scalar indices (Flex's convention) that squeezes them,
+    ``q_idx.squeeze() >= kv_idx.squeeze()``, returned a 1-D broadcast result; on a square
+    tile its shape fit the tile's by coincidence and was read as the same row for every
+    query (all 64 positions visible where causal sees 36, O off by 0.64). A broadcast
+    result with fewer dims than the indices now goes to ``torch.vmap``, as in Flex."""
+
+    def squeezed(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        return q.squeeze() >= kv.squeeze()
+
+    n = 8
+    q, k, v = (torch.randn(1, 1, n, 4, dtype=torch.float64) for _ in range(3))
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    assert torch.equal(fl.MaskMod(squeezed).dense(n, n), causal)
+    for tiles in ((8, 8), (4, 4), (16, 16)):
+        res = fl.blocked_forward(
+            q, k, v, mask=fl.MaskMod(squeezed), block_q=tiles[0], block_k=tiles[1]
+        )
+        assert res.ledger.counters.qk_dots_visible == 36
+        ref = fl.reference_forward(q, k, v, mask=causal)
+        assert torch.allclose(res.o, ref.o, rtol=0, atol=1e-12)

@@ -355,3 +355,25 @@ def test_bool_mask_broadcasts_in_every_dim(shape, length, gen, assert_close):
     want_g = torch.autograd.grad(want.square().sum(), (q, k, v))
     for name, a, b in zip("qkv", got_g, want_g):
         assert_close(a, b, rtol=1e-12, name=f"d{name}, mask {sized}")
+
+
+def test_dense_and_tile_classes_check_their_sizes_and_take_preset_names():
+    """``Mask.dense`` and ``Mask.tile_classes`` took a preset's name as every entry point
+    does only as an AttributeError ('str' object has no attribute 'causal_align'), a tile
+    side of 0 as a ZeroDivisionError, and negative sizes as an empty answer."""
+    w = fl.SlidingWindow(2, None)
+    assert torch.equal(
+        w.dense(3, 8, conventions="flash_attn_2"), w.dense(3, 8, conventions=fl.FLASH_ATTN_2)
+    )
+    assert torch.equal(
+        w.tile_classes(3, 8, 2, 2, conventions="flash_attn_2"),
+        w.tile_classes(3, 8, 2, 2, conventions=fl.FLASH_ATTN_2),
+    )
+    with pytest.raises(ValueError, match="block_q"):
+        fl.Causal().tile_classes(6, 6, 0, 2)
+    with pytest.raises(ValueError, match="block_k"):
+        fl.MaskMod(lambda b, h, q, k: q >= k).tile_classes(6, 6, 2, -1)
+    with pytest.raises(ValueError, match="lq"):
+        fl.Causal().dense(-3, 4)
+    with pytest.raises(ValueError, match="batch"):
+        fl.Causal().dense(3, 3, batch=0)

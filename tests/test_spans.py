@@ -650,3 +650,38 @@ def test_mask_mods_and_score_mods_get_int32_indices():
         fl.blocked_forward(q, q, q, mask=fl.MaskMod(mask), score_mod=bias, block_q=16, block_k=32)
     fl.MaskMod(mask).tile_classes(97, 97, 64, 64)  # sub-blocks of 16
     assert seen == {torch.int32}, seen
+
+
+def test_an_int32_document_table_is_bounded_and_narrow_arithmetic_is_not():
+    """A document table of int32 ids (a common dtype for token ids) never had its tiles
+    bounded: the wrap check compared the int32 bounds with 2**31, which wraps to -2**31 in
+    int32, so every int32 (or int16, uint8) captured tensor left the spans and every
+    position was evaluated. int32 values are now bounded as int64 (int32 arithmetic is
+    int64's within int32's range, which every computed bound is held to); a narrower
+    table, whose own arithmetic wraps, still leaves the spans."""
+    doc = _doc_ids([40, 30, 43, 1, 19]).to(torch.int32)
+
+    def doc_mask(b, h, q, k):
+        return (doc[q] == doc[k]) & (q >= k)
+
+    bounds = _check_sound(doc_mask, 1, 1, 133, 133, 32, 32, 0, 0)
+    assert bounds is not None and bool((~bounds[0]).any())
+    exact = tile_classes_from_dense(flex_visible(document, 1, 1, 133, 133), 32, 32)
+    assert torch.equal(fl.MaskMod(doc_mask).tile_classes(133, 133, 32, 32), exact)
+    big = torch.tensor([2**30, -(2**30), 2**30 - 1] * 11, dtype=torch.int32)
+
+    def wraps(b, h, q, k):  # int32 sums past 2**31 wrap in the evaluation
+        return big[q] + big[k] > 0
+
+    with pytest.warns(UserWarning, match="int32's range"):
+        assert _check_sound(wraps, 1, 1, 33, 33, 4, 4, 0, 0) is None
+    for dt in (torch.int16, torch.uint8):
+        small = torch.tensor([0, 1, 0, 1] * 10, dtype=dt)
+
+        def narrow(b, h, q, k, small=small):  # uint8 0 - 1 is 255: not monotone
+            return (small[q] - small[k]) == 0
+
+        assert (
+            span_classes(narrow, batch=1, heads=1, rows=_tiles(40, 8, 0), keys=_tiles(40, 8, 0))
+            is None
+        )

@@ -369,6 +369,21 @@ def test_an_option_tensor_changed_before_the_backward_is_refused() -> None:
     assert torch.equal(grads[0], grads[1])
 
 
+def test_a_mask_tensor_deep_in_a_composition_changed_before_the_backward_is_refused() -> None:
+    """A DenseMask three compositions deep (``((D & Causal) | W) | W``) was past the depth
+    the backward's check looked at: changed in place between the forward and the backward,
+    it gave the gradients of the new mask silently (dQ off by 5.6); a mask tree is now
+    walked to its leaves at any depth."""
+    q, k, v = _qkv(22, (1,), 1, 8, 8)
+    x = q.clone().requires_grad_(True)
+    t = torch.rand(8, 8, generator=torch.Generator().manual_seed(1)) < 0.5
+    mask = ((fl.DenseMask(t) & fl.Causal()) | fl.SlidingWindow(0, 0)) | fl.SlidingWindow(0, 0)
+    o = fl.flash_attention(x, k, v, mask=mask, block_q=4, block_k=4)
+    t.fill_(True)
+    with pytest.raises(RuntimeError, match="changed in place between the forward"):
+        o.sum().backward()
+
+
 # dynamo, tracing the create_graph backward's first lines, breaks the graph at a functorch
 # check it does not know (and says so in a warning); the op itself runs as eager
 @pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace:UserWarning")

@@ -130,6 +130,18 @@ def _fit(out: Any, want: tuple[int, int, int, int], kind: Kind) -> torch.Tensor 
     return y
 
 
+_DROPPED = "returned fewer dims than its indices have (a reshape, squeeze or reduction)"
+
+
+def _kept_dims(out: Any, ndim: int) -> bool:
+    """Whether a callable's broadcast result keeps the ``ndim`` dims of the indices it was
+    given (or is a 0-d constant): an element-wise mod's always does. One with fewer dims
+    reshaped, squeezed or reduced the index tensors, which under FlexAttention's
+    convention are scalars; its values may then fit the tile's shape by coincidence (a
+    square tile) while meaning something else, so it is evaluated under ``torch.vmap``."""
+    return not isinstance(out, torch.Tensor) or out.ndim in (0, ndim)
+
+
 class TileCaller:
     """Calls a user ``mask_mod`` or ``score_mod`` on a whole tile (see the module docstring).
 
@@ -181,7 +193,8 @@ class TileCaller:
         head = () if score is None else (score,)
         if self._vmap is None:
             try:
-                got = _fit(self._broadcast(*head, b, h, q_idx, kv_idx), want, self.kind)
+                out = self._broadcast(*head, b, h, q_idx, kv_idx)
+                got = _fit(out, want, self.kind) if _kept_dims(out, 4) else _DROPPED
             except Exception as exc:  # scalar-only code, or a plain error: vmap will tell
                 got = f"raised {type(exc).__name__}: {' '.join(str(exc).split())}"
             if isinstance(got, torch.Tensor):
@@ -233,7 +246,7 @@ class TileCaller:
         if (
             not isinstance(out, torch.Tensor)
             or out.dtype != torch.bool
-            or out.ndim > 5
+            or not _kept_dims(out, 5)
             or any(x not in (1, w) for x, w in zip(out.shape[::-1], want[::-1], strict=False))
         ):
             return None

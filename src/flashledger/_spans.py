@@ -107,8 +107,10 @@ def _ints_below(limit: int, *xs: Any) -> None:
     for x in xs:
         if isinstance(x, torch.Tensor):
             big = not x.is_floating_point() and x.dtype != torch.bool
-            if big and bool(((x >= limit) | (x <= -limit)).any()):  # (abs wraps at the min)
-                raise _Unknown("integer bounds that may wrap around")
+            if big:  # compared in int64: a narrower tensor would wrap ``limit`` itself
+                y = x.to(torch.int64)
+                if bool(((y >= limit) | (y <= -limit)).any()):  # (abs wraps at the min)
+                    raise _Unknown("integer bounds that may wrap around")
         elif isinstance(x, int) and abs(x) >= limit:
             raise _Unknown("integer bounds that may wrap around")
 
@@ -429,6 +431,10 @@ def _getitem(t: Any, index: Any) -> Span | Tri:
         fixed.append(slice(None))
     sub = t[tuple(fixed)]
     boolean = t.dtype == torch.bool
+    if not boolean and not t.is_floating_point() and t.dtype != torch.int64:
+        if t.dtype != torch.int32:  # its own arithmetic wraps within int32's range
+            raise _Unknown(f"a {t.dtype} tensor, whose arithmetic may wrap around")
+        sub = sub.long()  # int32 arithmetic is int64's while the bounds stay in int32's range
     vals = sub.to(torch.uint8) if boolean else sub
     if varying is None:
         spans = [i.lo.shape for i in idx if isinstance(i, Span)]

@@ -67,6 +67,7 @@ from .blocked import (
 )
 from .conventions import SEED, get_conventions
 from .ledger import Ledger
+from .masks import Mask
 
 __all__ = ["flash_attention"]
 
@@ -437,7 +438,13 @@ def _held_tensors(x: Any, depth: int = 4) -> Iterator[torch.Tensor]:
     if isinstance(x, torch.Tensor):
         yield x
         return
-    if depth == 0 or x is None or isinstance(x, (bool, int, float, str)):
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return
+    if isinstance(x, Mask):  # a mask tree (a & b | c ...): its leaves at any depth
+        for y in vars(x).values():
+            yield from _held_tensors(y, depth if isinstance(y, Mask) else depth - 1)
+        return
+    if depth == 0:
         return
     inner: list[Any] = []
     if isinstance(x, (tuple, list)):

@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from ._checks import all_of, any_of
+from ._checks import all_of, any_of, check_size
 from ._limits import MAX_SIZE
 
 if TYPE_CHECKING:
@@ -1110,6 +1110,8 @@ class Mask(ABC):
         conventions: Conventions | None = None,
     ) -> torch.Tensor:
         """``(Tq, Tk)`` int8 tile classes (0 empty, 1 partial, 2 full) over all batches and heads."""
+        check_size("block_q", block_q)
+        check_size("block_k", block_k)
         geo = self.geometry(
             lq, lk, batch=batch, heads=heads, causal_align=causal_align, conventions=conventions
         )
@@ -1118,6 +1120,15 @@ class Mask(ABC):
     def geometry(self, lq: int, lk: int, **kw: object) -> Geometry:
         """``Geometry.build(lq=lq, lk=lk, **kw)`` with the used lengths of this mask's
         ``Padding`` (if it holds one)."""
+        check_size("lq", lq, low=0)
+        check_size("lk", lk, low=0)
+        for name in ("batch", "heads"):
+            if name in kw:
+                check_size(name, kw[name])
+        if kw.get("conventions") is not None:  # a preset's name, as every entry point takes
+            from .conventions import get_conventions
+
+            kw["conventions"] = get_conventions(kw["conventions"])  # type: ignore[arg-type]
         pad = padding_of(self)
         if pad is not None:
             kw.update(pad.geometry_options())
