@@ -573,11 +573,9 @@ def test_sub_blocks_with_varlen_and_composites(monkeypatch):
         assert torch.equal(o_on, o_off), name
 
 
-def test_a_document_table_made_in_inference_mode_is_still_bounded():
-    """A captured tensor without a version counter (made under ``inference_mode``): its
-    range tables are built each time, and the classes are still decided by the bounds."""
-    with torch.inference_mode():
-        doc = _doc_ids([40, 30, 43, 1, 19])
+def _assert_documents_bounded(doc: torch.Tensor) -> None:
+    """A causal document mask reading ``doc`` (the ids of ``_doc_ids([40, 30, 43, 1, 19])``)
+    has tiles the bounds decide, soundly, and the exact classes of its dense mask."""
 
     def doc_mask(b, h, q, k):
         return (doc[q] == doc[k]) & (q >= k)
@@ -586,6 +584,15 @@ def test_a_document_table_made_in_inference_mode_is_still_bounded():
     assert bounds is not None and bool((~bounds[0]).any())
     exact = tile_classes_from_dense(flex_visible(document, 1, 1, 133, 133), 32, 32)
     assert torch.equal(fl.MaskMod(doc_mask).tile_classes(133, 133, 32, 32), exact)
+
+
+def test_a_document_table_made_in_inference_mode_is_still_bounded():
+    """A captured tensor without a version counter (made under ``inference_mode``): its
+    range tables are built each time, and the classes are still decided by the bounds."""
+    with torch.inference_mode():
+        doc = _doc_ids([40, 30, 43, 1, 19])
+
+    _assert_documents_bounded(doc)
 
 
 def test_a_document_table_changed_in_place_is_bounded_anew():
@@ -661,13 +668,7 @@ def test_an_int32_document_table_is_bounded_and_narrow_arithmetic_is_not():
     table, whose own arithmetic wraps, still leaves the spans."""
     doc = _doc_ids([40, 30, 43, 1, 19]).to(torch.int32)
 
-    def doc_mask(b, h, q, k):
-        return (doc[q] == doc[k]) & (q >= k)
-
-    bounds = _check_sound(doc_mask, 1, 1, 133, 133, 32, 32, 0, 0)
-    assert bounds is not None and bool((~bounds[0]).any())
-    exact = tile_classes_from_dense(flex_visible(document, 1, 1, 133, 133), 32, 32)
-    assert torch.equal(fl.MaskMod(doc_mask).tile_classes(133, 133, 32, 32), exact)
+    _assert_documents_bounded(doc)
     big = torch.tensor([2**30, -(2**30), 2**30 - 1] * 11, dtype=torch.int32)
 
     def wraps(b, h, q, k):  # int32 sums past 2**31 wrap in the evaluation
