@@ -25,6 +25,7 @@ __all__ = [
     "check_qkv_finite",
     "check_size",
     "plain",
+    "power_of_two",
 ]
 
 
@@ -223,6 +224,12 @@ def _of_bytes(x: torch.Tensor, dim: Any, on_bytes: Any, on_bools: Any) -> torch.
         return on_bools(x) if dim is None else on_bools(x, dim)  # type: ignore[no-any-return]
     u8 = x.view(torch.uint8)
     return (on_bytes(u8) if dim is None else on_bytes(u8, dim)).view(torch.bool)  # type: ignore[no-any-return]
+
+
+def power_of_two(x: float) -> bool:
+    """Whether ``x`` is a (positive) power of two: a product by it is exact, so a scale that
+    rides on a matmul's alpha leaves every score as the reference rounds it."""
+    return math.frexp(x)[0] == 0.5
 
 
 def broadcasts_to(shape: Sequence[int], target: Sequence[int]) -> bool:

@@ -598,6 +598,14 @@ def attention_with_kvcache(
         _check_rows("rotary_cos", rotary_cos, int(pos_q.max()))
         _check_rows("rotary_cos", rotary_cos, int(seqlens.max()) + l_new - 1)
     undo: list[tuple[torch.Tensor, torch.Tensor]] = []  # (cache, its rows before the append)
+
+    def put_back() -> None:
+        """The rows the append overwrote, written back: a call that raises leaves the cache
+        as it was."""
+        for cache, before in reversed(undo):
+            with contextlib.suppress(Exception):
+                _write(cache, before, pos_new, rows_idx, table, page)
+
     if k is not None and v is not None:
         pos_new = seqlens[:, None] + torch.arange(l_new)[None, :]  # (B, L_new) absolute positions
         if rotary:
@@ -615,9 +623,7 @@ def attention_with_kvcache(
                 undo.append((cache, _read(cache, pos_new, rows_idx, table, page)))
                 _write(cache, rows_new, pos_new, rows_idx, table, page)
         except BaseException:  # v_cache's write failed after k_cache's: k_cache as it was
-            for cache, before in reversed(undo):
-                with contextlib.suppress(Exception):
-                    _write(cache, before, pos_new, rows_idx, table, page)
+            put_back()
             raise
     if rotary:
         assert rotary_cos is not None and rotary_sin is not None
@@ -661,10 +667,9 @@ def attention_with_kvcache(
                 q, kk, vv, block_q=block_q, block_k=block_k, placement=place, **run_opts
             )
     except BaseException as exc:
-        # a call that raises leaves the cache as it was (a check only the loop can make:
-        # the shape or range of an option, a NaN in the keys in use, a score_mod's error)
-        for cache, before in reversed(undo):
-            _write(cache, before, pos_new, rows_idx, table, page)
+        # a check only the loop can make (the shape or range of an option, a NaN in the
+        # keys in use, a score_mod's error) failed after the append
+        put_back()
         if isinstance(exc, ValueError):  # name the caller's arguments, not the loop's
             msg = str(exc)
             for inner, outer in (

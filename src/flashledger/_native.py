@@ -63,6 +63,7 @@ from typing import Any
 import torch
 
 from . import _calibrate
+from ._checks import power_of_two
 
 __all__ = [
     "Alibi",
@@ -1141,7 +1142,7 @@ def _static_args(
         iv_bstride=0 if iv_lo is None or iv_lo.shape[0] == 1 else iv_lo.shape[1],
         rows=sched.rows,
         scale=scale,
-        scale_exact=int(math.frexp(scale)[0] == 0.5),
+        scale_exact=int(power_of_two(scale)),
         half=half,
         alibi=0 if alibi is None else alibi.form,
         softcap=0.0 if softcap is None else float(softcap),

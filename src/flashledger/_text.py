@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["RepeatedKey", "cut", "shown", "unique_keys"]
+__all__ = ["RepeatedKey", "cut", "cut_middle", "shown", "unique_keys"]
 
 
 def cut(text: str, most: int = 40) -> str:
@@ -18,6 +18,14 @@ def cut(text: str, most: int = 40) -> str:
 def shown(text: str, most: int = 60) -> str:
     """``repr(text)``, or past ``most`` characters its start and its length."""
     return repr(text) if len(text) <= most else f"{text[:most]!r}... ({len(text):,} characters)"
+
+
+def cut_middle(word: str, most: int = 200) -> str:
+    """``word``, or past ``most`` characters its start, its end and its length: what an
+    error line echoes of a run without spaces (a file's contents pasted as an option)."""
+    if len(word) <= most:
+        return word
+    return f"{word[:80]}…{word[-20:]} ({len(word):,} characters)"
 
 
 class RepeatedKey(ValueError):

@@ -103,7 +103,7 @@ from typing import Any, Literal, Unpack
 import torch
 
 from . import _native, online
-from ._checks import all_finite, autocast_off, check_size, pieces, plain
+from ._checks import all_finite, autocast_off, check_size, pieces, plain, power_of_two
 from ._memory import empty_like_huge
 from ._mods import adds_to_score, find_captured
 from ._options import AttentionOptions, check_options
@@ -478,7 +478,7 @@ def _scale_in_matmul(pb: Problem) -> bool:
     applied afterwards, as the reference does, so the scores stay bit for bit
     the reference's.
     """
-    return math.frexp(pb.smod.scale)[0] == 0.5
+    return power_of_two(pb.smod.scale)
 
 
 def _tile_scores(

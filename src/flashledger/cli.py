@@ -1484,14 +1484,10 @@ as a file's contents pasted as an option, is cut: its start, its end and its len
 
 def _fail(message: str) -> None:
     """One line on standard error."""
-    words = (_cut_word(w) for w in message.split())
+    from ._text import cut_middle
+
+    words = (cut_middle(w, LONGEST_WORD) for w in message.split())
     sys.stderr.write(" ".join(words) + "\n")
-
-
-def _cut_word(word: str) -> str:
-    if len(word) <= LONGEST_WORD:
-        return word
-    return f"{word[:80]}…{word[-20:]} ({len(word):,} characters)"
 
 
 if __name__ == "__main__":
